@@ -1,0 +1,194 @@
+"""The backend contract: how one shape is recorded into a replayable graph and replayed.
+
+A backend is *mechanism only* (sglang's Runner/Backend split, PR #23906): it records
+and replays the shapes a runner gives it. Which sizes to capture, padding, output
+slicing and eager fallback are the runner's policy, never the backend's.
+
+Call order, from the runner::
+
+    backend.prepare(runner)                      # once, optional (tc_piecewise compiles here)
+    with backend.capture_session(stream):
+        for key in sizes, largest first:
+            backend.capture_one(key, forward_fn, post_warmup_hook=hook)
+    ...
+    if backend.can_run(batch, key):
+        with backend.replay_session():
+            out = backend.replay(key, static_batch)
+    backend.cleanup()                            # before recapture or teardown
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional
+
+import torch
+
+from .forward_batch import ForwardBatch
+
+@dataclasses.dataclass(frozen=True, order=True)
+class ShapeKey:
+    """The key of one captured graph.
+
+    Attributes:
+        size: batch size (decode runner) or token count (prefill runner).
+        variant: what else changes the recorded kernel sequence, e.g. ``"decode"`` or
+            ``"target_verify:4"``; empty when nothing does. Keep keys minimal: each
+            extra variant multiplies capture time and graph memory.
+    """
+
+    size: int
+    variant: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
+            raise ValueError(f"ShapeKey.size must be a positive int, got {self.size!r}")
+
+
+ForwardFn = Callable[[], Any]
+
+
+class BaseCudaGraphBackend(abc.ABC):
+    """Base class of every capture mechanism (the seed's ``BaseCudaGraphBackend``).
+
+    Subclasses implement the six abstract methods. Constructor arguments are passed by
+    keyword by the registry's ``resolve_*_backend``; a subclass that needs more takes
+    them as keyword arguments with defaults.
+
+    Args:
+        device: the device graphs are captured on (``"cuda:0"``, ``"npu:0"``, ``"cpu"``).
+        phase: ``"decode"`` or ``"prefill"``.
+        phase_config: the ``PhaseConfig`` of that phase (backends read options such as
+            ``tc_compiler`` from it), or None.
+        memory_pool: the graph memory-pool handle to capture into; None means the
+            process-wide pool of ``device`` (see :mod:`cuda_graph_runner.pool`).
+        device_module: the ``torch.cuda``-like module; None means
+            ``torch.get_device_module(device)``. Tests pass a recording fake here.
+    """
+
+    #: The registry name (set by the registry from the entry point; informational).
+    name: ClassVar[str] = ""
+    #: Forward runs before each capture (JIT kernels, cuBLAS workspaces, allocator growth).
+    num_warmups: ClassVar[int] = 2
+
+    def __init__(
+        self,
+        device: "torch.device | str" = "cuda",
+        *,
+        phase: str = "decode",
+        phase_config: Any = None,
+        memory_pool: Any = None,
+        device_module: Any = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.phase = phase
+        self.phase_config = phase_config
+        self._memory_pool = memory_pool
+        self._device_module = device_module
+
+    @property
+    def device_module(self) -> Any:
+        """``torch.cuda``, ``torch.npu``, ... for ``self.device`` (never a ``torch.cuda`` literal)."""
+        if self._device_module is None:
+            self._device_module = torch.get_device_module(self.device)
+        return self._device_module
+
+    @property
+    def memory_pool(self) -> Any:
+        """The graph memory-pool handle captures go into (created on first use)."""
+        if self._memory_pool is None:
+            from .pool import get_global_graph_memory_pool
+
+            self._memory_pool = get_global_graph_memory_pool(self.device, self.device_module)
+        return self._memory_pool
+
+    # -- optional hooks -------------------------------------------------------------
+    def prepare(self, runner: Any) -> None:
+        """Called once by the runner before the capture session. Default: nothing."""
+
+    def graph_memory_bytes(self) -> Optional[int]:
+        """Bytes held by this backend's graphs, if it can tell (bench reports it)."""
+        return None
+
+    # -- the contract -----------------------------------------------------------------
+    @abc.abstractmethod
+    def capture_session(self, stream: Any) -> ContextManager[None]:
+        """Context wrapping the runner's whole capture loop; binds ``stream`` and the pool.
+
+        Args:
+            stream: the side stream captures run on (a ``device_module.Stream``), or
+                None where the device has no streams.
+        """
+
+    @abc.abstractmethod
+    def capture_one(
+        self,
+        key: ShapeKey,
+        forward_fn: ForwardFn,
+        *,
+        post_warmup_hook: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """Record one shape.
+
+        Runs ``forward_fn`` ``num_warmups`` times, then ``post_warmup_hook`` (if given:
+        it undoes state the warm-ups mutated), then records ``forward_fn`` once.
+        ``forward_fn`` takes no argument, reads the runner's static buffers and returns
+        the model output (a tensor or a structure of tensors), whose storage the
+        backend keeps so later replays write into it.
+        """
+
+    @abc.abstractmethod
+    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
+        """Whether ``key`` has a graph this backend can replay for ``batch``."""
+
+    @abc.abstractmethod
+    def replay_session(self) -> ContextManager[None]:
+        """Context wrapping replay-time model code (backends set their flags here)."""
+
+    @abc.abstractmethod
+    def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        """Replay the graph of ``key`` and return its output.
+
+        ``static_batch`` views the runner's static buffers, already filled with the live
+        batch and padded to ``key.size``. The returned tensors live in graph memory and
+        are overwritten by the next replay of any graph in the same pool.
+
+        Raises:
+            KeyError: no graph was captured for ``key``.
+        """
+
+    @abc.abstractmethod
+    def cleanup(self) -> None:
+        """Drop every graph and output (``graph.reset()``); the backend can capture again."""
+
+
+class DisabledBackend(BaseCudaGraphBackend):
+    """Backend ``disabled``: captures nothing, so the runner runs every batch eagerly.
+
+    Built into the core so that a config can always say "no graphs", on any device.
+    """
+
+    name = "disabled"
+    num_warmups = 0
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook=None) -> None:
+        return None
+
+    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        raise KeyError(f"backend 'disabled' holds no graph (asked for {key})")
+
+    def cleanup(self) -> None:
+        return None

@@ -1,0 +1,125 @@
+"""Static input buffers: named slots at fixed addresses that graphs read.
+
+A captured graph reads its inputs from the addresses it saw at capture, so the runner
+copies each live batch into preallocated buffers and pads the tail up to the captured
+size. Each slot knows its axis and how to pad (sglang's ``CudaGraphBufferRegistry``):
+
+* index-like buffers (token ids, positions, KV slots, request rows) pad with 0, which
+  points padded tokens at the reserved dummy slot and row 0;
+* sequence lengths pad with a fill value (>= 1) so attention over a padded request
+  never divides by an empty softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+BATCH_AXIS = "batch"
+TOKEN_AXIS = "token"
+
+
+@dataclasses.dataclass
+class BufferSlot:
+    """One static buffer.
+
+    Attributes:
+        name: slot name (usually the ``ForwardBatch`` field it mirrors).
+        axis: ``"batch"`` (one row per request) or ``"token"`` (one row per token).
+        tensor: ``[rows, *trailing]`` buffer, allocated once.
+        pad_value: what padded rows hold.
+    """
+
+    name: str
+    axis: str
+    tensor: torch.Tensor
+    pad_value: float = 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.tensor.shape[0])
+
+
+class CudaGraphBufferRegistry:
+    """Named static buffers on one device.
+
+    Args:
+        device: where buffers live.
+    """
+
+    def __init__(self, device: "torch.device | str") -> None:
+        self.device = torch.device(device)
+        self._slots: Dict[str, BufferSlot] = {}
+
+    def register(
+        self,
+        name: str,
+        *,
+        axis: str,
+        rows: int,
+        dtype: torch.dtype,
+        pad_value: float = 0,
+        trailing_shape: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """Allocate slot ``name`` of ``[rows, *trailing_shape]`` filled with ``pad_value``.
+
+        Raises:
+            ValueError: duplicate name, unknown axis or non-positive rows.
+        """
+        if name in self._slots:
+            raise ValueError(f"buffer {name!r} is already registered")
+        if axis not in (BATCH_AXIS, TOKEN_AXIS):
+            raise ValueError(f"buffer {name!r}: axis must be {BATCH_AXIS!r} or {TOKEN_AXIS!r}, got {axis!r}")
+        if rows <= 0:
+            raise ValueError(f"buffer {name!r}: rows must be positive, got {rows}")
+        tensor = torch.full((rows, *trailing_shape), pad_value, dtype=dtype, device=self.device)
+        self._slots[name] = BufferSlot(name, axis, tensor, pad_value)
+        return tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._slots[name].tensor
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._slots
+
+    def __iter__(self) -> Iterator[BufferSlot]:
+        return iter(self._slots.values())
+
+    def slot(self, name: str) -> BufferSlot:
+        return self._slots[name]
+
+    def names(self, axis: Optional[str] = None) -> List[str]:
+        return [s.name for s in self._slots.values() if axis is None or s.axis == axis]
+
+    def view(self, name: str, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of slot ``name`` (a view at a fixed address)."""
+        return self._slots[name].tensor[:rows]
+
+    def fill(self, name: str, src: torch.Tensor, padded_rows: int) -> torch.Tensor:
+        """Copy ``src`` into the head of slot ``name`` and pad rows ``len(src):padded_rows``.
+
+        Returns the ``[padded_rows, ...]`` view.
+
+        Raises:
+            ValueError: ``src`` has more rows than ``padded_rows`` or than the slot holds.
+        """
+        slot = self._slots[name]
+        n = int(src.shape[0])
+        if n > padded_rows or padded_rows > slot.rows:
+            raise ValueError(
+                f"buffer {name!r}: cannot place {n} rows padded to {padded_rows} in a buffer of {slot.rows} rows")
+        slot.tensor[:n].copy_(src, non_blocking=True)
+        if padded_rows > n:
+            slot.tensor[n:padded_rows].fill_(slot.pad_value)
+        return slot.tensor[:padded_rows]
+
+    def reset(self) -> None:
+        """Refill every slot with its pad value (before a recapture)."""
+        for slot in self._slots.values():
+            slot.tensor.fill_(slot.pad_value)
+
+    def nbytes(self) -> int:
+        """Bytes held by all slots."""
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in self._slots.values())

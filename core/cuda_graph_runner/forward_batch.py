@@ -1,0 +1,96 @@
+"""``ForwardBatch``: the one object a runner hands to a model's forward.
+
+The field names follow sglang's ``ForwardBatch`` (``input_ids``, ``positions``,
+``out_cache_loc``, ``req_pool_indices``, ``seq_lens``, ``extend_*``) so engine
+authors recognise them. Only what a paged-KV decoder needs is here; an engine can
+carry more in ``extra``.
+
+Conventions shared by the runners and the reference model:
+
+* Token-axis tensors have ``num_tokens`` rows, request-axis tensors ``batch_size``.
+* KV-cache slot 0 and request row 0 are reserved dummies: padded tokens write their
+  K/V into slot 0 and padded requests read row 0, so padding never touches live data
+  (sglang's convention).
+* ``seq_lens`` is the KV length *after* this step's tokens are written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    """What a batch does.
+
+    * ``DECODE``: one new token per request.
+    * ``TARGET_VERIFY``: speculative verification, ``num_tokens_per_req`` (> 1) new
+      tokens per request, every request the same width.
+    * ``EXTEND``: prefill; each request appends ``extend_seq_lens[i]`` tokens after a
+      cached prefix of ``extend_prefix_lens[i]`` tokens (chunked prefill when > 0).
+    """
+
+    DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
+    EXTEND = "extend"
+
+    def is_decode_like(self) -> bool:
+        """True for the fixed-width modes the decode runner keys by batch size."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    """A batch of requests for one forward step.
+
+    Attributes:
+        forward_mode: see :class:`ForwardMode`.
+        input_ids: ``[num_tokens]`` int64 token ids.
+        positions: ``[num_tokens]`` int64 position of each token in its request.
+        out_cache_loc: ``[num_tokens]`` int64 KV-cache slot each token's K/V is written to.
+        req_pool_indices: ``[batch_size]`` int64 row of each request in the
+            request-to-token table of the KV cache.
+        seq_lens: ``[batch_size]`` int32 KV length of each request after this step.
+        extend_seq_lens: ``[batch_size]`` int32 new tokens per request (EXTEND only).
+        extend_prefix_lens: ``[batch_size]`` int32 cached prefix per request (EXTEND only).
+        seq_lens_cpu, extend_seq_lens_cpu, extend_prefix_lens_cpu: host copies of the
+            same values, for eager code that loops over requests (never read inside a
+            captured graph: they would be frozen at capture).
+        num_tokens_per_req: tokens per request in DECODE (1) and TARGET_VERIFY (> 1).
+        extra: engine-specific fields; runners copy none of it.
+    """
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_seq_lens: Optional[torch.Tensor] = None
+    extend_prefix_lens: Optional[torch.Tensor] = None
+    seq_lens_cpu: Optional[List[int]] = None
+    extend_seq_lens_cpu: Optional[List[int]] = None
+    extend_prefix_lens_cpu: Optional[List[int]] = None
+    num_tokens_per_req: int = 1
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        """Number of requests."""
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens over all requests."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def replace(self, **changes: Any) -> "ForwardBatch":
+        """A shallow copy with some fields replaced (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,86 @@
+"""The pluggy hooks a backend plugin implements, and the spec it contributes.
+
+Importing this module imports neither torch nor any backend: a plugin's registration
+module (the object its entry point names) should import only this, so that listing
+backends stays cheap and one vendor's broken wheel cannot break discovery.
+
+A plugin module looks like::
+
+    from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+
+    @hookimpl
+    def cuda_graph_runner_backend_specs():
+        return [BackendSpec(name="acme", backend_class="acme_cgr.backend:AcmeBackend",
+                            phases=("decode",), devices=("cuda",),
+                            probe="acme_cgr.backend:probe")]
+
+    @hookimpl
+    def cuda_graph_runner_default_backend(phase, device_type):
+        return "acme" if (phase, device_type) == ("decode", "acme") else None
+
+and is declared in its ``pyproject.toml``::
+
+    [project.entry-points."cuda_graph_runner.backends"]
+    acme = "acme_cgr.plugin"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Tuple, Union
+
+import pluggy
+
+PROJECT_NAME = "cuda_graph_runner"
+#: The entry-point group plugins register in; entry-point name = backend name.
+ENTRY_POINT_GROUP = "cuda_graph_runner.backends"
+#: Plugin API version this core implements (major.minor); see ``BackendSpec.api_version``.
+PLUGIN_API_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: ``"package.module:attribute"``, resolved only when needed.
+LazyRef = str
+#: A probe returns None when the backend can run on ``device_type``, else the reason it cannot.
+Probe = Callable[[str], Optional[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin tells the registry about one backend.
+
+    Attributes:
+        name: the string users write in config (``"full"``); must equal the entry-point name.
+        backend_class: ``"module:Class"`` of a ``BaseCudaGraphBackend`` subclass, imported
+            only when the backend is resolved (or a class object, for in-process plugins).
+        phases: phases it supports, a subset of ``("decode", "prefill")``.
+        devices: device types it runs on (``"cuda"``, ``"npu"``); ``"*"`` means any.
+        probe: ``"module:function"`` or callable ``probe(device_type) -> Optional[str]``
+            returning None when usable, else why not; None means always usable.
+        api_version: the plugin API version it was written for (``"major.minor"``).
+        description: one line for ``cuda-graph-runner backends``.
+    """
+
+    name: str
+    backend_class: Union[LazyRef, type]
+    phases: Tuple[str, ...]
+    devices: Tuple[str, ...] = ("cuda",)
+    probe: Union[LazyRef, Probe, None] = None
+    api_version: str = PLUGIN_API_VERSION
+    description: str = ""
+
+
+class BackendHookSpecs:
+    """Hook specifications (namespace ``cuda_graph_runner``)."""
+
+    @hookspec
+    def cuda_graph_runner_backend_specs(self) -> List[BackendSpec]:
+        """Return the backends this plugin provides."""
+
+    @hookspec(firstresult=True)
+    def cuda_graph_runner_default_backend(self, phase: str, device_type: str) -> Optional[str]:
+        """Name the default backend for ``phase`` on ``device_type``, or None to pass.
+
+        The first non-None answer wins; with none, the default is ``"disabled"``.
+        """

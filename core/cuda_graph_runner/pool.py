@@ -1,0 +1,55 @@
+"""One graph memory pool and one capture stream per device, shared by every runner.
+
+Decode and prefill never replay at the same time, so sharing one pool reserves only
+the larger phase's footprint (sglang stage C, ``runner_utils/pool.py``); capturing the
+largest size first lets each smaller graph reuse the blocks of the larger ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+_pools: Dict[str, Any] = {}
+_streams: Dict[str, Any] = {}
+
+
+def _device_key(device: "torch.device | str") -> str:
+    device = torch.device(device)
+    if device.index is None and device.type != "cpu":
+        device = torch.device(device.type, torch.get_device_module(device).current_device())
+    return str(device)
+
+
+def get_global_graph_memory_pool(device: "torch.device | str", device_module: Optional[Any] = None) -> Any:
+    """The process-wide graph pool handle of ``device`` (``device_module.graph_pool_handle()``).
+
+    Raises:
+        RuntimeError: the device module has no graph pools (the CPU).
+    """
+    key = _device_key(device) if device_module is None else str(torch.device(device))
+    if key not in _pools:
+        module = device_module or torch.get_device_module(torch.device(device))
+        if not hasattr(module, "graph_pool_handle"):
+            raise RuntimeError(f"device {key!r} has no graph memory pool ({module.__name__} lacks graph_pool_handle)")
+        _pools[key] = module.graph_pool_handle()
+    return _pools[key]
+
+
+def get_capture_stream(device: "torch.device | str", device_module: Optional[Any] = None) -> Any:
+    """The process-wide side stream captures run on, or None on a device without streams."""
+    key = _device_key(device) if device_module is None else str(torch.device(device))
+    if key not in _streams:
+        module = device_module or torch.get_device_module(torch.device(device))
+        stream_cls = getattr(module, "Stream", None)
+        if stream_cls is None or torch.device(device).type == "cpu":
+            return None
+        _streams[key] = stream_cls()
+    return _streams[key]
+
+
+def reset_global_graph_memory_pools() -> None:
+    """Forget every pool and stream (after every graph using them was cleaned up)."""
+    _pools.clear()
+    _streams.clear()

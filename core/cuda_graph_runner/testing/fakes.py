@@ -1,0 +1,169 @@
+"""Test doubles for running runner and backend code on a machine without a GPU.
+
+* :class:`FakeGraphDeviceModule` stands in for ``torch.cuda`` (the graph API part) and
+  records every call, so a backend's capture protocol (warm-ups, hook, capture into the
+  pool, replay) can be checked on the CPU. Its graphs record nothing: replay is a no-op.
+* :class:`RecordingBackend` is a complete backend whose "replay" re-runs the forward
+  captured for that shape and copies the result into the tensors the capture returned,
+  which is what a real graph replay does to its outputs. Runner policy (sizes, order,
+  padding, slicing, fallback) can then be checked on real values on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from ..forward_batch import ForwardBatch
+
+Event = Tuple[Any, ...]
+
+
+class FakeGraph:
+    """A recording stand-in for ``torch.cuda.CUDAGraph``."""
+
+    _ids = itertools.count()
+
+    def __init__(self, module: "FakeGraphDeviceModule") -> None:
+        self.module = module
+        self.id = next(self._ids)
+        self.captured = False
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise RuntimeError("replay of a graph that was never captured")
+        self.module.events.append(("replay", self.id))
+
+    def reset(self) -> None:
+        self.captured = False
+        self.module.events.append(("reset", self.id))
+
+    def pool(self) -> Any:
+        return self.module.pool_handle
+
+
+class FakeGraphDeviceModule:
+    """Records the graph API calls a backend makes (``events``), for CPU tests."""
+
+    def __init__(self) -> None:
+        self.events: List[Event] = []
+        self.pool_handle = ("fake-pool", id(self))
+        self.capturing: Optional[FakeGraph] = None
+
+    # graph API
+    def CUDAGraph(self) -> FakeGraph:  # noqa: N802 - mirrors torch.cuda
+        return FakeGraph(self)
+
+    NPUGraph = CUDAGraph
+
+    def graph_pool_handle(self) -> Any:
+        self.events.append(("graph_pool_handle",))
+        return self.pool_handle
+
+    @contextlib.contextmanager
+    def graph(self, cuda_graph: FakeGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
+        if self.capturing is not None:
+            raise RuntimeError("nested graph capture")
+        self.events.append(("capture_begin", cuda_graph.id, pool, stream))
+        self.capturing = cuda_graph
+        try:
+            yield
+        finally:
+            self.capturing = None
+            cuda_graph.captured = True
+            self.events.append(("capture_end", cuda_graph.id))
+
+    # streams and sync
+    class Stream:
+        def __repr__(self) -> str:
+            return "FakeStream"
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def synchronize(self, device: Any = None) -> None:
+        self.events.append(("synchronize",))
+
+    def names(self) -> List[str]:
+        """Event names only, in order."""
+        return [e[0] for e in self.events]
+
+
+class RecordingBackend(BaseCudaGraphBackend):
+    """A CPU backend that records calls and emulates replay by re-running the forward.
+
+    ``events`` holds ``("warmup", key)``, ``("post_warmup_hook", key)``,
+    ``("capture", key)``, ``("replay", key)``, ``("cleanup",)`` in call order.
+    """
+
+    name = "recording"
+
+    def __init__(self, device: Any = "cpu", **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self.events: List[Event] = []
+        self._fns: Dict[ShapeKey, ForwardFn] = {}
+        self._outputs: Dict[ShapeKey, Any] = {}
+        self.in_session = False
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        self.in_session = True
+        self.events.append(("session_begin",))
+        try:
+            yield
+        finally:
+            self.in_session = False
+            self.events.append(("session_end",))
+
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *,
+                    post_warmup_hook: Optional[Callable[[], None]] = None) -> None:
+        if not self.in_session:
+            raise RuntimeError("capture_one outside capture_session")
+        for _ in range(self.num_warmups):
+            self.events.append(("warmup", key))
+            forward_fn()
+        if post_warmup_hook is not None:
+            self.events.append(("post_warmup_hook", key))
+            post_warmup_hook()
+        self.events.append(("capture", key))
+        self._outputs[key] = forward_fn()
+        self._fns[key] = forward_fn
+
+    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
+        return key in self._fns
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        if key not in self._fns:
+            raise KeyError(f"no graph captured for {key}")
+        self.events.append(("replay", key))
+        _copy_into(self._outputs[key], self._fns[key]())
+        return self._outputs[key]
+
+    def cleanup(self) -> None:
+        self.events.append(("cleanup",))
+        self._fns.clear()
+        self._outputs.clear()
+
+    def captured(self) -> List[ShapeKey]:
+        """Keys in capture order."""
+        return [e[1] for e in self.events if e[0] == "capture"]
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+    elif isinstance(dst, dict):
+        for k in dst:
+            _copy_into(dst[k], src[k])

@@ -1,0 +1,112 @@
+"""``FullCudaGraphBackend``: the whole forward of one shape recorded as one device graph."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.forward_batch import ForwardBatch
+
+
+def probe(device_type: str) -> Optional[str]:
+    """None when CUDA graphs can be captured here, else why not."""
+    if device_type != "cuda":
+        return f"needs a CUDA device, not {device_type!r}"
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    return None
+
+
+class FullCudaGraphBackend(BaseCudaGraphBackend):
+    """One ``CUDAGraph`` per ``ShapeKey``, all captured into the runner's shared pool.
+
+    Capture (per shape): ``num_warmups`` eager runs of ``forward_fn`` on the capture
+    stream, ``post_warmup_hook()``, a synchronize, then one recorded run inside
+    ``device_module.graph(g, pool=pool, stream=stream)``. The tensors that recorded run
+    returned are kept as the shape's output: every replay rewrites them in place, so a
+    caller must consume (or copy) an output before the next replay of any graph in the
+    pool (sglang ``FullCudaGraphBackend``; PyTorch "CUDA Graphs" notes).
+
+    Everything the forward reads must live at the addresses it had at capture: the
+    runner's static buffers, the model's weights and KV cache. Data-dependent control
+    flow and host syncs inside the forward are frozen or forbidden, as with any graph.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._graphs: Dict[ShapeKey, Any] = {}
+        self._outputs: Dict[ShapeKey, Any] = {}
+        self._stream: Any = None
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        self._stream = stream
+        try:
+            yield
+        finally:
+            self._stream = None
+
+    def _on_stream(self) -> Any:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return self.device_module.stream(self._stream)
+
+    def capture_one(
+        self,
+        key: ShapeKey,
+        forward_fn: ForwardFn,
+        *,
+        post_warmup_hook: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """Warm up, then record ``forward_fn`` for ``key``.
+
+        Raises:
+            ValueError: ``key`` was already captured (``cleanup()`` first).
+        """
+        if key in self._graphs:
+            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
+        dm = self.device_module
+        # Warm-ups run on the capture stream so lazily created workspaces (cuBLAS) are
+        # made for the stream the graph will record on.
+        for _ in range(self.num_warmups):
+            dm.synchronize()
+            with self._on_stream():
+                forward_fn()
+        if post_warmup_hook is not None:
+            post_warmup_hook()
+        dm.synchronize()
+        graph = dm.CUDAGraph()
+        with dm.graph(graph, pool=self.memory_pool, stream=self._stream):
+            output = forward_fn()
+        self._graphs[key] = graph
+        self._outputs[key] = output
+
+    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
+        return key in self._graphs
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        graph = self._graphs.get(key)
+        if graph is None:
+            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._graphs)}")
+        graph.replay()
+        return self._outputs[key]
+
+    def cleanup(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+
+    @property
+    def captured_keys(self) -> list:
+        """Captured keys, in capture order."""
+        return list(self._graphs)

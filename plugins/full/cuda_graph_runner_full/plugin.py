@@ -1,0 +1,26 @@
+"""Registration module named by the entry point: hooks only, no torch import."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+
+
+@hookimpl
+def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
+    return [
+        BackendSpec(
+            name="full",
+            backend_class="cuda_graph_runner_full.backend:FullCudaGraphBackend",
+            phases=("decode",),
+            devices=("cuda",),
+            probe="cuda_graph_runner_full.backend:probe",
+            description="one CUDA graph per batch size, shared memory pool",
+        )
+    ]
+
+
+@hookimpl
+def cuda_graph_runner_default_backend(phase: str, device_type: str) -> Optional[str]:
+    return "full" if (phase, device_type) == ("decode", "cuda") else None
