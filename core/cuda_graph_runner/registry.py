@@ -311,10 +311,20 @@ class BackendRegistry:
             raise UnknownBackendError(f"no distribution {distribution!r} registers backend {name!r} (found: {found})")
 
     def entries(self, device_type: Optional[str] = None) -> List[BackendEntry]:
-        """All entries, probed for ``device_type`` (default: the machine's accelerator or cpu)."""
+        """All entries, each probed for ``device_type``.
+
+        With ``device_type=None`` each backend is probed on its own first device type
+        ("can it run on this machine?"); ``"*"`` backends on the machine's accelerator.
+        """
         self._scan()
-        device_type = device_type or default_device_type()
-        return [self._probe(entry, device_type) for entry in sorted(self._entries.values(), key=lambda e: e.name)]
+        rows = []
+        for entry in sorted(self._entries.values(), key=lambda e: e.name):
+            target = device_type
+            if target is None:
+                devices = [d for d in entry.devices if d != "*"]
+                target = devices[0] if devices else default_device_type()
+            rows.append(self._probe(entry, target))
+        return rows
 
     def names(self) -> List[str]:
         self._scan()

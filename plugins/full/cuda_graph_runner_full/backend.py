@@ -11,17 +11,6 @@ from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
 
 
-def probe(device_type: str) -> Optional[str]:
-    """None when CUDA graphs can be captured here, else why not."""
-    if device_type != "cuda":
-        return f"needs a CUDA device, not {device_type!r}"
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return f"torch {torch.__version__} is built without CUDA"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible (torch.cuda.is_available() is False)"
-    return None
-
-
 class FullCudaGraphBackend(BaseCudaGraphBackend):
     """One ``CUDAGraph`` per ``ShapeKey``, all captured into the runner's shared pool.
 

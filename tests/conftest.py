@@ -1,0 +1,30 @@
+"""Shared fixtures. GPU tests are marked ``gpu`` and skipped, with the reason, without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch missing entirely: every GPU test must say so
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: run scripts/gpu_check.sh on the device machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    """Each test sees a freshly scanned registry (env vars are read at scan time)."""
+    from cuda_graph_runner import registry
+
+    registry.reset_registry()
+    yield
+    registry.reset_registry()
