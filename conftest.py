@@ -1,4 +1,4 @@
-"""Shared fixtures. GPU tests are marked ``gpu`` and skipped, with the reason, without CUDA."""
+"""Shared test fixtures for tests/ and plugins/*/tests. GPU tests are marked ``gpu`` and skipped, with the reason, without CUDA."""
 
 from __future__ import annotations
 
