@@ -203,10 +203,8 @@ class PagedKVCache:
         Raises:
             KeyError: ``row`` is 0 or not allocated.
         """
-        owned = self._live(row)
-        self.truncate_request(row, 0)
-        del owned
-        del self._row_slots[row]
+        self.truncate_request(row, 0)  # validates the row, frees its slots, zeroes it
+        del self._row_slots[int(row)]
         self._free_rows.append(row)
 
     def reset(self) -> None:
