@@ -1,0 +1,127 @@
+"""The ``config`` subcommand (cli_config): exit status, JSON output, sources, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+import warnings
+
+import pytest
+
+from cuda_graph_runner import config as config_module
+from cuda_graph_runner.cli_config import add_config_subcommand, run_config
+
+INSTALLED = {
+    "disabled": frozenset({"decode", "prefill"}),
+    "full": frozenset({"decode"}),
+    "breakable": frozenset({"decode", "prefill"}),
+}
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    """A registry module reporting INSTALLED, in place of whatever is installed here."""
+    module = types.ModuleType("cuda_graph_runner.registry")
+    module.backend_phases = lambda: dict(INSTALLED)
+    monkeypatch.setitem(sys.modules, "cuda_graph_runner.registry", module)
+
+
+@pytest.fixture
+def no_registry(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda_graph_runner.registry", None)  # makes the import fail
+
+
+def run(argv, capsys):
+    parser = argparse.ArgumentParser(prog="cuda-graph-runner")
+    add_config_subcommand(parser.add_subparsers(dest="command"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # legacy flags; their warnings are tested elsewhere
+        args = parser.parse_args(["config", *argv])
+    assert args.func is run_config
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_valid_config_prints_values_and_sources(fake_registry, capsys):
+    code, out, err = run(
+        ["--disable-cuda-graph", "--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", "4,1",
+         "--cuda-graph-config", '{"decode": {"max_bs": 8}}'],
+        capsys,
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["config"] == {
+        "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager"},
+        "prefill": {"backend": "disabled", "max_bs": None, "bs": None, "tc_compiler": "eager"},
+    }
+    assert report["sources"] == {
+        "decode": {"backend": "flag:--cuda-graph-backend-decode", "max_bs": "json:--cuda-graph-config",
+                   "bs": "flag:--cuda-graph-bs-decode", "tc_compiler": "default"},
+        "prefill": {"backend": "legacy:--disable-cuda-graph", "max_bs": "default", "bs": "default",
+                    "tc_compiler": "default"},
+    }
+    assert report["backends_checked"] is True
+
+
+def test_defaults_print_auto(fake_registry, capsys):
+    code, out, _ = run([], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["decode"]["backend"] is None
+    assert set(report["sources"]["prefill"].values()) == {"default"}
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--cuda-graph-backend-prefill", "tc_piecewise"],
+         ["prefill.backend='tc_piecewise'", "pip install cuda-graph-runner-tc-piecewise", "installed: breakable"]),
+        (["--cuda-graph-backend-prefill", "full"], ["does not support phase 'prefill'", "supports: decode"]),
+        (["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "full"],
+         ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode"]),
+        (["--cuda-graph-max-bs-decode", "2", "--cuda-graph-bs-decode", "8"], ["decode.max_bs=2", ">= max(bs) = 8"]),
+    ],
+)
+def test_invalid_config_exits_2_with_message_on_stderr(fake_registry, capsys, argv, fragments):
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("error: invalid cuda-graph config")
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_without_registry_names_are_not_checked(no_registry, capsys):
+    code, out, err = run(["--cuda-graph-backend-decode", "acme"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["decode"]["backend"] == "acme"
+    assert report["backends_checked"] is False
+    assert "backend names not checked" in err
+
+
+def test_bad_flag_value_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        run(["--cuda-graph-max-bs-decode", "-1"], capsys)
+    assert info.value.code == 2
+    assert "--cuda-graph-max-bs-decode" in capsys.readouterr().err
+
+
+def test_with_the_real_registry_defaults_are_valid(capsys):
+    # auto backends are never checked by name, so this passes whatever is installed
+    code, out, err = run([], capsys)
+    assert code == 0, err
+    assert json.loads(out)["config"]["prefill"]["tc_compiler"] == "eager"
+
+
+def test_legacy_flag_warning_reaches_the_user(fake_registry, capsys):
+    config_module._WARNED_FLAGS.discard("--cuda-graph-max-bs")
+    parser = argparse.ArgumentParser(prog="cuda-graph-runner")
+    add_config_subcommand(parser.add_subparsers(dest="command"))
+    with pytest.warns(FutureWarning, match="--cuda-graph-max-bs is deprecated"):
+        args = parser.parse_args(["config", "--cuda-graph-max-bs", "16"])
+    assert run_config(args) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["decode"]["max_bs"] == 16
