@@ -1,0 +1,358 @@
+"""``cuda-graph-runner bench``: the main job.
+
+Loads the reference model (a preset with random weights, or a Hugging Face checkpoint
+directory), then for each selected backend:
+
+* decode: prefills ``batch_size`` prompts, checks that greedy decoding through the
+  runner gives the tokens eager decoding gives, and times one decode step eagerly and
+  through the runner (the runner's ``replay_prepare`` included);
+* prefill: times batches of several requests summing to each token count, eager vs
+  through the runner, and checks the last-token logits agree.
+
+Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one device
+synchronize per measurement); capture seconds and graph memory are per runner (all
+sizes). On a machine without a usable graph backend it runs eagerly and says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .config import CudaGraphConfig, CudaGraphConfigError, add_cuda_graph_args
+from .errors import CudaGraphRunnerError
+from .forward_batch import ForwardBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class RunnerStats:
+    """Capture numbers of one runner."""
+
+    phase: str
+    backend: str
+    sizes: List[int]
+    capture_s: Optional[float]
+    graph_memory_mb: Optional[float]
+    note: str = ""
+
+
+def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[], None]) -> float:
+    """Mean wall time of ``fn()`` in ms over ``iters`` calls, after ``warmup`` calls.
+
+    One synchronize before and after the timed loop, so asynchronous device work is
+    counted and host launch overhead overlaps with it as it does in serving.
+    """
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - start) * 1000.0 / iters
+
+
+def load_model(spec: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+    """A preset name (see ``testing.model.PRESETS``) or a checkpoint directory.
+
+    Raises:
+        ValueError: ``spec`` is neither a preset nor a directory (lists the presets).
+    """
+    from .testing.model import PRESETS, ReferenceLlamaForCausalLM
+
+    if spec in PRESETS:
+        return ReferenceLlamaForCausalLM.from_preset(spec, dtype=dtype, device=device)
+    if os.path.isdir(spec):
+        return ReferenceLlamaForCausalLM.from_pretrained(spec, dtype=dtype, device=device)
+    raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
+
+
+def _sync_fn(device: torch.device) -> Callable[[], None]:
+    if device.type == "cpu":
+        return lambda: None
+    module = torch.get_device_module(device)
+    return module.synchronize
+
+
+def _make_runner(kind: str, model: Any, config: CudaGraphConfig, device: torch.device) -> Any:
+    from .runner import DecodeCudaGraphRunner
+
+    if kind == "decode":
+        return DecodeCudaGraphRunner(model, config, device=device)
+    from .runner import PrefillCudaGraphRunner  # noqa: F401 - may not exist in old installs
+
+    return PrefillCudaGraphRunner(model, config, device=device)
+
+
+def _capture(runner: Any) -> RunnerStats:
+    runner.capture()
+    mem = runner.capture_memory_bytes
+    return RunnerStats(runner.phase, runner.backend.name, list(runner.capture_sizes), runner.capture_seconds,
+                       None if mem is None else mem / 2**20)
+
+
+def bench_decode(model: Any, runner: Any, *, batch_sizes: Sequence[int], prompt_len: int, steps: int,
+                 iters: int, warmup: int, seed: int = 0) -> List[Dict[str, Any]]:
+    """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff}``.
+
+    ``runner`` None means eager only (graph columns None).
+    """
+    from .testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+    cache = model.kv_cache
+    sync = _sync_fn(model.device)
+    eager = eager_logits_fn(model)
+    rows = []
+    for bs in batch_sizes:
+        prompts = make_dummy_prompts(bs, prompt_len, model.config.vocab_size, seed=seed + bs)
+        ref = GreedySession(model, cache)
+        with torch.no_grad():
+            ref.prefill(prompts)
+            ref_logits = [ref.decode().clone() for _ in range(steps)]
+            ref_tokens = ref.tokens
+            ref.close()
+            row: Dict[str, Any] = {"batch_size": bs}
+            # Timing: the same decode batch replayed; each run rewrites the same KV slots.
+            timing = GreedySession(model, cache)
+            timing.prefill(prompts)
+            batch = make_decode_batch(cache, timing.rows, None, [t[-1] for t in timing.tokens])
+            row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync)
+            if runner is not None:
+                row["graph_ms"] = time_ms(lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync)
+                row["replayed"] = runner.can_run(batch)
+            timing.close()
+            if runner is not None:
+                got = GreedySession(model, cache, decode_fn=lambda b: runner.forward(b).clone())
+                got.prefill(prompts)
+                got_logits = [got.decode() for _ in range(steps)]
+                row["tokens_match"] = got.tokens == ref_tokens
+                row["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref_logits, got_logits))
+                got.close()
+        row["speedup"] = row["eager_ms"] / row["graph_ms"] if row.get("graph_ms") else None
+        rows.append(row)
+    return rows
+
+
+def _split(total: int, parts: int) -> List[int]:
+    base, rest = divmod(total, parts)
+    return [base + (1 if i < rest else 0) for i in range(parts)]
+
+
+def bench_prefill(model: Any, runner: Any, *, token_counts: Sequence[int], requests: Sequence[int],
+                  iters: int, warmup: int, seed: int = 0) -> List[Dict[str, Any]]:
+    """Rows ``{num_tokens, requests, eager_ms, graph_ms, speedup, replayed, max_abs_diff, argmax_match}``."""
+    from .testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+
+    cache = model.kv_cache
+    sync = _sync_fn(model.device)
+    eager = eager_logits_fn(model)
+    rows = []
+    for total in token_counts:
+        for n_req in requests:
+            if n_req > total:
+                continue
+            lengths = _split(total, n_req)
+            prompts = make_dummy_prompts(n_req, lengths, model.config.vocab_size, seed=seed + total)
+            reqs = [cache.alloc_request() for _ in prompts]
+            batch = make_extend_batch(cache, prompts, rows=reqs)
+            row: Dict[str, Any] = {"num_tokens": total, "requests": n_req}
+            with torch.no_grad():
+                ref = eager(batch).clone()
+                row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync)
+                if runner is not None:
+                    got = runner.forward(batch).clone()
+                    row["replayed"] = runner.can_run(batch)
+                    row["max_abs_diff"] = float((got - ref).abs().max())
+                    row["argmax_match"] = bool((got.argmax(-1) == ref.argmax(-1)).all())
+                    row["graph_ms"] = time_ms(lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync)
+            for r in reqs:
+                cache.free_request(r)
+            row["speedup"] = row["eager_ms"] / row["graph_ms"] if row.get("graph_ms") else None
+            rows.append(row)
+    return rows
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` flags (plus every CUDA-graph config flag)."""
+    parser.add_argument("--model", default=None,
+                        help="preset name or Hugging Face checkpoint directory "
+                             "(default: llama-3.2-1b on CUDA, tiny on CPU)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="decode batch sizes to time (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)")
+    parser.add_argument("--decode-backends", default=None,
+                        help="comma-separated decode backends to bench (default: the config's decode backend)")
+    parser.add_argument("--prefill-backends", default=None,
+                        help="comma-separated prefill backends to bench (default: the config's prefill backend)")
+    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=None,
+                        help="prefill token counts to time (default: 64 256 1024 on CUDA, 16 48 on CPU)")
+    parser.add_argument("--prefill-requests", type=int, nargs="+", default=[1, 4],
+                        help="requests per prefill batch (default: 1 4)")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decoding (default 32)")
+    parser.add_argument("--steps", type=int, default=16, help="greedy decode steps compared with eager (default 16)")
+    parser.add_argument("--iters", type=int, default=None, help="timed runs per measurement (default 50 on CUDA, 3 on CPU)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
+    add_cuda_graph_args(parser)
+
+
+def _backends(arg: Optional[str], configured: Optional[str]) -> List[Optional[str]]:
+    if arg:
+        return [b.strip() for b in arg.split(",") if b.strip()]
+    return [configured]  # None = auto
+
+
+def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -> "tuple[Optional[str], str]":
+    """(backend name to use or None for eager only, a note)."""
+    from .registry import get_registry, list_backends
+
+    reg = get_registry()
+    chosen = name or reg.default_backend(phase, device.type)
+    if chosen == "disabled":
+        if name is None:
+            blocked = [f"{e.name}: {e.reason}" for e in list_backends()
+                       if phase in e.phases and e.name != "disabled" and not e.ok]
+            why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
+            return None, f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
+        return None, f"{phase} backend 'disabled': running eager only"
+    try:
+        reg.get(chosen, device_type=device.type, phase=phase)
+    except CudaGraphRunnerError as exc:
+        return None, f"{phase} backend {chosen!r} skipped: {exc}; running eager only"
+    return chosen, ""
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the bench from parsed arguments; returns the exit status (1 when a graph
+    result disagrees with eager)."""
+    from .runner.base import _as_config
+
+    try:
+        config = CudaGraphConfig.from_args(args)
+    except CudaGraphConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_cpu = device.type == "cpu"
+    dtype = DTYPES[args.dtype or ("float32" if on_cpu else "bfloat16")]
+    model_spec = args.model or ("tiny" if on_cpu else "llama-3.2-1b")
+    batch_sizes = sorted(set(args.batch_sizes or ([1, 2, 4] if on_cpu else [1, 4, 16, 64])))
+    token_counts = sorted(set(args.prefill_tokens or ([16, 48] if on_cpu else [64, 256, 1024])))
+    iters = args.iters or (3 if on_cpu else 50)
+    bad = [n for n in batch_sizes + token_counts if n <= 0]
+    if bad:
+        print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)
+        return 2
+
+    try:
+        model = load_model(model_spec, dtype=dtype, device=device)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    max_bs, max_tokens = max(batch_sizes), max(token_counts)
+    context = args.prompt_len + args.steps + 8
+    max_reqs = max(max_bs, max(args.prefill_requests)) * 3 + 1
+    model.create_kv_cache(num_slots=max_reqs * max(context, max_tokens) + 1, max_reqs=max_reqs,
+                          max_context_len=max(context, max_tokens))
+    env = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "model": model_spec, "dtype": str(dtype).replace("torch.", "")}
+    print(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
+    results: Dict[str, Any] = {"env": env, "runners": [], "decode": [], "prefill": [], "notes": []}
+    failed = False
+
+    for name in _backends(args.decode_backends, config.decode.backend):
+        backend, note = _resolve_or_explain("decode", name, device)
+        runner, stats = None, None
+        if backend is not None:
+            cfg = config.with_phase("decode", backend=backend,
+                                    max_bs=config.decode.max_bs or (None if config.decode.bs else max_bs))
+            runner = _make_runner("decode", model, cfg, device)
+            stats = _capture(runner)
+            results["runners"].append(dataclasses.asdict(stats))
+        if note:
+            print(f"note: {note}")
+            results["notes"].append(note)
+        rows = bench_decode(model, runner, batch_sizes=batch_sizes, prompt_len=args.prompt_len,
+                            steps=args.steps, iters=iters, warmup=args.warmup)
+        label = backend or "eager"
+        print(f"\ndecode, backend {label}" + (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s, "
+                                              f"graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB" if stats else ""))
+        print(format_table(
+            ["batch", "eager ms", "graph ms", "speedup", "tokens match", "max |diff|", "capture s", "pool MB"],
+            [[r["batch_size"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"), r.get("tokens_match"),
+              r.get("max_abs_diff"), stats.capture_s if stats else None,
+              stats.graph_memory_mb if stats else None] for r in rows]))
+        for r in rows:
+            r["backend"] = label
+            failed |= r.get("tokens_match") is False
+        results["decode"].extend(rows)
+        if runner is not None:
+            runner.cleanup()
+
+    if not args.no_prefill:
+        for name in _backends(args.prefill_backends, config.prefill.backend):
+            backend, note = _resolve_or_explain("prefill", name, device)
+            runner, stats = None, None
+            if backend is not None:
+                cfg = config.with_phase("prefill", backend=backend,
+                                        max_bs=config.prefill.max_bs or (None if config.prefill.bs else max_tokens))
+                runner = _make_runner("prefill", model, cfg, device)
+                stats = _capture(runner)
+                results["runners"].append(dataclasses.asdict(stats))
+            if note:
+                print(f"note: {note}")
+                results["notes"].append(note)
+            rows = bench_prefill(model, runner, token_counts=token_counts, requests=args.prefill_requests,
+                                 iters=iters, warmup=args.warmup)
+            label = backend or "eager"
+            print(f"\nprefill, backend {label}" + (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s, "
+                                                   f"graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB" if stats else ""))
+            print(format_table(
+                ["tokens", "requests", "eager ms", "graph ms", "speedup", "replayed", "argmax match", "max |diff|"],
+                [[r["num_tokens"], r["requests"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
+                  r.get("replayed"), r.get("argmax_match"), r.get("max_abs_diff")] for r in rows]))
+            for r in rows:
+                r["backend"] = label
+            results["prefill"].extend(rows)
+            if runner is not None:
+                runner.cleanup()
+
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nwrote {args.json_path}")
+    if failed:
+        print("\nerror: graph decoding gave other tokens than eager decoding", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,67 @@
+"""The ``cuda-graph-runner`` command: ``backends``, ``config``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from . import __version__
+
+
+def run_backends(args: argparse.Namespace) -> int:
+    """Print the installed backends (name, distribution, version, phases, status, reason)."""
+    from .bench import format_table
+    from .registry import list_backends
+
+    entries = list_backends(args.device_type)
+    if args.json:
+        print(json.dumps([e.as_row() for e in entries], indent=2))
+        return 0
+    rows = [[e.name, e.distribution, e.version, ",".join(e.phases), ",".join(e.devices), e.status, e.reason or ""]
+            for e in entries]
+    print(format_table(["backend", "distribution", "version", "phases", "devices", "status", "reason"], rows))
+    return 0
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``cuda-graph-runner`` command."""
+    from .bench import add_bench_arguments
+    from .cli_config import add_config_subcommand
+
+    parser = argparse.ArgumentParser(
+        prog="cuda-graph-runner",
+        description="Capture an LLM's forward pass as device graphs and replay them per batch.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    backends = sub.add_parser("backends", help="list installed graph backends and whether they can run here")
+    backends.add_argument("--device-type", default=None,
+                          help="probe every backend for this device type (default: each backend's own device)")
+    backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    backends.set_defaults(func=run_backends)
+
+    add_config_subcommand(sub)
+
+    bench = sub.add_parser("bench", help="capture and replay the reference model; compare with eager; time both")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench_command)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
