@@ -282,10 +282,11 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     max_bs, max_tokens = max(batch_sizes), max(token_counts)
+    # Decode attention reads max_context_len keys per request, so each section gets a
+    # cache just long enough for it (three sessions of max_bs requests live at once).
     context = args.prompt_len + args.steps + 8
-    max_reqs = max(max_bs, max(args.prefill_requests)) * 3 + 1
-    model.create_kv_cache(num_slots=max_reqs * max(context, max_tokens) + 1, max_reqs=max_reqs,
-                          max_context_len=max(context, max_tokens))
+    max_reqs = max_bs * 3 + 1
+    model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     env = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "model": model_spec, "dtype": str(dtype).replace("torch.", "")}
     print(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
@@ -322,6 +323,8 @@ def run_bench(args: argparse.Namespace) -> int:
             runner.cleanup()
 
     if not args.no_prefill:
+        max_reqs = max(args.prefill_requests) + 1
+        model.create_kv_cache(num_slots=max_reqs * max_tokens + 1, max_reqs=max_reqs, max_context_len=max_tokens)
         for name in _backends(args.prefill_backends, config.prefill.backend):
             backend, note = _resolve_or_explain("prefill", name, device)
             runner, stats = None, None

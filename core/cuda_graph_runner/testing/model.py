@@ -333,11 +333,13 @@ def _decode_attention(
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [bs, w, L]
     if sliding_window > 0:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    if heads != kv_heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], scale=scaling)
-    output.copy_(out.transpose(1, 2).reshape(bs * w, heads * d))
+    # GQA without copying K/V per query head: the `group` query heads sharing one KV head
+    # become extra query rows of that head ([bs, kv_heads, group * w, d]).
+    group = heads // kv_heads
+    qg = qb.reshape(bs, kv_heads, group * w, d)
+    mask = mask[:, None, None].expand(bs, 1, group, w, ctx).reshape(bs, 1, group * w, ctx)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)  # [bs, kv_heads, group*w, d]
+    output.copy_(out.view(bs, heads, w, d).transpose(1, 2).reshape(bs * w, heads * d))
 
 
 def _extend_attention(
