@@ -1,0 +1,54 @@
+"""The ``cuda-graph-runner`` command on a machine without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cuda_graph_runner.cli import main
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA")
+
+
+@needs_no_cuda
+def test_backends_table_shows_full_unavailable_with_reason(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.split()[0] == "full")
+    assert "cuda-graph-runner-full" in line and "unavailable" in line and "without CUDA" in line
+    assert main(["backends", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["disabled"]["status"] == "available"
+
+
+@needs_no_cuda
+def test_bench_runs_eagerly_and_says_why(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--batch-sizes", "1", "2", "--prefill-tokens", "8", "--prefill-requests", "2",
+                 "--iters", "1", "--warmup", "0", "--steps", "2", "--prompt-len", "4", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "running eager only" in out and "full: torch" in out
+    data = json.loads(path.read_text())
+    assert [r["batch_size"] for r in data["decode"]] == [1, 2]
+    assert all(r["eager_ms"] > 0 and r.get("graph_ms") is None for r in data["decode"])
+    assert data["prefill"][0]["num_tokens"] == 8 and data["env"]["model"] == "tiny"
+
+
+def test_bench_rejects_unknown_model_naming_presets(capsys):
+    assert main(["bench", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "llama-3.2-1b" in err
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--cuda-graph-config", '{"decode": {"max_bs": 8, "bs": [16]}}'], "decode.max_bs=8"),
+    (["--cuda-graph-max-bs-decode", "zero"], "zero"),
+])
+def test_bench_config_errors_exit_2_naming_the_value(flags, named, capsys):
+    with pytest.raises(SystemExit) as info:  # argparse rejects the flag before any work
+        main(["bench", *flags])
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err
