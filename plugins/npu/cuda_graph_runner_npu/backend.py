@@ -1,0 +1,280 @@
+"""``NPUCudaGraphBackend``: one torch_npu ``NPUGraph`` per shape, with update-then-replay.
+
+The idea comes from sglang's ``NPUCudaGraphBackend``
+(``hardware_backend/npu/graph_runner/npu_cudagraph_backend.py``): a Full-style backend
+on ``torch.npu.NPUGraph`` whose replay can first rebind host-side inputs of the recorded
+graph (the sequence lengths Ascend's fused attention takes as a host list) through
+``NPUGraph.update(cpu_update_input=[{name: values}])``, without recording again.
+Two of the seed's mistakes are avoided here: its ``capture_one`` lacked
+``post_warmup_hook`` (decode capture failed once a runner passed it), and an early
+version ran the update in a thread concurrently with the replay. Here the update
+returns before the replay is issued, and a failed update never replays.
+
+The device module is reached through ``self.device_module`` (``torch.npu`` once
+torch_npu is imported; a test double in tests), never through a ``torch.npu``
+literal, and torch_npu is imported only when a backend for an ``npu`` device is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphRunnerError
+from cuda_graph_runner.forward_batch import ForwardBatch
+
+from .torch_npu_api import DEFAULT_UPDATE_INPUT_NAME, graph_api_problems, load_torch_npu
+
+#: ``static_batch -> cpu_update_input``: the list of ``{argument name: host value}``
+#: dicts handed to ``NPUGraph.update`` (one dict applies to every recorded op).
+CpuUpdateInputFn = Callable[[ForwardBatch], List[Dict[str, Any]]]
+
+
+class NPUGraphUpdateError(CudaGraphRunnerError, RuntimeError):
+    """The host-input update before a replay failed; the graph was not replayed.
+
+    The original exception is chained (``__cause__``). The shape's output tensors still
+    hold the previous replay's values and must not be used for this batch.
+    """
+
+
+def _is_npu(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "npu"
+    return str(device).split(":", 1)[0] == "npu"
+
+
+def _require_torch_npu() -> Any:
+    """Import torch_npu (which registers the ``npu`` device type with torch).
+
+    Raises:
+        BackendUnavailableError: torch_npu is missing or fails to import (cause chained).
+    """
+    module, reason, error = load_torch_npu()
+    if module is None:
+        raise BackendUnavailableError(f"backend 'npu': {reason}") from error
+    return module
+
+
+class NPUCudaGraphBackend(BaseCudaGraphBackend):
+    """One ``NPUGraph`` per ``ShapeKey``, all captured into the runner's shared pool.
+
+    Capture (per shape, the runner goes largest first): ``num_warmups`` eager runs of
+    ``forward_fn`` on the capture stream, each after a synchronize; ``post_warmup_hook()``;
+    a synchronize; then one recorded run inside
+    ``device_module.graph(g, pool=pool, stream=stream, auto_dispatch_capture=True)``.
+    ``auto_dispatch_capture=True`` makes torch_npu record the ops whose host-side
+    arguments ``NPUGraph.update`` may change later (it raises on a graph captured
+    without it); it is passed only while host-input updates are on.
+
+    Replay: with updates on, ``graph.update(cpu_update_input=...)`` built from the static
+    batch (default ``[{"actual_seq_lengths_kv": static_batch.seq_lens_cpu}]``, already
+    padded by the runner), then ``graph.replay()``. ``update`` returns only after it has
+    issued the re-launched ops on torch_npu's update stream, each followed by an event
+    the replayed graph waits on, so the replay sees the new values; the replay is issued
+    after ``update`` returned, never concurrently. If the update raises,
+    :class:`NPUGraphUpdateError` is raised (cause chained) and nothing is replayed.
+
+    Outputs: the tensors the recorded run returned; every replay rewrites them in place
+    (consume or copy before the next replay of any graph in the pool).
+
+    Args (beyond :class:`~cuda_graph_runner.backend.BaseCudaGraphBackend`'s):
+        update_input_name: the argument name the host sequence lengths rebind
+            (``"actual_seq_lengths_kv"`` for ``npu_fused_infer_attention_score``;
+            ``"actual_seq_kvlen"`` for its v2 form). None turns host-input updates off:
+            plain capture and replay, as for models whose every input is on the device.
+        cpu_update_input_fn: builds the whole ``cpu_update_input`` from the static batch
+            instead (per-op lists, int32 tensors for MLA, ...); turns updates on.
+        capture_error_mode: passed to ``graph(...)`` when given (``"global"``,
+            ``"thread_local"``, ``"relaxed"``: the ``aclmdlRICaptureMode``).
+        synchronize_before_update: synchronize the device before each update, so the
+            previous replay has finished before its recorded tasks are rewritten (as
+            vllm-ascend does before a FULL replay under asynchronous scheduling).
+
+    Raises (construction):
+        BackendUnavailableError: ``device`` is an ``npu`` device, no ``device_module``
+            was given and torch_npu cannot be imported (the reason says why).
+    """
+
+    def __init__(
+        self,
+        device: "torch.device | str" = "npu",
+        *,
+        phase: str = "decode",
+        phase_config: Any = None,
+        memory_pool: Any = None,
+        device_module: Any = None,
+        update_input_name: Optional[str] = DEFAULT_UPDATE_INPUT_NAME,
+        cpu_update_input_fn: Optional[CpuUpdateInputFn] = None,
+        capture_error_mode: Optional[str] = None,
+        synchronize_before_update: bool = False,
+    ) -> None:
+        if device_module is None and _is_npu(device):
+            # torch.device("npu") parses only once torch_npu has renamed privateuse1.
+            _require_torch_npu()
+        super().__init__(device, phase=phase, phase_config=phase_config, memory_pool=memory_pool,
+                         device_module=device_module)
+        self.update_input_name = update_input_name
+        self.cpu_update_input_fn = cpu_update_input_fn
+        self.capture_error_mode = capture_error_mode
+        self.synchronize_before_update = synchronize_before_update
+        self._graphs: Dict[ShapeKey, Any] = {}
+        self._outputs: Dict[ShapeKey, Any] = {}
+        self._stream: Any = None
+        self._checked_module: Any = None
+
+    # -- device module ------------------------------------------------------------------
+    @property
+    def device_module(self) -> Any:
+        """``torch.npu`` (importing torch_npu on first use), or the module passed in.
+
+        Raises:
+            BackendUnavailableError: torch_npu cannot be imported, or the module lacks
+                part of the graph API this backend calls (listed).
+        """
+        if self._device_module is None:
+            if _is_npu(self.device):
+                _require_torch_npu()
+            self._device_module = torch.get_device_module(self.device)
+        module = self._device_module
+        if self._checked_module is not module:
+            problems = graph_api_problems(module, update=self.updates_host_inputs,
+                                          capture_error_mode=self.capture_error_mode is not None)
+            if problems:
+                name = getattr(module, "__name__", type(module).__name__)
+                raise BackendUnavailableError(
+                    f"backend 'npu': device module {name} lacks the graph API it calls: {'; '.join(problems)}")
+            self._checked_module = module
+        return module
+
+    @property
+    def updates_host_inputs(self) -> bool:
+        """Whether replays run the update-then-replay path."""
+        return self.update_input_name is not None or self.cpu_update_input_fn is not None
+
+    # -- capture ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        self._stream = stream
+        try:
+            yield
+        finally:
+            self._stream = None
+
+    def _on_stream(self) -> Any:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return self.device_module.stream(self._stream)
+
+    def capture_one(
+        self,
+        key: ShapeKey,
+        forward_fn: ForwardFn,
+        *,
+        post_warmup_hook: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """Warm up, run ``post_warmup_hook``, then record ``forward_fn`` for ``key``.
+
+        Raises:
+            ValueError: ``key`` was already captured (``cleanup()`` first).
+            BackendUnavailableError: see :attr:`device_module`.
+        """
+        if key in self._graphs:
+            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
+        dm = self.device_module
+        # Warm-ups on the capture stream: lazily made workspaces belong to that stream.
+        for _ in range(self.num_warmups):
+            dm.synchronize()
+            with self._on_stream():
+                forward_fn()
+        if post_warmup_hook is not None:
+            post_warmup_hook()
+        dm.synchronize()
+        graph = dm.NPUGraph()
+        options: Dict[str, Any] = {"pool": self.memory_pool, "stream": self._stream}
+        if self.updates_host_inputs:
+            options["auto_dispatch_capture"] = True
+        if self.capture_error_mode is not None:
+            options["capture_error_mode"] = self.capture_error_mode
+        with dm.graph(graph, **options):
+            output = forward_fn()
+        self._graphs[key] = graph
+        self._outputs[key] = output
+
+    # -- replay -------------------------------------------------------------------------
+    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
+        """``key`` is captured and, with the default update, ``batch`` carries host seq lens.
+
+        Without ``seq_lens_cpu`` the graph could only replay the lengths frozen at
+        capture, so the runner runs such a batch eagerly instead.
+        """
+        if key not in self._graphs:
+            return False
+        if self.cpu_update_input_fn is None and self.update_input_name is not None:
+            return batch.seq_lens_cpu is not None
+        return True
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def cpu_update_input(self, static_batch: ForwardBatch) -> List[Dict[str, Any]]:
+        """The ``cpu_update_input`` for ``static_batch`` (padded to the graph's size).
+
+        Default: ``[{update_input_name: [int, ...] of seq_lens_cpu}]``; torch_npu applies
+        a one-element list to every op it recorded.
+
+        Raises:
+            NPUGraphUpdateError: ``seq_lens_cpu`` is missing or not one per request.
+        """
+        if self.cpu_update_input_fn is not None:
+            return self.cpu_update_input_fn(static_batch)
+        seq_lens = static_batch.seq_lens_cpu
+        if seq_lens is None:
+            raise NPUGraphUpdateError(
+                "NPU graph update needs the host sequence lengths, but ForwardBatch.seq_lens_cpu is None; "
+                "fill it, or build the backend with update_input_name=None if the model reads none")
+        if len(seq_lens) != static_batch.batch_size:
+            raise NPUGraphUpdateError(
+                f"seq_lens_cpu has {len(seq_lens)} entries for a graph of {static_batch.batch_size} requests")
+        return [{self.update_input_name: [int(s) for s in seq_lens]}]
+
+    def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        """Update the host-side inputs (when on), then replay ``key``'s graph.
+
+        Raises:
+            KeyError: no graph was captured for ``key``.
+            NPUGraphUpdateError: building the update or ``graph.update`` failed; the
+                graph was not replayed (the cause is chained).
+        """
+        graph = self._graphs.get(key)
+        if graph is None:
+            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._graphs)}")
+        if self.updates_host_inputs:
+            cpu_update_input = self.cpu_update_input(static_batch)
+            if self.synchronize_before_update:
+                self.device_module.synchronize()
+            try:
+                # Synchronous on purpose: the replay below must not start before the
+                # update has been issued (the seed's threaded update raced the replay).
+                graph.update(cpu_update_input=cpu_update_input)
+            except Exception as exc:
+                raise NPUGraphUpdateError(
+                    f"NPU graph update before replaying {key} failed ({type(exc).__name__}: {exc}); "
+                    "the graph was not replayed") from exc
+        graph.replay()
+        return self._outputs[key]
+
+    def cleanup(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+
+    @property
+    def captured_keys(self) -> List[ShapeKey]:
+        """Captured keys, in capture order."""
+        return list(self._graphs)
