@@ -12,7 +12,7 @@ A plugin module looks like::
     def cuda_graph_runner_backend_specs():
         return [BackendSpec(name="acme", backend_class="acme_cgr.backend:AcmeBackend",
                             phases=("decode",), devices=("cuda",),
-                            probe="acme_cgr.backend:probe")]
+                            probe="acme_cgr.plugin:probe", api_version="1.0")]
 
     @hookimpl
     def cuda_graph_runner_default_backend(phase, device_type):
@@ -34,7 +34,10 @@ import pluggy
 PROJECT_NAME = "cuda_graph_runner"
 #: The entry-point group plugins register in; entry-point name = backend name.
 ENTRY_POINT_GROUP = "cuda_graph_runner.backends"
-#: Plugin API version this core implements (major.minor); see ``BackendSpec.api_version``.
+#: Plugin API version this core implements, ``"major.minor"``. A plugin declares the
+#: version it was written for in ``BackendSpec.api_version``. Compatible means: same
+#: major, and the plugin's minor <= the core's (minor versions only add hooks or
+#: optional arguments). Anything else is listed ``unavailable`` with both versions.
 PLUGIN_API_VERSION = "1.0"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -58,7 +61,10 @@ class BackendSpec:
         devices: device types it runs on (``"cuda"``, ``"npu"``); ``"*"`` means any.
         probe: ``"module:function"`` or callable ``probe(device_type) -> Optional[str]``
             returning None when usable, else why not; None means always usable.
-        api_version: the plugin API version it was written for (``"major.minor"``).
+        api_version: the plugin API version it was written for (``"major.minor"``),
+            written as a literal in the plugin (not ``PLUGIN_API_VERSION`` imported from
+            the core, which would always match). None means undeclared: accepted for now
+            as compatible, but the conformance kit requires a declaration.
         description: one line for ``cuda-graph-runner backends``.
     """
 
@@ -67,7 +73,7 @@ class BackendSpec:
     phases: Tuple[str, ...]
     devices: Tuple[str, ...] = ("cuda",)
     probe: Union[LazyRef, Probe, None] = None
-    api_version: str = PLUGIN_API_VERSION
+    api_version: Optional[str] = None
     description: str = ""
 
 

@@ -10,17 +10,37 @@ How a backend is found (the torch ``torch_dynamo_backends`` / OpenTelemetry mode
 3. ``resolve_decode_backend`` / ``resolve_prefill_backend`` import the one class that
    was asked for, check it against the contract and build it.
 
+Contract checks (when a backend class is checked against ``BaseCudaGraphBackend``):
+
+* a spec whose ``backend_class`` is a class object (in-process plugins) is checked when
+  it registers: nothing extra is imported;
+* a spec whose ``backend_class`` is a ``"module:Class"`` string is checked when that
+  backend is first resolved, or when :func:`verify` / :func:`verify_all` (the CLI's
+  ``backends --check``) asks for it. Discovery and listing never import backend code,
+  so one vendor's heavy or broken module costs nothing to users of another backend.
+
+Either way the outcome is recorded on the entry: a violation marks the backend
+``failed`` with a message naming the class, the method and the parameter, and
+``list_backends`` shows it from then on; the other backends are untouched.
+
 Every failure is kept on the entry it belongs to (``list_backends`` shows it, with the
-original exception chained); it never stops the other plugins from loading. Set
-``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1`` to re-raise instead.
+original exception in ``error`` and chained when resolving); it never stops the other
+plugins from loading. Strict mode (``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1`` or
+``BackendRegistry(strict=True)``) re-raises instead.
 
 Environment variables (read when the registry first scans):
 
-* ``CUDA_GRAPH_RUNNER_PLUGINS``: comma-separated entry-point names to autoload; unset
-  means all, empty means none (llm/datasette semantics).
+* ``CUDA_GRAPH_RUNNER_PLUGINS``: comma-separated entry-point (backend) names or
+  distribution names to autoload; unset means all, empty means none (llm/datasette).
 * ``CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point (built-ins and
   ``register()`` still work), like ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``.
-* ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1``: a plugin failure raises at scan time.
+* ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1``: a plugin failure raises instead of being listed.
+* ``CUDA_GRAPH_RUNNER_PREFER="name=distribution,..."``: which distribution's backend to
+  use when several register the same name (same as :func:`prefer`).
+
+The scan result is per process: a forked child inherits the parent's scanned registry
+(including ``register()`` calls); a spawned child scans again and sees the same
+installed plugins under the same environment, but not the parent's ``register()`` calls.
 """
 
 from __future__ import annotations
@@ -30,9 +50,12 @@ import difflib
 import importlib
 import inspect
 import os
+import re
 import threading
+import warnings
+import weakref
 from importlib import metadata
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import pluggy
 
@@ -49,8 +72,10 @@ from .hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
 ENV_PLUGINS = "CUDA_GRAPH_RUNNER_PLUGINS"
 ENV_DISABLE_AUTOLOAD = "CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD"
 ENV_STRICT = "CUDA_GRAPH_RUNNER_STRICT_PLUGINS"
+ENV_PREFER = "CUDA_GRAPH_RUNNER_PREFER"
 
 CORE_DISTRIBUTION = "cuda-graph-runner"
+IN_PROCESS = "<in-process>"
 
 # Well-known backend names and the distribution that provides each, for the
 # "pip install ..." hint of an unknown name (fsspec's known_implementations idea).
@@ -65,6 +90,12 @@ WELL_KNOWN_DISTRIBUTIONS: Dict[str, str] = {
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
 FAILED = "failed"
+
+PHASES = ("decode", "prefill")
+# Same rule as the config's backend names: a spec name the config cannot spell is useless.
+_BACKEND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_API_VERSION = re.compile(r"(\d+)\.(\d+)")
+_HOOK_NAMES = ("cuda_graph_runner_backend_specs", "cuda_graph_runner_default_backend")
 
 
 @dataclasses.dataclass
@@ -81,6 +112,9 @@ class BackendEntry:
         reason: why it is not available, one line; None when available.
         error: the original exception, when there was one.
         spec: the ``BackendSpec``, when the plugin gave one.
+        contract: ``""`` (class not checked yet), ``"ok"``, ``"failed"`` (see ``reason``)
+            or ``"not checked: <why>"`` (:meth:`BackendRegistry.verify` could not import
+            the class on a machine where the backend is unavailable anyway).
     """
 
     name: str
@@ -92,11 +126,20 @@ class BackendEntry:
     reason: Optional[str] = None
     error: Optional[BaseException] = None
     spec: Optional[BackendSpec] = None
+    contract: str = ""
     _class: Optional[type] = dataclasses.field(default=None, repr=False)
+    # Set when the status was decided at registration (bad spec, API mismatch) and no
+    # device probe may override it.
+    _fixed: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def ok(self) -> bool:
         return self.status == AVAILABLE
+
+    @property
+    def api_version(self) -> Optional[str]:
+        """The plugin API version its spec declares (None: undeclared)."""
+        return self.spec.api_version if self.spec is not None else None
 
     def as_row(self) -> Dict[str, str]:
         """Plain strings, for tables and JSON."""
@@ -108,11 +151,19 @@ class BackendEntry:
             "devices": ",".join(self.devices),
             "status": self.status,
             "reason": self.reason or "",
+            "api_version": self.api_version or "",
+            "contract": self.contract,
         }
 
 
 def _load_ref(ref: Union[str, Any]) -> Any:
-    """Import ``"module:attr.path"``; objects pass through."""
+    """Import ``"module:attr.path"``; objects pass through.
+
+    Raises:
+        ValueError: ``ref`` is not of that form.
+        ImportError: the module does not import.
+        AttributeError: the module lacks the attribute (the message names both).
+    """
     if not isinstance(ref, str):
         return ref
     module_name, sep, attr_path = ref.partition(":")
@@ -120,7 +171,10 @@ def _load_ref(ref: Union[str, Any]) -> Any:
         raise ValueError(f"reference {ref!r} is not of the form 'package.module:attribute'")
     obj: Any = importlib.import_module(module_name)
     for part in attr_path.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise AttributeError(f"{module_name!r} has no attribute {attr_path!r} ({exc})") from exc
     return obj
 
 
@@ -129,9 +183,35 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _api_compatible(declared: str) -> bool:
-    # Same major version = compatible (minor versions only add).
-    return str(declared).split(".")[0] == PLUGIN_API_VERSION.split(".")[0]
+def _normalize_dist(name: str) -> str:
+    # PEP 503 normalisation, so "Acme_Backend" and "acme-backend" are the same distribution.
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def api_version_problem(declared: Optional[str]) -> Optional[str]:
+    """Why a plugin declaring API ``declared`` cannot run on this core, or None if it can.
+
+    Same major, and a minor no newer than the core's, is compatible (minors only add).
+    None (undeclared) is accepted.
+    """
+    if declared is None:
+        return None
+    got = _API_VERSION.fullmatch(str(declared))
+    if got is None:
+        return f"declares plugin API version {declared!r}, which is not of the form 'major.minor'"
+    core = _API_VERSION.fullmatch(PLUGIN_API_VERSION)
+    assert core is not None
+    (p_major, p_minor), (c_major, c_minor) = map(int, got.groups()), map(int, core.groups())
+    if p_major != c_major:
+        return f"implements plugin API {declared}, but this core provides plugin API {PLUGIN_API_VERSION}"
+    if p_minor > c_minor:
+        return (f"implements plugin API {declared}, newer than the {PLUGIN_API_VERSION} this core provides; "
+                f"upgrade {CORE_DISTRIBUTION}")
+    return None
+
+
+def _api_compatible(declared: Optional[str]) -> bool:
+    return api_version_problem(declared) is None
 
 
 class _BuiltinPlugin:
@@ -147,6 +227,7 @@ class _BuiltinPlugin:
                 backend_class=DisabledBackend,
                 phases=("decode", "prefill"),
                 devices=("*",),
+                api_version=PLUGIN_API_VERSION,
                 description="no graphs: every batch runs eagerly",
             )
         ]
@@ -156,103 +237,202 @@ class _BuiltinPlugin:
         return "disabled"
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_registries: "weakref.WeakSet[BackendRegistry]" = weakref.WeakSet()
+
+
 class BackendRegistry:
     """Discovers, lists and resolves backends. Most code uses the module-level functions.
 
     Args:
         group: entry-point group to scan.
         autoload: scan entry points at all (the environment can turn it off too).
+        strict: re-raise plugin failures instead of listing them; None reads
+            ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS``.
     """
 
-    def __init__(self, group: str = ENTRY_POINT_GROUP, *, autoload: bool = True) -> None:
+    def __init__(self, group: str = ENTRY_POINT_GROUP, *, autoload: bool = True,
+                 strict: Optional[bool] = None) -> None:
         self.group = group
         self.autoload = autoload
+        self.strict = _env_flag(ENV_STRICT) if strict is None else strict
         self._lock = threading.RLock()
         self._scanned = False
+        self._scan_error: Optional[BaseException] = None
         self._entries: Dict[str, BackendEntry] = {}
         self._conflicts: Dict[str, List[BackendEntry]] = {}
+        # Entry points installed but not loaded (autoload off or not listed): name -> (dist, why).
+        self._skipped: Dict[str, Tuple[str, str]] = {}
+        # pluggy plugin name -> backend names it contributed, to blame a raising hook.
+        self._plugin_backends: Dict[str, List[str]] = {}
+        #: Problems that belong to no single backend (a malformed ``CUDA_GRAPH_RUNNER_PREFER``).
+        self.problems: List[str] = []
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs.BackendHookSpecs)
+        _registries.add(self)
         self._register_plugin(_BuiltinPlugin(), distribution=CORE_DISTRIBUTION, version=_dist_version(CORE_DISTRIBUTION))
 
     # -- discovery ------------------------------------------------------------------
     def _entry_points(self) -> Iterable[metadata.EntryPoint]:
-        if not self.autoload or os.environ.get(ENV_DISABLE_AUTOLOAD, "") not in ("", "0"):
-            return []
         eps = list(metadata.entry_points(group=self.group))
+        if not self.autoload or _env_flag(ENV_DISABLE_AUTOLOAD):
+            why = (f"plugin autoload is off ({ENV_DISABLE_AUTOLOAD}=1)" if self.autoload
+                   else "plugin autoload is off (BackendRegistry(autoload=False))")
+            for ep in eps:
+                self._skipped.setdefault(ep.name, (_ep_dist(ep)[0], why))
+            return []
         allowed = os.environ.get(ENV_PLUGINS)
         if allowed is not None:
             names = {n.strip() for n in allowed.split(",") if n.strip()}
-            eps = [ep for ep in eps if ep.name in names]
+            normalized = {_normalize_dist(n) for n in names}
+            kept = []
+            for ep in eps:
+                if ep.name in names or _normalize_dist(_ep_dist(ep)[0]) in normalized:
+                    kept.append(ep)
+                else:
+                    self._skipped.setdefault(ep.name, (_ep_dist(ep)[0], f"{ENV_PLUGINS}={allowed!r} does not list it"))
+            eps = kept
         return eps
 
     def _scan(self) -> None:
         with self._lock:
+            if self._scan_error is not None:
+                # Strict mode: the registry is half-built, so every use fails the same way.
+                raise self._scan_error
             if self._scanned:
                 return
             self._scanned = True
-            strict = os.environ.get(ENV_STRICT, "") not in ("", "0")
-            seen: set = set()
-            for ep in self._entry_points():
-                dist = getattr(ep, "dist", None)
-                dist_name = dist.name if dist is not None else "<unknown>"
-                version = dist.version if dist is not None else "?"
-                # The same distribution can be seen twice when sys.path lists it twice.
-                if (ep.name, dist_name, ep.value) in seen:
-                    continue
-                seen.add((ep.name, dist_name, ep.value))
-                try:
-                    plugin = ep.load()
-                except Exception as exc:  # a broken plugin must not break the others
-                    if strict:
-                        raise BackendLoadError(
-                            f"plugin entry point {ep.name!r} = {ep.value!r} of {dist_name} {version} failed to import"
-                        ) from exc
-                    self._add_entry(
-                        BackendEntry(ep.name, dist_name, version, status=FAILED,
-                                     reason=f"import of {ep.value} failed: {_one_line(exc)}", error=exc)
-                    )
-                    continue
-                self._register_plugin(plugin, distribution=dist_name, version=version,
-                                      expected_name=ep.name, strict=strict)
+            try:
+                self._scan_entry_points()
+            except Exception as exc:
+                self._scan_error = exc
+                raise
+
+    def _scan_entry_points(self) -> None:
+        seen: set = set()
+        for ep in self._entry_points():
+            dist_name, version = _ep_dist(ep)
+            # The same distribution can be seen twice when sys.path lists it twice.
+            if (ep.name, dist_name, ep.value) in seen:
+                continue
+            seen.add((ep.name, dist_name, ep.value))
+            try:
+                plugin = self._load_entry_point(ep, dist_name, version)
+            except BackendLoadError as err:
+                if self.strict:
+                    raise
+                cause = err.__cause__ or err
+                self._add_entry(BackendEntry(ep.name, dist_name, version, status=FAILED,
+                                             reason=str(err), error=cause, _fixed=True))
+                continue
+            self._register_plugin(plugin, distribution=dist_name, version=version, expected_name=ep.name)
+        self._apply_preferences(os.environ.get(ENV_PREFER, ""))
+
+    def _load_entry_point(self, ep: metadata.EntryPoint, dist_name: str, version: str) -> Any:
+        """``ep.load()``, with a message that says which part failed.
+
+        Raises:
+            BackendLoadError: the module does not import, or lacks the attribute the entry
+                point names; the original exception is chained.
+        """
+        where = f"entry point {ep.name} = {ep.value!r} of {dist_name} {version}"
+        module_name, _, attr_path = ep.value.partition(":")
+        module_name, attr_path = module_name.strip(), attr_path.split("[")[0].strip()
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except Exception as exc:  # a broken plugin must not break the others
+            raise BackendLoadError(f"{where}: import of module {module_name!r} failed: {_one_line(exc)}") from exc
+        for part in attr_path.split(".") if attr_path else ():
+            try:
+                obj = getattr(obj, part)
+            except AttributeError as exc:
+                raise BackendLoadError(
+                    f"{where}: module {module_name!r} has no attribute {attr_path!r}") from exc
+        return obj
 
     def _register_plugin(self, plugin: Any, *, distribution: str, version: str,
-                         expected_name: Optional[str] = None, strict: bool = False) -> None:
+                         expected_name: Optional[str] = None) -> None:
         label = f"{distribution}:{expected_name or getattr(plugin, '__name__', type(plugin).__name__)}"
+        what = f"plugin {expected_name or label!r} of {distribution} {version}"
         try:
             if self.pm.is_registered(plugin):
                 # One module serving several entry points: specs were already collected.
                 return
             self.pm.register(plugin, name=label)
+            unknown = [hc.name for hc in self.pm.get_hookcallers(plugin) or [] if hc.spec is None]
+            if unknown:
+                raise BackendLoadError(
+                    f"{what} implements unknown hook(s) {sorted(unknown)}; this core "
+                    f"(plugin API {PLUGIN_API_VERSION}) defines {list(_HOOK_NAMES)}")
             caller = self.pm.subset_hook_caller(
                 "cuda_graph_runner_backend_specs",
                 remove_plugins=[p for p in self.pm.get_plugins() if p is not plugin],
             )
-            specs = [spec for result in caller() for spec in (result or [])]
+            specs: List[Any] = []
+            for result in caller():
+                if result is None:
+                    continue
+                if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
+                    raise TypeError(
+                        f"cuda_graph_runner_backend_specs must return a list of BackendSpec, got {type(result).__name__}")
+                specs.extend(result)
         except Exception as exc:
-            if strict:
-                raise BackendLoadError(f"plugin {label} {version} failed to register") from exc
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
+            if self.strict:
+                if isinstance(exc, BackendLoadError):
+                    raise
+                raise BackendLoadError(f"{what}: hook cuda_graph_runner_backend_specs raised {_one_line(exc)}") from exc
+            reason = str(exc) if isinstance(exc, BackendLoadError) else (
+                f"hook cuda_graph_runner_backend_specs raised {_one_line(exc)}")
             self._add_entry(BackendEntry(expected_name or label, distribution, version, status=FAILED,
-                                         reason=f"plugin hook failed: {_one_line(exc)}", error=exc))
+                                         reason=reason, error=exc, _fixed=True))
             return
-        if expected_name is not None and expected_name not in {s.name for s in specs}:
-            self._add_entry(BackendEntry(
-                expected_name, distribution, version, status=FAILED,
-                reason=f"entry point {expected_name!r} gave no spec of that name (got {[s.name for s in specs]})"))
+        names = [str(getattr(s, "name", s)) for s in specs]
+        self._plugin_backends[label] = names
+        if expected_name is not None and expected_name not in names:
+            reason = f"entry point {expected_name!r} gave no spec of that name (got {names})"
+            if isinstance(plugin, type) and any(c.__name__ == "BaseCudaGraphBackend" for c in plugin.__mro__):
+                reason = (f"entry point {expected_name!r} names the backend class {plugin.__qualname__}; it must "
+                          "name a registration module with a @hookimpl cuda_graph_runner_backend_specs")
+            if self.strict:
+                raise BackendLoadError(f"{what}: {reason}")
+            self._add_entry(BackendEntry(expected_name, distribution, version, status=FAILED, reason=reason, _fixed=True))
         for spec in specs:
-            self._add_entry(self._entry_from_spec(spec, distribution, version))
+            entry = self._entry_from_spec(spec, distribution, version)
+            if self.strict and entry.status == FAILED:
+                raise BackendLoadError(f"{what}: {entry.reason}") from entry.error
+            self._add_entry(entry)
 
     def _entry_from_spec(self, spec: Any, distribution: str, version: str) -> BackendEntry:
         if not isinstance(spec, BackendSpec):
             return BackendEntry(str(getattr(spec, "name", spec)), distribution, version, status=FAILED,
-                                reason=f"hook returned {type(spec).__name__}, expected BackendSpec")
-        entry = BackendEntry(spec.name, distribution, version, tuple(spec.phases), tuple(spec.devices), spec=spec)
-        if not _api_compatible(spec.api_version):
-            entry.status = UNAVAILABLE
-            entry.reason = (f"plugin API version {spec.api_version} is not compatible with the core's "
-                            f"{PLUGIN_API_VERSION}: install versions of {distribution} and {CORE_DISTRIBUTION} that match")
+                                reason=f"hook returned {type(spec).__name__}, expected BackendSpec", _fixed=True)
+        problem = _spec_problem(spec)
+        phases = tuple(spec.phases) if isinstance(spec.phases, (tuple, list)) else ()
+        devices = tuple(spec.devices) if isinstance(spec.devices, (tuple, list)) else ()
+        entry = BackendEntry(spec.name, distribution, version, phases, devices, spec=spec)
+        if problem:
+            entry.status, entry.reason, entry._fixed = FAILED, f"invalid BackendSpec: {problem}", True
+            return entry
+        api_problem = api_version_problem(spec.api_version)
+        if api_problem:
+            entry.status, entry._fixed = UNAVAILABLE, True
+            entry.reason = (f"{distribution} {version} {api_problem}: install versions of {distribution} and "
+                            f"{CORE_DISTRIBUTION} that match")
+            return entry
+        if isinstance(spec.backend_class, type):
+            # A class object costs nothing more to check now: it is already imported.
+            try:
+                check_backend_class(spec.backend_class, spec.name)
+            except BackendContractError as err:
+                entry.status, entry.reason, entry.error, entry._fixed = FAILED, str(err), err, True
+                entry.contract = FAILED
+                return entry
+            entry.contract = "ok"
         return entry
 
     def _add_entry(self, entry: BackendEntry) -> None:
@@ -265,20 +445,56 @@ class BackendRegistry:
             return
         group = self._conflicts.setdefault(entry.name, [existing])
         group.append(entry)
-        dists = ", ".join(f"{e.distribution} {e.version}" for e in group)
-        self._entries[entry.name] = BackendEntry(
-            entry.name, dists, "", entry.phases, entry.devices, status=FAILED,
-            reason=f"backend name {entry.name!r} is registered by several distributions: {dists}; "
-                   f"uninstall all but one, or call cuda_graph_runner.registry.prefer({entry.name!r}, '<distribution>')",
-            error=BackendConflictError(f"{entry.name!r} registered by {dists}"),
-        )
+        self._entries[entry.name] = self._conflict_entry(entry.name, group)
+
+    def _conflict_entry(self, name: str, group: List[BackendEntry]) -> BackendEntry:
+        dists = ", ".join(f"{e.distribution} {e.version}".strip() for e in group)
+        first = group[0].distribution
+        reason = (f"backend name {name!r} is registered by several distributions: {dists}; uninstall all but "
+                  f"one, or choose one with {ENV_PREFER}=\"{name}={first}\" or "
+                  f"cuda_graph_runner.registry.prefer({name!r}, {first!r})")
+        return BackendEntry(name, dists, "", group[-1].phases, group[-1].devices, status=FAILED, reason=reason,
+                            error=BackendConflictError(reason), _fixed=True)
+
+    def _apply_preferences(self, text: str) -> None:
+        for item in (i.strip() for i in text.split(",")):
+            if not item:
+                continue
+            name, sep, dist = (p.strip() for p in item.partition("="))
+            if not sep or not name or not dist:
+                self._problem(f"{ENV_PREFER}: {item!r} is not of the form name=distribution")
+                continue
+            if name not in self._entries:
+                self._problem(f"{ENV_PREFER}: no installed plugin registers backend {name!r} (asked for {dist})")
+                continue
+            try:
+                self.prefer(name, dist)
+            except UnknownBackendError as err:
+                # Honour the pin: using another distribution's backend silently would
+                # defeat its purpose, so the name is unusable until the pin is fixed.
+                reason = f"{ENV_PREFER} asks for {name}={dist}, but {err}"
+                if self.strict:
+                    raise BackendConflictError(reason) from err
+                current = self._entries[name]
+                self._entries[name] = dataclasses.replace(current, status=FAILED, reason=reason, error=err, _fixed=True)
+
+    def _problem(self, message: str) -> None:
+        if self.strict:
+            raise ValueError(message)
+        self.problems.append(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # -- public API -----------------------------------------------------------------
     def register(self, spec: BackendSpec, *, replace: bool = False) -> None:
         """Register a backend in-process (tests, notebooks); no entry point needed.
 
+        A class object in ``spec.backend_class`` is checked against the contract now; a
+        ``"module:Class"`` string when it is resolved or verified.
+
         Raises:
             BackendConflictError: ``spec.name`` exists and ``replace`` is False.
+            BackendContractError: the class breaks the contract (names class, method, parameter).
+            ValueError: the spec is malformed (bad name, phases, devices, references).
         """
         self._scan()
         with self._lock:
@@ -286,25 +502,38 @@ class BackendRegistry:
                 raise BackendConflictError(
                     f"backend {spec.name!r} is already registered by {self._entries[spec.name].distribution}; "
                     "pass replace=True to override it in this process")
-            self._entries[spec.name] = self._entry_from_spec(spec, "<in-process>", "")
+            entry = self._entry_from_spec(spec, IN_PROCESS, "")
+            if isinstance(entry.error, BackendContractError):
+                raise entry.error
+            if entry.status == FAILED:
+                raise ValueError(f"backend {spec.name!r}: {entry.reason}")
+            self._entries[spec.name] = entry
             self._conflicts.pop(spec.name, None)
 
     def unregister(self, name: str) -> None:
         """Forget an in-process registration (no error if absent)."""
         with self._lock:
             self._entries.pop(name, None)
+            self._conflicts.pop(name, None)
 
     def prefer(self, name: str, distribution: str) -> None:
         """Resolve a name registered by several distributions to ``distribution``'s.
+
+        Names compare after PEP 503 normalisation (``Acme_Backend`` = ``acme-backend``).
 
         Raises:
             UnknownBackendError: no distribution of that name registers ``name``.
         """
         self._scan()
         with self._lock:
-            candidates = self._conflicts.get(name) or [self._entries[name]] if name in self._entries else []
+            if name in self._conflicts:
+                candidates = self._conflicts[name]
+            elif name in self._entries:
+                candidates = [self._entries[name]]
+            else:
+                candidates = []
             for entry in candidates:
-                if entry.distribution == distribution:
+                if _normalize_dist(entry.distribution) == _normalize_dist(distribution):
                     self._entries[name] = entry
                     return
             found = ", ".join(e.distribution for e in candidates) or "none"
@@ -319,11 +548,7 @@ class BackendRegistry:
         self._scan()
         rows = []
         for entry in sorted(self._entries.values(), key=lambda e: e.name):
-            target = device_type
-            if target is None:
-                devices = [d for d in entry.devices if d != "*"]
-                target = devices[0] if devices else default_device_type()
-            rows.append(self._probe(entry, target))
+            rows.append(self._probe(entry, device_type or _natural_device(entry)))
         return rows
 
     def names(self) -> List[str]:
@@ -338,19 +563,59 @@ class BackendRegistry:
     def default_backend(self, phase: str, device_type: str) -> str:
         """The default backend name for ``phase`` on ``device_type`` (hook ``default_backend``).
 
-        Falls back to ``"disabled"`` when the named default is not usable here.
+        Falls back to ``"disabled"`` when the named default is not usable here. A plugin
+        whose hook raises is marked failed and skipped (strict mode: re-raised).
+
+        Raises:
+            BackendLoadError: strict mode only, a plugin's hook raised.
         """
         self._scan()
-        name = self.pm.hook.cuda_graph_runner_default_backend(phase=phase, device_type=device_type)
-        if name and name in self._entries and self._probe(self._entries[name], device_type).ok:
-            return name
+        name = self._call_default_hook(phase, device_type)
+        if name and name in self._entries:
+            entry = self._probe(self._entries[name], device_type)
+            if entry.ok and phase in entry.phases:
+                return name
         return "disabled"
+
+    def _call_default_hook(self, phase: str, device_type: str) -> Optional[str]:
+        # pluggy stops a hook call at the first raising impl, so one vendor's bug would
+        # take the default away from everyone; call the impls one by one instead.
+        args = {"phase": phase, "device_type": device_type}
+        hook = self.pm.hook.cuda_graph_runner_default_backend
+        for impl in reversed(hook.get_hookimpls()):  # pluggy's call order
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            try:
+                result = impl.function(*[args[a] for a in impl.argnames])
+            except Exception as exc:
+                message = (f"plugin {impl.plugin_name}: hook cuda_graph_runner_default_backend(phase={phase!r}, "
+                           f"device_type={device_type!r}) raised {_one_line(exc)}")
+                if self.strict:
+                    raise BackendLoadError(message) from exc
+                self._blame_plugin(impl.plugin_name, impl.plugin, message, exc)
+                continue
+            if result is not None:
+                return str(result)
+        return None
+
+    def _blame_plugin(self, plugin_name: str, plugin: Any, message: str, exc: BaseException) -> None:
+        with self._lock:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            for name in self._plugin_backends.get(plugin_name, []):
+                entry = self._entries.get(name)
+                if entry is not None and plugin_name.startswith(f"{entry.distribution}:"):
+                    self._entries[name] = dataclasses.replace(entry, status=FAILED, reason=message, error=exc,
+                                                              _fixed=True)
 
     def get(self, name: str, *, device_type: Optional[str] = None, phase: Optional[str] = None) -> BackendEntry:
         """The usable entry of ``name``.
 
         Raises:
             UnknownBackendError: no plugin provides ``name`` (lists what is installed).
+            BackendConflictError: several distributions register ``name`` and none is preferred.
+            BackendContractError, BackendLoadError: an earlier resolve or verify found its
+                class broken or unimportable (the recorded error is chained).
             BackendUnavailableError: installed but failed, unusable on ``device_type``,
                 or not for ``phase``; the original error is chained.
         """
@@ -360,35 +625,103 @@ class BackendRegistry:
             raise UnknownBackendError(self._unknown_message(name))
         entry = self._probe(entry, device_type or default_device_type())
         if not entry.ok:
-            raise BackendUnavailableError(
-                f"backend {name!r} ({entry.distribution} {entry.version}) is {entry.status}: {entry.reason}"
-            ) from entry.error
+            err = entry.error
+            kind = type(err) if isinstance(err, (BackendConflictError, BackendContractError, BackendLoadError)) \
+                else BackendUnavailableError
+            where = f"{entry.distribution} {entry.version}".strip()
+            raise kind(f"backend {name!r} ({where}) is {entry.status}: {entry.reason}") from err
         if phase is not None and phase not in entry.phases:
             raise BackendUnavailableError(
                 f"backend {name!r} does not support phase {phase!r}; it supports {list(entry.phases)}; "
-                f"backends for {phase}: {[e.name for e in self._entries.values() if phase in e.phases]}")
+                f"backends for {phase}: {sorted(e.name for e in self._entries.values() if phase in e.phases)}")
         return entry
 
     def load_class(self, entry: BackendEntry) -> type:
-        """Import and check the backend class of ``entry`` (cached).
+        """Import and check the backend class of ``entry`` (cached). The outcome is
+        recorded on the registered entry, so ``list_backends`` shows a failure afterwards.
 
         Raises:
             BackendLoadError: the class reference does not import (original chained).
             BackendContractError: the class breaks the backend contract.
         """
-        if entry._class is not None:
-            return entry._class
+        target = self._stored(entry)
+        if target._class is not None:
+            return target._class
+        assert target.spec is not None, f"backend {entry.name!r} has no spec"
+        cls = self._import_class(target)
+        try:
+            check_backend_class(cls, target.name)
+        except BackendContractError as err:
+            self._record_failure(target, err, contract=FAILED)
+            raise
+        cls.name = target.name
+        target._class, target.contract = cls, "ok"
+        return cls
+
+    def _stored(self, entry: BackendEntry) -> BackendEntry:
+        # get()/entries() hand out probed copies; results belong on the registered entry.
+        stored = self._entries.get(entry.name)
+        return stored if stored is not None and stored.spec is entry.spec else entry
+
+    def _import_class(self, entry: BackendEntry) -> type:
         assert entry.spec is not None
         try:
-            cls = _load_ref(entry.spec.backend_class)
+            return _load_ref(entry.spec.backend_class)
         except Exception as exc:
-            raise BackendLoadError(
+            err = BackendLoadError(
                 f"backend {entry.name!r} of {entry.distribution} {entry.version}: cannot import "
-                f"{entry.spec.backend_class!r}: {_one_line(exc)}") from exc
-        check_backend_class(cls, entry.name)
-        cls.name = entry.name
-        entry._class = cls
-        return cls
+                f"{entry.spec.backend_class!r}: {_one_line(exc)}")
+            self._record_failure(entry, err)
+            raise err from exc
+
+    def _record_failure(self, entry: BackendEntry, err: BaseException, contract: str = "") -> None:
+        with self._lock:
+            entry.status, entry.reason, entry.error, entry._fixed = FAILED, str(err), err, True
+            if contract:
+                entry.contract = contract
+
+    def verify(self, name: str) -> BackendEntry:
+        """Import the class of ``name`` and check it against the contract, now.
+
+        This is the explicit form of the check ``resolve`` does on first use (the CLI's
+        ``backends --check``). The outcome is recorded on the entry, so ``list_backends``
+        shows a violation from then on. A backend that is unavailable on this machine
+        and whose class cannot even be imported here (a vendor SDK missing) is left
+        unavailable with ``contract = "not checked: ..."`` rather than marked failed.
+
+        Returns:
+            The entry, probed for its own device type: ``contract`` is ``"ok"``,
+            ``"failed"`` (``status`` failed, ``reason`` names class, method, parameter)
+            or ``"not checked: ..."``.
+
+        Raises:
+            UnknownBackendError: no plugin registers ``name``.
+            BackendContractError, BackendLoadError: strict mode only.
+        """
+        self._scan()
+        entry = self._entries.get(name)
+        if entry is None:
+            raise UnknownBackendError(self._unknown_message(name))
+        if entry.spec is None or (entry._fixed and entry.status != AVAILABLE) or entry.contract:
+            return self._probe(entry, _natural_device(entry))
+        probed = self._probe(entry, _natural_device(entry))
+        try:
+            self.load_class(entry)
+        except BackendLoadError as err:
+            if probed.status == UNAVAILABLE:
+                # The class may import the device SDK at module level: not a contract breach.
+                entry.status, entry.reason, entry.error, entry._fixed = AVAILABLE, None, None, False
+                entry.contract = f"not checked: {_one_line(err.__cause__ or err)}"
+            elif self.strict:
+                raise
+        except BackendContractError:
+            if self.strict:
+                raise
+        return self._probe(entry, _natural_device(entry))
+
+    def verify_all(self) -> List[BackendEntry]:
+        """:meth:`verify` every registered backend; the checked rows, sorted by name."""
+        return [self.verify(name) for name in self.names()]
 
     def resolve(self, phase: str, config: Any = None, *, device: Any = None, **backend_kwargs: Any) -> Any:
         """Build the backend the config selects for ``phase`` on ``device``.
@@ -404,8 +737,8 @@ class BackendRegistry:
             An instance of the selected ``BaseCudaGraphBackend`` subclass.
 
         Raises:
-            UnknownBackendError, BackendUnavailableError, BackendLoadError,
-            BackendContractError: see :meth:`get` and :meth:`load_class`.
+            UnknownBackendError, BackendConflictError, BackendUnavailableError,
+            BackendLoadError, BackendContractError: see :meth:`get` and :meth:`load_class`.
         """
         from .config import CudaGraphConfig, PhaseConfig
 
@@ -418,9 +751,7 @@ class BackendRegistry:
         return cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
 
     def _probe(self, entry: BackendEntry, device_type: str) -> BackendEntry:
-        if entry.status == FAILED or entry.spec is None:
-            return entry
-        if entry.status == UNAVAILABLE and entry.error is None and entry.reason and "API version" in entry.reason:
+        if entry.status == FAILED or entry.spec is None or entry._fixed:
             return entry
         result = dataclasses.replace(entry, status=AVAILABLE, reason=None, error=None)
         spec = entry.spec
@@ -432,9 +763,10 @@ class BackendRegistry:
             try:
                 reason = _load_ref(spec.probe)(device_type)
             except Exception as exc:
-                if os.environ.get(ENV_STRICT, "") not in ("", "0"):
-                    raise
-                result.status, result.reason, result.error = FAILED, f"probe raised {_one_line(exc)}", exc
+                message = f"probe {_ref_name(spec.probe)}({device_type!r}) raised {_one_line(exc)}"
+                if self.strict:
+                    raise BackendUnavailableError(f"backend {entry.name!r} of {entry.distribution}: {message}") from exc
+                result.status, result.reason, result.error = FAILED, message, exc
                 return result
             if reason:
                 result.status, result.reason = UNAVAILABLE, str(reason)
@@ -443,7 +775,10 @@ class BackendRegistry:
     def _unknown_message(self, name: str) -> str:
         installed = ", ".join(f"{e.name} ({e.distribution})" for e in sorted(self._entries.values(), key=lambda e: e.name))
         msg = f"unknown cuda graph backend {name!r}; installed: {installed or 'none'}"
-        if name in WELL_KNOWN_DISTRIBUTIONS:
+        if name in self._skipped:
+            dist, why = self._skipped[name]
+            msg += f". {dist} provides {name!r} but it was not loaded: {why}"
+        elif name in WELL_KNOWN_DISTRIBUTIONS:
             msg += f". Backend {name!r} is provided by {WELL_KNOWN_DISTRIBUTIONS[name]}: pip install {WELL_KNOWN_DISTRIBUTIONS[name]}"
         else:
             close = difflib.get_close_matches(name, list(self._entries) + list(WELL_KNOWN_DISTRIBUTIONS), n=1)
@@ -452,8 +787,47 @@ class BackendRegistry:
         return msg
 
 
+def _ep_dist(ep: metadata.EntryPoint) -> Tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "<unknown>", "?"
+    return dist.name, dist.version
+
+
+def _ref_name(ref: Any) -> str:
+    return ref if isinstance(ref, str) else getattr(ref, "__qualname__", repr(ref))
+
+
+def _natural_device(entry: BackendEntry) -> str:
+    devices = [d for d in entry.devices if d != "*"]
+    return devices[0] if devices else default_device_type()
+
+
+def _spec_problem(spec: BackendSpec) -> Optional[str]:
+    """What is malformed in ``spec`` (checked without importing anything), or None."""
+    if not isinstance(spec.name, str) or not _BACKEND_NAME.fullmatch(spec.name):
+        return f"name {spec.name!r} is not an identifier, so no config could select it"
+    if not isinstance(spec.phases, (tuple, list)) or not spec.phases or not set(spec.phases) <= set(PHASES):
+        return f"phases {spec.phases!r} must be a non-empty tuple drawn from {PHASES}"
+    if not isinstance(spec.devices, (tuple, list)) or not spec.devices or \
+            not all(isinstance(d, str) and d for d in spec.devices):
+        return f"devices {spec.devices!r} must be a non-empty tuple of device types such as ('cuda',) or ('*',)"
+    cls = spec.backend_class
+    if isinstance(cls, str):
+        if not re.fullmatch(r"[\w.]+:[\w.]+", cls):
+            return f"backend_class {cls!r} must be 'package.module:Class' or a class"
+    elif not isinstance(cls, type):
+        return f"backend_class must be 'package.module:Class' or a class, got {type(cls).__name__}"
+    probe = spec.probe
+    if probe is not None and not callable(probe) and not (isinstance(probe, str) and re.fullmatch(r"[\w.]+:[\w.]+", probe)):
+        return f"probe {probe!r} must be 'package.module:function', a callable or None"
+    if spec.api_version is not None and not isinstance(spec.api_version, str):
+        return f"api_version {spec.api_version!r} must be a string such as '1.0'"
+    return None
+
+
 def _phase_config(phase: str, config: Any, cfg_cls: Any, phase_cls: Any) -> Any:
-    if phase not in ("decode", "prefill"):
+    if phase not in PHASES:
         raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
     if config is None:
         return cfg_cls()[phase]
@@ -468,49 +842,96 @@ def _phase_config(phase: str, config: Any, cfg_cls: Any, phase_cls: Any) -> Any:
     raise TypeError(f"config must be a CudaGraphConfig, PhaseConfig, mapping or backend name, got {type(config).__name__}")
 
 
+#: How the runners and the registry call each method: (positional arguments passed,
+#: keyword arguments passed). ``__init__`` is called by ``resolve``.
+RUNNER_CALLS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
+    "__init__": (("device",), ("phase", "phase_config")),
+    "prepare": (("runner",), ()),
+    "capture_session": (("stream",), ()),
+    "capture_one": (("key", "forward_fn"), ("post_warmup_hook",)),
+    "can_run": (("batch", "key"), ()),
+    "replay_session": ((), ()),
+    "replay": (("key", "static_batch"), ()),
+    "cleanup": ((), ()),
+    "graph_memory_bytes": ((), ()),
+}
+_CONTEXT_MANAGER_METHODS = ("capture_session", "replay_session")
+
+
 def check_backend_class(cls: Any, name: str = "?") -> None:
-    """Check that ``cls`` honours the backend contract the runners rely on.
+    """Check that ``cls`` honours the backend contract the runners rely on: a subclass
+    of ``BaseCudaGraphBackend`` implementing every abstract method, each method taking
+    the arguments the runners pass (:data:`RUNNER_CALLS`) and requiring no others,
+    plain methods (not static, class or async), and the two session methods returning
+    context managers rather than bare generators.
 
     Raises:
-        BackendContractError: naming the class, the method and what is wrong.
+        BackendContractError: naming the class, the method and what is wrong (every
+            problem found, ``; ``-separated; also in its ``problems`` attribute).
     """
     from .backend import BaseCudaGraphBackend
 
     qual = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)!s}"
     if not (isinstance(cls, type) and issubclass(cls, BaseCudaGraphBackend)):
         raise BackendContractError(f"backend {name!r}: {qual} is not a subclass of BaseCudaGraphBackend")
+    problems: List[str] = []
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
     if missing:
-        raise BackendContractError(f"backend {name!r}: {qual} does not implement {', '.join(missing)}")
-    # The runners call these with these arguments; a narrower signature fails only at
-    # capture (the seed's NPU backend lacked post_warmup_hook), so check it up front.
-    calls: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
-        "capture_session": (("stream",), ()),
-        "capture_one": (("key", "forward_fn"), ("post_warmup_hook",)),
-        "can_run": (("batch", "key"), ()),
-        "replay_session": ((), ()),
-        "replay": (("key", "static_batch"), ()),
-        "cleanup": ((), ()),
-    }
-    for method, (positional, keywords) in calls.items():
-        sig = inspect.signature(getattr(cls, method))
-        params = list(sig.parameters.values())[1:]  # drop self
-        has_var_pos = any(p.kind is p.VAR_POSITIONAL for p in params)
-        has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-        pos_params = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(pos_params) < len(positional) and not has_var_pos:
-            raise BackendContractError(
-                f"backend {name!r}: {qual}.{method}{sig} takes {len(pos_params)} positional argument(s); "
-                f"the runners pass {len(positional)} ({', '.join(positional)})")
-        required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if len(required) > len(positional):
-            extra = [p.name for p in required[len(positional):]]
-            raise BackendContractError(
-                f"backend {name!r}: {qual}.{method}{sig} requires extra parameter(s) {extra} the runners never pass")
-        for kw in keywords:
-            if kw not in sig.parameters and not has_var_kw:
-                raise BackendContractError(
-                    f"backend {name!r}: {qual}.{method}{sig} lacks keyword parameter {kw!r}, which the runners pass")
+        problems.append(f"{qual} does not implement {', '.join(missing)}")
+    # A narrower signature fails only at capture (the seed's NPU backend lacked
+    # post_warmup_hook), so check every call the runners make up front.
+    for method, (positional, keywords) in RUNNER_CALLS.items():
+        if method in missing:
+            continue
+        problems.extend(_method_problems(cls, qual, method, positional, keywords))
+    if problems:
+        err = BackendContractError(f"backend {name!r} breaks the backend contract: " + "; ".join(problems))
+        err.problems = problems  # type: ignore[attr-defined]
+        raise err
+
+
+def _method_problems(cls: type, qual: str, method: str, positional: Sequence[str],
+                     keywords: Sequence[str]) -> List[str]:
+    where = f"{qual}.{method}"
+    raw = inspect.getattr_static(cls, method, None)
+    if isinstance(raw, (staticmethod, classmethod)):
+        return [f"{where} is a {type(raw).__name__}; the runners call it on the instance, make it a plain method"]
+    func = getattr(cls, method, None)
+    if not callable(func):
+        return [f"{where} is not callable"]
+    if inspect.iscoroutinefunction(func):
+        return [f"{where} is async; the runners call it synchronously"]
+    if method in _CONTEXT_MANAGER_METHODS and inspect.isgeneratorfunction(func):
+        return [f"{where} is a bare generator; decorate it with @contextlib.contextmanager (the runners use it in 'with')"]
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return []  # a builtin without a signature: nothing to check
+    params = list(sig.parameters.values())
+    if params and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        params = params[1:]  # self
+    where = f"{where}{sig}"
+    has_var_pos = any(p.kind is p.VAR_POSITIONAL for p in params)
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    pos_params = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    problems = []
+    if len(pos_params) < len(positional) and not has_var_pos:
+        problems.append(f"{where} takes {len(pos_params)} positional argument(s); the runners pass "
+                        f"{len(positional)} ({', '.join(positional)})")
+    consumed = pos_params[: len(positional)]
+    for kw in keywords:
+        p = sig.parameters.get(kw)
+        if p is not None and p in consumed:
+            problems.append(f"{where} takes {kw!r} as positional argument {consumed.index(p) + 1}, where the runners "
+                            f"pass {positional[consumed.index(p)]!r}; the runners pass {kw!r} by keyword")
+        elif (p is None or p.kind is p.POSITIONAL_ONLY) and not has_var_kw:
+            problems.append(f"{where} lacks keyword parameter {kw!r}, which the runners pass")
+    extra = [p.name for p in params
+             if p not in consumed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+             and p.default is p.empty and p.name not in keywords]
+    if extra:
+        problems.append(f"{where} requires extra parameter(s) {extra} the runners never pass")
+    return problems
 
 
 def _dist_version(name: str) -> str:
@@ -536,9 +957,22 @@ _default: Optional[BackendRegistry] = None
 _default_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # A lock held by another parent thread at fork time stays locked forever in the
+    # child; the scanned state itself is inherited and valid.
+    global _default_lock
+    _default_lock = threading.Lock()
+    for reg in list(_registries):
+        reg._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def get_registry() -> BackendRegistry:
-    """The process-wide registry (scanned on first use, then cached; a forked or
-    spawned child scans its own copy the same way)."""
+    """The process-wide registry (scanned on first use, then cached; a forked child
+    inherits it, a spawned child scans its own the same way)."""
     global _default
     with _default_lock:
         if _default is None:
@@ -564,13 +998,35 @@ def backend_phases() -> Dict[str, frozenset]:
 
 
 def register(spec: BackendSpec, *, replace: bool = False) -> None:
-    """Register a backend in this process without an entry point (tests, notebooks)."""
+    """Register a backend in this process without an entry point (tests, notebooks).
+
+    Raises:
+        BackendConflictError, BackendContractError, ValueError: see :meth:`BackendRegistry.register`.
+    """
     get_registry().register(spec, replace=replace)
 
 
 def prefer(name: str, distribution: str) -> None:
-    """Choose which distribution's ``name`` to use when several register it."""
+    """Choose which distribution's ``name`` to use when several register it.
+
+    Raises:
+        UnknownBackendError: no distribution of that name registers ``name``.
+    """
     get_registry().prefer(name, distribution)
+
+
+def verify(name: str) -> BackendEntry:
+    """Import and contract-check backend ``name`` now; see :meth:`BackendRegistry.verify`.
+
+    Raises:
+        UnknownBackendError: no plugin registers ``name``.
+    """
+    return get_registry().verify(name)
+
+
+def verify_all() -> List[BackendEntry]:
+    """Import and contract-check every registered backend (``cuda-graph-runner backends --check``)."""
+    return get_registry().verify_all()
 
 
 def resolve_decode_backend(config: Any = None, *, device: Any = None, **backend_kwargs: Any) -> Any:
