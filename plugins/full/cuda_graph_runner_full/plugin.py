@@ -16,6 +16,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             phases=("decode",),
             devices=("cuda",),
             probe="cuda_graph_runner_full.plugin:probe",
+            api_version="1.0",
             description="one CUDA graph per batch size, shared memory pool",
         )
     ]
