@@ -1,0 +1,221 @@
+"""``PrefillCudaGraphRunner``: graphs keyed by total token count, for EXTEND (prefill) batches.
+
+What is captured is the model body, ``model.forward(batch) -> hidden [T, H]``; the LM
+head runs eagerly afterwards on the live batch, because which rows it reads (the last
+token of each request) depends on per-request lengths (sglang stage C prefill runner:
+"only the inner transformer body is captured; LM head / logits processor run eagerly").
+
+Per-request metadata cannot be frozen into a prefill graph: the number of requests and
+their lengths change every batch while the token count stays on a bucket. So only the
+token axis is a graph input; the request axis reaches the model's marked eager ops
+(attention) through :func:`~cuda_graph_runner.forward_context.get_forward_batch`, and
+a backend must run those ops eagerly at replay (``breakable``, ``tc_piecewise``), never
+freeze them into the graph (``full``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, List, Optional, Tuple
+
+import torch
+
+from ..backend import ShapeKey
+from ..buffers import TOKEN_AXIS
+from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_context import forward_context
+from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture
+
+#: Token-axis buffers copied from the live batch at every replay: (field, dtype).
+#: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
+#: write their K/V into the reserved dummy slot 0.
+_PREFILL_SLOTS = (
+    ("input_ids", torch.int64),
+    ("positions", torch.int64),
+    ("out_cache_loc", torch.int64),
+)
+
+#: A padded size above this multiple of the real token count runs eagerly: the padding
+#: would cost more compute than the graph saves (sglang ``can_replay_locally``).
+MAX_PADDING_RATIO = 2
+
+
+def default_prefill_token_sizes(max_tokens: int) -> List[int]:
+    """sglang's prefill token buckets, cut at ``max_tokens`` (the caller adds ``max_tokens``).
+
+    4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64,
+    1280..4096 step 256, 4608.. step 512.
+    """
+    sizes = (
+        list(range(4, 33, 4))
+        + list(range(48, 257, 16))
+        + list(range(288, 513, 32))
+        + list(range(576, 1025, 64))
+        + list(range(1280, 4097, 256))
+        + list(range(4608, max_tokens + 1, 512))
+    )
+    return [s for s in sizes if s <= max_tokens]
+
+
+class PrefillCudaGraphRunner(BaseCudaGraphRunner):
+    """Prefill runner: one graph per total token count; logits ``[batch_size, vocab]`` float32 out.
+
+    A live EXTEND batch of ``T`` tokens (any number of requests, any lengths, any cached
+    prefixes) is padded to the smallest captured token count ``P >= T``:
+
+    * ``input_ids``, ``positions``, ``out_cache_loc`` (``[P]`` int64) are the graph inputs,
+      copied into static buffers with a zeroed tail (token 0, position 0, dummy KV slot 0);
+    * request-axis fields (``req_pool_indices``, ``seq_lens``, ``extend_seq_lens``,
+      ``extend_prefix_lens`` and the ``*_cpu`` host lists) are *not* graph inputs: the
+      static batch carries the live ones, which the model's marked eager ops read through
+      ``get_forward_batch()``. ``sum(extend_seq_lens)`` is then ``T < P``: tokens past it
+      are padding, which those ops must leave finite (the reference attention zeroes them);
+    * the graph returns ``hidden [P, H]``; ``hidden[:T]`` goes through
+      ``model.compute_logits(hidden, live_batch)`` eagerly (one row per request).
+
+    A batch runs eagerly when ``T`` exceeds the largest captured size, or when ``P > 2 T``
+    (sglang's padding-waste rule).
+
+    Default sizes: :func:`default_prefill_token_sizes` cut at ``phase_config.max_bs``
+    (default 4096), the maximum itself always captured. Capture builds a dummy batch of
+    as few requests as possible, each at most ``max_request_tokens`` long, all on the
+    reserved request row 0.
+
+    Args (beyond :class:`BaseCudaGraphRunner`'s):
+        max_request_tokens: longest dummy request at capture (the model's context length,
+            so the model's attention can address it). None: ``model.kv_cache.max_context_len``
+            when the model has one, else one request per captured size.
+
+    Model code inside the captured body must not read request-axis fields in EXTEND mode
+    (they would be frozen at capture); only marked eager ops may, through the forward
+    context.
+    """
+
+    phase: ClassVar[str] = "prefill"
+    default_max_size: ClassVar[int] = 4096
+
+    def __init__(self, model: Any, config: Any = None, *, max_request_tokens: Optional[int] = None,
+                 **kwargs: Any) -> None:
+        if max_request_tokens is not None and max_request_tokens < 1:
+            raise ValueError(f"max_request_tokens={max_request_tokens}: must be >= 1")
+        self.max_request_tokens = max_request_tokens
+        self._capture_req: Optional[dict] = None
+        super().__init__(model, config, **kwargs)
+
+    # -- policy ------------------------------------------------------------------------
+    def get_sizes_to_capture(self) -> List[int]:
+        return get_batch_sizes_to_capture(self.phase_config, self.default_max_size, default_prefill_token_sizes)
+
+    def init_buffers(self) -> None:
+        for name, dtype in _PREFILL_SLOTS:
+            self.buffers.register(name, axis=TOKEN_AXIS, rows=self.max_size, dtype=dtype, pad_value=0)
+
+    def make_key(self, size: int) -> ShapeKey:
+        return ShapeKey(size, "extend")
+
+    def size_of(self, batch: ForwardBatch) -> int:
+        return batch.num_tokens
+
+    def batch_matches(self, batch: ForwardBatch) -> bool:
+        return batch.forward_mode is ForwardMode.EXTEND
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` replays a graph: EXTEND, captured, within the maximum, and padded
+        to at most ``MAX_PADDING_RATIO`` times its token count."""
+        if not super().can_run(batch):
+            return False
+        tokens = self.size_of(batch)
+        return self.padded_size(tokens) <= MAX_PADDING_RATIO * tokens
+
+    # -- capture -----------------------------------------------------------------------
+    def _request_len_limit(self) -> Optional[int]:
+        if self.max_request_tokens is not None:
+            return self.max_request_tokens
+        cache = getattr(self.model, "kv_cache", None)
+        limit = getattr(cache, "max_context_len", None)
+        return int(limit) if limit else None
+
+    def _capture_request_buffers(self) -> dict:
+        # Allocated once so that every capture's request-axis tensors live at stable
+        # addresses for the runner's lifetime, even if a model (wrongly) reads them
+        # inside a graph: stale values are a model bug, a freed address a crash.
+        if self._capture_req is None:
+            rows = self.max_size
+            dev = self.device
+            self._capture_req = {
+                "req_pool_indices": torch.zeros(rows, dtype=torch.int64, device=dev),
+                "seq_lens": torch.zeros(rows, dtype=torch.int32, device=dev),
+                "extend_seq_lens": torch.zeros(rows, dtype=torch.int32, device=dev),
+                "extend_prefix_lens": torch.zeros(rows, dtype=torch.int32, device=dev),
+            }
+        return self._capture_req
+
+    def capture_request_lens(self, size: int) -> List[int]:
+        """Lengths of the dummy requests of a ``size``-token capture (fewest requests)."""
+        limit = self._request_len_limit() or size
+        n = math.ceil(size / limit)
+        return [limit] * (n - 1) + [size - limit * (n - 1)]
+
+    def capture_prepare(self, size: int) -> ForwardBatch:
+        # Token buffers hold their pad values (token 0, position 0, slot 0) outside replays.
+        self.buffers.reset()
+        lens = self.capture_request_lens(size)
+        n = len(lens)
+        req = self._capture_request_buffers()
+        req["req_pool_indices"][:n].zero_()  # the reserved dummy row
+        req["seq_lens"][:n].copy_(torch.tensor(lens, dtype=torch.int32))
+        req["extend_seq_lens"][:n].copy_(torch.tensor(lens, dtype=torch.int32))
+        req["extend_prefix_lens"][:n].zero_()
+        view = self.buffers.view
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=view("input_ids", size),
+            positions=view("positions", size),
+            out_cache_loc=view("out_cache_loc", size),
+            req_pool_indices=req["req_pool_indices"][:n],
+            seq_lens=req["seq_lens"][:n],
+            extend_seq_lens=req["extend_seq_lens"][:n],
+            extend_prefix_lens=req["extend_prefix_lens"][:n],
+            seq_lens_cpu=list(lens),
+            extend_seq_lens_cpu=list(lens),
+            extend_prefix_lens_cpu=[0] * n,
+        )
+
+    # -- replay ------------------------------------------------------------------------
+    def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
+        """Copy the token axis into the static buffers padded to a captured size.
+
+        Returns ``(key, static_batch)``: token fields are ``[P]`` views of the static
+        buffers; request fields and ``extra`` are the live batch's own.
+
+        Raises:
+            ValueError: more tokens than the largest captured size.
+        """
+        tokens = batch.num_tokens
+        padded = self.padded_size(tokens)
+        for name, _ in _PREFILL_SLOTS:
+            self.buffers.fill(name, getattr(batch, name), padded)
+        view = self.buffers.view
+        static = batch.replace(
+            input_ids=view("input_ids", padded),
+            positions=view("positions", padded),
+            out_cache_loc=view("out_cache_loc", padded),
+        )
+        init = getattr(self.model, "init_forward_metadata_replay", None)
+        if init is not None:
+            init(static)
+        return self.make_key(padded), static
+
+    def graph_forward(self, batch: ForwardBatch) -> Any:
+        return self.model.forward(batch)
+
+    def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
+        # hidden[:T] is a view into graph memory; compute_logits makes a fresh tensor,
+        # so the result survives the next replay.
+        hidden = graph_output[: batch.num_tokens]
+        with forward_context(batch):
+            return self.model.compute_logits(hidden, batch)
+
+    def eager_forward(self, batch: ForwardBatch) -> Any:
+        with forward_context(batch):
+            return self.model.compute_logits(self.model.forward(batch), batch)
