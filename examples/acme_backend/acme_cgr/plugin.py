@@ -1,0 +1,49 @@
+"""Registration module named by the entry point: hooks only, no torch, no backend import.
+
+Listing backends imports this module in every process that looks for backends, so it
+must stay cheap and must not fail: the backend class is referred to by a string.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+
+#: The plugin API version this plugin was written for, as a literal: importing the
+#: core's PLUGIN_API_VERSION here would always match and defeat the handshake.
+API_VERSION = "1.0"
+
+
+@hookimpl
+def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
+    return [
+        BackendSpec(
+            name="acme",
+            backend_class="acme_cgr.backend:AcmeDebugBackend",
+            # Decode only: replay re-runs the captured closure, which is right only when
+            # the runner's static buffers hold every input (see AcmeDebugBackend).
+            phases=("decode",),
+            devices=("*",),
+            probe="acme_cgr.plugin:probe",
+            api_version=API_VERSION,
+            description="eager replay with call counts and graph-invariant checks (debugging, any device)",
+        )
+    ]
+
+
+@hookimpl
+def cuda_graph_runner_default_backend(phase: str, device_type: str) -> Optional[str]:
+    # A debugging backend is never anyone's default: it must be asked for by name.
+    return None
+
+
+def probe(device_type: str) -> Optional[str]:
+    """None when ``acme`` can run on ``device_type`` (any device torch knows), else why not."""
+    import torch
+
+    try:
+        torch.device(device_type)
+    except RuntimeError as exc:
+        return f"torch does not know device type {device_type!r}: {exc}"
+    return None

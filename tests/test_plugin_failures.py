@@ -1,0 +1,234 @@
+"""Failure reporting: each way a plugin can break is listed with its own message and the
+original exception chained, the other backends keep working, and strict mode re-raises.
+
+One throwaway distribution, ``cgr-failure-zoo``, is pip-installed into a private
+directory; its entry points each break in one way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cuda_graph_runner import registry
+from cuda_graph_runner.errors import BackendLoadError, BackendUnavailableError
+from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
+
+GOOD_BACKENDS = """
+    import contextlib
+    from cuda_graph_runner.backend import BaseCudaGraphBackend
+
+    class GoodBackend(BaseCudaGraphBackend):
+        @contextlib.contextmanager
+        def capture_session(self, stream):
+            yield
+        def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
+            pass
+        def can_run(self, batch, key):
+            return False
+        @contextlib.contextmanager
+        def replay_session(self):
+            yield
+        def replay(self, key, static_batch):
+            raise KeyError(key)
+        def cleanup(self):
+            pass
+"""
+
+
+def _spec_module(name: str, *, extra_spec: str = "", extra: str = "", class_ref: str = "zoo_backends:GoodBackend") -> str:
+    return f"""
+        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+
+        @hookimpl
+        def cuda_graph_runner_backend_specs():
+            return [BackendSpec(name="{name}", backend_class="{class_ref}", phases=("decode",),
+                                devices=("*",), api_version="1.0"{extra_spec})]
+        {extra}
+    """
+
+
+ZOO_MODULES = {
+    "zoo_backends": GOOD_BACKENDS,
+    "zoo_import_fails": "raise ImportError('vendor SDK libzoo.so not found')\n",
+    "zoo_ok": "'''A module that imports fine but lacks what the entry point names.'''\n",
+    "zoo_hook_raises": """
+        from cuda_graph_runner.hookspecs import hookimpl
+
+        @hookimpl
+        def cuda_graph_runner_backend_specs():
+            raise RuntimeError("device table corrupt")
+    """,
+    "zoo_default_raises": _spec_module("default_raises", extra="""
+        @hookimpl
+        def cuda_graph_runner_default_backend(phase, device_type):
+            raise LookupError("no default table for " + device_type)
+    """),
+    "zoo_probe_raises": _spec_module("probe_raises", extra_spec=', probe="zoo_probe_raises:probe"', extra="""
+        def probe(device_type):
+            raise ValueError("sensor offline")
+    """),
+    "zoo_unknown_hook": """
+        from cuda_graph_runner.hookspecs import hookimpl
+
+        @hookimpl
+        def cuda_graph_runner_backend_spec():  # typo: no such hook
+            return []
+    """,
+    "zoo_class_missing": _spec_module("class_missing", class_ref="zoo_backends:NoSuchBackend"),
+    "zoo_wrong_name": _spec_module("other_name"),
+    "zoo_bad_spec": _spec_module("bad_spec", extra_spec=', phases="decode"').replace('phases=("decode",),\n', ""),
+    "zoo_old_api": _spec_module("old_api").replace('api_version="1.0"', 'api_version="0.3"'),
+    "zoo_good": _spec_module("good"),
+}
+ZOO_ENTRY_POINTS = {
+    "import_fails": "zoo_import_fails",
+    "attr_missing": "zoo_ok:no_such_plugin",
+    "hook_raises": "zoo_hook_raises",
+    "default_raises": "zoo_default_raises",
+    "probe_raises": "zoo_probe_raises",
+    "unknown_hook": "zoo_unknown_hook",
+    "class_missing": "zoo_class_missing",
+    "names_class": "zoo_backends:GoodBackend",
+    "wrong_name": "zoo_wrong_name",
+    "bad_spec": "zoo_bad_spec",
+    "old_api": "zoo_old_api",
+    "good": "zoo_good",
+}
+
+
+@pytest.fixture(scope="module")
+def zoo_site(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    src = write_plugin_source(root / "src", "cgr-failure-zoo", ZOO_MODULES, ZOO_ENTRY_POINTS, version="0.4.2")
+    return install_plugin_distributions(root / "site", src)
+
+
+@pytest.fixture()
+def zoo(zoo_site, monkeypatch):
+    """The process registry, scanning with the zoo installed (the real discovery path)."""
+    monkeypatch.syspath_prepend(str(zoo_site))
+    registry.reset_registry()
+    return {e.name: e for e in registry.list_backends("cpu")}
+
+
+def test_module_that_fails_to_import(zoo):
+    row = zoo["import_fails"]
+    assert row.status == "failed" and row.distribution == "cgr-failure-zoo" and row.version == "0.4.2"
+    assert "entry point import_fails = 'zoo_import_fails'" in row.reason
+    assert "import of module 'zoo_import_fails' failed: ImportError: vendor SDK libzoo.so not found" in row.reason
+    assert isinstance(row.error, ImportError) and "libzoo.so" in str(row.error)  # the original, not a copy
+    with pytest.raises(BackendUnavailableError, match="import_fails.*libzoo.so") as info:
+        registry.resolve_decode_backend("import_fails", device="cpu")
+    assert info.value.__cause__ is row.error
+
+
+def test_entry_point_naming_a_missing_attribute(zoo):
+    row = zoo["attr_missing"]
+    assert row.status == "failed"
+    assert "module 'zoo_ok' has no attribute 'no_such_plugin'" in row.reason
+    assert isinstance(row.error, AttributeError)
+
+
+def test_specs_hook_that_raises(zoo):
+    row = zoo["hook_raises"]
+    assert row.status == "failed"
+    assert row.reason == "hook cuda_graph_runner_backend_specs raised RuntimeError: device table corrupt"
+    assert isinstance(row.error, RuntimeError)
+
+
+def test_default_hook_that_raises_fails_its_plugin_not_the_default(zoo):
+    assert zoo["default_raises"].status == "available"
+    assert registry.get_registry().default_backend("decode", "cpu") == "disabled"  # the others still answer
+    row = {e.name: e for e in registry.list_backends("cpu")}["default_raises"]
+    assert row.status == "failed"
+    assert ("hook cuda_graph_runner_default_backend(phase='decode', device_type='cpu') raised "
+            "LookupError: no default table for cpu") in row.reason
+    assert isinstance(row.error, LookupError)
+    assert registry.get_registry().default_backend("decode", "cpu") == "disabled"  # not called again
+
+
+def test_probe_that_raises(zoo):
+    row = zoo["probe_raises"]
+    assert row.status == "failed"
+    assert row.reason == "probe zoo_probe_raises:probe('cpu') raised ValueError: sensor offline"
+    with pytest.raises(BackendUnavailableError, match="probe_raises.*sensor offline") as info:
+        registry.resolve_decode_backend("probe_raises", device="cpu")
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_unknown_hook_is_named(zoo):
+    row = zoo["unknown_hook"]
+    assert row.status == "failed"
+    assert "implements unknown hook(s) ['cuda_graph_runner_backend_spec']" in row.reason
+    assert "cuda_graph_runner_backend_specs" in row.reason  # what it should have been
+
+
+def test_backend_class_reference_to_a_missing_class(zoo):
+    assert zoo["class_missing"].status == "available"  # discovery never imports the class
+    with pytest.raises(BackendLoadError, match=r"cannot import 'zoo_backends:NoSuchBackend'.*NoSuchBackend") as info:
+        registry.resolve_decode_backend("class_missing", device="cpu")
+    assert isinstance(info.value.__cause__, AttributeError)
+    row = {e.name: e for e in registry.list_backends("cpu")}["class_missing"]
+    assert row.status == "failed" and "NoSuchBackend" in row.reason  # recorded for later listings
+    with pytest.raises(BackendLoadError, match="NoSuchBackend"):  # and the same error type again
+        registry.resolve_decode_backend("class_missing", device="cpu")
+
+
+def test_entry_point_naming_the_class_instead_of_a_registration_module(zoo):
+    row = zoo["names_class"]
+    assert row.status == "failed"
+    assert "names the backend class GoodBackend" in row.reason and "registration module" in row.reason
+
+
+def test_entry_point_whose_module_gives_another_name(zoo):
+    row = zoo["wrong_name"]
+    assert row.status == "failed" and "gave no spec of that name (got ['other_name'])" in row.reason
+
+
+def test_malformed_spec_is_named(zoo):
+    row = zoo["bad_spec"]
+    assert row.status == "failed"
+    assert "invalid BackendSpec: phases 'decode' must be a non-empty tuple" in row.reason
+
+
+def test_api_version_mismatch_through_an_entry_point(zoo):
+    row = zoo["old_api"]
+    assert row.status == "unavailable"
+    assert "cgr-failure-zoo 0.4.2 implements plugin API 0.3, but this core provides plugin API 1.0" in row.reason
+
+
+def test_the_others_still_work(zoo):
+    assert zoo["good"].status == "available" and zoo["disabled"].status == "available"
+    backend = registry.resolve_decode_backend("good", device="cpu")
+    assert type(backend).__name__ == "GoodBackend" and backend.name == "good"
+    assert registry.resolve_decode_backend(None, device="cpu").name == "disabled"
+
+
+@pytest.mark.parametrize("plugin,error,cause", [
+    ("import_fails", "BackendLoadError: entry point import_fails = 'zoo_import_fails'", "ImportError: vendor SDK libzoo.so"),
+    ("attr_missing", "BackendLoadError: entry point attr_missing", "AttributeError"),
+    ("hook_raises", "BackendLoadError: plugin 'hook_raises' of cgr-failure-zoo 0.4.2: hook "
+                    "cuda_graph_runner_backend_specs raised", "RuntimeError: device table corrupt"),
+    ("probe_raises", "BackendUnavailableError: backend 'probe_raises' of cgr-failure-zoo: probe", "ValueError: sensor offline"),
+    ("bad_spec", "BackendLoadError: plugin 'bad_spec' of cgr-failure-zoo 0.4.2: invalid BackendSpec", None),
+])
+def test_strict_mode_environment_variable_reraises_with_the_cause(zoo_site, plugin, error, cause):
+    out = run_python("from cuda_graph_runner import registry; registry.list_backends('cpu')", pythonpath=[zoo_site],
+                     env={registry.ENV_STRICT: "1", registry.ENV_PLUGINS: plugin}, expect_ok=False)
+    assert out["returncode"] != 0
+    assert error in out["stderr"], out["stderr"]
+    if cause:
+        assert "direct cause of the following exception" in out["stderr"] and cause in out["stderr"], out["stderr"]
+
+
+def test_strict_flag_reraises_and_keeps_raising(zoo_site, monkeypatch):
+    monkeypatch.syspath_prepend(str(zoo_site))
+    monkeypatch.setenv(registry.ENV_PLUGINS, "import_fails,good")
+    reg = registry.BackendRegistry(strict=True)
+    with pytest.raises(BackendLoadError, match="libzoo.so") as info:
+        reg.names()
+    assert isinstance(info.value.__cause__, ImportError)
+    with pytest.raises(BackendLoadError, match="libzoo.so"):
+        reg.names()  # a half-built registry is never used silently
+    monkeypatch.delenv(registry.ENV_PLUGINS)
+    assert "import_fails" in registry.BackendRegistry(strict=False).names()
