@@ -38,9 +38,11 @@ unrelated pytest runs. Pin the core version you test against: a new minor versio
 the kit may add tests. The ``test_device_*`` tests carry no marker; select them with
 ``-k test_device`` (subclasses may add marks through ``device_marks``).
 
-This module also holds two helpers for testing plugin *packaging* (a throwaway
-distribution installed into a private directory, and a subprocess that sees it):
-:func:`install_plugin_distributions` and :func:`run_python`.
+This module also holds helpers for testing plugin *packaging*: a throwaway
+distribution installed into a private directory (:func:`write_plugin_source`,
+:func:`install_plugin_distributions`), a fresh interpreter that sees it
+(:func:`run_python`), and a picklable listing for multiprocessing children
+(:func:`registry_snapshot`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from ..hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
 __all__ = [
     "BackendConformanceTests",
     "install_plugin_distributions",
+    "registry_snapshot",
     "run_python",
     "write_plugin_source",
 ]
@@ -451,6 +454,12 @@ def _marked(fn: Any, marks: Sequence[Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- packaging helpers
+
+
+def registry_snapshot(device_type: Optional[str] = "cpu") -> List[Dict[str, str]]:
+    """``list_backends(device_type)`` as plain rows (``BackendEntry.as_row``), plus the
+    process id: picklable, so a multiprocessing child can report what it discovered."""
+    return [dict(e.as_row(), pid=str(os.getpid())) for e in registry.list_backends(device_type)]
 
 
 def write_plugin_source(directory: Path, dist_name: str, modules: Mapping[str, str],
