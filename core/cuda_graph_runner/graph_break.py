@@ -61,6 +61,10 @@ class EagerOp:
     custom_op: Any
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Under Dynamo: record the custom op (where tc_piecewise splits) and keep the
+            # thread-local handler lookup out of the trace.
+            return self.custom_op(*args, **kwargs)
         handler = _state.handler
         if handler is not None:
             return handler(self, args, kwargs)
@@ -121,9 +125,13 @@ def registered_eager_ops() -> Dict[str, EagerOp]:
 
 def is_eager_op_target(target: Any) -> bool:
     """True if an FX node target is one of the marked ops (a ``torch.ops`` overload or packet)."""
-    name = getattr(target, "name", None)
-    qualname = name() if callable(name) else None
-    if qualname is None:
+    # Packets (what Dynamo records for a custom-op call) have no name() in recent torch,
+    # only _qualified_op_name; overloads have name().
+    qualname = getattr(target, "_qualified_op_name", None)
+    if not isinstance(qualname, str):
+        name = getattr(target, "name", None)
+        qualname = name() if callable(name) else None
+    if not isinstance(qualname, str):
         return False
     # OpOverload.name() gives "ns::op.overload" or "ns::op"; packets give "ns::op".
     return qualname.split(".")[0] in {op.qualname for op in _registry.values()}
