@@ -1,0 +1,533 @@
+"""``BreakableCudaGraphBackend``: a graph broken into segments around the marked eager ops.
+
+Idea from sglang's breakable CUDA graph (PR #19102; ``BreakableCUDAGraph``,
+``eager_on_graph``) and vLLM's ``breakable_cudagraph.py``: one capture drives the whole
+forward; every op marked with :func:`cuda_graph_runner.graph_break.eager_op` ends the
+current graph segment, runs once eagerly, is recorded as a replay closure, and a new
+segment begins. Replay runs ``segment 0, op 0, segment 1, op 1, ..., segment N``, so the
+ops that must see live, variable-length metadata (prefill attention) run on the live
+batch while everything between them replays from graphs. No torch.compile.
+
+Memory and addresses:
+
+* every segment of every shape is captured into the one shared graph pool, so the
+  tensors a segment allocates (the op's ``output`` buffer, its inputs) stay at the
+  addresses the captured kernels use;
+* a marked op is replayed with its *capture-time* tensor arguments (static buffers,
+  weights, KV cache, graph-pool tensors: their addresses never move), while its host
+  metadata comes from ``get_forward_batch()``, which the runner points at the live batch
+  around every replay;
+* tensors an op *returns* were allocated between segments, outside the pool: they are
+  held for the graph's lifetime and each replay copies the new result into them, so the
+  next segment reads the same address (sglang's "bridge" output, held strongly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+import sys
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BreakableCaptureError", "BreakableCudaGraphBackend", "BreakableGraph", "EagerBreak"]
+
+
+class BreakableCaptureError(RuntimeError):
+    """A breakable capture cannot proceed (nested capture, an unusable op argument, a
+    segment that failed to end); the message says what to change."""
+
+
+# One breakable capture at a time per thread (CUDA allows one capture per process;
+# the graph-break handler is thread-local).
+_local = threading.local()
+
+
+def is_capturing() -> bool:
+    """True while this thread runs a breakable capture."""
+    return getattr(_local, "capture", None) is not None
+
+
+@dataclasses.dataclass
+class EagerBreak:
+    """One marked op between two segments, replayed eagerly.
+
+    Attributes:
+        op: the marked op.
+        args, kwargs: its capture-time arguments (tensors at stable addresses).
+        returned: what the op returned at capture, held for the graph's lifetime; each
+            replay copies the new result into it. None for out-ops (the usual case).
+    """
+
+    op: EagerOp
+    args: tuple
+    kwargs: Dict[str, Any]
+    returned: Any = None
+
+    def run(self) -> None:
+        result = call_eagerly(self.op, self.args, self.kwargs)
+        if self.returned is not None:
+            _copy_into(self.returned, result)
+
+
+@dataclasses.dataclass
+class BreakableGraph:
+    """The captured form of one shape: ``len(segments) == len(breaks) + 1``.
+
+    Attributes:
+        key: the shape.
+        segments: device graphs (``torch.cuda.CUDAGraph``), all in one pool.
+        breaks: the eager ops, ``breaks[i]`` running after ``segments[i]``.
+    """
+
+    key: ShapeKey
+    segments: List[Any] = dataclasses.field(default_factory=list)
+    breaks: List[EagerBreak] = dataclasses.field(default_factory=list)
+
+    def replay(self) -> None:
+        """``segment 0, op 0, segment 1, ..., segment N`` on the current stream."""
+        breaks = self.breaks
+        for i, segment in enumerate(self.segments):
+            segment.replay()
+            if i < len(breaks):
+                breaks[i].run()
+
+    def reset(self) -> None:
+        for segment in self.segments:
+            segment.reset()
+        self.segments.clear()
+        self.breaks.clear()
+
+    @property
+    def op_names(self) -> List[str]:
+        return [b.op.name for b in self.breaks]
+
+
+class BreakableCudaGraphBackend(BaseCudaGraphBackend):
+    """Backend ``breakable``: per shape, graph segments split at the marked eager ops.
+
+    Capture (per shape): ``num_warmups`` eager runs on the capture stream,
+    ``post_warmup_hook()``, a synchronize, then one run of ``forward_fn`` in which
+    segment 0 begins; each marked op ends the current segment (after joining any side
+    stream forked during it), runs eagerly on the capture stream, is recorded, and the
+    next segment begins; the last segment ends when ``forward_fn`` returns. Its return
+    value is kept as the shape's output (overwritten by every replay, like ``full``).
+
+    At capture a marked op runs once on inputs the segment before it has *recorded but
+    not computed*: it must not act on tensor values from the host (``.item()``, data
+    dependent shapes) or index with them; it reads host metadata from the forward
+    context.
+
+    Args (beyond :class:`~cuda_graph_runner.backend.BaseCudaGraphBackend`'s):
+        weak_ref_args: keep non-owning aliases of the ops' tensor arguments instead of
+            references (CUDA only; vLLM/sglang do this), so graph-pool blocks an op
+            reads can be reused by later segments and smaller shapes: much less graph
+            memory for many shapes. Requires every tensor argument to be either
+            persistent (weights, KV cache, static buffers) or allocated inside the
+            segment before the op; the default (False) holds references and is safe
+            for any argument.
+
+    Raises (from ``capture_one``):
+        BreakableCaptureError: nested capture; a marked op given a tensor that is not
+            on the capture device (a host tensor would replay its capture-time values);
+            a segment that could not end (e.g. a side stream left unjoined).
+        ValueError: the shape was already captured.
+    """
+
+    def __init__(self, *args: Any, weak_ref_args: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.weak_ref_args = bool(weak_ref_args)
+        self._graphs: Dict[ShapeKey, BreakableGraph] = {}
+        self._outputs: Dict[ShapeKey, Any] = {}
+        self._stream: Any = None
+        #: Replays since construction (tests and the bench read it).
+        self.num_replays = 0
+
+    # -- capture -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        if stream is None and self.device.type != "cpu" and hasattr(self.device_module, "Stream"):
+            # Eager ops between segments must run on the stream the segments capture on.
+            stream = self.device_module.Stream()
+        self._stream = stream
+        try:
+            yield
+        finally:
+            self._stream = None
+
+    def _on_stream(self) -> Any:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return self.device_module.stream(self._stream)
+
+    def capture_one(
+        self,
+        key: ShapeKey,
+        forward_fn: ForwardFn,
+        *,
+        post_warmup_hook: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """Warm up, then record ``forward_fn`` for ``key`` as segments and eager breaks.
+
+        Raises:
+            ValueError: ``key`` was already captured (``cleanup()`` first).
+            BreakableCaptureError: see the class docstring.
+        """
+        if key in self._graphs:
+            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
+        self._refuse_nested(key)
+        dm = self.device_module
+        for _ in range(self.num_warmups):
+            dm.synchronize()
+            with self._on_stream():
+                forward_fn()
+        if post_warmup_hook is not None:
+            post_warmup_hook()
+        dm.synchronize()
+
+        capture = _SegmentCapture(self, key)
+        _local.capture = capture
+        try:
+            with self._on_stream(), capture.tracker.installed(), break_handler(capture.on_op):
+                capture.begin_segment()
+                try:
+                    output = forward_fn()
+                except BaseException:
+                    capture.abort(sys.exc_info())
+                    raise
+                capture.end_segment()
+        except BaseException:
+            capture.graph.reset()
+            raise
+        finally:
+            _local.capture = None
+        self._graphs[key] = capture.graph
+        self._outputs[key] = output
+        logger.debug("breakable %s: %d segments, eager ops %s", key, len(capture.graph.segments),
+                     capture.graph.op_names)
+
+    def _refuse_nested(self, key: ShapeKey) -> None:
+        if is_capturing():
+            raise BreakableCaptureError(
+                f"nested capture: capture_one({key}) was called while another breakable capture "
+                f"({_local.capture.graph.key}) is running in this thread; CUDA graphs cannot nest")
+        capturing = getattr(self.device_module, "is_current_stream_capturing", None)
+        if capturing is not None and capturing():
+            raise BreakableCaptureError(
+                f"nested capture: capture_one({key}) was called while the current stream is already "
+                "capturing a graph; CUDA graphs cannot nest")
+
+    def check_op_args(self, op: EagerOp, args: tuple, kwargs: Dict[str, Any]) -> None:
+        """Refuse tensor arguments a replay could not reproduce.
+
+        Raises:
+            BreakableCaptureError: a tensor argument is not on the capture device.
+        """
+        for where, tensor in _named_tensors(op, args, kwargs):
+            if not _same_device(tensor.device, self.device):
+                raise BreakableCaptureError(
+                    f"marked op {op.qualname!r} was called during capture with argument {where} on "
+                    f"{tensor.device}, not on the capture device {self.device}: a replay passes the op "
+                    "the tensors of the capture, and a host tensor holds the values it had then "
+                    "(stale metadata). Pass device tensors at stable addresses (static buffers, weights, "
+                    "KV cache, tensors computed in the graph) and read host metadata inside the op "
+                    "from cuda_graph_runner.forward_context.get_forward_batch()")
+
+    def freeze(self, value: Any) -> Any:
+        """What a replay closure keeps of an op argument (the tensor, or a weak alias)."""
+        if isinstance(value, torch.Tensor):
+            if self.weak_ref_args and value.device.type == "cuda":
+                return weak_alias(value)
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.freeze(v) for v in value)
+        return value
+
+    # -- replay ------------------------------------------------------------------------
+    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
+        return key in self._graphs
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        """Replay ``key``'s segments and eager ops; returns the capture's output tensors.
+
+        The eager ops read the batch set by the caller's ``forward_context`` (the runner
+        sets the live, padded static batch).
+
+        Raises:
+            KeyError: no graph for ``key``.
+            BreakableCaptureError: called during a capture.
+        """
+        graph = self._graphs.get(key)
+        if graph is None:
+            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._graphs)}")
+        if is_capturing():
+            raise BreakableCaptureError(f"replay({key}) during a capture; replay after capture() returns")
+        graph.replay()
+        self.num_replays += 1
+        return self._outputs[key]
+
+    def cleanup(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+
+    # -- introspection -----------------------------------------------------------------
+    @property
+    def captured_keys(self) -> List[ShapeKey]:
+        """Captured keys, in capture order."""
+        return list(self._graphs)
+
+    def graph(self, key: ShapeKey) -> BreakableGraph:
+        """The segments and eager ops of ``key``.
+
+        Raises:
+            KeyError: not captured.
+        """
+        return self._graphs[key]
+
+
+class _SegmentCapture:
+    """State of one shape's capture: the open segment and the break handler."""
+
+    def __init__(self, backend: BreakableCudaGraphBackend, key: ShapeKey) -> None:
+        self.backend = backend
+        self.dm = backend.device_module
+        self.pool = backend.memory_pool
+        self.stream = backend._stream
+        self.graph = BreakableGraph(key)
+        self.tracker = _ForkTracker(self.dm, self.stream)
+        self._ctx: Any = None
+        self._in_op = False
+
+    def begin_segment(self) -> None:
+        segment = self.dm.CUDAGraph()
+        ctx = self.dm.graph(segment, pool=self.pool, stream=self.stream)
+        ctx.__enter__()
+        self.graph.segments.append(segment)
+        self._ctx = ctx
+        self.tracker.active = True
+
+    def end_segment(self) -> None:
+        index = len(self.graph.segments) - 1
+        # A forked stream left unjoined makes capture_end fail ("unjoined"): join first.
+        self.tracker.join()
+        ctx, self._ctx = self._ctx, None
+        try:
+            with warnings.catch_warnings():
+                # A segment may legitimately hold no kernel (two marked ops in a row).
+                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+                ctx.__exit__(None, None, None)
+        except Exception as exc:
+            raise BreakableCaptureError(
+                f"segment {index} of {self.graph.key} could not end its capture: {exc}. Common causes: a "
+                "host sync or host-dependent op inside the segment, or a side stream forked from the capture "
+                "stream and joined only through Event.wait (fork/join with Stream.wait_stream so the backend "
+                "can join it)") from exc
+
+    def abort(self, exc_info: Tuple[Any, Any, Any]) -> None:
+        """End the open segment after an error, keeping the original error."""
+        ctx, self._ctx = self._ctx, None
+        self.tracker.active = False
+        if ctx is None:
+            return
+        try:
+            ctx.__exit__(*exc_info)
+        except Exception:  # capture_end of an invalidated capture raises too
+            logger.debug("ending the capture after an error raised as well", exc_info=True)
+
+    def on_op(self, op: EagerOp, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        if self._in_op:
+            # A marked op inside another's eager run: part of the same eager region.
+            return call_eagerly(op, args, kwargs)
+        if self._ctx is None:
+            raise BreakableCaptureError(f"marked op {op.qualname!r} called while no segment is open")
+        self.backend.check_op_args(op, args, kwargs)
+        self.end_segment()
+        self._in_op = True
+        try:
+            result = call_eagerly(op, args, kwargs)
+        finally:
+            self._in_op = False
+        freeze = self.backend.freeze
+        self.graph.breaks.append(EagerBreak(
+            op=op,
+            args=tuple(freeze(a) for a in args),
+            kwargs={k: freeze(v) for k, v in kwargs.items()},
+            returned=result if _has_tensor(result) else None,
+        ))
+        self.begin_segment()
+        return result
+
+
+class _ForkTracker:
+    """Joins side streams forked from the capture stream before a segment ends.
+
+    While a segment captures, ``Stream.wait_event`` of the device module's stream class
+    is wrapped to note every stream that waits on an event (``s.wait_stream(capture)``
+    forks ``s`` into the capture). Before the segment ends, each noted stream that is
+    still capturing is joined back (``capture.wait_stream(s)``); CUDA refuses to end a
+    capture with an unjoined fork (sglang's breakable graph does the same).
+
+    Model code that forks before a marked op and joins after it (``cur.wait_stream(s)``
+    in the next segment) would then wait on work of an earlier capture, which CUDA
+    rejects (capture isolation); ``Stream.wait_stream`` is wrapped too, so such a join of
+    a stream this tracker already joined is skipped: the earlier segment, which replays
+    first on the same stream, already contains that work.
+    """
+
+    def __init__(self, dm: Any, capture_stream: Any) -> None:
+        self.dm = dm
+        self.capture_stream = capture_stream
+        self.active = False
+        self.forked: List[Any] = []
+        self.joined: List[Any] = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        cls = getattr(self.dm, "Stream", None)
+        wait_event_0 = getattr(cls, "wait_event", None) if cls is not None else None
+        wait_stream_0 = getattr(cls, "wait_stream", None) if cls is not None else None
+        if self.capture_stream is None or wait_event_0 is None:
+            yield
+            return
+        tracker = self
+
+        @functools.wraps(wait_event_0)
+        def wait_event(stream: Any, event: Any) -> None:
+            wait_event_0(stream, event)
+            if tracker.active and not _same_stream(stream, tracker.capture_stream):
+                tracker.forked.append(stream)
+
+        patches = {"wait_event": wait_event}
+        if wait_stream_0 is not None:
+            @functools.wraps(wait_stream_0)
+            def wait_stream(stream: Any, other: Any) -> None:
+                if (tracker.active and _contains(tracker.joined, other)
+                        and not tracker.is_capturing(other)):
+                    return
+                wait_stream_0(stream, other)
+
+            patches["wait_stream"] = wait_stream
+        saved = {name: cls.__dict__[name] for name in patches if name in cls.__dict__}
+        for name, fn in patches.items():
+            setattr(cls, name, fn)
+        try:
+            yield
+        finally:
+            for name in patches:
+                if name in saved:
+                    setattr(cls, name, saved[name])
+                else:
+                    delattr(cls, name)
+
+    def join(self) -> None:
+        """Join every stream forked during the open segment back into the capture stream."""
+        self.active = False
+        forked, self.forked = self.forked, []
+        for stream in forked:
+            if _contains(self.joined, stream) and not self.is_capturing(stream):
+                continue
+            if self.is_capturing(stream):
+                self.capture_stream.wait_stream(stream)
+                if not _contains(self.joined, stream):
+                    self.joined.append(stream)
+
+    def is_capturing(self, stream: Any) -> bool:
+        query = getattr(self.dm, "is_current_stream_capturing", None)
+        if query is None:
+            return True
+        with self.dm.stream(stream):
+            return bool(query())
+
+
+def _contains(streams: List[Any], stream: Any) -> bool:
+    return any(_same_stream(stream, s) for s in streams)
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def weak_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``tensor``'s memory without owning it (inductor's cudagraph-trees
+    helper ``torch._C._construct_storage_from_data_pointer``).
+
+    Valid only while the memory stays allocated: for graph-pool tensors, while the graphs
+    of the pool live. Falls back to ``tensor`` itself where torch lacks the helper.
+    """
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is None:
+        return tensor
+    storage = tensor.untyped_storage()
+    alias_storage = make(storage.data_ptr(), tensor.device, storage.nbytes())
+    alias = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(alias_storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def _same_stream(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_has_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    return False
+
+
+def _named_tensors(op: EagerOp, args: tuple, kwargs: Dict[str, Any]) -> Iterator[Tuple[str, torch.Tensor]]:
+    try:
+        bound = inspect.signature(op.fn).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {**{f"#{i}": a for i, a in enumerate(args)}, **kwargs}
+
+    def walk(name: str, value: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+        if isinstance(value, torch.Tensor):
+            yield repr(name), value
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                yield from walk(f"{name}[{i}]", v)
+
+    for name, value in bound.items():
+        yield from walk(name, value)
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+    elif isinstance(dst, dict):
+        for k in dst:
+            _copy_into(dst[k], src[k])
