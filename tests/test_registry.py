@@ -66,15 +66,23 @@ def test_default_on_cpu_is_disabled():
 
 
 def test_unknown_name_lists_installed_and_suggests_distribution(monkeypatch):
-    monkeypatch.setenv(registry.ENV_PLUGINS, "full")
-    registry.reset_registry()
+    monkeypatch.setitem(registry.WELL_KNOWN_DISTRIBUTIONS, "hexagon", "cuda-graph-runner-hexagon")
     with pytest.raises(UnknownBackendError) as info:
-        registry.resolve_prefill_backend({"backend": "breakable"}, device="cpu")
+        registry.resolve_decode_backend({"backend": "hexagon"}, device="cpu")
     msg = str(info.value)
-    assert "'breakable'" in msg and "pip install cuda-graph-runner-breakable" in msg
+    assert "'hexagon'" in msg and "pip install cuda-graph-runner-hexagon" in msg
     assert "full (cuda-graph-runner-full)" in msg and "disabled" in msg
     with pytest.raises(UnknownBackendError, match="Did you mean 'full'"):
         registry.resolve_decode_backend({"backend": "ful"}, device="cpu")
+
+
+def test_installed_but_filtered_plugin_says_why(monkeypatch):
+    monkeypatch.setenv(registry.ENV_PLUGINS, "full")
+    registry.reset_registry()
+    with pytest.raises(UnknownBackendError) as info:
+        registry.resolve_decode_backend({"backend": "npu"}, device="cpu")
+    assert "cuda-graph-runner-npu provides 'npu'" in str(info.value)
+    assert registry.ENV_PLUGINS in str(info.value)
 
 
 def test_phase_not_supported_is_named():
