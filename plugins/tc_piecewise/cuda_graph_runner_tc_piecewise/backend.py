@@ -1,0 +1,446 @@
+"""``TcPiecewiseCudaGraphBackend``: torch.compile split at the marked ops, each piece a CUDA graph per size.
+
+The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
+``compilation/``) and vLLM's piecewise mode, as a plugin. How it runs:
+
+``prepare(runner)`` (once, before the capture session)
+    Installs a trampoline as ``runner.model.forward`` (sglang ``install_torch_compiled``):
+    while this backend is at work (an *activity* is set: compile pass, warm-up, capture,
+    replay) the model's forward is ``torch.compile(original_forward, backend=
+    PiecewiseDynamoBackend, fullgraph=True)``; otherwise it is the original forward,
+    untouched (so the runner's eager fallback, and any other backend on the same model,
+    run the model as written). Then the *compile pass*: one forward per capture size,
+    largest first, that compiles and captures nothing. Its duration is
+    ``compile_seconds``.
+``capture_one(key, forward_fn)``
+    Calls ``forward_fn`` twice: call 1 warms every piece up for ``key``, call 2 records
+    each piece into its own ``CUDAGraph`` in the shared pool on the capture stream. The
+    marked ops (attention) run eagerly between the pieces during both.
+``replay(key, static_batch)``
+    Runs ``runner.graph_forward(static_batch)`` through the compiled forward: each piece
+    replays its graph for ``key`` and returns its capture-time outputs (stable
+    addresses), the marked ops run eagerly in between on the live batch
+    (``get_forward_batch()``), the last piece's output is the model's output.
+
+Dynamic shapes
+    Before a compiled call (except replays) dim 0 of every tensor of the batch is
+    marked dynamic (``torch._dynamo.mark_dynamic``) when it has at least 2 rows, so the
+    first compilation, made at the largest size, serves every size >= 2: Dynamo never
+    specializes on the first bucket and never recompiles across sizes. Sizes 0 and 1
+    are always specialized by Dynamo (``mark_dynamic`` of a size-1 dim is an error), so
+    a capture list containing 1 costs one more compilation, for size 1 alone, made in
+    the compile pass; it is never made while serving. The model's forward must read only
+    token-axis tensors of the batch (``input_ids``, ``positions``, ``out_cache_loc``):
+    Dynamo would guard on anything else it reads (host lists, request counts), which
+    is why per-request metadata is read inside marked ops only (Dynamo does not trace
+    into them).
+
+Grad mode
+    Every compiled call runs under ``torch.no_grad()`` so Dynamo's grad-mode guard is the
+    same at compile, capture and replay, whatever the caller's mode.
+
+CPU
+    On a device without graphs (``cpu``) capture is off by default
+    (``enable_capture=False``): every call runs the compiled pieces, which lets the CPU
+    check the compiled model against eager through the real runners.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+import types
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch._dynamo
+
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.forward_context import forward_context
+
+from .compiler import PIECE_COMPILERS, CompiledGraph, PiecewiseDynamoBackend
+from .errors import TcPiecewiseCompileError, exception_chain
+from .piece import Activity, GraphPiece, Mode, activity, current_activity
+from .split import SplitGraph, SplitItem
+
+logger = logging.getLogger(__name__)
+
+#: Set to 1 to check, at every replay, that each piece's inputs sit where they sat at capture.
+ENV_DEBUG = "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG"
+
+_INSTALL_ATTR = "_cuda_graph_runner_tc_piecewise"
+
+
+class _Installation:
+    """The trampoline installed on one model, shared by every tc_piecewise backend on it."""
+
+    def __init__(self, model: Any) -> None:
+        self.had_instance_forward = "forward" in getattr(model, "__dict__", {})
+        self.original: Callable[..., Any] = model.forward
+        self.owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def install_trampoline(model: Any) -> _Installation:
+    """Make ``model.forward`` dispatch to the active tc_piecewise backend (idempotent).
+
+    The trampoline calls ``backend._run`` while a backend whose model this is has an
+    activity set, and the original forward otherwise.
+    """
+    inst = model.__dict__.get(_INSTALL_ATTR)
+    if inst is not None:
+        return inst
+    inst = _Installation(model)
+    original = inst.original
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        act = current_activity()
+        if act is not None and act.owner._installation is inst:
+            return act.owner._run(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    model.__dict__[_INSTALL_ATTR] = inst
+    model.__dict__["forward"] = forward
+    return inst
+
+
+def uninstall_trampoline(model: Any) -> None:
+    """Give ``model`` its original forward back."""
+    inst = model.__dict__.pop(_INSTALL_ATTR, None)
+    if inst is None:
+        return
+    if inst.had_instance_forward:
+        model.__dict__["forward"] = inst.original
+    else:
+        model.__dict__.pop("forward", None)
+
+
+def _entry_function(original: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``lambda *a, **k: original(*a, **k)`` with a code object of its own.
+
+    Dynamo keeps its cache (and its recompile limit) per code object; a code object per
+    backend keeps two backends on one model (decode and prefill) from sharing, or
+    evicting, each other's entries.
+    """
+
+    def tc_piecewise_forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    code = tc_piecewise_forward.__code__
+    name = f"tc_piecewise_forward_{tag}"
+    changes: Dict[str, Any] = {"co_name": name}
+    if hasattr(code, "co_qualname"):
+        changes["co_qualname"] = name
+    return types.FunctionType(code.replace(**changes), tc_piecewise_forward.__globals__, name, None,
+                              tc_piecewise_forward.__closure__)
+
+
+def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:
+    """Mark dim 0 of every tensor (and every tensor field of a dataclass argument such
+    as ``ForwardBatch``) dynamic, when it has at least 2 rows (0/1 always specialize)."""
+
+    def mark(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.dim() >= 1 and value.shape[0] >= 2:
+                torch._dynamo.mark_dynamic(value, 0)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                item = getattr(value, field.name, None)
+                if isinstance(item, torch.Tensor):
+                    mark(item)
+
+    for value in list(args) + list(kwargs.values()):
+        mark(value)
+
+
+class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
+    """torch.compile split at the marked ops; each compiled piece captured per size.
+
+    Args (beyond :class:`~cuda_graph_runner.backend.BaseCudaGraphBackend`'s):
+        compiler: ``"eager"`` or ``"inductor"``; None reads ``phase_config.tc_compiler``
+            (default ``"eager"``).
+        enable_capture: record CUDA graphs; None: on unless the device is ``cpu``. Off,
+            every call runs the compiled pieces (the CPU tests' mode).
+        weak_ref_outputs: keep piece outputs as non-owning aliases (see
+            :mod:`~cuda_graph_runner_tc_piecewise.piece`); None: on for real CUDA
+            capture, off otherwise (a fake device module, or no pool to keep memory alive).
+        debug: check input addresses at every replay; None reads ``$CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG``.
+
+    Attributes:
+        compile_seconds: duration of the last ``prepare()`` (Dynamo trace, split, piece
+            compilation and the compile pass's forwards), None before.
+        compiled_graphs: every :class:`CompiledGraph` Dynamo asked for, in order (one
+            for sizes >= 2, one more when size 1 is captured).
+        dynamo_compiles: ``len(compiled_graphs)``.
+
+    Raises:
+        ValueError: unknown compiler.
+        TcPiecewiseCompileError: (from ``prepare``) torch.compile could not trace the
+            model's forward as one graph, or a piece failed to compile; the message names
+            the forward or the piece and the op.
+        TcPiecewiseRuntimeError: a piece failed while compiling, warming up or capturing.
+    """
+
+    #: Call 1 warms the pieces up, call 2 captures them (sglang's tc_piecewise capture_one).
+    num_warmups = 1
+
+    def __init__(
+        self,
+        device: "torch.device | str" = "cuda",
+        *,
+        phase: str = "decode",
+        phase_config: Any = None,
+        memory_pool: Any = None,
+        device_module: Any = None,
+        compiler: Optional[str] = None,
+        enable_capture: Optional[bool] = None,
+        weak_ref_outputs: Optional[bool] = None,
+        debug: Optional[bool] = None,
+    ) -> None:
+        super().__init__(device, phase=phase, phase_config=phase_config, memory_pool=memory_pool,
+                         device_module=device_module)
+        self.compiler = compiler or getattr(phase_config, "tc_compiler", None) or "eager"
+        if self.compiler not in PIECE_COMPILERS:
+            raise ValueError(f"unknown tc_compiler {self.compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
+        self.capture_enabled = self.device.type != "cpu" if enable_capture is None else bool(enable_capture)
+        if weak_ref_outputs is None:
+            weak_ref_outputs = (self.capture_enabled and self.device.type == "cuda"
+                                and device_module in (None, getattr(torch, "cuda", None)))
+        self.weak_ref_outputs = bool(weak_ref_outputs)
+        self.debug = os.environ.get(ENV_DEBUG, "") not in ("", "0") if debug is None else bool(debug)
+        self.compile_seconds: Optional[float] = None
+        self.compiled_graphs: List[CompiledGraph] = []
+        self._runner: Any = None
+        self._model: Any = None
+        self._installation: Optional[_Installation] = None
+        self._compiled: Optional[Callable[..., Any]] = None
+        self._captured: Dict[ShapeKey, None] = {}
+        self._stream: Any = None
+
+    # -- introspection -------------------------------------------------------------------
+    @property
+    def capture_stream(self) -> Any:
+        """The stream pieces capture on (bound by ``capture_session``), or None."""
+        return self._stream
+
+    @property
+    def dynamo_compiles(self) -> int:
+        return len(self.compiled_graphs)
+
+    @property
+    def split(self) -> Optional[SplitGraph]:
+        """The split of the first (general-size) compiled graph, None before ``prepare``."""
+        return self.compiled_graphs[0].split if self.compiled_graphs else None
+
+    @property
+    def pieces(self) -> List[GraphPiece]:
+        """The :class:`GraphPiece` objects of the first compiled graph, in order."""
+        return list(self.compiled_graphs[0].pieces) if self.compiled_graphs else []
+
+    @property
+    def captured_keys(self) -> List[ShapeKey]:
+        """Captured keys, in capture order."""
+        return list(self._captured)
+
+    # -- setup -----------------------------------------------------------------------------
+    def prepare(self, runner: Any) -> None:
+        """Install the compiled forward on ``runner.model`` and run the compile pass.
+
+        The compile pass runs ``runner.graph_forward`` once per ``runner.capture_sizes``
+        (largest first) on ``runner.capture_prepare(size)`` inside the forward context:
+        Dynamo traces at the largest size with the token axis dynamic; the other sizes
+        check that no recompilation happens (size 1, if listed, compiles once more).
+
+        Raises:
+            TcPiecewiseCompileError, TcPiecewiseRuntimeError: see the class.
+        """
+        start = time.perf_counter()
+        self._bind(runner.model)
+        self._runner = runner
+        init = getattr(runner.model, "init_forward_metadata_capture", None)
+        for size in sorted(set(runner.capture_sizes), reverse=True):
+            batch = runner.capture_prepare(size)
+            if init is not None:
+                init(batch)
+            with forward_context(batch), activity(self, Mode.COMPILE, runner.make_key(size)):
+                runner.graph_forward(batch)
+        self._synchronize()
+        self.compile_seconds = time.perf_counter() - start
+        logger.info("tc_piecewise (%s, %s): %d Dynamo graph(s), %d pieces, compile pass %.2f s",
+                    self.phase, self.compiler, self.dynamo_compiles, len(self.pieces), self.compile_seconds)
+
+    def _bind(self, model: Any) -> None:
+        if self._model is model:
+            return
+        if self._model is not None:
+            raise RuntimeError("tc_piecewise: this backend is bound to another model; build a new backend")
+        self._installation = install_trampoline(model)
+        self._installation.owners.add(self)
+        self._model = model
+        entry = _entry_function(self._installation.original, f"{self.phase}_{id(self):x}")
+        dynamo_backend = PiecewiseDynamoBackend(self.compiler, self._make_piece, self._on_compiled)
+        self._compiled = torch.compile(entry, backend=dynamo_backend, fullgraph=True)
+
+    def uninstall(self) -> None:
+        """Drop the graphs and stop using the model; its original forward comes back when
+        no other tc_piecewise backend uses it."""
+        self.cleanup()
+        inst, model = self._installation, self._model
+        if inst is not None:
+            inst.owners.discard(self)
+            if not len(inst.owners):
+                uninstall_trampoline(model)
+        self._installation = self._model = self._compiled = self._runner = None
+
+    def _make_piece(self, split: SplitGraph, item: SplitItem, compiled: Any) -> GraphPiece:
+        return GraphPiece(self, compiled, name=item.name, description=split.describe(item),
+                          is_first=item.piece_index == 0)
+
+    def _on_compiled(self, graph: CompiledGraph) -> None:
+        self.compiled_graphs.append(graph)
+        act = current_activity()
+        if act is not None and act.mode is Mode.REPLAY:
+            # A guard failed while serving (sglang: "dynamo recompiled at serving time"):
+            # the new pieces have no graphs, so this shape runs compiled but uncaptured.
+            warnings.warn(
+                f"tc_piecewise: torch.compile recompiled the {self.phase} forward during replay of {act.key} "
+                "(a Dynamo guard failed); it runs without CUDA graphs. Set TORCH_LOGS=recompiles to see why.",
+                RuntimeWarning, stacklevel=2)
+
+    # -- the compiled forward ------------------------------------------------------------
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        """The compiled forward (called by the trampoline under this backend's activity)."""
+        act = current_activity()
+        if act is None or act.mode is not Mode.REPLAY:
+            mark_dynamic_tokens(args, kwargs)
+        with torch.no_grad():
+            try:
+                return self._compiled(*args, **kwargs)  # type: ignore[misc]
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                raise self._compile_error(exc) from exc
+
+    def _compile_error(self, exc: BaseException) -> BaseException:
+        """Our own piece-compile error, unwrapped from Dynamo's; else a trace failure."""
+        for e in exception_chain(exc):
+            if isinstance(e, TcPiecewiseCompileError):
+                return TcPiecewiseCompileError(str(e))
+        from cuda_graph_runner.graph_break import registered_eager_ops
+
+        model = type(self._model).__name__
+        marked = ", ".join(sorted(op.qualname for op in registered_eager_ops().values())) or "none registered"
+        text = str(exc).strip()
+        lines = text.splitlines()
+        detail = "\n".join(lines[:25]) + ("\n..." if len(lines) > 25 else "")
+        return TcPiecewiseCompileError(
+            f"tc_piecewise: torch.compile could not turn {model}.forward into one graph to split at the marked ops "
+            f"({marked}); the model code must be traceable by Dynamo with fullgraph=True (mark eager-only code "
+            f"with cuda_graph_runner.graph_break.eager_op). Dynamo says: {type(exc).__name__}: {detail}")
+
+    def forward_compiled(self, batch: ForwardBatch, key: Optional[ShapeKey] = None) -> Any:
+        """``model.forward(batch)`` through the compiled pieces, outside the runner.
+
+        Pieces replay their graphs when ``key`` was captured and ``batch`` is its static
+        batch; otherwise (any other size) they run compiled without graphs.
+
+        Raises:
+            RuntimeError: ``prepare`` was not called.
+        """
+        self._require_prepared()
+        with forward_context(batch), activity(self, Mode.REPLAY, key if key in self._captured else None):
+            return self._run(batch)
+
+    # -- the contract --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        self._stream = stream
+        try:
+            yield
+        finally:
+            self._stream = None
+
+    def _on_stream(self) -> Any:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return self.device_module.stream(self._stream)
+
+    def _synchronize(self) -> None:
+        if self.device.type != "cpu" or self._device_module is not None:
+            self.device_module.synchronize()
+
+    def _require_prepared(self) -> None:
+        if self._runner is None or self._compiled is None:
+            raise RuntimeError("tc_piecewise: call prepare(runner) first (the runner's capture() does)")
+
+    def capture_one(
+        self,
+        key: ShapeKey,
+        forward_fn: ForwardFn,
+        *,
+        post_warmup_hook: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """Warm up every piece for ``key`` (call 1), then capture each (call 2).
+
+        Raises:
+            RuntimeError: ``prepare`` was not called.
+            ValueError: ``key`` is already captured.
+            TcPiecewiseRuntimeError: a piece failed (names the piece and the op).
+        """
+        self._require_prepared()
+        if key in self._captured:
+            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
+        for _ in range(self.num_warmups):
+            self._synchronize()
+            with self._on_stream(), activity(self, Mode.WARMUP, key):
+                forward_fn()
+        if post_warmup_hook is not None:
+            post_warmup_hook()
+        self._synchronize()
+        with self._on_stream(), activity(self, Mode.CAPTURE, key):
+            forward_fn()
+        self._synchronize()
+        self._captured[key] = None
+
+    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
+        return key in self._captured
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        """Run ``runner.graph_forward(static_batch)`` with every piece replaying its graph.
+
+        Raises:
+            KeyError: ``key`` was not captured.
+        """
+        if key not in self._captured:
+            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._captured)}")
+        with activity(self, Mode.REPLAY, key):
+            return self._runner.graph_forward(static_batch)
+
+    def cleanup(self) -> None:
+        """Drop every piece's graphs and outputs; compiled pieces (and Dynamo's cache) stay,
+        so ``prepare`` + capture again costs no compilation."""
+        for graph in self.compiled_graphs:
+            for piece in graph.pieces:
+                piece.reset()
+        self._captured.clear()
+
+    def piece_calls(self) -> Dict[str, int]:
+        """Calls per mode summed over the pieces of every compiled graph (for tests and logs)."""
+        total: Dict[str, int] = {}
+        for graph in self.compiled_graphs:
+            for piece in graph.pieces:
+                for mode, n in piece.calls.items():
+                    total[mode] = total.get(mode, 0) + n
+        return total
+
+
+__all__ = ["TcPiecewiseCudaGraphBackend", "install_trampoline", "uninstall_trampoline", "mark_dynamic_tokens",
+           "Activity"]
