@@ -15,8 +15,8 @@ Contract checks (when a backend class is checked against ``BaseCudaGraphBackend`
 * a spec whose ``backend_class`` is a class object (in-process plugins) is checked when
   it registers: nothing extra is imported;
 * a spec whose ``backend_class`` is a ``"module:Class"`` string is checked when that
-  backend is first resolved, or when :func:`verify` / :func:`verify_all` (the CLI's
-  ``backends --check``) asks for it. Discovery and listing never import backend code,
+  backend is first resolved, or when :func:`verify` / :func:`verify_all` asks for it
+  (what a CLI ``backends --check`` calls). Discovery and listing never import backend code,
   so one vendor's heavy or broken module costs nothing to users of another backend.
 
 Either way the outcome is recorded on the entry: a violation marks the backend
@@ -683,8 +683,7 @@ class BackendRegistry:
     def verify(self, name: str) -> BackendEntry:
         """Import the class of ``name`` and check it against the contract, now.
 
-        This is the explicit form of the check ``resolve`` does on first use (the CLI's
-        ``backends --check``). The outcome is recorded on the entry, so ``list_backends``
+        This is the explicit form of the check ``resolve`` does on first use. The outcome is recorded on the entry, so ``list_backends``
         shows a violation from then on. A backend that is unavailable on this machine
         and whose class cannot even be imported here (a vendor SDK missing) is left
         unavailable with ``contract = "not checked: ..."`` rather than marked failed.
@@ -1025,7 +1024,7 @@ def verify(name: str) -> BackendEntry:
 
 
 def verify_all() -> List[BackendEntry]:
-    """Import and contract-check every registered backend (``cuda-graph-runner backends --check``)."""
+    """Import and contract-check every registered backend; see :meth:`BackendRegistry.verify_all`."""
     return get_registry().verify_all()
 
 
