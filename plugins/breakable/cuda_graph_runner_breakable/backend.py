@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -42,7 +43,11 @@ from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BreakableCaptureError", "BreakableCudaGraphBackend", "BreakableGraph", "EagerBreak"]
+__all__ = ["BreakableCaptureError", "BreakableCudaGraphBackend", "BreakableGraph", "EagerBreak", "ENV_WEAK_REF_ARGS"]
+
+#: ``1`` turns ``weak_ref_args`` on for backends built without the argument (the registry
+#: builds them so), e.g. to compare graph memory in a benchmark.
+ENV_WEAK_REF_ARGS = "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS"
 
 
 class BreakableCaptureError(RuntimeError):
@@ -136,8 +141,9 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             reads can be reused by later segments and smaller shapes: much less graph
             memory for many shapes. Requires every tensor argument to be either
             persistent (weights, KV cache, static buffers) or allocated inside the
-            segment before the op; the default (False) holds references and is safe
-            for any argument.
+            segment before the op; False holds references and is safe for any
+            argument. None (default): False unless the environment variable
+            ``CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS`` is ``1``.
 
     Raises (from ``capture_one``):
         BreakableCaptureError: nested capture; a marked op given a tensor that is not
@@ -146,8 +152,10 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         ValueError: the shape was already captured.
     """
 
-    def __init__(self, *args: Any, weak_ref_args: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, weak_ref_args: Optional[bool] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if weak_ref_args is None:
+            weak_ref_args = os.environ.get(ENV_WEAK_REF_ARGS, "") not in ("", "0")
         self.weak_ref_args = bool(weak_ref_args)
         self._graphs: Dict[ShapeKey, BreakableGraph] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
