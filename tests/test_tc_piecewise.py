@@ -30,7 +30,7 @@ from cuda_graph_runner.testing.batches import (
     make_dummy_prompts,
     make_extend_batch,
 )
-from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+from cuda_graph_runner.testing.fakes import FakeGraph, FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import ModelConfig, ReferenceLlamaForCausalLM
 
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler
@@ -431,6 +431,92 @@ def test_weak_ref_tensor_aliases_without_owning():
     torch.testing.assert_close(weak, view)
     assert weak.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     assert weak_ref_tensor(3) == 3
+
+
+# ----------------------------------------------------------------------------- replay emulated on the CPU
+class EmulatedGraph(FakeGraph):
+    """A graph whose replay re-runs the piece call made during its capture on the *captured*
+    argument tensors and writes the result into the *captured* output tensors: what a CUDA
+    graph does to memory. So replays only see live data if every address is stable."""
+
+    replay_fn = None
+
+    def replay(self) -> None:
+        super().replay()
+        self.module.replays += 1
+        self.replay_fn()
+
+    def reset(self) -> None:
+        super().reset()
+        self.replay_fn = None
+
+
+class EmulatedGraphs(FakeGraphDeviceModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.replays = 0
+
+    def CUDAGraph(self):  # noqa: N802 - mirrors torch.cuda
+        return EmulatedGraph(self)
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s_ in zip(dst, src):
+            _copy_into(d, s_)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Pieces compiled by a compiler that records, inside a capture, how to replay the call."""
+    dm = EmulatedGraphs()
+    real = tc_compiler.PIECE_COMPILERS["eager"]
+
+    def compile_recording(module, example_inputs):
+        fn = real(module, example_inputs)
+
+        def run(*args):
+            out = fn(*args)
+            if dm.capturing is not None:
+                dm.capturing.replay_fn = lambda: _copy_into(out, fn(*args))
+            return out
+
+        return run
+
+    monkeypatch.setitem(tc_compiler.PIECE_COMPILERS, "eager", compile_recording)
+    return dm
+
+
+def test_emulated_replay_of_the_reference_model_equals_eager_in_both_phases(emulated):
+    model = ReferenceLlamaForCausalLM.from_preset("tiny")
+    model.create_kv_cache(num_slots=24 * 64 + 1, max_reqs=25, max_context_len=64)
+    cache = model.kv_cache
+    decode = decode_runner(model, [1, 2, 4, 8], backend=backend("decode", device_module=emulated, enable_capture=True))
+    prefill = prefill_runner(model, [8, 16, 32, 64],
+                             backend=backend("prefill", device_module=emulated, enable_capture=True))
+    with torch.no_grad():
+        decode.capture()
+        prefill.capture()
+        for bs in (1, 3, 8):
+            session = GreedySession(model, cache)
+            session.prefill(make_dummy_prompts(bs, [3 + i % 5 for i in range(bs)], model.config.vocab_size, seed=bs))
+            session.decode()
+            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+            expected = eager_logits_fn(model)(batch).clone()
+            before = emulated.replays
+            torch.testing.assert_close(decode.forward(batch), expected, rtol=1e-5, atol=1e-5, msg=f"decode bs {bs}")
+            assert emulated.replays - before == model.config.num_hidden_layers + 1
+            session.close()
+        prompts = make_dummy_prompts(4, [5, 9, 12, 3], model.config.vocab_size, seed=7)
+        expected = greedy_generate(model, cache, prompts, 6)
+        before = emulated.replays
+        got = greedy_generate(model, cache, prompts, 6, prefill_fn=prefill.forward, decode_fn=decode.forward)
+        assert got == expected and emulated.replays > before
+        chunked = greedy_generate(model, cache, prompts, 4, prefill_fn=prefill.forward, decode_fn=decode.forward,
+                                  chunk_size=4)
+        assert chunked == greedy_generate(model, cache, prompts, 4, chunk_size=4)
 
 
 # ----------------------------------------------------------------------------- config and errors

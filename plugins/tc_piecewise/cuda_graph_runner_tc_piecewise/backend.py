@@ -61,6 +61,7 @@ import torch
 import torch._dynamo
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.errors import BackendUnavailableError
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.forward_context import forward_context
 
@@ -181,6 +182,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
 
     Raises:
         ValueError: unknown compiler.
+        cuda_graph_runner.errors.BackendUnavailableError: ``inductor`` on CUDA without Triton.
         TcPiecewiseCompileError: (from ``prepare``) torch.compile could not trace the
             model's forward as one graph, or a piece failed to compile; the message names
             the forward or the piece and the op.
@@ -208,6 +210,13 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self.compiler = compiler or getattr(phase_config, "tc_compiler", None) or "eager"
         if self.compiler not in PIECE_COMPILERS:
             raise ValueError(f"unknown tc_compiler {self.compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
+        if self.compiler == "inductor" and self.device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise BackendUnavailableError(
+                    "tc_piecewise: tc_compiler 'inductor' on CUDA needs Triton (pip install triton); "
+                    "or use tc_compiler 'eager'")
         self.capture_enabled = self.device.type != "cpu" if enable_capture is None else bool(enable_capture)
         if weak_ref_outputs is None:
             weak_ref_outputs = (self.capture_enabled and self.device.type == "cuda"
@@ -284,7 +293,22 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self._installation.owners.add(self)
         self._model = model
         entry = _entry_function(self._installation.original, f"{self.phase}_{id(self):x}")
-        dynamo_backend = PiecewiseDynamoBackend(self.compiler, self._make_piece, self._on_compiled)
+        # The Dynamo backend lives in Dynamo's cache (out of the garbage collector's reach):
+        # it reaches this backend only weakly, so dropping the runner frees everything.
+        ref = weakref.ref(self)
+
+        def make_piece(split: SplitGraph, item: SplitItem, compiled: Any) -> GraphPiece:
+            owner = ref()
+            if owner is None:
+                raise RuntimeError("tc_piecewise: the backend was garbage collected")
+            return owner._make_piece(split, item, compiled)
+
+        def on_compiled(graph: CompiledGraph) -> None:
+            owner = ref()
+            if owner is not None:
+                owner._on_compiled(graph)
+
+        dynamo_backend = PiecewiseDynamoBackend(self.compiler, make_piece, on_compiled)
         self._compiled = torch.compile(entry, backend=dynamo_backend, fullgraph=True)
 
     def uninstall(self) -> None:

@@ -29,6 +29,7 @@ import contextvars
 import dataclasses
 import enum
 import unittest.mock
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -144,7 +145,9 @@ class GraphPiece:
     """
 
     def __init__(self, owner: Any, compiled: Any, *, name: str, description: str, is_first: bool) -> None:
-        self.owner = owner
+        # Weak: Dynamo's cache (out of the garbage collector's reach) holds the pieces, so a
+        # strong reference would keep the backend, its runner and its graphs alive forever.
+        self._owner = weakref.ref(owner)
         self.compiled = compiled
         self.name = name
         self.description = description
@@ -152,9 +155,14 @@ class GraphPiece:
         self.entries: Dict[ShapeKey, _Entry] = {}
         self.calls: Dict[str, int] = {"compile": 0, "warmup": 0, "capture": 0, "replay": 0, "run": 0}
 
+    @property
+    def owner(self) -> Any:
+        """The backend (None once it is gone)."""
+        return self._owner()
+
     def __call__(self, *args: Any) -> Any:
         act = _ACTIVITY.get()
-        if act is None or act.owner is not self.owner:
+        if act is None or act.owner is not self._owner():
             self.calls["run"] += 1
             return self.compiled(*args)
         mode = act.mode

@@ -1,0 +1,225 @@
+"""GPU: the tc_piecewise backend (torch.compile pieces captured per size) replays the
+reference model as eager runs it, in decode and prefill, with both compilers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_graph_runner.config import PhaseConfig
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.testing.batches import (
+    GreedySession,
+    eager_logits_fn,
+    greedy_generate,
+    make_decode_batch,
+    make_dummy_prompts,
+    make_extend_batch,
+)
+from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+
+pytestmark = pytest.mark.gpu
+
+
+def _has_triton() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+
+        return bool(has_triton())
+    except Exception:
+        return False
+
+
+COMPILERS = [
+    "eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(not _has_triton(), reason="inductor on CUDA needs Triton")),
+]
+
+
+@pytest.fixture(scope="module")
+def fp32_model():
+    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
+    model.create_kv_cache(num_slots=48 * 64 + 1, max_reqs=49, max_context_len=64)
+    return model
+
+
+def _backend_type():
+    from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
+
+    return TcPiecewiseCudaGraphBackend
+
+
+def _replays(backend) -> int:
+    return backend.piece_calls()["replay"]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
+    model = fp32_model
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"backend": "tc_piecewise", "max_bs": 16, "tc_compiler": compiler}}, show_progress=False)
+    be = runner.backend
+    assert isinstance(be, _backend_type()) and be.compiler == compiler
+    with torch.no_grad():
+        runner.capture()
+    assert runner.capture_sizes == [1, 2, 4, 8, 12, 16]
+    assert be.capture_enabled and be.weak_ref_outputs
+    assert len(be.pieces) == model.config.num_hidden_layers + 1
+    assert be.dynamo_compiles == 2  # every size >= 2 shares one graph; size 1 is specialized
+    assert be.compile_seconds and be.compile_seconds > 0
+    eager = eager_logits_fn(model)
+    cache = model.kv_cache
+    for bs in sorted(set(runner.capture_sizes + [3, 5, 13, 17])):
+        session = GreedySession(model, cache)
+        with torch.no_grad():
+            session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], model.config.vocab_size, seed=bs))
+            for _ in range(2):  # requests of different lengths
+                session.decode()
+            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+            expected = eager(batch).clone()
+            before = _replays(be)
+            assert runner.can_run(batch) == (bs <= 16)
+            got = runner.forward(batch).clone()
+        replayed = _replays(be) - before
+        if bs <= 16:
+            assert replayed == len(be.pieces), f"bs {bs}: {replayed} piece replays"
+        else:
+            assert replayed == 0  # above max_bs: the runner's eager path, the original forward
+        assert got.shape == expected.shape == (bs, model.config.vocab_size)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"{compiler} decode bs {bs}")
+        session.close()
+    assert be.dynamo_compiles == 2, "torch.compile recompiled while serving"
+    runner.cleanup()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
+    model = fp32_model
+    runner = PrefillCudaGraphRunner(
+        model, {"prefill": {"backend": "tc_piecewise", "max_bs": 64, "tc_compiler": compiler}}, show_progress=False)
+    be = runner.backend
+    assert isinstance(be, _backend_type()) and be.compiler == compiler
+    with torch.no_grad():
+        runner.capture()
+    assert be.dynamo_compiles == 1  # prefill sizes start at 4: one graph
+    eager = eager_logits_fn(model)
+    cache = model.kv_cache
+    # (prompt lengths, whole prompt replays a graph): 8 and 32 tokens are captured sizes;
+    # 13 -> 16, 5 -> 8, 63 -> 64 are padded; 81 > 64 runs eagerly.
+    cases = [((8,), True), ((5, 3), True), ((13,), True), ((3, 2), True), ((20, 10, 2), True),
+             ((30, 33), True), ((40, 41), False)]
+
+    def check(batch, what):
+        expected = eager(batch).clone()
+        before = _replays(be)
+        graphed = runner.can_run(batch)
+        got = runner.forward(batch).clone()
+        assert _replays(be) - before == (len(be.pieces) if graphed else 0), what
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4,
+                                   msg=f"{compiler} prefill {what} ({batch.num_tokens} tokens)")
+        return graphed
+
+    for i, (lens, graphed) in enumerate(cases):
+        prompts = make_dummy_prompts(len(lens), list(lens), model.config.vocab_size, seed=30 + i)
+        with torch.no_grad():
+            whole = make_extend_batch(cache, prompts)
+            assert check(whole, f"prompts {list(lens)}") == graphed
+            for r in whole.req_pool_indices.tolist():
+                cache.free_request(r)
+            # Two chunks of the same requests: the second has cached prefixes (chunked prefill).
+            first = make_extend_batch(cache, [p[: max(1, len(p) // 2)] for p in prompts])
+            rows = first.req_pool_indices.tolist()
+            second = make_extend_batch(cache, [p[max(1, len(p) // 2):] for p in prompts], rows=rows)
+            check(first, f"first chunks of {list(lens)}")
+            check(second, f"second chunks of {list(lens)}")
+            for r in rows:
+                cache.free_request(r)
+    assert be.dynamo_compiles == 1, "torch.compile recompiled while serving"
+    runner.cleanup()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_greedy_generation_with_tc_piecewise_prefill_and_decode_gives_eager_tokens(fp32_model, compiler):
+    model = fp32_model
+    cfg = {"decode": {"backend": "tc_piecewise", "max_bs": 8, "tc_compiler": compiler},
+           "prefill": {"backend": "tc_piecewise", "max_bs": 128, "tc_compiler": compiler}}
+    decode = DecodeCudaGraphRunner(model, cfg, show_progress=False)
+    prefill = PrefillCudaGraphRunner(model, cfg, show_progress=False)
+    with torch.no_grad():
+        decode.capture()
+        prefill.capture()
+        for bs in (1, 3, 8):
+            prompts = make_dummy_prompts(bs, [5 + (3 * i) % 12 for i in range(bs)], model.config.vocab_size, seed=bs)
+            expected = greedy_generate(model, model.kv_cache, prompts, 12)
+            got = greedy_generate(model, model.kv_cache, prompts, 12, prefill_fn=prefill.forward,
+                                  decode_fn=decode.forward)
+            assert got == expected, f"{compiler} bs={bs}"
+            chunked = greedy_generate(model, model.kv_cache, prompts, 6, prefill_fn=prefill.forward,
+                                      decode_fn=decode.forward, chunk_size=4)
+            assert chunked == greedy_generate(model, model.kv_cache, prompts, 6, chunk_size=4), \
+                f"{compiler} chunked bs={bs}"
+    assert _replays(decode.backend) > 0 and _replays(prefill.backend) > 0
+    decode.cleanup()
+    prefill.cleanup()
+
+
+@pytest.mark.parametrize("weak_ref_outputs", [True, False], ids=["weak-outputs", "strong-outputs"])
+def test_replay_inputs_stay_at_their_capture_addresses(fp32_model, weak_ref_outputs):
+    """Debug mode checks, at every piece replay, that each input is where it was at capture."""
+    model = fp32_model
+    backend_cls = _backend_type()
+    decode = DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": 4}}, show_progress=False,
+        backend=backend_cls("cuda", phase="decode", phase_config=PhaseConfig(max_bs=4), debug=True,
+                            weak_ref_outputs=weak_ref_outputs))
+    prefill = PrefillCudaGraphRunner(
+        model, {"prefill": {"max_bs": 32}}, show_progress=False,
+        backend=backend_cls("cuda", phase="prefill", phase_config=PhaseConfig(max_bs=32), debug=True,
+                            weak_ref_outputs=weak_ref_outputs))
+    with torch.no_grad():
+        decode.capture()
+        prefill.capture()
+        prompts = make_dummy_prompts(3, [7, 4, 9], model.config.vocab_size, seed=5)
+        expected = greedy_generate(model, model.kv_cache, prompts, 8)
+        got = greedy_generate(model, model.kv_cache, prompts, 8, prefill_fn=prefill.forward, decode_fn=decode.forward)
+    assert got == expected
+    assert _replays(decode.backend) > 0 and _replays(prefill.backend) > 0
+    decode.cleanup()
+    prefill.cleanup()
+
+
+def test_bf16_greedy_tokens_equal_eager_with_the_eager_compiler():
+    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.bfloat16, device="cuda")
+    model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
+    cfg = {"decode": {"backend": "tc_piecewise", "max_bs": 8},
+           "prefill": {"backend": "tc_piecewise", "bs": [12, 48], "max_bs": 48}}
+    decode = DecodeCudaGraphRunner(model, cfg, show_progress=False)
+    prefill = PrefillCudaGraphRunner(model, cfg, show_progress=False)
+    with torch.no_grad():
+        decode.capture()
+        prefill.capture()
+        for bs in (1, 4):  # captured sizes in both phases (12 and 48 prompt tokens)
+            prompts = make_dummy_prompts(bs, 12, model.config.vocab_size, seed=bs)
+            expected = greedy_generate(model, model.kv_cache, prompts, 16)
+            got = greedy_generate(model, model.kv_cache, prompts, 16, prefill_fn=prefill.forward,
+                                  decode_fn=decode.forward)
+            assert got == expected, f"bf16 bs={bs}"
+    decode.cleanup()
+    prefill.cleanup()
+
+
+def test_recapture_after_cleanup_reuses_the_compilation(fp32_model):
+    model = fp32_model
+    runner = DecodeCudaGraphRunner(model, {"decode": {"backend": "tc_piecewise", "max_bs": 4}}, show_progress=False)
+    cache = model.kv_cache
+    with torch.no_grad():
+        for round_ in range(2):
+            runner.capture()
+            session = GreedySession(model, cache)
+            session.prefill(make_dummy_prompts(3, 4, model.config.vocab_size, seed=round_))
+            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+            expected = eager_logits_fn(model)(batch).clone()
+            torch.testing.assert_close(runner.forward(batch).clone(), expected, rtol=1e-4, atol=1e-4)
+            session.close()
+            runner.cleanup()
+    assert runner.backend.dynamo_compiles == 2  # sizes >= 2 and size 1, compiled once for both rounds
