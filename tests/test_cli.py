@@ -52,3 +52,11 @@ def test_bench_config_errors_exit_2_naming_the_value(flags, named, capsys):
         main(["bench", *flags])
     assert info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_backends_check_imports_classes_and_reports_contract(capsys):
+    assert main(["backends", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "contract" in out.splitlines()[0]
+    full = next(l for l in out.splitlines() if l.split()[0] == "full")
+    assert " ok " in f" {full} " or "not checked" in full

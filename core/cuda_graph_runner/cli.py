@@ -13,16 +13,18 @@ from . import __version__
 def run_backends(args: argparse.Namespace) -> int:
     """Print the installed backends (name, distribution, version, phases, status, reason)."""
     from .bench import format_table
-    from .registry import list_backends
+    from .registry import list_backends, verify_all
 
+    if args.check:
+        verify_all()  # imports each backend class and records contract failures on its entry
     entries = list_backends(args.device_type)
     if args.json:
         print(json.dumps([e.as_row() for e in entries], indent=2))
         return 0
-    rows = [[e.name, e.distribution, e.version, ",".join(e.phases), ",".join(e.devices), e.status, e.reason or ""]
-            for e in entries]
-    print(format_table(["backend", "distribution", "version", "phases", "devices", "status", "reason"], rows))
-    return 0
+    rows = [[e.name, e.distribution, e.version, ",".join(e.phases), ",".join(e.devices), e.status,
+             e.contract, e.reason or ""] for e in entries]
+    print(format_table(["backend", "distribution", "version", "phases", "devices", "status", "contract", "reason"], rows))
+    return 1 if args.check and any(e.status == "failed" for e in entries) else 0
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     backends.add_argument("--device-type", default=None,
                           help="probe every backend for this device type (default: each backend's own device)")
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    backends.add_argument("--check", action="store_true",
+                          help="also import every backend class and check it against the contract; "
+                               "exit 1 if any backend is failed")
     backends.set_defaults(func=run_backends)
 
     add_config_subcommand(sub)

@@ -67,6 +67,7 @@ from .errors import (
     BackendUnavailableError,
     UnknownBackendError,
 )
+from .config import WELL_KNOWN_DISTRIBUTIONS  # noqa: F401 - re-exported for the error hints
 from .hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
 
 ENV_PLUGINS = "CUDA_GRAPH_RUNNER_PLUGINS"
@@ -76,16 +77,6 @@ ENV_PREFER = "CUDA_GRAPH_RUNNER_PREFER"
 
 CORE_DISTRIBUTION = "cuda-graph-runner"
 IN_PROCESS = "<in-process>"
-
-# Well-known backend names and the distribution that provides each, for the
-# "pip install ..." hint of an unknown name (fsspec's known_implementations idea).
-WELL_KNOWN_DISTRIBUTIONS: Dict[str, str] = {
-    "full": "cuda-graph-runner-full",
-    "breakable": "cuda-graph-runner-breakable",
-    "tc_piecewise": "cuda-graph-runner-tc-piecewise",
-    "npu": "cuda-graph-runner-npu",
-    "disabled": CORE_DISTRIBUTION,
-}
 
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
