@@ -15,10 +15,13 @@ _pools: Dict[str, Any] = {}
 _streams: Dict[str, Any] = {}
 
 
-def _device_key(device: "torch.device | str") -> str:
+def _device_key(device: "torch.device | str", module: Optional[Any] = None) -> str:
+    # "cuda" and "cuda:0" must name the same pool: resolve a missing index to the current device.
     device = torch.device(device)
     if device.index is None and device.type != "cpu":
-        device = torch.device(device.type, torch.get_device_module(device).current_device())
+        current = getattr(module or torch.get_device_module(device), "current_device", None)
+        if current is not None:
+            device = torch.device(device.type, current())
     return str(device)
 
 
@@ -28,7 +31,7 @@ def get_global_graph_memory_pool(device: "torch.device | str", device_module: Op
     Raises:
         RuntimeError: the device module has no graph pools (the CPU).
     """
-    key = _device_key(device) if device_module is None else str(torch.device(device))
+    key = _device_key(device, device_module)
     if key not in _pools:
         module = device_module or torch.get_device_module(torch.device(device))
         if not hasattr(module, "graph_pool_handle"):
@@ -39,7 +42,7 @@ def get_global_graph_memory_pool(device: "torch.device | str", device_module: Op
 
 def get_capture_stream(device: "torch.device | str", device_module: Optional[Any] = None) -> Any:
     """The process-wide side stream captures run on, or None on a device without streams."""
-    key = _device_key(device) if device_module is None else str(torch.device(device))
+    key = _device_key(device, device_module)
     if key not in _streams:
         module = device_module or torch.get_device_module(torch.device(device))
         stream_cls = getattr(module, "Stream", None)
