@@ -65,8 +65,8 @@ def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
     assert runner.capture_sizes == [1, 2, 4, 8, 12, 16]
     assert be.capture_enabled and be.weak_ref_outputs
     assert len(be.pieces) == model.config.num_hidden_layers + 1
-    assert be.dynamo_compiles == 2  # every size >= 2 shares one graph; size 1 is specialized
     assert be.compile_seconds and be.compile_seconds > 0
+    compiled_at_capture = be.dynamo_compiles
     eager = eager_logits_fn(model)
     cache = model.kv_cache
     for bs in sorted(set(runner.capture_sizes + [3, 5, 13, 17])):
@@ -88,7 +88,9 @@ def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
         assert got.shape == expected.shape == (bs, model.config.vocab_size)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"{compiler} decode bs {bs}")
         session.close()
-    assert be.dynamo_compiles == 2, "torch.compile recompiled while serving"
+    assert be.dynamo_compiles == compiled_at_capture, "torch.compile recompiled while serving"
+    # Every size >= 2 shares one graph; size 1 is specialized (Dynamo's 0/1 rule).
+    assert compiled_at_capture == 2
     runner.cleanup()
 
 
@@ -101,7 +103,7 @@ def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
     assert isinstance(be, _backend_type()) and be.compiler == compiler
     with torch.no_grad():
         runner.capture()
-    assert be.dynamo_compiles == 1  # prefill sizes start at 4: one graph
+    compiled_at_capture = be.dynamo_compiles
     eager = eager_logits_fn(model)
     cache = model.kv_cache
     # (prompt lengths, whole prompt replays a graph): 8 and 32 tokens are captured sizes;
@@ -134,7 +136,8 @@ def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
             check(second, f"second chunks of {list(lens)}")
             for r in rows:
                 cache.free_request(r)
-    assert be.dynamo_compiles == 1, "torch.compile recompiled while serving"
+    assert be.dynamo_compiles == compiled_at_capture, "torch.compile recompiled while serving"
+    assert compiled_at_capture == 1  # prefill sizes start at 4: one graph for all
     runner.cleanup()
 
 
