@@ -440,6 +440,17 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
         """Run ``runner.graph_forward(static_batch)`` with every piece replaying its graph.
 
+        Args:
+            key: a captured key.
+            static_batch: the runner's static batch for ``key`` (token-axis tensors
+                ``[key.size * width]`` int64 views of its buffers, filled with the live batch).
+
+        Returns:
+            What ``runner.graph_forward`` returns: decode, float32 logits ``[tokens, vocab]``
+            (the LM head runs eagerly on the last piece's output); prefill, the hidden states
+            ``[tokens, hidden]`` in the model dtype, which alias graph-pool memory until the
+            next replay of any graph in the pool.
+
         Raises:
             KeyError: ``key`` was not captured.
         """
