@@ -109,8 +109,13 @@ class BaseCudaGraphBackend(abc.ABC):
         """Called once by the runner before the capture session. Default: nothing."""
 
     def graph_memory_bytes(self) -> Optional[int]:
-        """Bytes held by this backend's graphs, if it can tell (bench reports it)."""
-        return None
+        """Bytes of the graph memory pool this backend captures into (shared with every
+        backend using the same pool), or None where the device cannot tell."""
+        if self._memory_pool is None:
+            return None
+        from .pool import pool_memory_bytes
+
+        return pool_memory_bytes(self._memory_pool, self.device)
 
     # -- the contract -----------------------------------------------------------------
     @abc.abstractmethod

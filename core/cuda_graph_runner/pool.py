@@ -52,6 +52,24 @@ def get_capture_stream(device: "torch.device | str", device_module: Optional[Any
     return _streams[key]
 
 
+def pool_memory_bytes(pool: Any, device: "torch.device | str" = "cuda") -> Optional[int]:
+    """Bytes the caching allocator holds in graph pool ``pool`` (all its segments), or None
+    where the device cannot tell (not CUDA).
+
+    Read from the allocator's snapshot (``torch.cuda.memory._snapshot``), which tags each
+    segment with the pool it belongs to; the reserved-memory delta around a capture is no
+    measure, since ``torch.cuda.graph`` empties the cache when it starts.
+    """
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        segments = torch.cuda.memory._snapshot()["segments"]
+    except Exception:  # a private API: never let a measurement break capture
+        return None
+    want = tuple(pool) if isinstance(pool, (tuple, list)) else pool
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == want)
+
+
 def reset_global_graph_memory_pools() -> None:
     """Forget every pool and stream (after every graph using them was cleaned up)."""
     _pools.clear()

@@ -149,6 +149,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self.init_buffers()
         self.captured_keys: List[ShapeKey] = []
         self.capture_seconds: Optional[float] = None
+        #: Bytes of the graph pool after capture (shared pool: includes other runners'
+        #: graphs in it), else the growth of reserved memory over the capture.
         self.capture_memory_bytes: Optional[int] = None
 
     # -- subclass policy --------------------------------------------------------------
@@ -243,7 +245,10 @@ class BaseCudaGraphRunner(abc.ABC):
                 self.capture_one_shape(size)
         self._synchronize()
         self.capture_seconds = time.perf_counter() - start
-        if before is not None:
+        pool_bytes = self.backend.graph_memory_bytes()
+        if pool_bytes is not None:
+            self.capture_memory_bytes = pool_bytes
+        elif before is not None:
             self.capture_memory_bytes = module.memory_reserved(self.device) - before
         logger.info("captured %d %s graphs with %s in %.2f s", len(sizes), self.phase, self.backend.name,
                     self.capture_seconds)

@@ -339,7 +339,7 @@ def _decode_attention(
     qg = qb.reshape(bs, kv_heads, group * w, d)
     mask = mask[:, None, None].expand(bs, 1, group, w, ctx).reshape(bs, 1, group * w, ctx)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)  # [bs, kv_heads, group*w, d]
-    output.copy_(out.view(bs, heads, w, d).transpose(1, 2).reshape(bs * w, heads * d))
+    output.copy_(out.reshape(bs, heads, w, d).transpose(1, 2).reshape(bs * w, heads * d))
 
 
 def _extend_attention(
