@@ -108,6 +108,12 @@ def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatc
     (live values copied in) to keep the addresses the captured graph reads.
     """
     static = batch.replace(**{f: getattr(batch, f).clone() for f in HandWrittenGraph.FIELDS})
+    # CUDA-graph trees skip graphs that mutate non-static inputs; the KV cache and the
+    # static inputs keep their addresses, so say so (as an engine integrating it would).
+    cache = model.kv_cache
+    for t in [*cache.k_buffers, *cache.v_buffers, cache.req_to_token,
+              *(getattr(static, f) for f in HandWrittenGraph.FIELDS)]:
+        torch._dynamo.mark_static_address(t)
 
     def step(b: ForwardBatch) -> torch.Tensor:
         return model.compute_logits(model.forward(b), b)
