@@ -26,7 +26,6 @@ from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner_breakable.backend import (
     BreakableCaptureError,
     BreakableCudaGraphBackend,
-    weak_alias,
 )
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule, HostSyncInCaptureError
 
@@ -533,15 +532,6 @@ def test_side_stream_forked_in_a_segment_is_joined_before_it_ends():
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def test_weak_alias_views_the_same_memory():
-    base = torch.arange(12.0)
-    view = base[2:8].view(2, 3)
-    alias = weak_alias(view)
-    assert alias.data_ptr() == view.data_ptr() and alias.shape == view.shape and alias.stride() == view.stride()
-    base[3] = 100.0
-    assert alias[0, 1] == 100.0
-
-
 def test_weak_ref_args_only_apply_to_cuda_tensors():
     backend = breakable(FakeGraphDeviceModule(), weak_ref_args=True)
     t = torch.ones(3)
@@ -552,7 +542,7 @@ def test_weak_ref_args_default_comes_from_the_environment(monkeypatch):
     from cuda_graph_runner_breakable.backend import ENV_WEAK_REF_ARGS
 
     monkeypatch.delenv(ENV_WEAK_REF_ARGS, raising=False)
+    assert breakable(FakeGraphDeviceModule()).weak_ref_args  # on by default
+    monkeypatch.setenv(ENV_WEAK_REF_ARGS, "0")
     assert not breakable(FakeGraphDeviceModule()).weak_ref_args
-    monkeypatch.setenv(ENV_WEAK_REF_ARGS, "1")
-    assert breakable(FakeGraphDeviceModule()).weak_ref_args
-    assert not breakable(FakeGraphDeviceModule(), weak_ref_args=False).weak_ref_args
+    assert breakable(FakeGraphDeviceModule(), weak_ref_args=True).weak_ref_args

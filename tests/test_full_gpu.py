@@ -75,3 +75,31 @@ def test_bf16_greedy_tokens_equal_eager_over_16_steps(preset):
             got = greedy_generate(model, model.kv_cache, prompts, 16, decode_fn=runner.forward)
         assert got == expected, f"{preset} bs={bs}"
     runner.cleanup()
+
+
+def test_shapes_share_the_pool_largest_alone_bounds_the_total():
+    """Outputs kept as aliases: all sizes together need about the largest size's memory."""
+    from cuda_graph_runner.registry import resolve_decode_backend
+
+    model = ReferenceLlamaForCausalLM.from_preset("qwen2.5-0.5b", dtype=torch.bfloat16, device="cuda")
+    model.create_kv_cache(num_slots=65 * 64 + 1, max_reqs=65, max_context_len=64)
+    sizes = {}
+    for label, cfg in (("all", {"backend": "full", "max_bs": 64}), ("alone", {"backend": "full", "bs": [64], "max_bs": 64})):
+        backend = resolve_decode_backend(cfg, device="cuda", memory_pool=torch.cuda.graph_pool_handle())
+        runner = DecodeCudaGraphRunner(model, {"decode": cfg}, backend=backend, show_progress=False)
+        runner.capture()
+        sizes[label] = runner.capture_memory_bytes
+        if label == "all":
+            # Every size still replays correctly with its outputs' blocks shared.
+            cache = model.kv_cache
+            for bs in (64, 1, 24, 3):
+                session = GreedySession(model, cache)
+                with torch.no_grad():
+                    session.prefill(make_dummy_prompts(bs, 6, model.config.vocab_size, seed=bs))
+                    batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                    expected = eager_logits_fn(model)(batch).clone()
+                    torch.testing.assert_close(runner.forward(batch), expected, rtol=2e-2, atol=2e-2)
+                session.close()
+        runner.cleanup()
+    assert sizes["alone"] > 0
+    assert sizes["all"] <= 1.5 * sizes["alone"], sizes

@@ -40,6 +40,7 @@ import torch
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly
+from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,9 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             memory for many shapes. Requires every tensor argument to be either
             persistent (weights, KV cache, static buffers) or allocated inside the
             segment before the op; False holds references and is safe for any
-            argument. None (default): False unless the environment variable
-            ``CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS`` is ``1``.
+            argument. None (default): True unless the environment variable
+            ``CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS`` is ``0``. The shape's outputs
+            are kept as aliases too, under the same switch.
 
     Raises (from ``capture_one``):
         BreakableCaptureError: nested capture; a marked op given a tensor that is not
@@ -155,7 +157,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     def __init__(self, *args: Any, weak_ref_args: Optional[bool] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if weak_ref_args is None:
-            weak_ref_args = os.environ.get(ENV_WEAK_REF_ARGS, "") not in ("", "0")
+            weak_ref_args = os.environ.get(ENV_WEAK_REF_ARGS, "1") not in ("", "0")
         self.weak_ref_args = bool(weak_ref_args)
         self._graphs: Dict[ShapeKey, BreakableGraph] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
@@ -222,7 +224,9 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         finally:
             _local.capture = None
         self._graphs[key] = capture.graph
-        self._outputs[key] = output
+        # As in ``full``: aliases let smaller shapes reuse this shape's output blocks.
+        weak = self.weak_ref_args and self.device.type == "cuda"
+        self._outputs[key] = weak_ref_tensors(output) if weak else output
         logger.debug("breakable %s: %d segments, eager ops %s", key, len(capture.graph.segments),
                      capture.graph.op_names)
 
@@ -257,7 +261,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         """What a replay closure keeps of an op argument (the tensor, or a weak alias)."""
         if isinstance(value, torch.Tensor):
             if self.weak_ref_args and value.device.type == "cuda":
-                return weak_alias(value)
+                return weak_ref_tensor(value)
             return value
         if isinstance(value, (tuple, list)):
             return type(value)(self.freeze(v) for v in value)
@@ -470,22 +474,6 @@ def _contains(streams: List[Any], stream: Any) -> bool:
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def weak_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor viewing ``tensor``'s memory without owning it (inductor's cudagraph-trees
-    helper ``torch._C._construct_storage_from_data_pointer``).
-
-    Valid only while the memory stays allocated: for graph-pool tensors, while the graphs
-    of the pool live. Falls back to ``tensor`` itself where torch lacks the helper.
-    """
-    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-    if make is None:
-        return tensor
-    storage = tensor.untyped_storage()
-    alias_storage = make(storage.data_ptr(), tensor.device, storage.nbytes())
-    alias = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
-    return alias.set_(alias_storage, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

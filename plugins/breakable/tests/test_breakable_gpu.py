@@ -242,8 +242,9 @@ def test_side_stream_forked_in_a_segment_is_joined():
         runner.cleanup()
 
 
-def test_weak_ref_args_replay_the_same_numbers():
-    runner = prefill_runner(MixModel(), weak_ref_args=True)
+@pytest.mark.parametrize("weak", [True, False])
+def test_weak_ref_args_replay_the_same_numbers(weak):
+    runner = prefill_runner(MixModel(), weak_ref_args=weak)
     try:
         with torch.no_grad():
             runner.capture()

@@ -9,6 +9,7 @@ import torch
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.weak_ref import weak_ref_tensors
 
 
 class FullCudaGraphBackend(BaseCudaGraphBackend):
@@ -21,13 +22,19 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
     caller must consume (or copy) an output before the next replay of any graph in the
     pool (sglang ``FullCudaGraphBackend``; PyTorch "CUDA Graphs" notes).
 
+    Args (beyond ``BaseCudaGraphBackend``'s):
+        weak_ref_outputs: keep non-owning aliases of each shape's outputs (CUDA only),
+            so the shapes share pool memory (:mod:`cuda_graph_runner.weak_ref`). An output
+            is valid until the next replay either way.
+
     Everything the forward reads must live at the addresses it had at capture: the
     runner's static buffers, the model's weights and KV cache. Data-dependent control
     flow and host syncs inside the forward are frozen or forbidden, as with any graph.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, weak_ref_outputs: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.weak_ref_outputs = weak_ref_outputs
         self._graphs: Dict[ShapeKey, Any] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
         self._stream: Any = None
@@ -73,7 +80,12 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         with dm.graph(graph, pool=self.memory_pool, stream=self._stream):
             output = forward_fn()
         self._graphs[key] = graph
-        self._outputs[key] = output
+        # Keeping only aliases returns this shape's output blocks to the pool, so smaller
+        # shapes captured next reuse them: the pool stays near the largest shape's size
+        # instead of the sum of every shape's outputs. Only for memory that really lives
+        # in a graph pool (CUDA), never for a fake device's plain tensors.
+        keep_weak = self.weak_ref_outputs and self.device.type == "cuda"
+        self._outputs[key] = weak_ref_tensors(output) if keep_weak else output
 
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
         return key in self._graphs
