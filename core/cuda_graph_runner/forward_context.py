@@ -12,19 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from .forward_batch import ForwardBatch
 
-_current: contextvars.ContextVar[Optional[ForwardBatch]] = contextvars.ContextVar(
+_current: contextvars.ContextVar[Optional[Tuple[ForwardBatch, Dict[str, Any]]]] = contextvars.ContextVar(
     "cuda_graph_runner_forward_batch", default=None
+)
+
+_NO_BATCH = (
+    "no forward batch is set: wrap the model call in "
+    "cuda_graph_runner.forward_context.forward_context(batch)"
 )
 
 
 @contextlib.contextmanager
 def forward_context(batch: ForwardBatch) -> Iterator[ForwardBatch]:
-    """Make ``batch`` the current batch for the duration of the block (re-entrant)."""
-    token = _current.set(batch)
+    """Make ``batch`` the current batch for the duration of the block (re-entrant).
+
+    Each block also gets a fresh scratch dict (:func:`forward_scratch`): one block is one
+    forward (runners open one per eager run, warm-up, capture and replay).
+    """
+    token = _current.set((batch, {}))
     try:
         yield batch
     finally:
@@ -38,10 +47,24 @@ def get_forward_batch() -> ForwardBatch:
         RuntimeError: outside any ``forward_context`` (a marked op called outside a
             runner, usually a model driven without one).
     """
-    batch = _current.get()
-    if batch is None:
-        raise RuntimeError(
-            "no forward batch is set: wrap the model call in "
-            "cuda_graph_runner.forward_context.forward_context(batch)"
-        )
-    return batch
+    current = _current.get()
+    if current is None:
+        raise RuntimeError(_NO_BATCH)
+    return current[0]
+
+
+def forward_scratch() -> Dict[str, Any]:
+    """A dict private to the current forward, for per-batch metadata that every layer
+    shares (computed by the first layer's op, reused by the others), like sglang's
+    attention backends computing ``forward_metadata`` once per batch.
+
+    It never outlives the ``forward_context`` block, so nothing computed from one batch
+    is ever read by the next: replays cannot see stale metadata through it.
+
+    Raises:
+        RuntimeError: outside any ``forward_context``.
+    """
+    current = _current.get()
+    if current is None:
+        raise RuntimeError(_NO_BATCH)
+    return current[1]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..forward_batch import ForwardBatch, ForwardMode
-from ..forward_context import get_forward_batch
+from ..forward_context import forward_scratch, get_forward_batch
 from ..graph_break import eager_op
 from .kv_cache import PagedKVCache
 
@@ -320,26 +320,45 @@ def _decode_attention(
     bs = batch.req_pool_indices.shape[0]
     _, kv_heads, d = k_cache.shape
     heads = q.shape[1] // d
-    ctx = req_to_token.shape[1]
-    slots = req_to_token[batch.req_pool_indices]  # [bs, L]
+    group = heads // kv_heads
+    slots, mask = _decode_metadata(batch, req_to_token, group, sliding_window)
     k = k_cache[slots].transpose(1, 2)  # [bs, kv_heads, L, d]
     v = v_cache[slots].transpose(1, 2)
-    qb = q.view(bs, w, heads, d).transpose(1, 2)  # [bs, heads, w, d]
+    # GQA without copying K/V per query head: the `group` query heads sharing one KV head
+    # become extra query rows of that head ([bs, kv_heads, group * w, d]).
+    qg = q.view(bs, w, heads, d).transpose(1, 2).reshape(bs, kv_heads, group * w, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)  # [bs, kv_heads, group*w, d]
+    output.copy_(out.reshape(bs, heads, w, d).transpose(1, 2).reshape(bs * w, heads * d))
+
+
+def _decode_metadata(
+    batch: ForwardBatch, req_to_token: torch.Tensor, group: int, sliding_window: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KV slots ``[bs, L]`` int64 and the boolean mask ``[bs, 1, group * w, L]`` of a
+    decode-like batch, computed by the first layer of a forward and shared by the others
+    through :func:`forward_scratch` (every layer has the same lengths and window): one
+    set of index kernels per step instead of one per layer."""
+    scratch = forward_scratch()
+    key = ("reference_llama_decode_metadata", group, sliding_window, req_to_token.data_ptr())
+    cached = scratch.get(key)
+    if cached is not None:
+        return cached
+    w = batch.num_tokens_per_req
+    bs = batch.req_pool_indices.shape[0]
+    ctx = req_to_token.shape[1]
+    device = req_to_token.device
+    slots = req_to_token[batch.req_pool_indices]  # [bs, L]
     # Query j of request i sits at seq_lens[i] - w + j. Clamping at 0 keeps key 0
     # visible to every query, so padded rows (seq_len 1 < w) never see an empty row (NaN);
     # real rows have seq_len >= w, where the clamp changes nothing.
-    q_pos = (batch.seq_lens.to(torch.int64)[:, None] - w + torch.arange(w, device=q.device)).clamp_(min=0)
-    k_pos = torch.arange(ctx, device=q.device)
+    q_pos = (batch.seq_lens.to(torch.int64)[:, None] - w + torch.arange(w, device=device)).clamp_(min=0)
+    k_pos = torch.arange(ctx, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [bs, w, L]
     if sliding_window > 0:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # GQA without copying K/V per query head: the `group` query heads sharing one KV head
-    # become extra query rows of that head ([bs, kv_heads, group * w, d]).
-    group = heads // kv_heads
-    qg = qb.reshape(bs, kv_heads, group * w, d)
     mask = mask[:, None, None].expand(bs, 1, group, w, ctx).reshape(bs, 1, group * w, ctx)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)  # [bs, kv_heads, group*w, d]
-    output.copy_(out.reshape(bs, heads, w, d).transpose(1, 2).reshape(bs * w, heads * d))
+    scratch[key] = (slots, mask)
+    return slots, mask
 
 
 def _extend_attention(
