@@ -104,6 +104,41 @@ class BaseCudaGraphBackend(abc.ABC):
             self._memory_pool = get_global_graph_memory_pool(self.device, self.device_module)
         return self._memory_pool
 
+    # -- helpers for subclasses -------------------------------------------------------
+    #: The stream of the capture session in progress (None outside one, or on a device
+    #: without streams); set by :meth:`bind_capture_stream`.
+    capture_stream: Any = None
+
+    @contextlib.contextmanager
+    def bind_capture_stream(self, stream: Any) -> Iterator[None]:
+        """What most ``capture_session`` implementations need: remember ``stream`` for
+        the session (``self.capture_stream``)."""
+        self.capture_stream = stream
+        try:
+            yield
+        finally:
+            self.capture_stream = None
+
+    def on_capture_stream(self) -> ContextManager[Any]:
+        """Run the block on the capture stream (a no-op without one)."""
+        if self.capture_stream is None:
+            return contextlib.nullcontext()
+        return self.device_module.stream(self.capture_stream)
+
+    def warm_up(self, forward_fn: ForwardFn, post_warmup_hook: Optional[Callable[[], None]] = None) -> None:
+        """The warm-ups before a capture: ``num_warmups`` runs of ``forward_fn`` on the
+        capture stream (so lazily made workspaces belong to it), each after a device
+        synchronize, then ``post_warmup_hook()``, then a synchronize (sglang's two
+        warm-ups; vLLM warms up likewise)."""
+        dm = self.device_module
+        for _ in range(self.num_warmups):
+            dm.synchronize()
+            with self.on_capture_stream():
+                forward_fn()
+        if post_warmup_hook is not None:
+            post_warmup_hook()
+        dm.synchronize()
+
     # -- optional hooks -------------------------------------------------------------
     def prepare(self, runner: Any) -> None:
         """Called once by the runner before the capture session. Default: nothing."""

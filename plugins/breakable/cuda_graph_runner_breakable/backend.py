@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -161,26 +161,15 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         self.weak_ref_args = bool(weak_ref_args)
         self._graphs: Dict[ShapeKey, BreakableGraph] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
-        self._stream: Any = None
         #: Replays since construction (tests and the bench read it).
         self.num_replays = 0
 
     # -- capture -----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
+    def capture_session(self, stream: Any) -> ContextManager[None]:
         if stream is None and self.device.type != "cpu" and hasattr(self.device_module, "Stream"):
             # Eager ops between segments must run on the stream the segments capture on.
             stream = self.device_module.Stream()
-        self._stream = stream
-        try:
-            yield
-        finally:
-            self._stream = None
-
-    def _on_stream(self) -> Any:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return self.device_module.stream(self._stream)
+        return self.bind_capture_stream(stream)
 
     def capture_one(
         self,
@@ -198,19 +187,12 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         if key in self._graphs:
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
         self._refuse_nested(key)
-        dm = self.device_module
-        for _ in range(self.num_warmups):
-            dm.synchronize()
-            with self._on_stream():
-                forward_fn()
-        if post_warmup_hook is not None:
-            post_warmup_hook()
-        dm.synchronize()
+        self.warm_up(forward_fn, post_warmup_hook)
 
         capture = _SegmentCapture(self, key)
         _local.capture = capture
         try:
-            with self._on_stream(), capture.tracker.installed(), break_handler(capture.on_op):
+            with self.on_capture_stream(), capture.tracker.installed(), break_handler(capture.on_op):
                 capture.begin_segment()
                 try:
                     output = forward_fn()
@@ -322,7 +304,7 @@ class _SegmentCapture:
         self.backend = backend
         self.dm = backend.device_module
         self.pool = backend.memory_pool
-        self.stream = backend._stream
+        self.stream = backend.capture_stream
         self.graph = BreakableGraph(key)
         self.tracker = _ForkTracker(self.dm, self.stream)
         self._ctx: Any = None

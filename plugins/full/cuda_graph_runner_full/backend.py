@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
 
@@ -37,20 +37,9 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         self.weak_ref_outputs = weak_ref_outputs
         self._graphs: Dict[ShapeKey, Any] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
-        self._stream: Any = None
 
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        self._stream = stream
-        try:
-            yield
-        finally:
-            self._stream = None
-
-    def _on_stream(self) -> Any:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return self.device_module.stream(self._stream)
+    def capture_session(self, stream: Any) -> ContextManager[None]:
+        return self.bind_capture_stream(stream)
 
     def capture_one(
         self,
@@ -66,18 +55,10 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         """
         if key in self._graphs:
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
+        self.warm_up(forward_fn, post_warmup_hook)
         dm = self.device_module
-        # Warm-ups run on the capture stream so lazily created workspaces (cuBLAS) are
-        # made for the stream the graph will record on.
-        for _ in range(self.num_warmups):
-            dm.synchronize()
-            with self._on_stream():
-                forward_fn()
-        if post_warmup_hook is not None:
-            post_warmup_hook()
-        dm.synchronize()
         graph = dm.CUDAGraph()
-        with dm.graph(graph, pool=self.memory_pool, stream=self._stream):
+        with dm.graph(graph, pool=self.memory_pool, stream=self.capture_stream):
             output = forward_fn()
         self._graphs[key] = graph
         # Keeping only aliases returns this shape's output blocks to the pool, so smaller

@@ -18,7 +18,7 @@ literal, and torch_npu is imported only when a backend for an ``npu`` device is 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
@@ -123,7 +123,6 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         self.synchronize_before_update = synchronize_before_update
         self._graphs: Dict[ShapeKey, Any] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
-        self._stream: Any = None
         self._checked_module: Any = None
 
     # -- device module ------------------------------------------------------------------
@@ -156,18 +155,8 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         return self.update_input_name is not None or self.cpu_update_input_fn is not None
 
     # -- capture ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        self._stream = stream
-        try:
-            yield
-        finally:
-            self._stream = None
-
-    def _on_stream(self) -> Any:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return self.device_module.stream(self._stream)
+    def capture_session(self, stream: Any) -> ContextManager[None]:
+        return self.bind_capture_stream(stream)
 
     def capture_one(
         self,
@@ -185,16 +174,9 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         if key in self._graphs:
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
         dm = self.device_module
-        # Warm-ups on the capture stream: lazily made workspaces belong to that stream.
-        for _ in range(self.num_warmups):
-            dm.synchronize()
-            with self._on_stream():
-                forward_fn()
-        if post_warmup_hook is not None:
-            post_warmup_hook()
-        dm.synchronize()
+        self.warm_up(forward_fn, post_warmup_hook)
         graph = dm.NPUGraph()
-        options: Dict[str, Any] = {"pool": self.memory_pool, "stream": self._stream}
+        options: Dict[str, Any] = {"pool": self.memory_pool, "stream": self.capture_stream}
         if self.updates_host_inputs:
             options["auto_dispatch_capture"] = True
         if self.capture_error_mode is not None:
