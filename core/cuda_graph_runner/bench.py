@@ -23,7 +23,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,7 +43,7 @@ class RunnerStats:
     sizes: List[int]
     capture_s: Optional[float]
     graph_memory_mb: Optional[float]
-    note: str = ""
+    compile_s: Optional[float] = None
 
 
 def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[], None]) -> float:
@@ -98,7 +98,7 @@ def _capture(runner: Any) -> RunnerStats:
     runner.capture()
     mem = runner.capture_memory_bytes
     return RunnerStats(runner.phase, runner.backend.name, list(runner.capture_sizes), runner.capture_seconds,
-                       None if mem is None else mem / 2**20)
+                       None if mem is None else mem / 2**20, getattr(runner.backend, "compile_seconds", None))
 
 
 def bench_decode(model: Any, runner: Any, *, batch_sizes: Sequence[int], prompt_len: int, steps: int,
@@ -215,9 +215,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="decode batch sizes to time (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)")
     parser.add_argument("--decode-backends", default=None,
-                        help="comma-separated decode backends to bench (default: the config's decode backend)")
+                        help="comma-separated decode backends to bench, each name[:tc_compiler], e.g. "
+                             "full,tc_piecewise:inductor (default: the config's decode backend)")
     parser.add_argument("--prefill-backends", default=None,
-                        help="comma-separated prefill backends to bench (default: the config's prefill backend)")
+                        help="comma-separated prefill backends to bench, each name[:tc_compiler] "
+                             "(default: the config's prefill backend)")
     parser.add_argument("--prefill-tokens", type=int, nargs="+", default=None,
                         help="prefill token counts to time (default: 64 256 1024 on CUDA, 16 48 on CPU)")
     parser.add_argument("--prefill-requests", type=int, nargs="+", default=[1, 4],
@@ -231,10 +233,52 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_cuda_graph_args(parser)
 
 
-def _backends(arg: Optional[str], configured: Optional[str]) -> List[Optional[str]]:
+def _backends(arg: Optional[str], configured: Optional[str]) -> List[Tuple[Optional[str], Optional[str]]]:
+    """``[(backend or None for auto, tc_compiler or None)]`` from ``"full,tc_piecewise:inductor"``."""
     if arg:
-        return [b.strip() for b in arg.split(",") if b.strip()]
-    return [configured]  # None = auto
+        labels = [b.strip() for b in arg.split(",") if b.strip()]
+        return [(name, compiler or None) for name, _, compiler in (label.partition(":") for label in labels)]
+    return [(configured, None)]
+
+
+def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, model: Any, device: torch.device,
+                 default_max: int, results: Dict[str, Any], table: Any,
+                 measure: Callable[[Any], List[Dict[str, Any]]]) -> bool:
+    """Capture (when a backend is usable), measure, print one table per backend; True if
+    a graph result disagreed with eager."""
+    headers, cells = table
+    phase_config = config[phase]
+    failed = False
+    for name, compiler in _backends(selection, phase_config.backend):
+        backend, note = _resolve_or_explain(phase, name, device)
+        runner, stats = None, None
+        if backend is not None:
+            fields: Dict[str, Any] = {"backend": backend,
+                                      "max_bs": phase_config.max_bs or (None if phase_config.bs else default_max)}
+            if compiler:
+                fields["tc_compiler"] = compiler
+            runner = _make_runner(phase, model, config.with_phase(phase, **fields), device)
+            stats = _capture(runner)
+            results["runners"].append(dataclasses.asdict(stats))
+        if note:
+            print(f"note: {note}")
+            results["notes"].append(note)
+        rows = measure(runner)
+        label = (backend + (f":{compiler}" if compiler else "")) if backend else "eager"
+        header = f"\n{phase}, backend {label}"
+        if stats is not None:
+            header += (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s"
+                       + (f" (compile {stats.compile_s:.2f} s)" if stats.compile_s is not None else "")
+                       + f", graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB")
+        print(header)
+        print(format_table(headers, [cells(r) for r in rows]))
+        for r in rows:
+            r["backend"] = label
+            failed |= r.get("tokens_match") is False or r.get("argmax_match") is False
+        results[phase].extend(rows)
+        if runner is not None:
+            runner.cleanup()
+    return failed
 
 
 def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -> "tuple[Optional[str], str]":
@@ -294,71 +338,30 @@ def run_bench(args: argparse.Namespace) -> int:
            "torch": torch.__version__, "model": model_spec, "dtype": str(dtype).replace("torch.", "")}
     print(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
     results: Dict[str, Any] = {"env": env, "runners": [], "decode": [], "prefill": [], "notes": []}
-    failed = False
 
-    for name in _backends(args.decode_backends, config.decode.backend):
-        backend, note = _resolve_or_explain("decode", name, device)
-        runner, stats = None, None
-        if backend is not None:
-            cfg = config.with_phase("decode", backend=backend,
-                                    max_bs=config.decode.max_bs or (None if config.decode.bs else max_bs))
-            runner = _make_runner("decode", model, cfg, device)
-            stats = _capture(runner)
-            results["runners"].append(dataclasses.asdict(stats))
-        if note:
-            print(f"note: {note}")
-            results["notes"].append(note)
-        rows = bench_decode(model, runner, batch_sizes=batch_sizes, prompt_len=args.prompt_len,
-                            steps=args.steps, iters=iters, warmup=args.warmup)
-        label = backend or "eager"
-        print(f"\ndecode, backend {label}" + (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s, "
-                                              f"graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB" if stats else ""))
-        print(format_table(
-            ["batch", "eager ms", "graph ms", "speedup", "tokens match", "max |diff|", "capture s", "pool MB"],
-            [[r["batch_size"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"), r.get("tokens_match"),
-              r.get("max_abs_diff"), stats.capture_s if stats else None,
-              stats.graph_memory_mb if stats else None] for r in rows]))
-        for r in rows:
-            r["backend"] = label
-            failed |= r.get("tokens_match") is False
-        results["decode"].extend(rows)
-        if runner is not None:
-            runner.cleanup()
-
+    decode_table = (["batch", "eager ms", "graph ms", "speedup", "tokens match", "max |diff|"],
+                    lambda r: [r["batch_size"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
+                               r.get("tokens_match"), r.get("max_abs_diff")])
+    failed = _bench_phase(
+        "decode", args.decode_backends, config, model, device, max_bs, results, decode_table,
+        lambda runner: bench_decode(model, runner, batch_sizes=batch_sizes, prompt_len=args.prompt_len,
+                                    steps=args.steps, iters=iters, warmup=args.warmup))
     if not args.no_prefill:
         max_reqs = max(args.prefill_requests) + 1
         model.create_kv_cache(num_slots=max_reqs * max_tokens + 1, max_reqs=max_reqs, max_context_len=max_tokens)
-        for name in _backends(args.prefill_backends, config.prefill.backend):
-            backend, note = _resolve_or_explain("prefill", name, device)
-            runner, stats = None, None
-            if backend is not None:
-                cfg = config.with_phase("prefill", backend=backend,
-                                        max_bs=config.prefill.max_bs or (None if config.prefill.bs else max_tokens))
-                runner = _make_runner("prefill", model, cfg, device)
-                stats = _capture(runner)
-                results["runners"].append(dataclasses.asdict(stats))
-            if note:
-                print(f"note: {note}")
-                results["notes"].append(note)
-            rows = bench_prefill(model, runner, token_counts=token_counts, requests=args.prefill_requests,
-                                 iters=iters, warmup=args.warmup)
-            label = backend or "eager"
-            print(f"\nprefill, backend {label}" + (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s, "
-                                                   f"graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB" if stats else ""))
-            print(format_table(
-                ["tokens", "requests", "eager ms", "graph ms", "speedup", "replayed", "argmax match", "max |diff|"],
-                [[r["num_tokens"], r["requests"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
-                  r.get("replayed"), r.get("argmax_match"), r.get("max_abs_diff")] for r in rows]))
-            for r in rows:
-                r["backend"] = label
-            results["prefill"].extend(rows)
-            if runner is not None:
-                runner.cleanup()
+        prefill_table = (["tokens", "requests", "eager ms", "graph ms", "speedup", "replayed", "argmax match",
+                          "max |diff|"],
+                         lambda r: [r["num_tokens"], r["requests"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
+                                    r.get("replayed"), r.get("argmax_match"), r.get("max_abs_diff")])
+        failed |= _bench_phase(
+            "prefill", args.prefill_backends, config, model, device, max_tokens, results, prefill_table,
+            lambda runner: bench_prefill(model, runner, token_counts=token_counts, requests=args.prefill_requests,
+                                         iters=iters, warmup=args.warmup))
 
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
         print(f"\nwrote {args.json_path}")
     if failed:
-        print("\nerror: graph decoding gave other tokens than eager decoding", file=sys.stderr)
+        print("\nerror: a graph result disagreed with eager (tokens or argmax); see the tables", file=sys.stderr)
     return 1 if failed else 0
