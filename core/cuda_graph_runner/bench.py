@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -46,20 +47,25 @@ class RunnerStats:
     compile_s: Optional[float] = None
 
 
-def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[], None]) -> float:
-    """Mean wall time of ``fn()`` in ms over ``iters`` calls, after ``warmup`` calls.
+def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[], None], repeats: int = 5) -> float:
+    """Wall time of one ``fn()`` in ms: the median over ``repeats`` blocks of the mean of
+    ``iters`` calls, after ``warmup`` calls.
 
-    One synchronize before and after the timed loop, so asynchronous device work is
-    counted and host launch overhead overlaps with it as it does in serving.
+    One synchronize before and after each block, so asynchronous device work is counted
+    and host launch overhead overlaps with it as it does in serving; the median keeps a
+    stall of a busy machine out of the number.
     """
     for _ in range(warmup):
         fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - start) * 1000.0 / iters
+    samples = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) * 1000.0 / iters)
+    return statistics.median(samples)
 
 
 def load_model(spec: str, *, dtype: torch.dtype, device: torch.device) -> Any:
@@ -227,7 +233,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decoding (default 32)")
     parser.add_argument("--steps", type=int, default=16, help="greedy decode steps compared with eager (default 16)")
-    parser.add_argument("--iters", type=int, default=None, help="timed runs per measurement (default 50 on CUDA, 3 on CPU)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
     add_cuda_graph_args(parser)
@@ -317,7 +324,7 @@ def run_bench(args: argparse.Namespace) -> int:
     model_spec = args.model or ("tiny" if on_cpu else "llama-3.2-1b")
     batch_sizes = sorted(set(args.batch_sizes or ([1, 2, 4] if on_cpu else [1, 4, 16, 64])))
     token_counts = sorted(set(args.prefill_tokens or ([16, 48] if on_cpu else [64, 256, 1024])))
-    iters = args.iters or (3 if on_cpu else 50)
+    iters = args.iters or (2 if on_cpu else 20)
     bad = [n for n in batch_sizes + token_counts if n <= 0]
     if bad:
         print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)

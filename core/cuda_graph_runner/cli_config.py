@@ -34,7 +34,8 @@ def add_config_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "config",
         help="validate CUDA-graph flags and print the effective config as JSON",
-        description=(__doc__ or "").split("\n\n")[0],
+        description="Validate the CUDA-graph flags and print the effective config as JSON, with the source "
+                    "of each key. null means: auto (backend) or the runner's default (sizes).",
     )
     add_cuda_graph_args(parser)
     parser.set_defaults(func=run_config)
