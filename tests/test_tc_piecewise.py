@@ -36,7 +36,7 @@ from cuda_graph_runner.testing.model import ModelConfig, ReferenceLlamaForCausal
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 from cuda_graph_runner_tc_piecewise.errors import TcPiecewiseCompileError, TcPiecewiseRuntimeError
-from cuda_graph_runner_tc_piecewise.piece import weak_ref_tensor
+from cuda_graph_runner.weak_ref import weak_ref_tensor
 from cuda_graph_runner_tc_piecewise.split import split_graph
 
 from toy_model import ToyModel, decode_batch
@@ -404,6 +404,63 @@ def test_size_outside_the_captured_list_runs_compiled_pieces_without_graphs():
         torch.testing.assert_close(out, model.forward.__wrapped__(batch))
 
 
+def test_replay_of_a_captured_key_calls_the_split_module_without_dynamo():
+    runner, be, dm = fake_capture_runner((2, 4))
+    assert be.direct_replay and be.direct_keys == be.captured_keys
+    compiled = be._compiled
+
+    def no_dynamo(*args, **kwargs):
+        raise AssertionError("a replay of a captured key went through Dynamo")
+
+    be._compiled = no_dynamo
+    before = be.piece_calls()
+    dm.events.clear()
+    runner.forward(decode_batch(3))  # padded to 4
+    assert [e[0] for e in dm.events].count("replay") == len(be.pieces)
+    after = be.piece_calls()
+    assert after["replay"] - before["replay"] == len(be.pieces) and after["run"] == before["run"]
+    # Another batch than the captured static one (other addresses): through Dynamo.
+    be._compiled = compiled
+    key = ShapeKey(4, "decode")
+    calls = []
+    be._compiled = lambda *a, **k: calls.append(1) or compiled(*a, **k)
+    be.forward_compiled(decode_batch(4), key)
+    assert calls == [1]
+    runner.cleanup()
+    assert be.direct_keys == []
+
+
+def test_debug_mode_replays_through_dynamo_to_check_live_input_addresses():
+    dm = FakeGraphDeviceModule()
+    be = backend("decode", device_module=dm, enable_capture=True, debug=True)
+    runner = decode_runner(MarkedToy(), [2, 4], backend=be)
+    runner.capture()
+    assert not be.direct_replay and be.direct_keys == []
+    assert all(p.entries[ShapeKey(4, "decode")].input_ptrs is not None for p in be.pieces)
+    runner.forward(decode_batch(3))
+    assert be.piece_calls()["replay"] == len(be.pieces)
+
+
+class ReturnsAParameterToo(MarkedToy):
+    """Returns a graph *input* (a parameter) next to the hidden states."""
+
+    def forward(self, batch: ForwardBatch):
+        return super().forward(batch), self.head
+
+    def compute_logits(self, hidden, batch: ForwardBatch) -> torch.Tensor:
+        return super().compute_logits(hidden[0], batch)
+
+
+def test_a_forward_returning_more_than_graph_outputs_replays_through_dynamo(emulated):
+    model = ReturnsAParameterToo()
+    runner = decode_runner(model, [2, 4], backend=backend("decode", device_module=emulated, enable_capture=True))
+    runner.capture()
+    assert runner.backend.direct_keys == [] and len(runner.backend.captured_keys) == 2
+    for bs in (2, 3, 4):
+        torch.testing.assert_close(runner.forward(decode_batch(bs)), eager(model, decode_batch(bs)))
+    assert runner.backend.piece_calls()["replay"] == 3 * len(runner.backend.pieces)
+
+
 def test_cleanup_resets_every_piece_graph():
     runner, be, dm = fake_capture_runner((2,))
     runner.cleanup()
@@ -499,6 +556,8 @@ def test_emulated_replay_of_the_reference_model_equals_eager_in_both_phases(emul
     with torch.no_grad():
         decode.capture()
         prefill.capture()
+        assert decode.backend.direct_keys == decode.backend.captured_keys
+        assert prefill.backend.direct_keys == prefill.backend.captured_keys
         for bs in (1, 3, 8):
             session = GreedySession(model, cache)
             session.prefill(make_dummy_prompts(bs, [3 + i % 5 for i in range(bs)], model.config.vocab_size, seed=bs))

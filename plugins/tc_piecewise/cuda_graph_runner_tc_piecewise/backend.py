@@ -22,6 +22,19 @@ The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
     addresses), the marked ops run eagerly in between on the live batch
     (``get_forward_batch()``), the last piece's output is the model's output.
 
+Direct replay (no Dynamo per step)
+    The capture call of each key records what Dynamo handed the split module (the
+    graph's flat inputs: the static batch's views, parameters, KV cache, sizes) and how
+    the forward's return value is built from the graph's outputs. A replay whose batch
+    arguments are the captured ones (same tensors at the same addresses, same scalars)
+    calls the split module with those inputs directly: no frame evaluation, no guard
+    check, no chance of a guard failure or recompilation while serving, and every piece
+    is the one that holds the key's graph. Like a CUDA graph, a replay does not re-run
+    the forward's Python, so tensors the forward reads must not be replaced after
+    capture (``cleanup()`` and capture again). Anything else (another batch, a forward
+    called twice per capture, a return value not made of graph outputs, ``debug``) goes
+    through Dynamo as before.
+
 Dynamic shapes
     Before a compiled call (except replays) dim 0 of every tensor of the batch is
     marked dynamic (``torch._dynamo.mark_dynamic``) when it has at least 2 rows, so the
@@ -49,13 +62,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import time
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch._dynamo
@@ -160,6 +174,98 @@ def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:
         mark(value)
 
 
+
+class _NotDirect(Exception):
+    """A captured call that a replay cannot repeat without Dynamo (the reason)."""
+
+
+def _batch_signature(args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """What a direct replay requires to be as captured: every tensor of the arguments (and
+    of a dataclass argument's fields) by address, shape, stride and dtype, and every
+    scalar field (mode, width); host lists and dicts (per-request metadata, read only by
+    marked ops from the forward context) are left out."""
+    out: List[Any] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            out.append((value.data_ptr(), value.shape, value.stride(), value.dtype))
+        elif value is None or isinstance(value, (bool, int, float, str, enum.Enum)):
+            out.append(value)
+        elif isinstance(value, (list, tuple, dict)):
+            out.append(type(value))
+        else:
+            out.append(id(value))
+
+    for value in list(args) + [kwargs[k] for k in sorted(kwargs)]:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out.append(type(value))
+            for name in _field_names(type(value)):
+                add(getattr(value, name, None))
+        else:
+            add(value)
+    return tuple(out)
+
+
+_FIELD_NAMES: Dict[type, Tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> Tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _output_spec(value: Any, outputs: Any) -> Any:
+    """How the forward's return value is built from the graph's output tuple: an index
+    for each tensor (which must be one of the outputs), constants, tuples and lists.
+
+    Raises:
+        _NotDirect: a tensor that is not a graph output, or another container type.
+    """
+    if isinstance(value, torch.Tensor):
+        for i, out in enumerate(outputs if isinstance(outputs, (tuple, list)) else ()):
+            if out is value:
+                return ("output", i)
+        raise _NotDirect("the forward returns a tensor that is not an output of the compiled graph")
+    if type(value) in (tuple, list):
+        return (type(value), [_output_spec(v, outputs) for v in value])
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("constant", value)
+    raise _NotDirect(f"the forward returns a {type(value).__name__}")
+
+
+def _build_output(spec: Any, outputs: Any) -> Any:
+    kind, item = spec
+    if kind == "output":
+        return outputs[item]
+    if kind == "constant":
+        return item
+    return kind(_build_output(s, outputs) for s in item)
+
+
+@dataclasses.dataclass
+class _DirectReplay:
+    """One captured key's call into the split module, repeated by every replay of the key.
+
+    ``args`` are the graph inputs of the capture call: the static batch's views, the
+    parameters, the KV cache, sizes; the pieces replay their graphs (which read those
+    addresses anyway) and the marked ops get the tensors they got at capture.
+    """
+
+    forward: Callable[..., Any]
+    args: tuple
+    spec: Any
+    signature: tuple
+
+    def run(self) -> Any:
+        outputs = self.forward(*self.args)
+        spec = self.spec
+        if spec[0] == "output":  # the usual case: the forward returns one tensor
+            return outputs[spec[1]]
+        return _build_output(spec, outputs)
+
+
 class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
     """torch.compile split at the marked ops; each compiled piece captured per size.
 
@@ -172,6 +278,8 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             :mod:`~cuda_graph_runner_tc_piecewise.piece`); None: on for real CUDA
             capture, off otherwise (a fake device module, or no pool to keep memory alive).
         debug: check input addresses at every replay; None reads ``$CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG``.
+        direct_replay: replay captured keys without Dynamo (see the module docstring);
+            None: on unless ``debug`` (which checks the live inputs Dynamo passes).
 
     Attributes:
         compile_seconds: duration of the last ``prepare()`` (Dynamo trace, split, piece
@@ -204,6 +312,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         enable_capture: Optional[bool] = None,
         weak_ref_outputs: Optional[bool] = None,
         debug: Optional[bool] = None,
+        direct_replay: Optional[bool] = None,
     ) -> None:
         super().__init__(device, phase=phase, phase_config=phase_config, memory_pool=memory_pool,
                          device_module=device_module)
@@ -223,6 +332,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
                                 and device_module in (None, getattr(torch, "cuda", None)))
         self.weak_ref_outputs = bool(weak_ref_outputs)
         self.debug = os.environ.get(ENV_DEBUG, "") not in ("", "0") if debug is None else bool(debug)
+        self.direct_replay = (not self.debug) if direct_replay is None else bool(direct_replay)
         self.compile_seconds: Optional[float] = None
         self.compiled_graphs: List[CompiledGraph] = []
         self._runner: Any = None
@@ -231,6 +341,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self._compiled: Optional[Callable[..., Any]] = None
         self._captured: Dict[ShapeKey, None] = {}
         self._stream: Any = None
+        #: Per captured key: how a replay calls the split module directly (None: it cannot).
+        self._direct: Dict[ShapeKey, Optional[_DirectReplay]] = {}
+        self._graph_calls: Optional[List[Tuple[CompiledGraph, tuple, Any]]] = None
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -256,6 +369,11 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
     def captured_keys(self) -> List[ShapeKey]:
         """Captured keys, in capture order."""
         return list(self._captured)
+
+    @property
+    def direct_keys(self) -> List[ShapeKey]:
+        """Captured keys whose replay calls the split module without Dynamo."""
+        return [k for k, d in self._direct.items() if d is not None]
 
     # -- setup -----------------------------------------------------------------------------
     def prepare(self, runner: Any) -> None:
@@ -308,7 +426,12 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             if owner is not None:
                 owner._on_compiled(graph)
 
-        dynamo_backend = PiecewiseDynamoBackend(self.compiler, make_piece, on_compiled)
+        def on_graph_call(graph: CompiledGraph, args: tuple, outputs: Any) -> None:
+            owner = ref()
+            if owner is not None and owner._graph_calls is not None:
+                owner._graph_calls.append((graph, args, outputs))
+
+        dynamo_backend = PiecewiseDynamoBackend(self.compiler, make_piece, on_compiled, on_graph_call)
         self._compiled = torch.compile(entry, backend=dynamo_backend, fullgraph=True)
 
     def uninstall(self) -> None:
@@ -341,13 +464,44 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         """The compiled forward (called by the trampoline under this backend's activity)."""
         act = current_activity()
-        if act is None or act.mode is not Mode.REPLAY:
+        if act is not None and act.mode is Mode.REPLAY:
+            direct = self._direct.get(act.key)  # type: ignore[arg-type]
+            if direct is not None and direct.signature == _batch_signature(args, kwargs):
+                with torch.no_grad():
+                    return direct.run()
+        else:
             mark_dynamic_tokens(args, kwargs)
-        with torch.no_grad():
+        record = (act is not None and act.mode is Mode.CAPTURE and self.direct_replay and self.capture_enabled
+                  and self._graph_calls is None)
+        if record:
+            self._graph_calls = []
+        try:
+            with torch.no_grad():
+                try:
+                    result = self._compiled(*args, **kwargs)  # type: ignore[misc]
+                except torch._dynamo.exc.TorchDynamoException as exc:
+                    raise self._compile_error(exc) from exc
+            if record:
+                self._record_direct(act.key, args, kwargs, result, self._graph_calls)  # type: ignore[union-attr,arg-type]
+            return result
+        finally:
+            if record:
+                self._graph_calls = None
+
+    def _record_direct(self, key: Optional[ShapeKey], args: tuple, kwargs: Dict[str, Any], result: Any,
+                       calls: List[Tuple[CompiledGraph, tuple, Any]]) -> None:
+        """Keep what a replay of ``key`` needs to call the split module without Dynamo."""
+        if key is None:
+            return
+        direct: Optional[_DirectReplay] = None
+        if key not in self._direct and len(calls) == 1:  # a second forward per capture: no direct replay
+            graph, graph_args, outputs = calls[0]
             try:
-                return self._compiled(*args, **kwargs)  # type: ignore[misc]
-            except torch._dynamo.exc.TorchDynamoException as exc:
-                raise self._compile_error(exc) from exc
+                direct = _DirectReplay(graph.forward, graph_args, _output_spec(result, outputs),  # type: ignore[arg-type]
+                                       _batch_signature(args, kwargs))
+            except _NotDirect as exc:
+                logger.info("tc_piecewise (%s): %s replays through Dynamo: %s", self.phase, key, exc)
+        self._direct[key] = direct
 
     def _compile_error(self, exc: BaseException) -> BaseException:
         """Our own piece-compile error, unwrapped from Dynamo's; else a trace failure."""
@@ -425,6 +579,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         if post_warmup_hook is not None:
             post_warmup_hook()
         self._synchronize()
+        self._direct.pop(key, None)
         with self._on_stream(), activity(self, Mode.CAPTURE, key):
             forward_fn()
         self._synchronize()
@@ -466,6 +621,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             for piece in graph.pieces:
                 piece.reset()
         self._captured.clear()
+        self._direct.clear()
 
     def piece_calls(self) -> Dict[str, int]:
         """Calls per mode summed over the pieces of every compiled graph (for tests and logs)."""

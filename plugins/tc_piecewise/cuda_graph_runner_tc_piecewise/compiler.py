@@ -12,9 +12,12 @@ backend=...)`` calls with the one FX graph Dynamo traced (vLLM ``VllmBackend`` +
    inputs have there, so one compilation serves every size;
 3. each piece is replaced in the split module by a
    :class:`~cuda_graph_runner_tc_piecewise.piece.GraphPiece`, which captures and
-   replays it per size. Marked ops stay plain submodules and run eagerly.
+   replays it per size. Marked ops run eagerly, through their FX code's ``forward``
+   (no ``nn.Module.__call__`` per op and step).
 
-The split module is what Dynamo then runs for every call that passes its guards.
+The split module is what Dynamo then runs for every call that passes its guards; an
+``on_graph_call`` hook sees each such call's arguments and outputs (the backend records
+them at capture so that a replay can call the split module without Dynamo).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch._guards
@@ -76,12 +79,15 @@ class CompiledGraph:
             piece, in order.
         compiler: the piece compiler's name.
         seconds: time spent splitting and compiling (not running).
+        forward: the split module's ``forward`` (pieces and marked ops in order), called
+            with the graph's flat inputs; returns the graph's output tuple.
     """
 
     split: SplitGraph
     pieces: List[Any]
     compiler: str
     seconds: float
+    forward: Optional[Callable[..., Any]] = None
 
 
 class _CompileInterpreter(fx.Interpreter):
@@ -109,6 +115,8 @@ class PiecewiseDynamoBackend:
         make_piece: ``make_piece(split, item, compiled) -> callable`` wraps one compiled
             piece (the backend passes a :class:`GraphPiece` factory).
         on_compiled: called with each :class:`CompiledGraph`.
+        on_graph_call: ``on_graph_call(graph, args, outputs)`` after every call Dynamo
+            makes into a compiled graph (None: no hook, Dynamo calls the split module).
 
     Raises (from ``__call__``, which Dynamo wraps in ``BackendCompilerFailed``; the
     backend unwraps it):
@@ -117,12 +125,14 @@ class PiecewiseDynamoBackend:
     """
 
     def __init__(self, compiler: str, make_piece: Callable[[SplitGraph, SplitItem, Any], Any],
-                 on_compiled: Callable[[CompiledGraph], None]) -> None:
+                 on_compiled: Callable[[CompiledGraph], None],
+                 on_graph_call: Optional[Callable[[CompiledGraph, tuple, Any], None]] = None) -> None:
         if compiler not in PIECE_COMPILERS:
             raise ValueError(f"unknown tc_compiler {compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
         self.compiler = compiler
         self.make_piece = make_piece
         self.on_compiled = on_compiled
+        self.on_graph_call = on_graph_call
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -157,12 +167,26 @@ class PiecewiseDynamoBackend:
             # The split module's code calls self.<name>(...): an instance attribute wins
             # over the registered submodule (vLLM does the same).
             split.module.__dict__[name] = piece
+        for item in split.items:
+            if item.is_eager:
+                # The marked op's FX code itself: no nn.Module call (hooks, wrapped call) per op.
+                split.module.__dict__[item.name] = getattr(split.module, item.name).forward
+        forward = split.module.forward  # see compile_eager: no module-call overhead per replay
         result = CompiledGraph(split=split, pieces=[wrapped[i.name] for i in split.pieces], compiler=self.compiler,
-                               seconds=time.perf_counter() - start)
+                               seconds=time.perf_counter() - start, forward=forward)
         logger.info("tc_piecewise: split into %d pieces around %d marked ops, compiled with %s in %.2f s",
                     len(result.pieces), len(split.eager_ops), self.compiler, result.seconds)
         self.on_compiled(result)
-        return split.module.forward  # see compile_eager: no module-call overhead per replay
+        hook = self.on_graph_call
+        if hook is None:
+            return forward
+
+        def run_graph(*args: Any) -> Any:
+            outputs = forward(*args)
+            hook(result, args, outputs)
+            return outputs
+
+        return run_graph
 
 
 def _is_fake(x: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ worked on. Each piece reads it on every call (sglang ``CUDAPiecewiseBackend``, v
 Outputs keep their addresses: every replay returns the very tensors the capture call
 produced, so the eager op after a piece and the next piece read what they read when
 they were captured. On CUDA those tensors are kept as *weak references* (non-owning
-aliases, like vLLM's ``weak_ref_tensors``): the capture call returns the real tensors,
+aliases, :func:`cuda_graph_runner.weak_ref.weak_ref_tensors`): the capture call returns the real tensors,
 whose blocks go back to the graph pool once the capture-time forward drops them, so
 later captures (other sizes) reuse them instead of every size pinning its activations.
 This is safe because the pool is shared only by graphs that never replay at the same
@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.weak_ref import weak_ref_tensors
 
 from .errors import TcPiecewiseRuntimeError, failing_line, one_line
 
@@ -76,32 +77,6 @@ def activity(owner: Any, mode: Mode, key: Optional[ShapeKey] = None) -> Iterator
         yield act
     finally:
         _ACTIVITY.reset(token)
-
-
-# -- weak references ---------------------------------------------------------------------
-def weak_ref_tensor(tensor: Any) -> Any:
-    """A tensor viewing ``tensor``'s memory without owning it (non-tensors pass through).
-
-    Same dtype, device, size, stride and storage offset; ``data_ptr()`` is equal. It does
-    not keep the memory alive: use it only while something else does (here: the graph
-    pool, pinned by the captured graphs). Built with
-    ``torch._C._construct_storage_from_data_pointer`` (what inductor's cudagraph trees use).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        return tensor
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        return tensor  # nothing to alias: holding it pins no memory
-    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
-    alias = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
-    return alias.set_(weak, tensor.storage_offset(), tensor.size(), tensor.stride())
-
-
-def weak_ref_tensors(output: Any) -> Any:
-    """:func:`weak_ref_tensor` through tuples and lists."""
-    if isinstance(output, (tuple, list)):
-        return type(output)(weak_ref_tensors(o) for o in output)
-    return weak_ref_tensor(output)
 
 
 def _tensor_ptrs(args: Tuple[Any, ...]) -> List[Optional[int]]:
