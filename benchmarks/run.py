@@ -286,6 +286,10 @@ def run_model(name: str, args: argparse.Namespace, results: Results) -> None:
                     m["decode"][str(bs)][backend] = bench_ms(lambda: runner.forward(b), **kw)
                     diff = float((runner.forward(b) - eager(b)).abs().max())
                     m.setdefault("max_abs_diff_vs_eager", {}).setdefault(backend, {})[str(bs)] = diff
+                calls = getattr(runner.backend, "piece_calls", None)
+                if callable(calls):  # tc_piecewise: did every piece replay its graph?
+                    cap["piece_calls"] = calls()
+                    cap["dynamo_compiles"] = getattr(runner.backend, "dynamo_compiles", None)
                 # Host-side cost of padding/copying a live batch (no device wait).
                 b = batches[bs_list[0]]
                 samples = []
