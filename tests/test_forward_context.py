@@ -25,3 +25,20 @@ def test_outside_any_block_errors_name_the_fix():
         get_forward_batch()
     with pytest.raises(RuntimeError, match="forward_context"):
         forward_scratch()
+
+
+def test_reference_model_releases_its_per_step_metadata_by_the_end_of_the_forward():
+    import torch
+
+    from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
+    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+
+    model = ReferenceLlamaForCausalLM.from_preset("tiny")
+    cache = model.create_kv_cache(num_slots=64, max_reqs=4, max_context_len=16)
+    session = GreedySession(model, cache)
+    session.prefill(make_dummy_prompts(2, 3, model.config.vocab_size))
+    batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+    with torch.no_grad(), forward_context(batch):
+        model.forward(batch)
+        # Nothing allocated during the forward outlives it (CUDA-graph trees require it).
+        assert forward_scratch() == {}

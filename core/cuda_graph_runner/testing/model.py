@@ -279,6 +279,7 @@ def reference_llama_attention(
     req_to_token: torch.Tensor,
     scaling: float,
     sliding_window: int = 0,
+    last_layer: bool = True,
 ) -> None:
     """Paged attention over the live batch (``get_forward_batch()``), written into ``output``.
 
@@ -290,6 +291,9 @@ def reference_llama_attention(
         req_to_token: ``[max_reqs, max_context_len]`` int64.
         scaling: softmax scale (``head_dim ** -0.5``).
         sliding_window: keys older than ``sliding_window`` positions are masked; 0 = off.
+        last_layer: the last attention of the forward, which frees the per-step decode
+            metadata the first one made (so no tensor outlives the forward inside a
+            graph capture, which CUDA-graph trees refuse).
 
     DECODE / TARGET_VERIFY is capture-safe (static shapes, device metadata only);
     EXTEND loops over requests with the host lengths.
@@ -299,7 +303,7 @@ def reference_llama_attention(
     """
     batch = get_forward_batch()
     if batch.forward_mode.is_decode_like():
-        _decode_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch)
+        _decode_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch, last_layer)
     else:
         _extend_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch)
 
@@ -313,6 +317,7 @@ def _decode_attention(
     scaling: float,
     sliding_window: int,
     batch: ForwardBatch,
+    last_layer: bool,
 ) -> None:
     # Capture-safe: every shape comes from tensor shapes and the static width; every
     # value from device tensors. The whole max_context_len is gathered and masked.
@@ -321,7 +326,7 @@ def _decode_attention(
     _, kv_heads, d = k_cache.shape
     heads = q.shape[1] // d
     group = heads // kv_heads
-    slots, mask = _decode_metadata(batch, req_to_token, group, sliding_window)
+    slots, mask = _decode_metadata(batch, req_to_token, group, sliding_window, release=last_layer)
     k = k_cache[slots].transpose(1, 2)  # [bs, kv_heads, L, d]
     v = v_cache[slots].transpose(1, 2)
     # GQA without copying K/V per query head: the `group` query heads sharing one KV head
@@ -332,15 +337,16 @@ def _decode_attention(
 
 
 def _decode_metadata(
-    batch: ForwardBatch, req_to_token: torch.Tensor, group: int, sliding_window: int
+    batch: ForwardBatch, req_to_token: torch.Tensor, group: int, sliding_window: int, *, release: bool
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """KV slots ``[bs, L]`` int64 and the boolean mask ``[bs, 1, group * w, L]`` of a
     decode-like batch, computed by the first layer of a forward and shared by the others
     through :func:`forward_scratch` (every layer has the same lengths and window): one
-    set of index kernels per step instead of one per layer."""
+    set of index kernels per step instead of one per layer. ``release`` (the last
+    layer) drops them from the scratch."""
     scratch = forward_scratch()
     key = ("reference_llama_decode_metadata", group, sliding_window, req_to_token.data_ptr())
-    cached = scratch.get(key)
+    cached = scratch.pop(key, None) if release else scratch.get(key)
     if cached is not None:
         return cached
     w = batch.num_tokens_per_req
@@ -357,7 +363,8 @@ def _decode_metadata(
     if sliding_window > 0:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     mask = mask[:, None, None].expand(bs, 1, group, w, ctx).reshape(bs, 1, group * w, ctx)
-    scratch[key] = (slots, mask)
+    if not release:
+        scratch[key] = (slots, mask)
     return slots, mask
 
 
@@ -453,6 +460,7 @@ class _Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scaling = self.head_dim ** -0.5
         self.sliding_window = config.sliding_window or 0
+        self.last_layer = layer_id == config.num_hidden_layers - 1
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
         self.o_proj = _Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
 
@@ -472,7 +480,8 @@ class _Attention(nn.Module):
         v_cache[batch.out_cache_loc] = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = torch.empty(t, self.q_size, dtype=x.dtype, device=x.device)
         reference_llama_attention(
-            out, q.reshape(t, self.q_size), k_cache, v_cache, cache.req_to_token, self.scaling, self.sliding_window
+            out, q.reshape(t, self.q_size), k_cache, v_cache, cache.req_to_token, self.scaling, self.sliding_window,
+            self.last_layer,
         )
         return self.o_proj(out)
 
