@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from cuda_graph_runner.bench import time_ms
 from cuda_graph_runner.errors import CudaGraphRunnerError
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.forward_context import forward_context
@@ -54,18 +55,8 @@ def sync() -> None:
 
 
 def bench_ms(fn: Callable[[], Any], *, iters: int, repeats: int, warmup: int = 3) -> float:
-    """Median over ``repeats`` of the mean time (ms) of ``iters`` calls."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1000.0 / iters)
-    return statistics.median(samples)
+    """Median over ``repeats`` of the mean time (ms) of ``iters`` calls (the CLI bench's timer)."""
+    return time_ms(fn, iters=iters, warmup=warmup, sync=sync, repeats=repeats)
 
 
 class HandWrittenGraph:

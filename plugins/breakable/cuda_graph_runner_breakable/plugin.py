@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+from cuda_graph_runner.probes import cuda_graphs as probe  # the spec names it here; torch loads lazily
 
 
 @hookimpl
@@ -26,16 +27,3 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
 def cuda_graph_runner_default_backend(phase: str, device_type: str) -> Optional[str]:
     # Prefill needs attention on live variable-length metadata; decode defaults to "full".
     return "breakable" if (phase, device_type) == ("prefill", "cuda") else None
-
-
-def probe(device_type: str) -> Optional[str]:
-    """None when CUDA graphs can be captured here, else why not (imports torch, not the backend)."""
-    import torch
-
-    if device_type != "cuda":
-        return f"needs a CUDA device, not {device_type!r}"
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return f"torch {torch.__version__} is built without CUDA"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible (torch.cuda.is_available() is False)"
-    return None

@@ -29,19 +29,17 @@ def cuda_graph_runner_default_backend(phase: str, device_type: str) -> Optional[
 
 
 def probe(device_type: str) -> Optional[str]:
-    """None when the backend can run on ``device_type``, else why not.
+    """CUDA graphs (:func:`cuda_graph_runner.probes.cuda_graphs`) and torch.compile.
 
-    Imports torch (not the backend). Whether the ``inductor`` compiler has Triton is
-    checked when a backend is built with it, since the probe does not see the config.
+    Whether the ``inductor`` compiler has Triton is checked when a backend is built with
+    it, since the probe does not see the config.
     """
-    import torch
+    from cuda_graph_runner.probes import cuda_graphs
 
-    if device_type != "cuda":
-        return f"needs a CUDA device, not {device_type!r}"
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return f"torch {torch.__version__} is built without CUDA"
-    if not hasattr(torch, "compile"):
-        return f"torch {torch.__version__} has no torch.compile"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible (torch.cuda.is_available() is False)"
-    return None
+    reason = cuda_graphs(device_type)
+    if reason is None:
+        import torch
+
+        if not hasattr(torch, "compile"):
+            return f"torch {torch.__version__} has no torch.compile"
+    return reason
