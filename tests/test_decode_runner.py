@@ -150,3 +150,10 @@ def test_full_backend_protocol_with_fake_graph_api():
         backend.capture_one(ShapeKey(4, "decode"), lambda: None)
     runner.cleanup()
     assert fake.names().count("reset") == 3
+
+
+def test_backend_name_overrides_only_the_backend_of_the_config():
+    runner = DecodeCudaGraphRunner(ToyModel(), {"decode": {"max_bs": 4, "tc_compiler": "inductor"}},
+                                   device="cpu", backend="disabled")
+    assert runner.backend.name == "disabled"
+    assert runner.backend.phase_config.tc_compiler == "inductor" and runner.capture_sizes[-1] == 4

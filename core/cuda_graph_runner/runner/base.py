@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import dataclasses
 import contextlib
 import gc
 import logging
@@ -139,7 +140,9 @@ class BaseCudaGraphRunner(abc.ABC):
         else:
             from ..registry import get_registry
 
-            selection = backend if isinstance(backend, str) else self.phase_config
+            # A name given here overrides the config's backend, not its other options (tc_compiler).
+            selection = dataclasses.replace(self.phase_config, backend=backend) if isinstance(backend, str) \
+                else self.phase_config
             self.backend = get_registry().resolve(self.phase, selection, device=self.device)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
@@ -312,8 +315,6 @@ def _as_config(config: Any, phase: str) -> CudaGraphConfig:
 
 
 def _phase_fields(pc: PhaseConfig) -> dict:
-    import dataclasses
-
     return {f.name: getattr(pc, f.name) for f in dataclasses.fields(pc)}
 
 
