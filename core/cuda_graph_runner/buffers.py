@@ -13,7 +13,7 @@ size. Each slot knows its axis and how to pad (sglang's ``CudaGraphBufferRegistr
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -123,3 +123,16 @@ class CudaGraphBufferRegistry:
     def nbytes(self) -> int:
         """Bytes held by all slots."""
         return sum(s.tensor.numel() * s.tensor.element_size() for s in self._slots.values())
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy ``src`` into ``dst`` in place, through tensors, tuples, lists and dicts of the
+    same structure (how a replay-by-rerun refreshes the tensors a capture returned)."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            copy_into(d, s)
+    elif isinstance(dst, dict):
+        for k in dst:
+            copy_into(dst[k], src[k])

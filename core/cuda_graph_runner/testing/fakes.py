@@ -19,6 +19,7 @@ import torch
 
 from ..backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from ..forward_batch import ForwardBatch
+from ..buffers import copy_into
 
 Event = Tuple[Any, ...]
 
@@ -145,7 +146,7 @@ class RecordingBackend(BaseCudaGraphBackend):
         if key not in self._fns:
             raise KeyError(f"no graph captured for {key}")
         self.events.append(("replay", key))
-        _copy_into(self._outputs[key], self._fns[key]())
+        copy_into(self._outputs[key], self._fns[key]())
         return self._outputs[key]
 
     def cleanup(self) -> None:
@@ -157,13 +158,3 @@ class RecordingBackend(BaseCudaGraphBackend):
         """Keys in capture order."""
         return [e[1] for e in self.events if e[0] == "capture"]
 
-
-def _copy_into(dst: Any, src: Any) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for d, s in zip(dst, src):
-            _copy_into(d, s)
-    elif isinstance(dst, dict):
-        for k in dst:
-            _copy_into(dst[k], src[k])

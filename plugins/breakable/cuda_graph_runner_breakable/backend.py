@@ -41,6 +41,7 @@ from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly
 from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
+from cuda_graph_runner.buffers import copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class EagerBreak:
     def run(self) -> None:
         result = call_eagerly(self.op, self.args, self.kwargs)
         if self.returned is not None:
-            _copy_into(self.returned, result)
+            copy_into(self.returned, result)
 
 
 @dataclasses.dataclass
@@ -499,13 +500,3 @@ def _named_tensors(op: EagerOp, args: tuple, kwargs: Dict[str, Any]) -> Iterator
     for name, value in bound.items():
         yield from walk(name, value)
 
-
-def _copy_into(dst: Any, src: Any) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for d, s in zip(dst, src):
-            _copy_into(d, s)
-    elif isinstance(dst, dict):
-        for k in dst:
-            _copy_into(dst[k], src[k])

@@ -69,7 +69,7 @@ import time
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch._dynamo
@@ -340,17 +340,11 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self._installation: Optional[_Installation] = None
         self._compiled: Optional[Callable[..., Any]] = None
         self._captured: Dict[ShapeKey, None] = {}
-        self._stream: Any = None
         #: Per captured key: how a replay calls the split module directly (None: it cannot).
         self._direct: Dict[ShapeKey, Optional[_DirectReplay]] = {}
         self._graph_calls: Optional[List[Tuple[CompiledGraph, tuple, Any]]] = None
 
     # -- introspection -------------------------------------------------------------------
-    @property
-    def capture_stream(self) -> Any:
-        """The stream pieces capture on (bound by ``capture_session``), or None."""
-        return self._stream
-
     @property
     def dynamo_compiles(self) -> int:
         return len(self.compiled_graphs)
@@ -534,18 +528,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             return self._run(batch)
 
     # -- the contract --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        self._stream = stream
-        try:
-            yield
-        finally:
-            self._stream = None
-
-    def _on_stream(self) -> Any:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return self.device_module.stream(self._stream)
+    def capture_session(self, stream: Any) -> ContextManager[None]:
+        # Pieces capture on ``self.capture_stream`` (the base class binds it).
+        return self.bind_capture_stream(stream)
 
     def _synchronize(self) -> None:
         if self.device.type != "cpu" or self._device_module is not None:
@@ -574,13 +559,13 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
         for _ in range(self.num_warmups):
             self._synchronize()
-            with self._on_stream(), activity(self, Mode.WARMUP, key):
+            with self.on_capture_stream(), activity(self, Mode.WARMUP, key):
                 forward_fn()
         if post_warmup_hook is not None:
             post_warmup_hook()
         self._synchronize()
         self._direct.pop(key, None)
-        with self._on_stream(), activity(self, Mode.CAPTURE, key):
+        with self.on_capture_stream(), activity(self, Mode.CAPTURE, key):
             forward_fn()
         self._synchronize()
         self._captured[key] = None
