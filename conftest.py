@@ -25,6 +25,6 @@ def _fresh_registry():
     """Each test sees a freshly scanned registry (env vars are read at scan time)."""
     from cuda_graph_runner import registry
 
-    registry.reset_registry()
+    registry.reset_registry(keep_in_process=False)
     yield
-    registry.reset_registry()
+    registry.reset_registry(keep_in_process=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
 import subprocess
 import sys
 import zipfile
@@ -26,11 +25,13 @@ from typing import Dict, List
 
 import pytest
 
+from cuda_graph_runner import envs
+
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule, RecordingNPUModule
 from cuda_graph_runner_npu.torch_npu_api import DEFAULT_UPDATE_INPUT_NAME, GRAPH_API, NPUGRAPH_API
 
-VERSION = os.environ.get("CUDA_GRAPH_RUNNER_TORCH_NPU_VERSION", "2.13.0")
-CACHE = Path(os.environ.get("CUDA_GRAPH_RUNNER_WHEEL_CACHE") or Path.home() / ".cache" / "cuda-graph-runner" / "wheels")
+VERSION = envs.get(envs.TORCH_NPU_VERSION)
+CACHE = Path(envs.get(envs.WHEEL_CACHE) or Path.home() / ".cache" / "cuda-graph-runner" / "wheels")
 DOWNLOAD_TIMEOUT_S = 240
 
 
@@ -41,7 +42,7 @@ def _cached_wheel():
 
 def _download() -> str:
     """Try to fetch the wheel into the cache; returns why it failed ("" on success)."""
-    if os.environ.get("CUDA_GRAPH_RUNNER_TORCH_NPU_DOWNLOAD", "1") == "0":
+    if not envs.get(envs.TORCH_NPU_DOWNLOAD):
         return "downloading is off (CUDA_GRAPH_RUNNER_TORCH_NPU_DOWNLOAD=0)"
     CACHE.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",

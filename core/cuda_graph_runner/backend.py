@@ -68,7 +68,8 @@ class BaseCudaGraphBackend(abc.ABC):
             ``torch.get_device_module(device)``. Tests pass a recording fake here.
     """
 
-    #: The registry name (set by the registry from the entry point; informational).
+    #: The registry name: ``resolve_*_backend`` sets it on each instance it builds (never
+    #: on the class, which an alias may share); informational.
     name: ClassVar[str] = ""
     #: Forward runs before each capture (JIT kernels, cuBLAS workspaces, allocator growth).
     num_warmups: ClassVar[int] = 2

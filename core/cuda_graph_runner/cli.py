@@ -64,8 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the console script; returns the exit status."""
+    from .envs import EnvVarError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except EnvVarError as err:  # a bad CUDA_GRAPH_RUNNER_* value: the user's mistake, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,3 +28,8 @@ class BackendContractError(CudaGraphRunnerError, TypeError):
 
 class BackendConflictError(CudaGraphRunnerError, RuntimeError):
     """Two distributions register the same backend name."""
+
+
+class RegistryReentryError(CudaGraphRunnerError, RuntimeError):
+    """The registry was listed, resolved or written to by code its own plugin scan is
+    running (a plugin doing so at import); the answer would be a half-built registry."""

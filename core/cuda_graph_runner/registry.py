@@ -28,7 +28,19 @@ original exception in ``error`` and chained when resolving); it never stops the 
 plugins from loading. Strict mode (``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1`` or
 ``BackendRegistry(strict=True)``) re-raises instead.
 
-Environment variables (read when the registry first scans):
+Isolation: whatever loading one entry point raises (any exception, ``SystemExit`` and an
+``ImportError`` from a lazy module ``__getattr__`` included; only ``KeyboardInterrupt``
+propagates) marks that plugin ``failed`` with the cause; a distribution whose METADATA
+lacks ``Name`` is listed as ``<unnamed distribution at PATH>``. A plugin that lists,
+resolves or registers while it is being loaded gets :class:`RegistryReentryError`.
+
+Threads: listing, resolving and registering are safe from any thread (one lock; readers
+iterate over snapshots); a thread that asks while another scans waits for the complete
+registry. The registry never writes to a plugin's class: the registered name is set on
+each backend instance ``resolve`` builds.
+
+Environment variables (parsed by :mod:`cuda_graph_runner.envs`; booleans accept
+1/0/true/false/yes/no/on/off; read when the registry first scans):
 
 * ``CUDA_GRAPH_RUNNER_PLUGINS``: comma-separated entry-point (backend) names or
   distribution names to autoload; unset means all, empty means none (llm/datasette).
@@ -38,7 +50,8 @@ Environment variables (read when the registry first scans):
 * ``CUDA_GRAPH_RUNNER_PREFER="name=distribution,..."``: which distribution's backend to
   use when several register the same name (same as :func:`prefer`).
 
-The scan result is per process: a forked child inherits the parent's scanned registry
+:func:`reset_registry` rescans and keeps earlier :func:`register` and :func:`prefer`
+calls (``keep_in_process=False`` drops them). The scan result is per process: a forked child inherits the parent's scanned registry
 (including ``register()`` calls); a spawned child scans again and sees the same
 installed plugins under the same environment, but not the parent's ``register()`` calls.
 """
@@ -59,21 +72,23 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import pluggy
 
-from . import hookspecs
+from . import envs, hookspecs
 from .errors import (
     BackendConflictError,
     BackendContractError,
     BackendLoadError,
     BackendUnavailableError,
+    RegistryReentryError,
     UnknownBackendError,
 )
 from .config import WELL_KNOWN_DISTRIBUTIONS  # noqa: F401 - re-exported for the error hints
 from .hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
 
-ENV_PLUGINS = "CUDA_GRAPH_RUNNER_PLUGINS"
-ENV_DISABLE_AUTOLOAD = "CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD"
-ENV_STRICT = "CUDA_GRAPH_RUNNER_STRICT_PLUGINS"
-ENV_PREFER = "CUDA_GRAPH_RUNNER_PREFER"
+# Parsed by :mod:`cuda_graph_runner.envs` (one parser for every CUDA_GRAPH_RUNNER_* flag).
+ENV_PLUGINS = envs.PLUGINS
+ENV_DISABLE_AUTOLOAD = envs.DISABLE_PLUGIN_AUTOLOAD
+ENV_STRICT = envs.STRICT_PLUGINS
+ENV_PREFER = envs.PREFER
 
 CORE_DISTRIBUTION = "cuda-graph-runner"
 IN_PROCESS = "<in-process>"
@@ -229,7 +244,7 @@ class _BuiltinPlugin:
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(envs.get(name))
 
 
 _registries: "weakref.WeakSet[BackendRegistry]" = weakref.WeakSet()
@@ -250,9 +265,18 @@ class BackendRegistry:
         self.group = group
         self.autoload = autoload
         self.strict = _env_flag(ENV_STRICT) if strict is None else strict
+        # Guards every read and write of the tables below; readers iterate over snapshots
+        # taken under it, so register() from another thread never breaks a listing.
         self._lock = threading.RLock()
         self._scanned = False
         self._scan_error: Optional[BaseException] = None
+        # The thread running the scan, so a plugin that lists or resolves while it is
+        # being loaded gets RegistryReentryError instead of a half-built view.
+        self._scanning_thread: Optional[int] = None
+        # register()/prefer() calls made on this registry, replayed after reset_registry().
+        self._in_process: Dict[str, Tuple[BackendSpec, bool]] = {}
+        self._preferred: Dict[str, str] = {}
+        self._replay: Tuple[Dict[str, Tuple[BackendSpec, bool]], Dict[str, str]] = ({}, {})
         self._entries: Dict[str, BackendEntry] = {}
         self._conflicts: Dict[str, List[BackendEntry]] = {}
         # Entry points installed but not loaded (autoload off or not listed): name -> (dist, why).
@@ -267,17 +291,42 @@ class BackendRegistry:
         self._register_plugin(_BuiltinPlugin(), distribution=CORE_DISTRIBUTION, version=_dist_version(CORE_DISTRIBUTION))
 
     # -- discovery ------------------------------------------------------------------
-    def _entry_points(self) -> Iterable[metadata.EntryPoint]:
-        eps = list(metadata.entry_points(group=self.group))
-        if not self.autoload or _env_flag(ENV_DISABLE_AUTOLOAD):
+    def _read_environment(self) -> Dict[str, Any]:
+        """The scan's environment variables, parsed (:mod:`envs`).
+
+        Raises:
+            envs.EnvVarError: a value does not parse (names variable, value, accepted values).
+        """
+        return {"autoload_off": envs.get(ENV_DISABLE_AUTOLOAD), "plugins": envs.get(ENV_PLUGINS),
+                "plugins_text": envs.raw(ENV_PLUGINS), "prefer": envs.get(ENV_PREFER)}
+
+    def _all_entry_points(self) -> List[metadata.EntryPoint]:
+        try:
+            return list(metadata.entry_points(group=self.group))
+        except Exception as exc:
+            # A malformed distribution can break importlib's walk over all of them:
+            # read the distributions one by one so it hides no other plugin.
+            self._problem(f"importlib.metadata.entry_points() raised {_one_line(exc)}; "
+                          "reading installed distributions one by one")
+        eps: List[metadata.EntryPoint] = []
+        for dist in metadata.distributions():
+            try:
+                eps.extend(ep for ep in dist.entry_points if ep.group == self.group)
+            except Exception as exc:
+                self._problem(f"cannot read the entry points of {_dist_label(dist)}: {_one_line(exc)}")
+        return eps
+
+    def _entry_points(self, env: Mapping[str, Any]) -> Iterable[metadata.EntryPoint]:
+        eps = self._all_entry_points()
+        if not self.autoload or env["autoload_off"]:
             why = (f"plugin autoload is off ({ENV_DISABLE_AUTOLOAD}=1)" if self.autoload
                    else "plugin autoload is off (BackendRegistry(autoload=False))")
             for ep in eps:
                 self._skipped.setdefault(ep.name, (_ep_dist(ep)[0], why))
             return []
-        allowed = os.environ.get(ENV_PLUGINS)
-        if allowed is not None:
-            names = {n.strip() for n in allowed.split(",") if n.strip()}
+        if env["plugins"] is not None:
+            allowed = env["plugins_text"]
+            names = set(env["plugins"])
             normalized = {_normalize_dist(n) for n in names}
             kept = []
             for ep in eps:
@@ -289,22 +338,51 @@ class BackendRegistry:
         return eps
 
     def _scan(self) -> None:
+        """Scan the entry points once; every public method calls this first.
+
+        Another thread waits for a scan in progress and then sees the complete registry.
+
+        Raises:
+            RegistryReentryError: called from code that the scan itself is running (a
+                plugin listing or resolving backends while it is imported).
+            envs.EnvVarError: a registry environment variable does not parse (nothing is
+                cached: fix it and call again).
+            BackendLoadError, BackendConflictError, ValueError: strict mode, a plugin
+                failed; raised again on every later call.
+        """
+        if self._scanned and self._scan_error is None:
+            return
+        if self._scanning_thread == threading.get_ident():
+            raise RegistryReentryError(
+                "the backend registry was used while it is loading plugins (a plugin listed, resolved or "
+                "registered backends while being imported, or from a hook during the scan); the list is "
+                "incomplete until loading ends: do it lazily, at resolve time, and contribute backends "
+                "through the cuda_graph_runner_backend_specs hook")
         with self._lock:
             if self._scan_error is not None:
                 # Strict mode: the registry is half-built, so every use fails the same way.
                 raise self._scan_error
             if self._scanned:
                 return
-            self._scanned = True
+            env = self._read_environment()
+            self._scanning_thread = threading.get_ident()
             try:
-                self._scan_entry_points()
-            except Exception as exc:
-                self._scan_error = exc
+                self._scan_entry_points(env)
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    self._scan_error = BackendLoadError(
+                        "the plugin scan was interrupted (KeyboardInterrupt); call "
+                        "cuda_graph_runner.registry.reset_registry() to scan again")
+                else:
+                    self._scan_error = exc
                 raise
+            finally:
+                self._scanning_thread = None
+                self._scanned = True
 
-    def _scan_entry_points(self) -> None:
+    def _scan_entry_points(self, env: Mapping[str, Any]) -> None:
         seen: set = set()
-        for ep in self._entry_points():
+        for ep in self._entry_points(env):
             dist_name, version = _ep_dist(ep)
             # The same distribution can be seen twice when sys.path lists it twice.
             if (ep.name, dist_name, ep.value) in seen:
@@ -312,15 +390,36 @@ class BackendRegistry:
             seen.add((ep.name, dist_name, ep.value))
             try:
                 plugin = self._load_entry_point(ep, dist_name, version)
-            except BackendLoadError as err:
-                if self.strict:
+                self._register_plugin(plugin, distribution=dist_name, version=version, expected_name=ep.name)
+            except BaseException as exc:  # one plugin, whatever it raises, never breaks the others
+                if isinstance(exc, KeyboardInterrupt) or self.strict:
                     raise
-                cause = err.__cause__ or err
+                err = exc if isinstance(exc, BackendLoadError) else BackendLoadError(
+                    f"entry point {ep.name} = {ep.value!r} of {dist_name} {version}: loading raised {_one_line(exc)}")
+                cause = err.__cause__ or exc
                 self._add_entry(BackendEntry(ep.name, dist_name, version, status=FAILED,
                                              reason=str(err), error=cause, _fixed=True))
-                continue
-            self._register_plugin(plugin, distribution=dist_name, version=version, expected_name=ep.name)
-        self._apply_preferences(os.environ.get(ENV_PREFER, ""))
+        self._apply_preferences(env["prefer"])
+        self._replay_in_process()
+
+    def _replay_in_process(self) -> None:
+        # register()/prefer() calls made before reset_registry(): they stay in effect.
+        specs, preferred = self._replay
+        self._replay = ({}, {})
+        for spec, replace in specs.values():
+            try:
+                self._register_now(spec, replace=replace)
+                self._in_process[spec.name] = (spec, replace)
+            except Exception as exc:
+                self._problem(f"register({spec.name!r}) made before reset_registry() could not be kept: "
+                              f"{_one_line(exc)}", force_warning=True)
+        for name, dist in preferred.items():
+            try:
+                self._prefer_now(name, dist)
+                self._preferred[name] = dist
+            except UnknownBackendError as exc:
+                self._problem(f"prefer({name!r}, {dist!r}) made before reset_registry() could not be kept: "
+                              f"{exc}", force_warning=True)
 
     def _load_entry_point(self, ep: metadata.EntryPoint, dist_name: str, version: str) -> Any:
         """``ep.load()``, with a message that says which part failed.
@@ -334,7 +433,9 @@ class BackendRegistry:
         module_name, attr_path = module_name.strip(), attr_path.split("[")[0].strip()
         try:
             obj: Any = importlib.import_module(module_name)
-        except Exception as exc:  # a broken plugin must not break the others
+        except BaseException as exc:  # a broken plugin must not break the others, even SystemExit
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             raise BackendLoadError(f"{where}: import of module {module_name!r} failed: {_one_line(exc)}") from exc
         for part in attr_path.split(".") if attr_path else ():
             try:
@@ -342,6 +443,11 @@ class BackendRegistry:
             except AttributeError as exc:
                 raise BackendLoadError(
                     f"{where}: module {module_name!r} has no attribute {attr_path!r}") from exc
+            except BaseException as exc:  # a lazy module __getattr__ may raise anything (ImportError)
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                raise BackendLoadError(
+                    f"{where}: getting attribute {attr_path!r} of module {module_name!r} raised {_one_line(exc)}") from exc
         return obj
 
     def _register_plugin(self, plugin: Any, *, distribution: str, version: str,
@@ -370,7 +476,9 @@ class BackendRegistry:
                     raise TypeError(
                         f"cuda_graph_runner_backend_specs must return a list of BackendSpec, got {type(result).__name__}")
                 specs.extend(result)
-        except Exception as exc:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
             if self.strict:
@@ -459,7 +567,7 @@ class BackendRegistry:
                 self._problem(f"{ENV_PREFER}: no installed plugin registers backend {name!r} (asked for {dist})")
                 continue
             try:
-                self.prefer(name, dist)
+                self._prefer_now(name, dist)
             except UnknownBackendError as err:
                 # Honour the pin: using another distribution's backend silently would
                 # defeat its purpose, so the name is unusable until the pin is fixed.
@@ -469,8 +577,8 @@ class BackendRegistry:
                 current = self._entries[name]
                 self._entries[name] = dataclasses.replace(current, status=FAILED, reason=reason, error=err, _fixed=True)
 
-    def _problem(self, message: str) -> None:
-        if self.strict:
+    def _problem(self, message: str, *, force_warning: bool = False) -> None:
+        if self.strict and not force_warning:
             raise ValueError(message)
         self.problems.append(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -489,6 +597,11 @@ class BackendRegistry:
         """
         self._scan()
         with self._lock:
+            self._register_now(spec, replace=replace)
+            self._in_process[spec.name] = (spec, replace)
+
+    def _register_now(self, spec: BackendSpec, *, replace: bool) -> None:
+        with self._lock:
             if spec.name in self._entries and not replace:
                 raise BackendConflictError(
                     f"backend {spec.name!r} is already registered by {self._entries[spec.name].distribution}; "
@@ -502,10 +615,11 @@ class BackendRegistry:
             self._conflicts.pop(spec.name, None)
 
     def unregister(self, name: str) -> None:
-        """Forget an in-process registration (no error if absent)."""
+        """Forget an in-process registration (no error if absent); reset_registry() no longer keeps it."""
         with self._lock:
             self._entries.pop(name, None)
             self._conflicts.pop(name, None)
+            self._in_process.pop(name, None)
 
     def prefer(self, name: str, distribution: str) -> None:
         """Resolve a name registered by several distributions to ``distribution``'s.
@@ -516,6 +630,11 @@ class BackendRegistry:
             UnknownBackendError: no distribution of that name registers ``name``.
         """
         self._scan()
+        with self._lock:
+            self._prefer_now(name, distribution)
+            self._preferred[name] = distribution
+
+    def _prefer_now(self, name: str, distribution: str) -> None:
         with self._lock:
             if name in self._conflicts:
                 candidates = self._conflicts[name]
@@ -536,20 +655,24 @@ class BackendRegistry:
         With ``device_type=None`` each backend is probed on its own first device type
         ("can it run on this machine?"); ``"*"`` backends on the machine's accelerator.
         """
-        self._scan()
         rows = []
-        for entry in sorted(self._entries.values(), key=lambda e: e.name):
+        for entry in sorted(self._snapshot(), key=lambda e: e.name):
+            # Probes run plugin code: outside the lock, on the snapshot.
             rows.append(self._probe(entry, device_type or _natural_device(entry)))
         return rows
 
-    def names(self) -> List[str]:
+    def _snapshot(self) -> List[BackendEntry]:
+        """The registered entries now (scanned first); safe against concurrent register()."""
         self._scan()
-        return sorted(self._entries)
+        with self._lock:
+            return list(self._entries.values())
+
+    def names(self) -> List[str]:
+        return sorted(e.name for e in self._snapshot())
 
     def backend_phases(self) -> Dict[str, frozenset]:
         """``{name: phases}`` of every backend that registered (for config validation)."""
-        self._scan()
-        return {e.name: frozenset(e.phases) for e in self._entries.values() if e.status != FAILED}
+        return {e.name: frozenset(e.phases) for e in self._snapshot() if e.status != FAILED}
 
     def default_backend(self, phase: str, device_type: str) -> str:
         """The default backend name for ``phase`` on ``device_type`` (hook ``default_backend``).
@@ -562,8 +685,10 @@ class BackendRegistry:
         """
         self._scan()
         name = self._call_default_hook(phase, device_type)
-        if name and name in self._entries:
-            entry = self._probe(self._entries[name], device_type)
+        with self._lock:
+            entry = self._entries.get(name) if name else None
+        if entry is not None:
+            entry = self._probe(entry, device_type)
             if entry.ok and phase in entry.phases:
                 return name
         return "disabled"
@@ -578,7 +703,9 @@ class BackendRegistry:
                 continue
             try:
                 result = impl.function(*[args[a] for a in impl.argnames])
-            except Exception as exc:
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
                 message = (f"plugin {impl.plugin_name}: hook cuda_graph_runner_default_backend(phase={phase!r}, "
                            f"device_type={device_type!r}) raised {_one_line(exc)}")
                 if self.strict:
@@ -611,7 +738,8 @@ class BackendRegistry:
                 or not for ``phase``; the original error is chained.
         """
         self._scan()
-        entry = self._entries.get(name)
+        with self._lock:
+            entry = self._entries.get(name)
         if entry is None:
             raise UnknownBackendError(self._unknown_message(name))
         entry = self._probe(entry, device_type or default_device_type())
@@ -624,7 +752,7 @@ class BackendRegistry:
         if phase is not None and phase not in entry.phases:
             raise BackendUnavailableError(
                 f"backend {name!r} does not support phase {phase!r}; it supports {list(entry.phases)}; "
-                f"backends for {phase}: {sorted(e.name for e in self._entries.values() if phase in e.phases)}")
+                f"backends for {phase}: {sorted(e.name for e in self._snapshot() if phase in e.phases)}")
         return entry
 
     def load_class(self, entry: BackendEntry) -> type:
@@ -645,20 +773,25 @@ class BackendRegistry:
         except BackendContractError as err:
             self._record_failure(target, err, contract=FAILED)
             raise
-        cls.name = target.name
-        target._class, target.contract = cls, "ok"
+        # The registered name is set on each instance by resolve(), never on the class:
+        # an alias of an existing class must not rename that class's other backends.
+        with self._lock:
+            target._class, target.contract = cls, "ok"
         return cls
 
     def _stored(self, entry: BackendEntry) -> BackendEntry:
         # get()/entries() hand out probed copies; results belong on the registered entry.
-        stored = self._entries.get(entry.name)
+        with self._lock:
+            stored = self._entries.get(entry.name)
         return stored if stored is not None and stored.spec is entry.spec else entry
 
     def _import_class(self, entry: BackendEntry) -> type:
         assert entry.spec is not None
         try:
             return _load_ref(entry.spec.backend_class)
-        except Exception as exc:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             err = BackendLoadError(
                 f"backend {entry.name!r} of {entry.distribution} {entry.version}: cannot import "
                 f"{entry.spec.backend_class!r}: {_one_line(exc)}")
@@ -689,7 +822,8 @@ class BackendRegistry:
             BackendContractError, BackendLoadError: strict mode only.
         """
         self._scan()
-        entry = self._entries.get(name)
+        with self._lock:
+            entry = self._entries.get(name)
         if entry is None:
             raise UnknownBackendError(self._unknown_message(name))
         if entry.spec is None or (entry._fixed and entry.status != AVAILABLE) or entry.contract:
@@ -700,8 +834,9 @@ class BackendRegistry:
         except BackendLoadError as err:
             if probed.status == UNAVAILABLE:
                 # The class may import the device SDK at module level: not a contract breach.
-                entry.status, entry.reason, entry.error, entry._fixed = AVAILABLE, None, None, False
-                entry.contract = f"not checked: {_one_line(err.__cause__ or err)}"
+                with self._lock:
+                    entry.status, entry.reason, entry.error, entry._fixed = AVAILABLE, None, None, False
+                    entry.contract = f"not checked: {_one_line(err.__cause__ or err)}"
             elif self.strict:
                 raise
         except BackendContractError:
@@ -738,7 +873,13 @@ class BackendRegistry:
         name = phase_config.backend or self.default_backend(phase, device_type)
         entry = self.get(name, device_type=device_type, phase=phase)
         cls = self.load_class(entry)
-        return cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
+        backend = cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
+        try:
+            # On the instance only (see load_class); a class whose ``name`` is read-only keeps its own.
+            backend.name = entry.name
+        except AttributeError:
+            pass
+        return backend
 
     def _probe(self, entry: BackendEntry, device_type: str) -> BackendEntry:
         if entry.status == FAILED or entry.spec is None or entry._fixed:
@@ -752,7 +893,9 @@ class BackendRegistry:
         if spec.probe is not None:
             try:
                 reason = _load_ref(spec.probe)(device_type)
-            except Exception as exc:
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
                 message = f"probe {_ref_name(spec.probe)}({device_type!r}) raised {_one_line(exc)}"
                 if self.strict:
                     raise BackendUnavailableError(f"backend {entry.name!r} of {entry.distribution}: {message}") from exc
@@ -763,7 +906,8 @@ class BackendRegistry:
         return result
 
     def _unknown_message(self, name: str) -> str:
-        installed = ", ".join(f"{e.name} ({e.distribution})" for e in sorted(self._entries.values(), key=lambda e: e.name))
+        snapshot = self._snapshot()
+        installed = ", ".join(f"{e.name} ({e.distribution})" for e in sorted(snapshot, key=lambda e: e.name))
         msg = f"unknown cuda graph backend {name!r}; installed: {installed or 'none'}"
         if name in self._skipped:
             dist, why = self._skipped[name]
@@ -771,17 +915,35 @@ class BackendRegistry:
         elif name in WELL_KNOWN_DISTRIBUTIONS:
             msg += f". Backend {name!r} is provided by {WELL_KNOWN_DISTRIBUTIONS[name]}: pip install {WELL_KNOWN_DISTRIBUTIONS[name]}"
         else:
-            close = difflib.get_close_matches(name, list(self._entries) + list(WELL_KNOWN_DISTRIBUTIONS), n=1)
+            close = difflib.get_close_matches(name, [e.name for e in snapshot] + list(WELL_KNOWN_DISTRIBUTIONS), n=1)
             if close:
                 msg += f". Did you mean {close[0]!r}?"
         return msg
 
 
 def _ep_dist(ep: metadata.EntryPoint) -> Tuple[str, str]:
+    """(distribution name, version) of ``ep``; placeholders where its METADATA lacks them
+    (a METADATA without ``Name`` gives None, or raises on newer Pythons)."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return "<unknown>", "?"
-    return dist.name, dist.version
+    return _dist_label(dist), _metadata_field(dist, "Version") or "?"
+
+
+def _metadata_field(dist: Any, field: str) -> Optional[str]:
+    try:
+        value = dist.metadata[field]
+    except Exception:
+        return None
+    return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+def _dist_label(dist: Any) -> str:
+    name = _metadata_field(dist, "Name")
+    if name is not None:
+        return name
+    where = getattr(dist, "_path", None)  # importlib's PathDistribution: the .dist-info folder
+    return f"<unnamed distribution at {where}>" if where is not None else "<unnamed distribution>"
 
 
 def _ref_name(ref: Any) -> str:
@@ -960,21 +1122,42 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_kept: Tuple[Dict[str, Tuple[BackendSpec, bool]], Dict[str, str]] = ({}, {})
+
+
 def get_registry() -> BackendRegistry:
     """The process-wide registry (scanned on first use, then cached; a forked child
     inherits it, a spawned child scans its own the same way)."""
-    global _default
+    global _default, _kept
     with _default_lock:
         if _default is None:
             _default = BackendRegistry()
+            _default._replay, _kept = _kept, ({}, {})
         return _default
 
 
-def reset_registry() -> None:
-    """Drop the cached registry so the next call rescans (after installing a plugin)."""
-    global _default
+def reset_registry(*, keep_in_process: bool = True) -> None:
+    """Drop the cached registry so the next call rescans (after installing a plugin).
+
+    Earlier :func:`register` and :func:`prefer` calls are kept: the new registry applies
+    them again after its scan (a registration that now conflicts with a newly installed
+    plugin is dropped with a ``RuntimeWarning`` and listed in ``problems``). Calls undone
+    with ``get_registry().unregister(name)`` are not kept.
+
+    Args:
+        keep_in_process: False forgets them too (test isolation: a fresh process's registry).
+    """
+    global _default, _kept
     with _default_lock:
-        _default = None
+        old, _default = _default, None
+        if not keep_in_process:
+            _kept = ({}, {})
+        elif old is not None:
+            with old._lock:
+                # Calls on an old registry never scanned again are still pending there.
+                specs = {**old._replay[0], **old._in_process}
+                preferred = {**old._replay[1], **old._preferred}
+            _kept = ({**_kept[0], **specs}, {**_kept[1], **preferred})
 
 
 def list_backends(device_type: Optional[str] = None) -> List[BackendEntry]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Iterator, List, Optional, Sequence, 
 
 import torch
 
-from ..backend import BaseCudaGraphBackend, ShapeKey
+from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..config import CudaGraphConfig, PhaseConfig
 from ..forward_batch import ForwardBatch
@@ -203,7 +203,8 @@ class BaseCudaGraphRunner(abc.ABC):
     # -- shared mechanics ---------------------------------------------------------------
     @property
     def is_disabled(self) -> bool:
-        return self.backend.name == "disabled"
+        # isinstance too: an alias registered for DisabledBackend carries its own name.
+        return isinstance(self.backend, DisabledBackend) or self.backend.name == "disabled"
 
     def padded_size(self, size: int) -> int:
         """The smallest captured size >= ``size``.

@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import os
 import sys
 import threading
 import warnings
@@ -37,6 +36,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
+from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly
@@ -47,9 +47,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BreakableCaptureError", "BreakableCudaGraphBackend", "BreakableGraph", "EagerBreak", "ENV_WEAK_REF_ARGS"]
 
-#: ``1`` turns ``weak_ref_args`` on for backends built without the argument (the registry
-#: builds them so), e.g. to compare graph memory in a benchmark.
-ENV_WEAK_REF_ARGS = "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS"
+#: Sets ``weak_ref_args`` for backends built without the argument (the registry builds
+#: them so), e.g. to compare graph memory in a benchmark; parsed by the core's ``envs``
+#: (1/0/true/false/yes/no/on/off, anything else is an error).
+ENV_WEAK_REF_ARGS = envs.BREAKABLE_WEAK_REF_ARGS
 
 
 class BreakableCaptureError(RuntimeError):
@@ -145,7 +146,8 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             persistent (weights, KV cache, static buffers) or allocated inside the
             segment before the op; False holds references and is safe for any
             argument. None (default): True unless the environment variable
-            ``CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS`` is ``0``. The shape's outputs
+            ``CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS`` is off (``0``, ``false``, ``no``,
+            ``off``; any other non-boolean raises ``envs.EnvVarError``). The shape's outputs
             are kept as aliases too, under the same switch.
 
     Raises (from ``capture_one``):
@@ -158,7 +160,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     def __init__(self, *args: Any, weak_ref_args: Optional[bool] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if weak_ref_args is None:
-            weak_ref_args = os.environ.get(ENV_WEAK_REF_ARGS, "1") not in ("", "0")
+            weak_ref_args = envs.get(ENV_WEAK_REF_ARGS)
         self.weak_ref_args = bool(weak_ref_args)
         self._graphs: Dict[ShapeKey, BreakableGraph] = {}
         self._outputs: Dict[ShapeKey, Any] = {}

@@ -64,7 +64,6 @@ import contextlib
 import dataclasses
 import enum
 import logging
-import os
 import time
 import types
 import warnings
@@ -74,6 +73,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 import torch._dynamo
 
+from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.errors import BackendUnavailableError
 from cuda_graph_runner.forward_batch import ForwardBatch
@@ -86,8 +86,9 @@ from .split import SplitGraph, SplitItem
 
 logger = logging.getLogger(__name__)
 
-#: Set to 1 to check, at every replay, that each piece's inputs sit where they sat at capture.
-ENV_DEBUG = "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG"
+#: Set to 1 to check, at every replay, that each piece's inputs sit where they sat at capture
+#: (parsed by the core's ``envs``: 1/0/true/false/yes/no/on/off).
+ENV_DEBUG = envs.TC_PIECEWISE_DEBUG
 
 _INSTALL_ATTR = "_cuda_graph_runner_tc_piecewise"
 
@@ -331,7 +332,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             weak_ref_outputs = (self.capture_enabled and self.device.type == "cuda"
                                 and device_module in (None, getattr(torch, "cuda", None)))
         self.weak_ref_outputs = bool(weak_ref_outputs)
-        self.debug = os.environ.get(ENV_DEBUG, "") not in ("", "0") if debug is None else bool(debug)
+        self.debug = envs.get(ENV_DEBUG) if debug is None else bool(debug)
         self.direct_replay = (not self.debug) if direct_replay is None else bool(direct_replay)
         self.compile_seconds: Optional[float] = None
         self.compiled_graphs: List[CompiledGraph] = []

@@ -1,0 +1,196 @@
+"""Every ``CUDA_GRAPH_RUNNER_*`` environment variable, in one table, with one parser.
+
+Modelled on vLLM's ``vllm/envs.py``: one table lists each variable, what it means, its
+default and how its text is parsed, and every reader (the core, the plugins, the test
+suite) goes through :func:`get`. Nothing parses ``os.environ`` on its own, so a flag
+means the same thing wherever it is read (breakable once read ``...=false`` as *on*).
+
+Parsing rules:
+
+* booleans accept ``1/0``, ``true/false``, ``yes/no``, ``on/off`` in any case, with
+  surrounding spaces ignored; an empty or unset variable means the default; any other
+  text raises :class:`EnvVarError` naming the variable, the value and what is accepted;
+* lists are comma-separated, items stripped, empty items dropped;
+* the value is read when :func:`get` is called (no caching), so tests and users can
+  change a variable and the next reader sees it; each reader documents when it reads.
+
+A third-party plugin with its own variables adds them with :func:`define` at import of
+its registration module (the same parser then reads them); this module imports only the
+standard library (``config`` and the registry import it before torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+PREFIX = "CUDA_GRAPH_RUNNER_"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+ACCEPTED_BOOLEANS = "1/0, true/false, yes/no, on/off (any case)"
+
+
+class EnvVarError(ValueError):
+    """An environment variable whose text its parser rejects; names variable, value and
+    the accepted values. A ``ValueError``, so callers that report bad user input catch it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    """One row of the table.
+
+    Attributes:
+        name: the full variable name (``CUDA_GRAPH_RUNNER_...``).
+        kind: ``"bool"``, ``"str"``, ``"list"`` (comma-separated) or ``"optional_list"``
+            (unset means None, i.e. "not restricted"; empty means ``[]``).
+        default: the value when the variable is unset (or empty, for ``bool``/``str``).
+        help: what it does, one or two sentences (shown by :func:`describe`).
+        owner: who reads it: ``"core"``, a distribution name, or ``"tests"``.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    owner: str = "core"
+
+    def parse(self, text: Optional[str]) -> Any:
+        """Parse ``text`` (None: unset) into this variable's value.
+
+        Raises:
+            EnvVarError: ``text`` is not a value of this kind.
+        """
+        return _PARSERS[self.kind](self, text)
+
+
+def _parse_bool(var: EnvVar, text: Optional[str]) -> bool:
+    if text is None or not text.strip():
+        return bool(var.default)
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise EnvVarError(f"{var.name}={text!r} is not a boolean; accepted: {ACCEPTED_BOOLEANS}, "
+                      f"or unset/empty for the default ({'on' if var.default else 'off'})")
+
+
+def _parse_str(var: EnvVar, text: Optional[str]) -> str:
+    return var.default if text is None or not text.strip() else text.strip()
+
+
+def _parse_list(var: EnvVar, text: Optional[str]) -> List[str]:
+    if text is None:
+        return list(var.default or [])
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _parse_optional_list(var: EnvVar, text: Optional[str]) -> Optional[List[str]]:
+    if text is None:
+        return None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+_PARSERS: Dict[str, Callable[[EnvVar, Optional[str]], Any]] = {
+    "bool": _parse_bool,
+    "str": _parse_str,
+    "list": _parse_list,
+    "optional_list": _parse_optional_list,
+}
+
+#: The table: every variable this repository reads. Plugins of other distributions add
+#: theirs with :func:`define`.
+VARIABLES: Dict[str, EnvVar] = {}
+
+
+def define(name: str, kind: str, default: Any, help: str, *, owner: str = "core") -> EnvVar:
+    """Add a variable to the table (idempotent for an identical row).
+
+    Raises:
+        ValueError: the name lacks the ``CUDA_GRAPH_RUNNER_`` prefix, the kind is not one of
+            :data:`_PARSERS`, or another row of that name differs.
+    """
+    if not name.startswith(PREFIX):
+        raise ValueError(f"environment variable {name!r} must start with {PREFIX!r}")
+    if kind not in _PARSERS:
+        raise ValueError(f"environment variable {name}: kind {kind!r} is not one of {sorted(_PARSERS)}")
+    var = EnvVar(name, kind, default, help, owner)
+    existing = VARIABLES.get(name)
+    if existing is not None and existing != var:
+        raise ValueError(f"environment variable {name} is already defined differently: {existing}")
+    VARIABLES[name] = var
+    return var
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The parsed value of variable ``name`` now (from ``environ``, default ``os.environ``).
+
+    Raises:
+        KeyError: ``name`` is not in the table (a typo in the reader, not the user's fault).
+        EnvVarError: the user's value does not parse; the message names variable, value
+            and what is accepted.
+    """
+    try:
+        var = VARIABLES[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a known {PREFIX}* variable; known: {sorted(VARIABLES)}") from None
+    env = os.environ if environ is None else environ
+    return var.parse(env.get(name))
+
+
+def raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The unparsed text of ``name`` (None: unset), for messages that quote it.
+
+    Raises:
+        KeyError: ``name`` is not in the table.
+    """
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a known {PREFIX}* variable; known: {sorted(VARIABLES)}")
+    return (os.environ if environ is None else environ).get(name)
+
+
+def describe() -> List[Dict[str, str]]:
+    """The table as rows ``{name, kind, default, owner, help}``, sorted by name (for docs/CLI)."""
+    return [{"name": v.name, "kind": v.kind, "default": repr(v.default), "owner": v.owner, "help": v.help}
+            for v in sorted(VARIABLES.values(), key=lambda v: v.name)]
+
+
+# -- the table ------------------------------------------------------------------------
+# Names are also constants, so readers import them instead of retyping the string.
+PLUGINS = define(
+    "CUDA_GRAPH_RUNNER_PLUGINS", "optional_list", None,
+    "Comma-separated backend (entry-point) or distribution names to autoload; unset means all, "
+    "empty means none. Read when the registry scans.").name
+DISABLE_PLUGIN_AUTOLOAD = define(
+    "CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD", "bool", False,
+    "Load no entry point (built-ins and register() still work). Read when the registry scans.").name
+STRICT_PLUGINS = define(
+    "CUDA_GRAPH_RUNNER_STRICT_PLUGINS", "bool", False,
+    "A plugin failure raises instead of being listed as failed. Read when a registry is created.").name
+PREFER = define(
+    "CUDA_GRAPH_RUNNER_PREFER", "str", "",
+    "'name=distribution,...': which distribution's backend to use when several register the same "
+    "name. Read when the registry scans; a malformed item is reported in registry.problems.").name
+BREAKABLE_WEAK_REF_ARGS = define(
+    "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS", "bool", True,
+    "breakable: hand eager ops weak references to graph-owned arguments (default on). Read when a "
+    "BreakableBackend is built without weak_ref_args.", owner="cuda-graph-runner-breakable").name
+TC_PIECEWISE_DEBUG = define(
+    "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG", "bool", False,
+    "tc_piecewise: check input addresses at every replay. Read when a TcPiecewiseBackend is built "
+    "without debug.", owner="cuda-graph-runner-tc-piecewise").name
+# The test suite's own switches (one parser for them too).
+TEST_INDUCTOR_CPU = define(
+    "CUDA_GRAPH_RUNNER_TEST_INDUCTOR_CPU", "bool", False,
+    "tests: also run the inductor compiler on CPU (needs a C++ compiler).", owner="tests").name
+TORCH_NPU_VERSION = define(
+    "CUDA_GRAPH_RUNNER_TORCH_NPU_VERSION", "str", "2.13.0",
+    "tests: torch_npu wheel version whose API the npu plugin is checked against.", owner="tests").name
+TORCH_NPU_DOWNLOAD = define(
+    "CUDA_GRAPH_RUNNER_TORCH_NPU_DOWNLOAD", "bool", True,
+    "tests: may download the torch_npu wheel when it is not cached.", owner="tests").name
+WHEEL_CACHE = define(
+    "CUDA_GRAPH_RUNNER_WHEEL_CACHE", "str", "",
+    "tests: folder of cached wheels (empty: ~/.cache/cuda-graph-runner/wheels).", owner="tests").name
