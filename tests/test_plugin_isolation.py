@@ -98,6 +98,14 @@ def iso(iso_site, monkeypatch):
     return monkeypatch
 
 
+@pytest.fixture()
+def wellbehaved(iso):
+    """Only the plugins that load cleanly, so a test sees its own case and not the others'."""
+    iso.setenv(registry.ENV_PLUGINS, "iso_good,cgr-iso-a,cgr-iso-b")
+    registry.reset_registry(keep_in_process=False)
+    return iso
+
+
 def _rows():
     return {e.name: e for e in registry.list_backends("cpu")}
 
@@ -248,10 +256,11 @@ def test_resolving_from_a_specs_hook_during_the_scan_fails_that_plugin(iso):
     assert row.reason.startswith("hook cuda_graph_runner_backend_specs raised RegistryReentryError")
 
 
-def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(iso, tmp_path):
+def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(wellbehaved, tmp_path):
     slow = write_plugin_source(tmp_path / "slow", "cgr-iso-slow", {"iso_slow_gate": _spec_module(
         "slow", before="import builtins\n        builtins._cgr_iso_gate()")}, {"slow": "iso_slow_gate"})
-    iso.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", slow)))
+    wellbehaved.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", slow)))
+    wellbehaved.setenv(registry.ENV_PLUGINS, "iso_good,cgr-iso-a,cgr-iso-b,slow")
     registry.reset_registry()
     started, release = threading.Event(), threading.Event()
 
@@ -259,7 +268,7 @@ def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(iso, tm
         started.set()
         release.wait(30)
 
-    iso.setattr(builtins, "_cgr_iso_gate", gate, raising=False)
+    wellbehaved.setattr(builtins, "_cgr_iso_gate", gate, raising=False)
     seen = {}
     scanner = threading.Thread(target=lambda: seen.setdefault("scanner", registry.get_registry().names()))
     scanner.start()
@@ -276,7 +285,7 @@ def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(iso, tm
 # -- the registry never writes to a plugin's class ----------------------------------------------
 
 
-def test_an_alias_of_disabled_does_not_rename_existing_disabled_runners(iso):
+def test_an_alias_of_disabled_does_not_rename_existing_disabled_runners(wellbehaved):
     before = DecodeCudaGraphRunner(ToyModel(), {"decode": {"backend": "disabled", "max_bs": 2}}, device="cpu")
     registry.register(BackendSpec(name="off", backend_class=DisabledBackend, phases=("decode", "prefill"),
                                   devices=("*",)))
@@ -287,7 +296,7 @@ def test_an_alias_of_disabled_does_not_rename_existing_disabled_runners(iso):
     assert registry.resolve_decode_backend("disabled", device="cpu").name == "disabled"
 
 
-def test_two_names_for_one_class_name_each_instance_only(iso):
+def test_two_names_for_one_class_name_each_instance_only(wellbehaved):
     for name in ("rec_a", "rec_b"):
         registry.register(BackendSpec(name=name, backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
     a = registry.resolve_decode_backend("rec_a", device="cpu")
@@ -300,7 +309,7 @@ def test_two_names_for_one_class_name_each_instance_only(iso):
 # -- threads ------------------------------------------------------------------------------------
 
 
-def test_listing_while_another_thread_registers(iso):
+def test_listing_while_another_thread_registers(wellbehaved):
     registry.get_registry().names()  # scanned
     errors = []
     done = threading.Event()
@@ -339,7 +348,7 @@ def test_listing_while_another_thread_registers(iso):
 # -- reset_registry() keeps register() and prefer() ------------------------------------------------
 
 
-def test_reset_keeps_register_and_prefer(iso):
+def test_reset_keeps_register_and_prefer(wellbehaved):
     registry.register(BackendSpec(name="nb", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
     assert _rows()["twin"].status == "failed"  # two distributions claim it
     registry.prefer("twin", "cgr-iso-b")
@@ -356,17 +365,18 @@ def test_reset_keeps_register_and_prefer(iso):
     assert _rows()["twin"].status == "failed"
 
 
-def test_reset_keeps_calls_made_before_the_registry_was_rescanned(iso):
+def test_reset_keeps_calls_made_before_the_registry_was_rescanned(wellbehaved):
     registry.register(BackendSpec(name="nb", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
     registry.reset_registry()
     registry.reset_registry()  # no use in between: still pending, still kept
     assert "nb" in _rows()
 
 
-def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(iso, tmp_path):
+def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(wellbehaved, tmp_path):
     registry.register(BackendSpec(name="late", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
     late = write_plugin_source(tmp_path / "late", "cgr-iso-late", {"iso_late": _spec_module("late")}, {"late": "iso_late"})
-    iso.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", late)))
+    wellbehaved.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", late)))
+    wellbehaved.setenv(registry.ENV_PLUGINS, "iso_good,cgr-iso-a,cgr-iso-b,late")
     registry.reset_registry()
     with pytest.warns(RuntimeWarning, match=r"register\('late'\) made before reset_registry\(\) could not be kept.*"
                                             r"already registered by cgr-iso-late"):
