@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from importlib import metadata
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from .hookspecs import DefaultClaim
 
@@ -117,14 +117,12 @@ def choose_default(phase: str, device_type: str, claims: Sequence[Claim]) -> Def
 
 
 def contest_warning(decision: DefaultDecision) -> Optional[str]:
-    """The warning for a contested default (several claimants), else None."""
-    claimants = sorted({c.distribution for c in decision.claims})
+    """The warning for a contested default (several claims), naming each claim once; else None."""
     if len(decision.claims) < 2:
         return None
-    return (f"several plugins claim the default {decision.phase} backend on {decision.device_type} "
-            f"({', '.join(claimants)}): {decision.backend} was chosen (usable claims rank by priority, then "
-            f"backend name, then distribution name); claims: "
-            + "; ".join(c.describe() for c in decision.claims)
+    return (f"several plugins claim the default {decision.phase} backend on {decision.device_type}: "
+            f"{decision.backend} was chosen (usable claims rank by priority, then backend name, then "
+            f"distribution name); claims: " + "; ".join(c.describe() for c in decision.claims)
             + ". Name a backend in the config to silence this.")
 
 
@@ -172,16 +170,3 @@ def shared_module_reason(name: str, module: str, path: str, dists: Sequence[Tupl
 def failed_hint(status: str, reason: str) -> str:
     """How ``config`` words a backend that is installed but cannot be used."""
     return f"is installed but {status}: {reason}"
-
-
-def claims_from_hook(impls: Sequence[Any], call: Callable[[Any], Any]) -> List[Tuple[Any, Any]]:
-    """``[(impl, result)]`` for each non-wrapper hook implementation whose ``call`` gave
-    a non-None result. Exceptions propagate to the caller, which blames the plugin."""
-    out = []
-    for impl in impls:
-        if impl.hookwrapper or impl.wrapper:
-            continue
-        result = call(impl)
-        if result is not None:
-            out.append((impl, result))
-    return out
