@@ -169,8 +169,8 @@ SOURCE_JSON_FLAG = "json:--cuda-graph-config"
 # ASCII only: backend names double as entry-point names and dict keys.
 _BACKEND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BACKEND_NAME_ACCEPTED = "an identifier such as " + ", ".join(Backend.WELL_KNOWN) + " or a plugin's name"
-_SIZE_ACCEPTED = f"an integer from 1 to {MAX_CAPTURE_SIZE} (not a bool)"
-_SIZES_ACCEPTED = f"a non-empty list of integers from 1 to {MAX_CAPTURE_SIZE} (not bools)"
+_SIZE_ACCEPTED = f"an integer >= 1 and <= {MAX_CAPTURE_SIZE} (not a bool)"
+_SIZES_ACCEPTED = f"a non-empty list of integers >= 1 and <= {MAX_CAPTURE_SIZE} (not bools)"
 _NOT_GIVEN = object()
 
 
@@ -793,7 +793,7 @@ def _sizes_arg(text: str) -> List[int]:
         return [_positive_int_arg(part) for part in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"invalid sizes {_short_repr(text)}; accepted: integers from 1 to {MAX_CAPTURE_SIZE}, space or comma separated"
+            f"invalid sizes {_short_repr(text)}; accepted: integers >= 1 and <= {MAX_CAPTURE_SIZE}, space or comma separated"
         ) from None
 
 
