@@ -10,6 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cuda_graph_runner.config import (
+    MAX_CAPTURE_SIZE,
     PHASE_KEYS,
     TC_COMPILERS,
     CudaGraphConfig,
@@ -21,7 +22,7 @@ from cuda_graph_runner.config import (
 backend_names = st.none() | st.sampled_from(["full", "breakable", "tc_piecewise", "npu", "disabled"]) | st.from_regex(
     r"[A-Za-z_][A-Za-z0-9_]{0,15}", fullmatch=True
 )
-sizes = st.integers(min_value=1, max_value=1 << 20)
+sizes = st.integers(min_value=1, max_value=MAX_CAPTURE_SIZE)  # the documented cap
 
 
 @st.composite

@@ -45,7 +45,7 @@ def with_dups(dup_site, monkeypatch):
 
 def test_collision_names_both_distributions(with_dups):
     row = {e.name: e for e in registry.list_backends("cpu")}["dup"]
-    assert row.status == "failed"
+    assert row.status == "conflict"
     assert "backend name 'dup' is registered by several distributions" in row.reason
     assert "cgr-dup-one 1.0.0" in row.reason and "2.0.0" in row.reason and "Dup" in row.distribution
     assert 'CUDA_GRAPH_RUNNER_PREFER="dup=cgr-dup-one"' in row.reason and "prefer('dup', 'cgr-dup-one')" in row.reason

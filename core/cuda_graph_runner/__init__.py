@@ -26,6 +26,7 @@ _EXPORTS = {
     "get_forward_batch": "forward_context",
     "eager_op": "graph_break",
     "BackendSpec": "hookspecs",
+    "DefaultClaim": "hookspecs",
     "hookimpl": "hookspecs",
     "list_backends": "registry",
     "register": "registry",

@@ -11,7 +11,14 @@ directory), then for each selected backend:
 
 Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one device
 synchronize per measurement); capture seconds and graph memory are per runner (all
-sizes). On a machine without a usable graph backend it runs eagerly and says why.
+sizes).
+
+Backends the bench chose itself (the device's default: no ``--decode-backends`` and no
+backend in the config) that cannot run give a note and eager numbers under backend
+``disabled``. A backend named explicitly (``--decode-backends``, ``--prefill-backends`` or
+the config) that cannot run is an error before any work: exit 2 for an unknown name or a
+bad option, 1 for one installed but failed, in conflict, unavailable here or breaking the
+backend contract. ``--device`` naming a device this machine lacks is exit 2.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .config import CudaGraphConfig, CudaGraphConfigError, add_cuda_graph_args
-from .errors import CudaGraphRunnerError
+from .errors import CudaGraphRunnerError, UnknownBackendError
 from .forward_batch import ForwardBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -248,6 +255,66 @@ def _backends(arg: Optional[str], configured: Optional[str]) -> List[Tuple[Optio
     return [(configured, None)]
 
 
+class BenchRequestError(Exception):
+    """A backend named explicitly cannot be benched; ``exit_code`` 2 (usage) or 1 (runtime)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def device_problem(device: torch.device) -> Optional[str]:
+    """Why ``device`` cannot be used on this machine (no such device, torch built without
+    it, index out of range), or None."""
+    if device.type == "cpu":
+        return None
+    try:
+        module = torch.get_device_module(device)
+    except Exception as exc:  # torch knows the type but has no module for it
+        return f"torch {torch.__version__} has no {device.type} support ({exc})"
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        built = ""
+        if device.type == "cuda" and torch.version.cuda is None:
+            built = f"; this torch {torch.__version__} was built without CUDA"
+        return f"no {device.type} device is available here{built}"
+    count = getattr(module, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        return f"{device} does not exist: this machine has {count} {device.type} device(s)"
+    return None
+
+
+def check_explicit_backends(phase: str, selection: Optional[str], config: CudaGraphConfig,
+                            device: torch.device) -> None:
+    """Fail before any work when a backend named for ``phase`` cannot be benched.
+
+    Raises:
+        BenchRequestError: exit 2 for an unknown name or an option the backend does not
+            read, 1 for a backend that is failed, in conflict, unavailable here, not for the
+            phase or breaks the contract. The message says which and why.
+    """
+    from . import backend_options
+    from .registry import get_registry
+
+    if not selection and config[phase].backend is None:
+        return  # the bench chooses: notes, not errors
+    reg = get_registry()
+    for name, compiler in _backends(selection, config[phase].backend):
+        if name is None or name == "disabled":
+            continue
+        where = f"--{phase}-backends" if selection else "the config"
+        try:
+            entry = reg.get(name, device_type=device.type, phase=phase)
+            reg.load_class(entry)  # a contract-broken class fails here, not mid-bench
+            fields = {"backend": name, **({"tc_compiler": compiler} if compiler else {})}
+            backend_options.check_resolved(reg, phase, config.with_phase(phase, **fields), entry)
+        except (UnknownBackendError, CudaGraphConfigError) as exc:
+            raise BenchRequestError(f"{phase} backend {name!r} (from {where}): {exc}", 2) from None
+        except CudaGraphRunnerError as exc:
+            raise BenchRequestError(f"{phase} backend {name!r} was asked for ({where}) but cannot run: {exc}",
+                                    1) from None
+
+
 def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, model: Any, device: torch.device,
                  default_max: int, results: Dict[str, Any], table: Any,
                  measure: Callable[[Any], List[Dict[str, Any]]]) -> bool:
@@ -264,14 +331,21 @@ def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, 
                                       "max_bs": phase_config.max_bs or (None if phase_config.bs else default_max)}
             if compiler:
                 fields["tc_compiler"] = compiler
-            runner = _make_runner(phase, model, config.with_phase(phase, **fields), device)
+            try:
+                runner = _make_runner(phase, model, config.with_phase(phase, **fields), device)
+            except CudaGraphRunnerError as exc:
+                if name is not None:  # asked for: check_explicit_backends should have caught it
+                    raise
+                runner, backend, note = None, None, f"{phase} backend {backend!r} skipped: {exc}; running eager only"
+        if runner is not None:
             stats = _capture(runner)
             results["runners"].append(dataclasses.asdict(stats))
         if note:
             print(f"note: {note}")
             results["notes"].append(note)
         rows = measure(runner)
-        label = (backend + (f":{compiler}" if compiler else "")) if backend else "eager"
+        # The backend's own name: eager numbers come from backend "disabled".
+        label = (backend + (f":{compiler}" if compiler else "")) if backend else "disabled"
         header = f"\n{phase}, backend {label}"
         if stats is not None:
             header += (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s"
@@ -304,6 +378,8 @@ def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -
     try:
         reg.get(chosen, device_type=device.type, phase=phase)
     except CudaGraphRunnerError as exc:
+        if name is not None:  # asked for by name: an error (check_explicit_backends reports it first)
+            raise
         return None, f"{phase} backend {chosen!r} skipped: {exc}; running eager only"
     return chosen, ""
 
@@ -318,7 +394,31 @@ def run_bench(args: argparse.Namespace) -> int:
     except CudaGraphConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError) as exc:
+        print(f"error: --device {args.device!r} is not a torch device ({str(exc).splitlines()[0]}); "
+              "accepted: cpu, cuda, cuda:N, npu:N, ...", file=sys.stderr)
+        return 2
+    problem = device_problem(device)
+    if problem:
+        print(f"error: --device {args.device!r}: {problem}", file=sys.stderr)
+        return 2
+    try:
+        from . import backend_options
+        from .registry import get_registry
+
+        phases = [("decode", args.decode_backends)] + ([] if args.no_prefill else [("prefill", args.prefill_backends)])
+        for phase, selection in phases:
+            check_explicit_backends(phase, selection, config, device)
+        if not (args.decode_backends or args.prefill_backends):
+            backend_options.check_with_registry(config, get_registry(), device.type)
+    except BenchRequestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except CudaGraphConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     on_cpu = device.type == "cpu"
     dtype = DTYPES[args.dtype or ("float32" if on_cpu else "bfloat16")]
     model_spec = args.model or ("tiny" if on_cpu else "llama-3.2-1b")

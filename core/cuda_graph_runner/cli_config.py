@@ -2,18 +2,23 @@
 
 Output (stdout) is one JSON object::
 
-    {"config":  {"decode": {"backend": ..., "max_bs": ..., "bs": ..., "tc_compiler": ...},
-                 "prefill": {...}},
-     "sources": {"decode": {"backend": "flag:--cuda-graph-backend-decode", ...}, ...},
-     "backends_checked": true}
+    {"config":    {"decode": {"backend": ..., "max_bs": ..., "bs": ..., "tc_compiler": ...},
+                   "prefill": {...}},
+     "sources":   {"decode": {"backend": "flag:--cuda-graph-backend-decode", ...}, ...},
+     "effective": {"decode": {"backend": "disabled", "max_bs": 256, "bs": "runner buckets"}, ...},
+     "backends_checked": true,
+     "legend": {...}}
 
-``backend: null`` means auto (the registry picks per device); a source of
-``"default"`` means no flag or JSON set the key. ``backends_checked`` is false
-when the registry could not be imported, in which case backend names are not
-checked against the installed backends (a note goes to stderr).
+``config`` is what was set: ``backend: null`` means auto (the registry picks per device),
+``max_bs: null`` the runner's default; ``effective`` shows what those nulls become on this
+machine (the same numbers ``--help`` gives as defaults). A source of ``"default"`` means
+no flag or JSON set the key. ``backends_checked`` is true when backend names (and the
+backend options, such as ``tc_compiler``, each backend reads) were checked against the
+installed backends; false when the registry could not be imported, in which case they
+were not (a note goes to stderr). ``legend`` repeats these explanations in the output.
 
-Exit status: 0 valid; 2 invalid config (message on stderr), the same status
-argparse uses for a bad flag value.
+Exit status: 0 valid; 2 invalid config (message on stderr), the same status argparse uses
+for a bad flag value.
 """
 
 from __future__ import annotations
@@ -24,18 +29,33 @@ import json
 import sys
 from typing import Any, Collection, Dict, Optional
 
-from .config import PHASE_KEYS, CudaGraphConfig, CudaGraphConfigError, Phase, add_cuda_graph_args
+from .config import DEFAULT_MAX_BS, PHASE_KEYS, CudaGraphConfig, CudaGraphConfigError, Phase, add_cuda_graph_args
 
 EXIT_INVALID = 2
+
+LEGEND = {
+    "config": "what was set; backend null = auto (the registry's default for the device), "
+              "max_bs null = the runner's default, bs null = the runner's default buckets",
+    "sources": "where each key's value came from; 'default' = nothing set it",
+    "effective": "what the nulls become on this machine",
+    "backends_checked": "true: backend names and backend options were checked against the installed backends; "
+                        "false: the registry could not be imported, so they were not checked",
+}
 
 
 def add_config_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``config`` on an argparse subparsers object; sets ``func=run_config``."""
+    from .cli import EXIT_STATUS_HELP
+
     parser = subparsers.add_parser(
         "config",
         help="validate CUDA-graph flags and print the effective config as JSON",
-        description="Validate the CUDA-graph flags and print the effective config as JSON, with the source "
-                    "of each key. null means: auto (backend) or the runner's default (sizes).",
+        description="Validate the CUDA-graph flags and print the config as JSON, with the source of each key "
+                    "and what each null (auto / the runner's default) becomes here ('effective'). "
+                    "'backends_checked' says whether backend names and options were checked against the "
+                    "installed backends.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_cuda_graph_args(parser)
     parser.set_defaults(func=run_config)
@@ -52,19 +72,40 @@ def _installed_backend_phases() -> Optional[Dict[str, Collection[str]]]:
     return backend_phases()
 
 
+def _effective(config: CudaGraphConfig, checked: bool) -> Dict[str, Dict[str, Any]]:
+    defaults: Dict[str, Any] = {}
+    registry = sys.modules.get(__package__ + ".registry") if checked else None
+    if hasattr(registry, "get_registry"):
+        device_type = registry.default_device_type()
+        defaults = {phase: registry.get_registry().default_backend(phase, device_type) for phase in Phase.ALL}
+    return {phase: {"backend": config[phase].backend or defaults.get(phase, "auto"),
+                    "max_bs": config[phase].max_bs or (max(config[phase].bs) if config[phase].bs
+                                                       else DEFAULT_MAX_BS[phase]),
+                    "bs": config[phase].bs or "the runner's buckets up to max_bs"}
+            for phase in Phase.ALL}
+
+
 def run_config(args: argparse.Namespace) -> int:
     """Print the effective config and each key's source; return the exit status."""
     try:
         config = CudaGraphConfig.from_args(args)
         installed = _installed_backend_phases()
-        config.validate(installed)
+        registry = sys.modules.get(__package__ + ".registry") if installed is not None else None
+        problems = getattr(registry, "backend_problems", None)
+        config.validate(installed, problems() if problems else None)
+        if hasattr(registry, "get_registry"):
+            from . import backend_options
+
+            backend_options.check_with_registry(config, registry.get_registry(), registry.default_device_type())
     except CudaGraphConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INVALID
     report = {
         "config": {phase: dataclasses.asdict(config[phase]) for phase in Phase.ALL},
         "sources": {phase: {key: config.source_of(phase, key) for key in PHASE_KEYS} for phase in Phase.ALL},
+        "effective": _effective(config, installed is not None),
         "backends_checked": installed is not None,
+        "legend": LEGEND,
     }
     print(json.dumps(report, indent=2))
     return 0

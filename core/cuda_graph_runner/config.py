@@ -18,11 +18,17 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
 ``max_bs``
     Decode: the largest batch size; prefill: the largest token count.
     ``None``: the runner's default (``DEFAULT_MAX_BS``: 256 decode, 4096 prefill).
+    At most ``MAX_CAPTURE_SIZE`` (65,536: far above any engine's batch; a larger
+    value would only build millions of capture sizes and gigabytes of buffers).
 ``bs``
     Explicit capture sizes; ``None``: the runner's default buckets. Lists are
-    normalised: sorted ascending, duplicates dropped.
+    normalised: sorted ascending, duplicates dropped. Each size is at most
+    ``MAX_CAPTURE_SIZE``.
 ``tc_compiler``
-    ``eager`` or ``inductor``; read only by the ``tc_piecewise`` backend.
+    ``eager`` or ``inductor``; a *backend option* (``BACKEND_OPTION_KEYS``): read
+    only by backends whose spec lists it in ``BackendSpec.options``
+    (``tc_piecewise``). Setting an option that the selected backend does not read
+    is an error at resolve time (see ``cuda_graph_runner.backend_options``).
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -100,7 +106,9 @@ __all__ = [
     "WELL_KNOWN_DISTRIBUTIONS",
     "TC_COMPILERS",
     "DEFAULT_MAX_BS",
+    "MAX_CAPTURE_SIZE",
     "PHASE_KEYS",
+    "BACKEND_OPTION_KEYS",
     "CudaGraphConfigError",
     "PhaseConfig",
     "CudaGraphConfig",
@@ -141,8 +149,17 @@ TC_COMPILERS = ("eager", "inductor")
 #: What a runner uses when ``max_bs`` is None.
 DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 
+#: Largest accepted ``max_bs`` and ``bs`` element (decode batch size or prefill token
+#: count): far above any engine's batch, small enough that the runner's buckets and
+#: static buffers stay bounded.
+MAX_CAPTURE_SIZE = 65536
+
 #: The keys of one phase, in field order.
 PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler")
+
+#: Keys read by backends rather than the runner. A backend declares the ones it reads in
+#: ``BackendSpec.options``; one set for a backend that does not read it is an error.
+BACKEND_OPTION_KEYS = ("tc_compiler",)
 
 SOURCE_DEFAULT = "default"
 SOURCE_API = "api"
@@ -152,13 +169,21 @@ SOURCE_JSON_FLAG = "json:--cuda-graph-config"
 # ASCII only: backend names double as entry-point names and dict keys.
 _BACKEND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BACKEND_NAME_ACCEPTED = "an identifier such as " + ", ".join(Backend.WELL_KNOWN) + " or a plugin's name"
-_SIZE_ACCEPTED = "an integer >= 1 (not a bool)"
-_SIZES_ACCEPTED = "a non-empty list of integers >= 1 (not bools)"
+_SIZE_ACCEPTED = f"an integer >= 1 and <= {MAX_CAPTURE_SIZE} (not a bool)"
+_SIZES_ACCEPTED = f"a non-empty list of integers >= 1 and <= {MAX_CAPTURE_SIZE} (not bools)"
 _NOT_GIVEN = object()
 
 
 def _short_repr(value: Any, limit: int = 120) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:
+        # Python >= 3.11 refuses to print ints of more than 4300 digits (int_max_str_digits).
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return f"<integer of {int(value).bit_length()} bits>"
+        return f"<{type(value).__name__} too large to print>"
+    except Exception as exc:  # a user object whose __repr__ fails must not hide the real error
+        return f"<{type(value).__name__}: repr failed ({type(exc).__name__})>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -223,9 +248,12 @@ class CudaGraphConfigError(ValueError):
 
 
 def _positive_int(value: Any, key: str) -> int:
-    """``value`` as an int >= 1; bools are refused. Raises CudaGraphConfigError."""
+    """``value`` as an int from 1 to ``MAX_CAPTURE_SIZE``; bools are refused. Raises CudaGraphConfigError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise CudaGraphConfigError("must be a positive integer", key=key, value=value, accepted=_SIZE_ACCEPTED)
+    if value > MAX_CAPTURE_SIZE:
+        raise CudaGraphConfigError(f"is above the maximum capture size {MAX_CAPTURE_SIZE}", key=key, value=value,
+                                   accepted=_SIZE_ACCEPTED)
     return int(value)
 
 
@@ -276,6 +304,13 @@ class PhaseConfig:
                 if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
                     raise CudaGraphConfigError(
                         f"element {_short_repr(size)} is not a positive integer",
+                        key="bs",
+                        value=self.bs,
+                        accepted=_SIZES_ACCEPTED,
+                    )
+                if size > MAX_CAPTURE_SIZE:
+                    raise CudaGraphConfigError(
+                        f"element {_short_repr(size)} is above the maximum capture size {MAX_CAPTURE_SIZE}",
                         key="bs",
                         value=self.bs,
                         accepted=_SIZES_ACCEPTED,
@@ -467,7 +502,8 @@ class CudaGraphConfig:
         phases[phase] = _build_phase(phase, merged, sources)
         return type(self)(**phases, sources=sources)
 
-    def validate(self, backend_phases: Optional[Mapping[str, Collection[str]]] = None) -> None:
+    def validate(self, backend_phases: Optional[Mapping[str, Collection[str]]] = None,
+                 unusable: Optional[Mapping[str, str]] = None) -> None:
         """Check every field again and, given the installed backends, every backend name.
 
         Args:
@@ -475,6 +511,9 @@ class CudaGraphConfig:
                 backends (``registry.backend_phases()``); None skips the name checks.
                 ``disabled`` is always accepted (built into the core); None (auto)
                 is left to the registry.
+            unusable: ``{backend name: why}`` of backends that are installed but failed or
+                registered twice (``registry.backend_problems()``): such a name is
+                reported with that cause, not as "not installed".
 
         Raises:
             CudaGraphConfigError: an invalid field (e.g. assigned after construction);
@@ -494,6 +533,15 @@ class CudaGraphConfig:
             if name is None or name == Backend.DISABLED:
                 continue
             source = self.sources.get((phase, "backend"))
+            if name not in backend_phases and unusable and name in unusable:
+                raise CudaGraphConfigError(
+                    f"is {unusable[name]}",
+                    phase=phase,
+                    key="backend",
+                    value=name,
+                    accepted=_names_for(phase, backend_phases),
+                    source=source,
+                )
             if name not in backend_phases:
                 raise CudaGraphConfigError(
                     "is not an installed backend" + _install_hint(name, backend_phases),
@@ -566,12 +614,15 @@ def _load_json(text_or_path: Any, source: Optional[str]) -> Any:
     text = text_or_path
     if path is not None:
         try:
-            with open(path, encoding="utf-8") as f:
+            # utf-8-sig: editors on Windows save JSON with a byte-order mark; accept it.
+            with open(path, encoding="utf-8-sig") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as err:
             raise CudaGraphConfigError(
                 f"cannot read the file ({err})", value=text_or_path, accepted=accepted, source=source
             ) from None
+    if text.startswith("\ufeff"):  # a BOM kept in text read by the caller
+        text = text[1:]
     try:
         return json.loads(text, object_pairs_hook=_reject_duplicates)
     except CudaGraphConfigError as err:
@@ -628,11 +679,13 @@ def _phase_flags(p: str) -> List[_Flag]:
         _Flag(f"--cuda-graph-backend-{p}", _TIER_FLAG, (p,), "backend",
               f"{p} backend: {', '.join(Backend.WELL_KNOWN)} or a plugin's name (default: auto)"),
         _Flag(f"--cuda-graph-max-bs-{p}", _TIER_FLAG, (p,), "max_bs",
-              f"largest {p} {size} to capture (default: {DEFAULT_MAX_BS[p]})"),
+              f"largest {p} {size} to capture, at most {MAX_CAPTURE_SIZE} "
+              f"(default: null, meaning the runner's default, {DEFAULT_MAX_BS[p]})"),
         _Flag(f"--cuda-graph-bs-{p}", _TIER_FLAG, (p,), "bs",
               f"{p} {size}s to capture, space or comma separated (default: the runner's buckets)"),
         _Flag(f"--cuda-graph-tc-compiler-{p}", _TIER_FLAG, (p,), "tc_compiler",
-              f"compiler of the tc_piecewise pieces for {p} (default: eager)"),
+              f"compiler of the tc_piecewise pieces for {p} (default: eager); an error with a backend that "
+              "does not read it"),
         _Flag(f"--disable-cuda-graph-{p}", _TIER_FLAG, (p,), "backend",
               f"no graphs for {p} (backend disabled)", const=Backend.DISABLED),
     ]
@@ -691,6 +744,16 @@ def _resolve_tier(namespace: Any, tier: str) -> Dict[Tuple[str, str], Tuple[_Fla
     return chosen
 
 
+def source_phases(source: Optional[str]) -> Tuple[str, ...]:
+    """The phases the flag behind ``source`` (``"flag:--x"``, ``"legacy:--y"``) sets at
+    once; ``()`` for any other source (JSON, API, default)."""
+    tier, _, option = (source or "").partition(":")
+    for flag in _FLAGS:
+        if flag.tier == tier and flag.option == option:
+            return flag.phases
+    return ()
+
+
 _WARNED_FLAGS: set = set()  # legacy flags already warned about in this process
 
 
@@ -718,10 +781,10 @@ class _DeprecatedAlias(argparse.Action):
 def _positive_int_arg(text: str) -> int:
     try:
         value = int(text)
-    except ValueError:
+    except ValueError:  # not a number, or more digits than int() accepts
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; accepted: {_SIZE_ACCEPTED}")
+    if value < 1 or value > MAX_CAPTURE_SIZE:
+        raise argparse.ArgumentTypeError(f"invalid value {_short_repr(text)}; accepted: {_SIZE_ACCEPTED}")
     return value
 
 
@@ -730,7 +793,7 @@ def _sizes_arg(text: str) -> List[int]:
         return [_positive_int_arg(part) for part in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"invalid sizes {text!r}; accepted: integers >= 1, space or comma separated"
+            f"invalid sizes {_short_repr(text)}; accepted: integers >= 1 and <= {MAX_CAPTURE_SIZE}, space or comma separated"
         ) from None
 
 

@@ -66,6 +66,10 @@ class BackendSpec:
             the core, which would always match). None means undeclared: accepted for now
             as compatible, but the conformance kit requires a declaration.
         description: one line for ``cuda-graph-runner backends``.
+        options: the backend options (config keys in
+            ``cuda_graph_runner.config.BACKEND_OPTION_KEYS``, such as ``"tc_compiler"``)
+            this backend reads. A config that sets an option the selected backend does not
+            read is rejected at resolve time, naming the backends that read it.
     """
 
     name: str
@@ -75,6 +79,23 @@ class BackendSpec:
     probe: Union[LazyRef, Probe, None] = None
     api_version: Optional[str] = None
     description: str = ""
+    options: Tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultClaim:
+    """A default-backend claim with a priority, returned by ``cuda_graph_runner_default_backend``.
+
+    A plain name string is the same as ``DefaultClaim(name, priority=0)``.
+
+    Attributes:
+        backend: the backend name claimed as the default.
+        priority: higher wins among usable claims; ties go to the backend name, then
+            the distribution name, in alphabetical order (never install order).
+    """
+
+    backend: str
+    priority: int = 0
 
 
 class BackendHookSpecs:
@@ -86,7 +107,15 @@ class BackendHookSpecs:
 
     @hookspec(firstresult=True)
     def cuda_graph_runner_default_backend(self, phase: str, device_type: str) -> Optional[str]:
-        """Name the default backend for ``phase`` on ``device_type``, or None to pass.
+        """Claim the default backend for ``phase`` on ``device_type``: a name, a
+        :class:`DefaultClaim`, or None to pass.
 
-        The first non-None answer wins; with none, the default is ``"disabled"``.
+        The registry asks every plugin (not just the first to answer). A claim whose
+        backend cannot run here (not registered, failed, probe says unavailable, phase not
+        supported) passes to the next claimant; among usable claims the highest priority
+        wins, then the backend name, then the distribution name, alphabetically, so the
+        result never depends on install or ``sys.path`` order. With several claimants a
+        ``RuntimeWarning`` names each once, and ``cuda-graph-runner backends`` shows who
+        set the default and who else claimed it. With no usable claim the default is
+        ``"disabled"``.
         """

@@ -72,7 +72,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import pluggy
 
-from . import envs, hookspecs
+from . import backend_options, conflicts, envs, hookspecs
 from .errors import (
     BackendConflictError,
     BackendContractError,
@@ -96,6 +96,8 @@ IN_PROCESS = "<in-process>"
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
 FAILED = "failed"
+#: Several distributions register the name and none is preferred (CUDA_GRAPH_RUNNER_PREFER).
+CONFLICT = "conflict"
 
 PHASES = ("decode", "prefill")
 # Same rule as the config's backend names: a spec name the config cannot spell is useless.
@@ -114,7 +116,8 @@ class BackendEntry:
             for ``register()``).
         phases, devices: from its spec (empty when the plugin failed before giving one).
         status: ``"available"``, ``"unavailable"`` (installed, cannot run here) or
-            ``"failed"`` (the plugin is broken).
+            ``"failed"`` (the plugin is broken) or ``"conflict"`` (several distributions
+            register the name; ``distribution`` lists them all).
         reason: why it is not available, one line; None when available.
         error: the original exception, when there was one.
         spec: the ``BackendSpec``, when the plugin gave one.
@@ -457,6 +460,7 @@ class BackendRegistry:
         try:
             if self.pm.is_registered(plugin):
                 # One module serving several entry points: specs were already collected.
+                self._same_module_again(plugin, distribution, version, expected_name)
                 return
             self.pm.register(plugin, name=label)
             unknown = [hc.name for hc in self.pm.get_hookcallers(plugin) or [] if hc.spec is None]
@@ -506,6 +510,28 @@ class BackendRegistry:
                 raise BackendLoadError(f"{what}: {entry.reason}") from entry.error
             self._add_entry(entry)
 
+    def _same_module_again(self, plugin: Any, distribution: str, version: str, expected_name: Optional[str]) -> None:
+        # A release and a nightly naming the same module: Python imported it once, from one
+        # of them, so attributing the backend to the first distribution found would hide
+        # which code runs. Report both as a conflict.
+        owner = self.pm.get_name(plugin) or ""
+        if _normalize_dist(owner.partition(":")[0]) == _normalize_dist(distribution):
+            return
+        names = self._plugin_backends.get(owner, [])
+        for name in ([expected_name] if expected_name in names else names):
+            group = self._conflicts.get(name) or [self._entries.get(name)]
+            base = next((e for e in group if e is not None and e.spec is not None), None)
+            if base is None or any(_normalize_dist(e.distribution) == _normalize_dist(distribution)
+                                   for e in group if e is not None):
+                continue
+            self._add_entry(dataclasses.replace(base, distribution=distribution, version=version, _class=None))
+            group = self._conflicts[name]
+            reason = conflicts.shared_module_reason(
+                name, getattr(plugin, "__name__", repr(plugin)), conflicts.loaded_from(plugin),
+                [(e.distribution, e.version) for e in group], ENV_PREFER)
+            conflict = self._entries[name]
+            conflict.reason, conflict.error = reason, BackendConflictError(reason)
+
     def _entry_from_spec(self, spec: Any, distribution: str, version: str) -> BackendEntry:
         if not isinstance(spec, BackendSpec):
             return BackendEntry(str(getattr(spec, "name", spec)), distribution, version, status=FAILED,
@@ -552,7 +578,7 @@ class BackendRegistry:
         reason = (f"backend name {name!r} is registered by several distributions: {dists}; uninstall all but "
                   f"one, or choose one with {ENV_PREFER}=\"{name}={first}\" or "
                   f"cuda_graph_runner.registry.prefer({name!r}, {first!r})")
-        return BackendEntry(name, dists, "", group[-1].phases, group[-1].devices, status=FAILED, reason=reason,
+        return BackendEntry(name, dists, "", group[-1].phases, group[-1].devices, status=CONFLICT, reason=reason,
                             error=BackendConflictError(reason), _fixed=True)
 
     def _apply_preferences(self, text: str) -> None:
@@ -672,37 +698,80 @@ class BackendRegistry:
 
     def backend_phases(self) -> Dict[str, frozenset]:
         """``{name: phases}`` of every backend that registered (for config validation)."""
-        return {e.name: frozenset(e.phases) for e in self._snapshot() if e.status != FAILED}
+        return {e.name: frozenset(e.phases) for e in self._snapshot() if e.status not in (FAILED, CONFLICT)}
+
+    def backend_problems(self) -> Dict[str, str]:
+        """``{name: why it cannot be used}`` of backends that are installed but failed or in
+        conflict (what ``config`` says instead of "not installed")."""
+        return {e.name: (f"installed but failed: {e.reason}" if e.status == FAILED
+                         else f"installed twice: {e.reason}")
+                for e in self._snapshot() if e.status in (FAILED, CONFLICT)}
 
     def default_backend(self, phase: str, device_type: str) -> str:
         """The default backend name for ``phase`` on ``device_type`` (hook ``default_backend``).
 
-        Falls back to ``"disabled"`` when the named default is not usable here. A plugin
-        whose hook raises is marked failed and skipped (strict mode: re-raised).
+        Every plugin's claim is gathered; see :meth:`default_decision` for the rule.
+        Falls back to ``"disabled"`` when no claim is usable here. A plugin whose hook
+        raises is marked failed and skipped (strict mode: re-raised).
+
+        Raises:
+            BackendLoadError: strict mode only, a plugin's hook raised.
+        """
+        return self.default_decision(phase, device_type).backend
+
+    def default_decision(self, phase: str, device_type: str) -> "conflicts.DefaultDecision":
+        """Who sets the default for ``phase`` on ``device_type``, and who else claimed it.
+
+        A claim whose backend cannot run here passes to the next claimant; among usable
+        claims the highest priority wins, then the backend name, then the distribution
+        name (:mod:`cuda_graph_runner.conflicts`): never install or ``sys.path`` order.
+        With several claimants a ``RuntimeWarning`` names each claim once (once per
+        registry, phase and device type).
 
         Raises:
             BackendLoadError: strict mode only, a plugin's hook raised.
         """
         self._scan()
-        name = self._call_default_hook(phase, device_type)
-        with self._lock:
-            entry = self._entries.get(name) if name else None
-        if entry is not None:
-            entry = self._probe(entry, device_type)
-            if entry.ok and phase in entry.phases:
-                return name
-        return "disabled"
+        claims = []
+        for impl, (backend, priority) in self._call_default_hook(phase, device_type):
+            usable, why = self._claim_usable(backend, phase, device_type)
+            claims.append(conflicts.Claim(backend, priority, impl.plugin_name,
+                                          impl.plugin_name.partition(":")[0], usable, why))
+        decision = conflicts.choose_default(phase, device_type, claims)
+        message = conflicts.contest_warning(decision)
+        warned = self.__dict__.setdefault("_warned_defaults", set())
+        if message and (phase, device_type, decision.claims) not in warned:
+            warned.add((phase, device_type, decision.claims))
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return decision
 
-    def _call_default_hook(self, phase: str, device_type: str) -> Optional[str]:
-        # pluggy stops a hook call at the first raising impl, so one vendor's bug would
-        # take the default away from everyone; call the impls one by one instead.
+    def _claim_usable(self, name: str, phase: str, device_type: str) -> Tuple[bool, str]:
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None:
+            return False, "no installed plugin registers it"
+        entry = self._probe(entry, device_type)
+        if not entry.ok:
+            return False, f"{entry.status}: {entry.reason}"
+        if phase not in entry.phases:
+            return False, f"does not support phase {phase!r}"
+        return True, ""
+
+    def _call_default_hook(self, phase: str, device_type: str) -> List[Tuple[Any, Tuple[str, int]]]:
+        # pluggy stops a hook call at the first raising impl (and at the first answer:
+        # firstresult), so one vendor's bug or install order would decide the default;
+        # call the impls one by one and keep every claim instead.
         args = {"phase": phase, "device_type": device_type}
         hook = self.pm.hook.cuda_graph_runner_default_backend
+        claims = []
         for impl in reversed(hook.get_hookimpls()):  # pluggy's call order
-            if impl.hookwrapper or impl.wrapper:
-                continue
+            if impl.hookwrapper or impl.wrapper or isinstance(impl.plugin, _BuiltinPlugin):
+                continue  # the core's "disabled" is the fallback, not a claim
             try:
                 result = impl.function(*[args[a] for a in impl.argnames])
+                if result is None:
+                    continue
+                claims.append((impl, conflicts.as_claim(result)))
             except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt):
                     raise
@@ -712,9 +781,7 @@ class BackendRegistry:
                     raise BackendLoadError(message) from exc
                 self._blame_plugin(impl.plugin_name, impl.plugin, message, exc)
                 continue
-            if result is not None:
-                return str(result)
-        return None
+        return claims
 
     def _blame_plugin(self, plugin_name: str, plugin: Any, message: str, exc: BaseException) -> None:
         with self._lock:
@@ -748,7 +815,8 @@ class BackendRegistry:
             kind = type(err) if isinstance(err, (BackendConflictError, BackendContractError, BackendLoadError)) \
                 else BackendUnavailableError
             where = f"{entry.distribution} {entry.version}".strip()
-            raise kind(f"backend {name!r} ({where}) is {entry.status}: {entry.reason}") from err
+            state = {FAILED: "installed but failed", CONFLICT: "in conflict"}.get(entry.status, entry.status)
+            raise kind(f"backend {name!r} ({where}) is {state}: {entry.reason}") from err
         if phase is not None and phase not in entry.phases:
             raise BackendUnavailableError(
                 f"backend {name!r} does not support phase {phase!r}; it supports {list(entry.phases)}; "
@@ -864,6 +932,8 @@ class BackendRegistry:
         Raises:
             UnknownBackendError, BackendConflictError, BackendUnavailableError,
             BackendLoadError, BackendContractError: see :meth:`get` and :meth:`load_class`.
+            cuda_graph_runner.config.CudaGraphConfigError: the config sets a backend option
+                (``tc_compiler``) the selected backend does not read; names who reads it.
         """
         from .config import CudaGraphConfig, PhaseConfig
 
@@ -872,6 +942,8 @@ class BackendRegistry:
         device_type = device_str.split(":")[0]
         name = phase_config.backend or self.default_backend(phase, device_type)
         entry = self.get(name, device_type=device_type, phase=phase)
+        backend_options.check_resolved(self, phase, config if isinstance(config, CudaGraphConfig) else phase_config,
+                                       entry)
         cls = self.load_class(entry)
         backend = cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
         try:
@@ -973,6 +1045,9 @@ def _spec_problem(spec: BackendSpec) -> Optional[str]:
     probe = spec.probe
     if probe is not None and not callable(probe) and not (isinstance(probe, str) and re.fullmatch(r"[\w.]+:[\w.]+", probe)):
         return f"probe {probe!r} must be 'package.module:function', a callable or None"
+    options = getattr(spec, "options", ())
+    if not isinstance(options, (tuple, list)) or not all(isinstance(o, str) for o in options):
+        return f"options {options!r} must be a tuple of config keys such as ('tc_compiler',)"
     if spec.api_version is not None and not isinstance(spec.api_version, str):
         return f"api_version {spec.api_version!r} must be a string such as '1.0'"
     return None
@@ -1168,6 +1243,11 @@ def list_backends(device_type: Optional[str] = None) -> List[BackendEntry]:
 def backend_phases() -> Dict[str, frozenset]:
     """``{name: phases}`` of the installed backends (what config validation accepts)."""
     return get_registry().backend_phases()
+
+
+def backend_problems() -> Dict[str, str]:
+    """``{name: why}`` of installed backends that failed or are registered twice."""
+    return get_registry().backend_problems()
 
 
 def register(spec: BackendSpec, *, replace: bool = False) -> None:

@@ -141,8 +141,9 @@ class BaseCudaGraphRunner(abc.ABC):
             from ..registry import get_registry
 
             # A name given here overrides the config's backend, not its other options (tc_compiler).
-            selection = dataclasses.replace(self.phase_config, backend=backend) if isinstance(backend, str) \
-                else self.phase_config
+            # The whole config, not the PhaseConfig: option checks at resolve need its sources.
+            selection = self.config.with_phase(self.phase, backend=backend) if isinstance(backend, str) \
+                else self.config
             self.backend = get_registry().resolve(self.phase, selection, device=self.device)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress

@@ -27,6 +27,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             devices=("*",),
             probe="acme_cgr.plugin:probe",
             api_version=API_VERSION,
+            options=(),  # reads no backend option (tc_compiler is tc_piecewise's)
             description="eager replay with call counts and graph-invariant checks (debugging, any device)",
         )
     ]

@@ -18,6 +18,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             devices=("cuda",),
             probe="cuda_graph_runner_breakable.plugin:probe",
             api_version="1.0",
+            options=(),  # reads no backend option (tc_compiler is tc_piecewise's)
             description="CUDA graph segments split at marked eager ops (attention runs live); no torch.compile",
         )
     ]

@@ -1,0 +1,157 @@
+"""Backend options: config keys a backend (not the runner) reads, declared per backend.
+
+A backend lists the options it reads in ``BackendSpec.options`` (``tc_piecewise``:
+``("tc_compiler",)``; ``full``: none). The list lives in each plugin's spec, so a vendor's
+backend can read an option too, without a list in the core. An option counts as *set*
+for a phase when a source (flag, JSON, API) recorded it, or when it differs from its
+default. Setting one the selected backend does not read is an error naming the backends
+that do: silently ignoring it would let ``{"backend": "full", "tc_compiler": "inductor"}``
+look configured while nothing compiles.
+
+Rules:
+
+* per phase, at resolve time (:func:`check_resolved`): an option set for the phase must be
+  read by the phase's backend;
+* a flag that sets both phases at once (``--cuda-graph-tc-compiler``, the deprecated
+  ``--piecewise-cuda-graph-compiler``) only needs one of the two phases' backends to read
+  it; resolve sees one phase, so that case is checked over the whole config by
+  :func:`check_config` (``cuda-graph-runner config`` and ``bench``);
+* backend ``disabled`` reads nothing and is exempt: turning graphs off for a phase keeps
+  the rest of a command line valid (sglang's ``--disable-cuda-graph`` habit).
+
+Raises :class:`~cuda_graph_runner.config.CudaGraphConfigError` throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
+
+from .config import (
+    BACKEND_OPTION_KEYS,
+    CudaGraphConfig,
+    CudaGraphConfigError,
+    Phase,
+    PhaseConfig,
+    source_phases,
+)
+
+DISABLED = "disabled"
+
+
+def reads_of(entry: Any) -> Tuple[str, ...]:
+    """The options a registry entry's spec declares (``()`` without a spec)."""
+    spec = getattr(entry, "spec", None)
+    return tuple(getattr(spec, "options", ()) or ()) if spec is not None else ()
+
+
+def _entry(registry: Any, name: str) -> Any:
+    # The stored entry, unprobed: options come from the spec, no device probe needed.
+    return getattr(registry, "_entries", {}).get(name)
+
+
+def option_readers(registry: Any) -> Dict[str, List[str]]:
+    """``{option: sorted backend names whose spec reads it}`` over the registered backends."""
+    readers: Dict[str, List[str]] = {key: [] for key in BACKEND_OPTION_KEYS}
+    for name in registry.names():
+        entry = _entry(registry, name)
+        for option in reads_of(entry):
+            readers.setdefault(option, []).append(name)
+    return {k: sorted(v) for k, v in readers.items()}
+
+
+def _set_options(config: Any, phase: str) -> List[Tuple[str, Any, Optional[str]]]:
+    """``[(option, value, source)]`` set for ``phase`` (see the module docstring)."""
+    if isinstance(config, CudaGraphConfig):
+        phase_config, sources = config[phase], config.sources
+    else:
+        phase_config, sources = config, {}
+    default = PhaseConfig()
+    out = []
+    for key in BACKEND_OPTION_KEYS:
+        value = getattr(phase_config, key, None)
+        source = sources.get((phase, key))
+        if source is None and value == getattr(default, key, None):
+            continue
+        out.append((key, value, source))
+    return out
+
+
+def _error(phase: str, key: str, value: Any, source: Optional[str], subject: str,
+           readers: Mapping[str, List[str]]) -> CudaGraphConfigError:
+    who = readers.get(key) or []
+    return CudaGraphConfigError(
+        f"{subject} option {key!r}; "
+        + (f"backends that read it: {', '.join(who)}" if who else "no installed backend reads it"),
+        phase=phase, key=key, value=value, source=source,
+        accepted=f"leave {key} unset, or select a backend that reads it"
+                 + (f" ({', '.join(who)})" if who else ""))
+
+
+def check_phase(phase: str, config: Any, backend: str, reads: Collection[str],
+                readers: Mapping[str, List[str]]) -> None:
+    """Per-phase rule: every option set for ``phase`` is read by ``backend`` (which reads
+    ``reads``). Options from a both-phase flag are left to :func:`check_config`.
+
+    Raises:
+        CudaGraphConfigError: naming phase, option, value, source and who reads it.
+    """
+    if backend == DISABLED:
+        return
+    for key, value, source in _set_options(config, phase):
+        if key in reads or len(source_phases(source)) > 1:
+            continue
+        raise _error(phase, key, value, source, f"backend {backend!r} does not read", readers)
+
+
+def check_config(config: CudaGraphConfig, selected: Mapping[str, Tuple[str, Collection[str]]],
+                 readers: Mapping[str, List[str]]) -> None:
+    """Both rules over a whole config.
+
+    Args:
+        selected: ``{phase: (backend name, options it reads)}`` of the backends the config
+            selects (auto already replaced by the device's default).
+
+    Raises:
+        CudaGraphConfigError: see :func:`check_phase`; for a both-phase flag, when neither
+            phase's backend reads the option (and neither is ``disabled``).
+    """
+    for phase in Phase.ALL:
+        name, reads = selected[phase]
+        check_phase(phase, config, name, reads, readers)
+    shared: Dict[Tuple[str, str], List[str]] = {}
+    for phase in Phase.ALL:
+        for key, _, source in _set_options(config, phase):
+            if source and len(source_phases(source)) > 1:
+                shared.setdefault((key, source), []).append(phase)
+    for (key, source), phases in shared.items():
+        if any(selected[p][0] == DISABLED or key in selected[p][1] for p in phases):
+            continue
+        names = " and ".join(f"{p} backend {selected[p][0]!r}" for p in phases)
+        verb = "do not read" if len(phases) > 1 else "does not read"
+        raise _error(phases[0], key, getattr(config[phases[0]], key), source, f"{names} {verb}", readers)
+
+
+def check_resolved(registry: Any, phase: str, config: Any, entry: Any) -> None:
+    """What ``BackendRegistry.resolve`` calls once it has the entry of the backend.
+
+    Raises:
+        CudaGraphConfigError: see :func:`check_phase`.
+    """
+    if not _set_options(config, phase):
+        return
+    check_phase(phase, config, entry.name, reads_of(entry), option_readers(registry))
+
+
+def check_with_registry(config: CudaGraphConfig, registry: Any, device_type: str) -> None:
+    """:func:`check_config` with each phase's backend (auto: the registry's default for
+    ``device_type``) looked up in ``registry``. Unknown names read nothing (their own
+    error comes from name validation).
+
+    Raises:
+        CudaGraphConfigError: see :func:`check_config`.
+    """
+    selected = {}
+    for phase in Phase.ALL:
+        name = config[phase].backend or registry.default_backend(phase, device_type)
+        selected[phase] = (name, reads_of(_entry(registry, name)))
+    check_config(config, selected, option_readers(registry))

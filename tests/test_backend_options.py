@@ -1,0 +1,96 @@
+"""Backend options (issue 15, section 2): each backend's spec declares the options it reads;
+an option the selected backend does not read is an error naming the backends that read it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cuda_graph_runner import backend_options
+from cuda_graph_runner.backend import DisabledBackend
+from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, PhaseConfig
+from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.registry import BackendRegistry
+
+
+class PlainBackend(DisabledBackend):
+    pass
+
+
+class ReaderBackend(DisabledBackend):
+    pass
+
+
+@pytest.fixture()
+def reg():
+    r = BackendRegistry(autoload=False)
+    r.register(BackendSpec(name="plain", backend_class=PlainBackend, phases=("decode", "prefill"), devices=("*",),
+                           api_version="1.0"))
+    r.register(BackendSpec(name="reader", backend_class=ReaderBackend, phases=("decode", "prefill"),
+                           devices=("*",), api_version="1.0", options=("tc_compiler",)))
+    return r
+
+
+def test_an_option_the_backend_does_not_read_is_an_error_naming_who_reads_it(reg):
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "plain", "tc_compiler": "inductor"}})
+    with pytest.raises(CudaGraphConfigError) as info:
+        reg.resolve("decode", config, device="cpu")
+    text = str(info.value)
+    assert "decode.tc_compiler='inductor'" in text and "backend 'plain' does not read option 'tc_compiler'" in text
+    assert "backends that read it: reader" in text and "(from api)" in text
+
+
+def test_explicitly_set_default_value_counts_as_set(reg):
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "plain", "tc_compiler": "eager"}})
+    with pytest.raises(CudaGraphConfigError, match="does not read option 'tc_compiler'"):
+        reg.resolve("decode", config, device="cpu")
+
+
+def test_a_phase_config_without_sources_is_checked_by_value(reg):
+    with pytest.raises(CudaGraphConfigError, match="backend 'plain' does not read"):
+        reg.resolve("decode", PhaseConfig(backend="plain", tc_compiler="inductor"), device="cpu")
+    assert type(reg.resolve("decode", PhaseConfig(backend="plain"), device="cpu")) is PlainBackend
+
+
+def test_a_backend_that_reads_the_option_and_disabled_are_accepted(reg):
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "reader", "tc_compiler": "inductor"},
+                                        "prefill": {"backend": "disabled", "tc_compiler": "inductor"}})
+    assert type(reg.resolve("decode", config, device="cpu")) is ReaderBackend
+    assert reg.resolve("prefill", config, device="cpu").name == "disabled"  # no graphs: options ignored
+
+
+def test_a_both_phase_flag_needs_one_phase_that_reads_it(reg):
+    import argparse
+
+    from cuda_graph_runner.config import add_cuda_graph_args
+
+    parser = argparse.ArgumentParser()
+    add_cuda_graph_args(parser)
+    both = CudaGraphConfig.from_args(parser.parse_args([
+        "--cuda-graph-tc-compiler", "inductor", "--cuda-graph-backend-decode", "plain",
+        "--cuda-graph-backend-prefill", "reader"]))
+    assert type(reg.resolve("decode", both, device="cpu")) is PlainBackend  # the other phase reads it
+    backend_options.check_with_registry(both, reg, "cpu")
+    neither = CudaGraphConfig.from_args(parser.parse_args([
+        "--cuda-graph-tc-compiler", "inductor", "--cuda-graph-backend-decode", "plain",
+        "--cuda-graph-backend-prefill", "plain"]))
+    with pytest.raises(CudaGraphConfigError) as info:
+        backend_options.check_with_registry(neither, reg, "cpu")
+    text = str(info.value)
+    assert "decode backend 'plain' and prefill backend 'plain' do not read option 'tc_compiler'" in text
+    assert "flag:--cuda-graph-tc-compiler" in text and "reader" in text
+
+
+def test_options_must_be_a_tuple_of_strings(reg):
+    with pytest.raises(ValueError, match="options 'tc_compiler' must be a tuple"):
+        reg.register(BackendSpec(name="bad", backend_class=PlainBackend, phases=("decode",), devices=("*",),
+                                 options="tc_compiler"))
+
+
+def test_shipped_plugins_declare_what_they_read():
+    from cuda_graph_runner_breakable import plugin as breakable
+    from cuda_graph_runner_full import plugin as full
+    from cuda_graph_runner_npu import plugin as npu
+    from cuda_graph_runner_tc_piecewise import plugin as tc
+
+    reads = {s.name: s.options for m in (full, breakable, tc, npu) for s in m.cuda_graph_runner_backend_specs()}
+    assert reads == {"full": (), "breakable": (), "tc_piecewise": ("tc_compiler",), "npu": ()}

@@ -1,0 +1,146 @@
+"""The command line never shows a traceback for a user's mistake (issue 15, section 3):
+explicitly named backends that cannot run fail the bench, argparse errors are short,
+deprecated flags warn in one line, exit codes are documented, help and output agree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cuda_graph_runner import registry
+from cuda_graph_runner.cli import main
+from cuda_graph_runner.hookspecs import BackendSpec
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA")
+
+TINY = ["--batch-sizes", "1", "--iters", "1", "--warmup", "0", "--steps", "1", "--prompt-len", "2", "--no-prefill"]
+
+
+def _cli(*argv):
+    """Run the console command in a fresh interpreter: (exit status, stdout, stderr)."""
+    out = subprocess.run([sys.executable, "-m", "cuda_graph_runner", *argv], capture_output=True, text=True)
+    return out.returncode, out.stdout, out.stderr
+
+
+def test_bench_with_an_unknown_named_backend_exits_2_before_any_work(capsys):
+    assert main(["bench", "--decode-backends", "nosuch", *TINY]) == 2
+    out, err = capsys.readouterr()
+    assert "decode backend 'nosuch'" in err and "unknown cuda graph backend" in err
+    assert "Traceback" not in err and "eager ms" not in out
+
+
+@needs_no_cuda
+def test_bench_with_a_named_backend_unavailable_here_exits_1_with_the_reason(capsys):
+    assert main(["bench", "--cuda-graph-backend-decode", "full", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert "decode backend 'full' was asked for (the config) but cannot run" in err and "unavailable" in err
+
+
+@pytest.fixture()
+def broken_contract(tmp_path, monkeypatch):
+    (tmp_path / "brokenmod.py").write_text(textwrap.dedent("""
+        from cuda_graph_runner.backend import DisabledBackend
+
+        class Broken(DisabledBackend):
+            def capture_one(self, key, forward_fn):  # lacks post_warmup_hook
+                pass
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.register(BackendSpec(name="broken_contract", backend_class="brokenmod:Broken", phases=("decode",),
+                                  devices=("*",), api_version="1.0"))
+    yield
+    registry.get_registry().unregister("broken_contract")
+
+
+def test_bench_with_a_contract_broken_named_backend_exits_1_without_traceback(broken_contract, capsys):
+    assert main(["bench", "--decode-backends", "broken_contract", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert "breaks the backend contract" in err and "post_warmup_hook" in err and "Traceback" not in err
+
+
+def test_bench_with_an_option_the_named_backend_does_not_read_exits_2(capsys):
+    from cuda_graph_runner.backend import DisabledBackend
+
+    class PlainBackend(DisabledBackend):
+        pass
+
+    registry.register(BackendSpec(name="plain_cli", backend_class=PlainBackend, phases=("decode",), devices=("*",),
+                                  api_version="1.0"))
+    try:
+        assert main(["bench", "--decode-backends", "plain_cli:inductor", *TINY]) == 2
+    finally:
+        registry.get_registry().unregister("plain_cli")
+    err = capsys.readouterr().err
+    assert "backend 'plain_cli' does not read option 'tc_compiler'" in err and "tc_piecewise" in err
+    assert "Traceback" not in err
+
+
+@needs_no_cuda
+def test_bench_chosen_backends_keep_notes_and_the_table_names_the_backend(capsys):
+    assert main(["bench", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "note: no decode graph backend is usable on cpu" in out
+    assert "decode, backend disabled" in out and "backend eager" not in out
+
+
+@needs_no_cuda
+def test_bench_device_cuda_on_a_cpu_only_torch_is_one_error_line(capsys):
+    assert main(["bench", "--device", "cuda", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device 'cuda': no cuda device is available here") and "Traceback" not in err
+
+
+def test_bench_device_that_torch_does_not_know(capsys):
+    assert main(["bench", "--device", "banana", *TINY]) == 2
+    assert "is not a torch device" in capsys.readouterr().err
+
+
+def test_argparse_errors_print_the_error_and_see_help_not_the_usage(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--iters", "x"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["cuda-graph-runner bench: error: argument --iters: invalid int value: 'x'",
+                                "see 'cuda-graph-runner bench --help'"]
+
+
+@pytest.mark.parametrize("argv", [[], ["bench"], ["config"], ["backends"]])
+def test_help_documents_the_exit_codes(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "2  usage error" in out and "1  runtime failure" in out
+
+
+def test_deprecated_flag_warns_in_one_clean_line():
+    code, out, err = _cli("config", "--cuda-graph-max-bs", "8")
+    assert code == 0, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert lines == ["warning: --cuda-graph-max-bs is deprecated and will be removed; use --cuda-graph-max-bs-decode"]
+
+
+def test_backends_rejects_an_unknown_device_type_with_the_accepted_values(capsys):
+    assert main(["backends", "--device-type", "banana"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid --device-type 'banana'" in err and "cpu" in err and "cuda" in err
+    assert main(["backends", "--device-type", "cpu"]) == 0
+    assert "default decode backend on cpu" in capsys.readouterr().out
+
+
+def test_config_help_default_agrees_with_the_printed_config(capsys):
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: null, meaning the runner's default, 256)" in help_text
+    assert "backends_checked" in help_text
+    assert main(["config"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["decode"]["max_bs"] is None and report["effective"]["decode"]["max_bs"] == 256
+    assert report["effective"]["prefill"]["max_bs"] == 4096
+    assert "checked against the installed backends" in report["legend"]["backends_checked"]
