@@ -228,7 +228,7 @@ def test_entry_point_enumeration_failure_reads_distributions_one_by_one(iso, mon
     registry.reset_registry()
     with pytest.warns(RuntimeWarning, match="entry_points\\(\\) raised TypeError"):
         rows = _rows()
-    assert rows["iso_good"].status == "available" and rows["twin"].status == "failed"  # both twins seen
+    assert rows["iso_good"].status == "available" and rows["twin"].status == "conflict"  # both twins seen
 
 
 # -- plugins that use the registry while it loads them ------------------------------------------
@@ -350,7 +350,7 @@ def test_listing_while_another_thread_registers(wellbehaved):
 
 def test_reset_keeps_register_and_prefer(wellbehaved):
     registry.register(BackendSpec(name="nb", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
-    assert _rows()["twin"].status == "failed"  # two distributions claim it
+    assert _rows()["twin"].status == "conflict"  # two distributions claim it
     registry.prefer("twin", "cgr-iso-b")
     registry.reset_registry()  # e.g. after installing a plugin in-process
     rows = _rows()
@@ -362,7 +362,7 @@ def test_reset_keeps_register_and_prefer(wellbehaved):
     registry.reset_registry()
     assert "nb" not in _rows()
     registry.reset_registry(keep_in_process=False)
-    assert _rows()["twin"].status == "failed"
+    assert _rows()["twin"].status == "conflict"
 
 
 def test_reset_keeps_calls_made_before_the_registry_was_rescanned(wellbehaved):
