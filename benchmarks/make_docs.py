@@ -65,6 +65,8 @@ def _ratio(r: Optional[Dict[str, float]]) -> str:
 def _env_line(data: Dict[str, Any]) -> str:
     env = data.get("env", {})
     s = data.get("settings", {})
+    if env.get("device") == "cpu":
+        return "**CPU smoke test of the harness (no graphs): the numbers mean nothing.**"
     parts = [f"GPU {env.get('gpu')}", f"torch {env.get('torch')}", f"CUDA {env.get('cuda')}", str(env.get("date"))]
     clocks = [(env.get(k) or {}).get("clock_rate_mhz") for k in ("gpu_at_start", "gpu_at_end")]
     if any(c is not None for c in clocks):

@@ -250,14 +250,21 @@ def gpu_state() -> Dict[str, Any]:
     except Exception as exc:  # needs pynvml
         state["clock_rate_mhz"] = None
         state["clock_rate_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    # clocks_throttle_reasons.active: a bit mask, 0 = nothing holds the clock down (power, thermal, ...).
     fields = "clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
-                              f"--id={torch.cuda.current_device()}"],
-                             capture_output=True, text=True, timeout=15, check=False).stdout.strip()
-        state["nvidia_smi"] = dict(zip(fields.split(","), [v.strip() for v in out.split(",")])) if out else None
-    except (OSError, subprocess.SubprocessError):
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                               f"--id={torch.cuda.current_device()}"],
+                              capture_output=True, text=True, timeout=15, check=False)
+        out = proc.stdout.strip()
+        if proc.returncode == 0 and out:
+            state["nvidia_smi"] = dict(zip(fields.split(","), [v.strip() for v in out.split(",")]))
+        else:
+            state["nvidia_smi"] = None
+            state["nvidia_smi_error"] = (out or proc.stderr.strip())[:200]
+    except (OSError, subprocess.SubprocessError) as exc:
         state["nvidia_smi"] = None
+        state["nvidia_smi_error"] = f"{type(exc).__name__}: {exc}"[:200]
     return state
 
 
@@ -296,10 +303,13 @@ def parse_sleep(spec: str) -> tuple:
     return name, value
 
 
-def with_sleep(fn: Callable[[], Any], ms: float) -> Callable[[], Any]:
-    """``fn`` followed by a host sleep of ``ms`` milliseconds (the deliberately slowed backend)."""
+def with_sleep(fn: Callable[[], Any], ms: float, sync: Callable[[], None]) -> Callable[[], Any]:
+    """``fn``, a device synchronize, then a host sleep of ``ms`` milliseconds (the
+    deliberately slowed backend). The synchronize keeps the sleep from hiding behind
+    queued device work, so every batch size slows by at least ``ms`` per step."""
     def slowed() -> Any:
         out = fn()
+        sync()
         time.sleep(ms / 1000.0)
         return out
 
@@ -307,7 +317,9 @@ def with_sleep(fn: Callable[[], Any], ms: float) -> Callable[[], Any]:
 
 
 class Pinned:
-    """Context manager: the process runs on ``cpus`` inside, on its old CPU set after."""
+    """Context manager: the calling (main, kernel-launching) thread runs on ``cpus`` inside,
+    on its old CPU set after. Only while timing: compile workers spawned earlier keep all
+    CPUs (pinned at compile time, a cold inductor compile would crawl on one core)."""
 
     def __init__(self, cpus: Optional[List[int]]) -> None:
         self.cpus = cpus
@@ -370,11 +382,13 @@ class Timer:
         self.results = results
         self.sleep = dict(args.inject_sleep_ms or [])
 
-    def time(self, methods: Dict[str, Callable[[], Any]]) -> Dict[str, Dict[str, Any]]:
+    def time(self, label: str, methods: Dict[str, Callable[[], Any]]) -> Dict[str, Dict[str, Any]]:
+        """``{method: cell}`` (see ``bench_rounds.CellTimes.summary``) for one size; ``label``
+        names it in notes."""
         fns = {}
         for name, fn in methods.items():
             if name in self.sleep:
-                fns[name] = with_sleep(fn, self.sleep[name])
+                fns[name] = with_sleep(fn, self.sleep[name], self.sync)
                 self.results.used_sleep.add(name)
             else:
                 fns[name] = fn
@@ -392,7 +406,7 @@ class Timer:
         out = {name: cell.summary() for name, cell in cells.items()}
         unsteady = [n for n, c in out.items() if not c["steady"]]
         if unsteady:
-            self.results.note(f"warm-up hit --warmup-max={a.warmup_max} before {', '.join(unsteady)} settled "
+            self.results.note(f"{label}: warm-up hit --warmup-max={a.warmup_max} before {', '.join(unsteady)} settled "
                               f"(2% rule); their numbers may include a cold start")
         return out
 
@@ -467,7 +481,7 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         # 2. Time: interleaved rounds per batch size.
         m["gpu_before_timing"] = gpu_state()
         for bs in bs_list:
-            m["decode"][str(bs)] = timer.time(methods[bs])
+            m["decode"][str(bs)] = timer.time(f"{name} decode bs={bs}", methods[bs])
             print(f"{name} bs={bs}: " + ", ".join(f"{k} {c['median_ms']:.3f} [{c['min_ms']:.3f}-{c['max_ms']:.3f}]"
                                                  for k, c in m["decode"][str(bs)].items()), flush=True)
             m["ratios"] = ratios_for(m["decode"])
@@ -550,7 +564,7 @@ def run_prefill(name: str, model: Any, args: argparse.Namespace, results: Result
         except Exception as exc:
             results.note(f"{name}: prefill backend {backend} failed: {type(exc).__name__}: {exc}")
     for t in args.prefill_tokens:
-        m["prefill"][str(t)] = timer.time(methods[t])
+        m["prefill"][str(t)] = timer.time(f"{name} prefill {t} tokens", methods[t])
         results.save()
     for runner in runners:
         runner.cleanup()
