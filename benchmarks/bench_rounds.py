@@ -92,7 +92,8 @@ def is_steady(history: Sequence[float], *, window: int = 3, tol: float = 0.02) -
 def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int, sync: Callable[[], None],
                warmup_min: int = 3, warmup_max: int = 20, tol: float = 0.02, window: int = 3,
                clock: Clock = time.perf_counter,
-               between_rounds: Optional[Callable[[], None]] = None) -> Dict[str, CellTimes]:
+               between_rounds: Optional[Callable[[], None]] = None,
+               must_settle: Optional[Sequence[str]] = None) -> Dict[str, CellTimes]:
     """Time every method in interleaved rounds after a warm-up that reaches steady state.
 
     One block = ``sync(); iters`` calls ``; sync()``, its time divided by ``iters``; one
@@ -109,6 +110,8 @@ def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int
         tol, window: see :func:`is_steady`.
         clock: seconds (``time.perf_counter``; tests pass a fake one).
         between_rounds: called after each round (e.g. a device synchronize).
+        must_settle: the methods whose steady state ends the warm-up (default all); the
+            others are timed alike and their ``steady`` says whether they settled too.
 
     Returns:
         ``{name: CellTimes}`` in the order of ``methods``.
@@ -122,6 +125,7 @@ def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int
         raise ValueError(f"need 0 <= warmup_min <= warmup_max, got {warmup_min}, {warmup_max}")
     names = list(methods)
     cells = {n: CellTimes() for n in names}
+    gate = [cells[n] for n in (names if must_settle is None else must_settle) if n in cells]
 
     def one_round(index: int, measured: bool) -> None:
         shift = index % len(names) if names else 0
@@ -148,13 +152,10 @@ def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int
     while index < warmup_max:
         one_round(index, measured=False)
         index += 1
-        if index >= warmup_min and all(is_steady(c.warmup_ms, window=window, tol=tol) for c in cells.values()):
-            for c in cells.values():
-                c.steady = True
+        if index >= warmup_min and all(is_steady(c.warmup_ms, window=window, tol=tol) for c in gate):
             break
-    else:
-        for c in cells.values():
-            c.steady = is_steady(c.warmup_ms, window=window, tol=tol)
+    for c in cells.values():
+        c.steady = is_steady(c.warmup_ms, window=window, tol=tol)
     for r in range(rounds):
         one_round(index + r, measured=True)
     return cells

@@ -398,13 +398,16 @@ class Timer:
             gc.freeze()
         try:
             with Pinned(a.pin_cpu), torch.no_grad():
+                # Eager need not settle: it is no reference (bound by the host's launch rate,
+                # it wanders) and waiting for it would run every warm-up to the cap.
                 cells = run_rounds(fns, iters=a.iters, rounds=a.rounds, sync=self.sync, warmup_min=a.warmup_min,
-                                   warmup_max=a.warmup_max, tol=a.warmup_tol, between_rounds=self.sync)
+                                   warmup_max=a.warmup_max, tol=a.warmup_tol, between_rounds=self.sync,
+                                   must_settle=[n for n in fns if n != "eager"])
         finally:
             if a.gc_freeze:
                 gc.unfreeze()
         out = {name: cell.summary() for name, cell in cells.items()}
-        unsteady = [n for n, c in out.items() if not c["steady"]]
+        unsteady = [n for n, c in out.items() if not c["steady"] and n != "eager"]
         if unsteady:
             self.results.note(f"{label}: warm-up hit --warmup-max={a.warmup_max} before {', '.join(unsteady)} settled "
                               f"(2% rule); their numbers may include a cold start")
@@ -454,25 +457,33 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
             if reason:
                 results.note(f"{name}: decode backend {backend} skipped: {reason}")
                 continue
+            runner = None
             try:
                 # A fresh pool per backend, so one backend's leftovers never hide another's memory.
                 runner = DecodeCudaGraphRunner(
                     model, {"decode": {**phase_options(backend), "max_bs": max(256, max(bs_list))}}, show_progress=False,
                     backend=fresh_backend("decode", backend))
                 runner.capture()
-                cap = m["capture"].setdefault(backend, {})
-                cap.update(sizes=len(runner.capture_sizes), capture_s=runner.capture_seconds,
-                           pool_mb=(runner.capture_memory_bytes or 0) / 2**20)
+                cap = {"sizes": len(runner.capture_sizes), "capture_s": runner.capture_seconds,
+                       "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
                 if getattr(runner.backend, "compile_seconds", None) is not None:
                     cap["compile_s"] = runner.backend.compile_seconds
-                for bs in bs_list:
-                    b = batches[bs]
-                    diff = float((runner.forward(b).float() - eager(b).float()).abs().max())
-                    m.setdefault("max_abs_diff_vs_eager", {}).setdefault(backend, {})[str(bs)] = diff
-                    methods[bs][backend] = lambda b=b, runner=runner: runner.forward(b)
-                runners[backend] = runner
+                diffs = {str(bs): float((runner.forward(batches[bs]).float() - eager(batches[bs]).float()).abs().max())
+                         for bs in bs_list}
             except Exception as exc:
                 results.note(f"{name}: decode backend {backend} failed: {type(exc).__name__}: {exc}")
+                if runner is not None:
+                    try:
+                        runner.cleanup()
+                    except Exception:  # the failure above is what the note reports
+                        pass
+                continue
+            # Only a backend that captured and ran every size is timed (never half a row).
+            m["capture"][backend] = cap
+            m.setdefault("max_abs_diff_vs_eager", {})[backend] = diffs
+            for bs in bs_list:
+                methods[bs][backend] = lambda b=batches[bs], runner=runner: runner.forward(b)
+            runners[backend] = runner
         if on_cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -106,6 +106,23 @@ def test_rounds_warmup_cap_reports_unsteady():
     assert cells["d"].summary()["steady"] is False
 
 
+def test_rounds_only_must_settle_methods_gate_the_warmup():
+    clock = FakeClock()
+    state = {"ms": 10.0}
+
+    def wandering():  # like eager: never settles
+        state["ms"] *= 0.9
+        clock.now += state["ms"] / 1000.0
+
+    def flat():
+        clock.now += 0.002
+
+    cells = bench_rounds.run_rounds({"eager": wandering, "g": flat}, iters=1, rounds=2, sync=lambda: None,
+                                    warmup_min=1, warmup_max=20, clock=clock, must_settle=["g"])
+    assert len(cells["g"].warmup_ms) == 6  # the first moment two windows of 3 exist
+    assert cells["g"].steady and not cells["eager"].steady
+
+
 @pytest.mark.parametrize("kw", [dict(iters=0, rounds=1), dict(iters=1, rounds=0),
                                 dict(iters=1, rounds=1, warmup_min=3, warmup_max=2)])
 def test_rounds_reject_bad_settings(kw):
