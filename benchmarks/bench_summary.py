@@ -25,7 +25,6 @@ JSON (``SCHEMA``)::
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Dict, List, Optional
 
 SCHEMA = "cuda-graph-runner-benchmarks/2"
@@ -82,13 +81,3 @@ def median_ms(cell: Any) -> Optional[float]:
     if isinstance(cell, dict):
         return cell.get("median_ms")
     return cell if isinstance(cell, (int, float)) else None
-
-
-def spread(values: List[float]) -> Optional[float]:
-    """``max / min`` of positive values (1.0 = no spread), None when empty."""
-    vals = [v for v in values if v]
-    return max(vals) / min(vals) if vals else None
-
-
-def median(values: List[float]) -> float:
-    return statistics.median(values)

@@ -204,23 +204,27 @@ def pin_inductor(mode: str) -> Dict[str, Any]:
     kernel at its first call and keeps the fastest (``CachingAutotuner``); on a fresh,
     busy machine that benchmark can pick another config than on a quiet one, and the
     choice is cached on disk. Pinned: heuristics pick one config
-    (``triton.autotune_pointwise=False``, ``force_filter_reduction_configs=True``),
+    (``triton.autotune_pointwise=False``, ``test_configs.force_filter_reduction_configs=True``),
     and neither max-autotune nor coordinate-descent tuning runs.
     """
     if mode == "default":
         return {"mode": "default"}
     import torch._inductor.config as ic
 
+    # force_filter_reduction_configs: the heuristic filter inductor's deterministic mode uses
+    # (torch/_inductor/runtime/triton_heuristics.py), without the rest of that mode.
     wanted = {"max_autotune": False, "max_autotune_pointwise": False, "max_autotune_gemm": False,
               "coordinate_descent_tuning": False, "triton.autotune_pointwise": False,
-              "triton.force_filter_reduction_configs": True, "force_filter_reduction_configs": True}
+              "test_configs.force_filter_reduction_configs": True}
     applied: Dict[str, Any] = {"mode": "pinned"}
     for key, value in wanted.items():
         owner, _, attr = key.rpartition(".")
-        obj = getattr(ic, owner) if owner else ic
-        if hasattr(obj, attr):  # names move between torch versions: set what exists
+        obj = getattr(ic, owner, None) if owner else ic
+        if obj is not None and hasattr(obj, attr):  # names move between torch versions: set what exists
             setattr(obj, attr, value)
             applied[key] = value
+        else:
+            applied[key] = "not in this torch"
     return applied
 
 
