@@ -37,12 +37,33 @@ def _num(v: Any, spec: str = ".3f") -> str:
 
 
 def _cell(c: Any) -> str:
-    """``median [min-max]`` of a timing cell (ms), a bare float for the old schema."""
+    """``median [min-max]`` of a timing cell (ms), ``*`` when its warm-up never settled; a
+    bare float for the old schema."""
     if isinstance(c, dict):
         if c.get("median_ms") is None:
             return "-"
-        return f"{c['median_ms']:.3f} [{c['min_ms']:.3f}-{c['max_ms']:.3f}]"
+        mark = "*" if c.get("steady") is False else ""
+        return f"{c['median_ms']:.3f} [{c['min_ms']:.3f}-{c['max_ms']:.3f}]{mark}"
     return _num(c)
+
+
+def _machine_line(m: Dict[str, Any]) -> Optional[str]:
+    """The state of the machine around one model's timing (clock, throttling, heap size, GC)."""
+    parts = []
+    for when in ("before", "after"):
+        g = m.get(f"gpu_{when}_timing") or {}
+        smi = g.get("nvidia_smi") or {}
+        if g.get("clock_rate_mhz") is not None or smi:
+            parts.append(f"{when} timing: SM clock {_num(g.get('clock_rate_mhz'))} MHz"
+                         + (f" (nvidia-smi {smi.get('clocks.sm')} of max {smi.get('clocks.max.sm')} MHz, "
+                            f"throttle reasons {smi.get('clocks_throttle_reasons.active')})" if smi else ""))
+    if m.get("python_objects_before_timing") is not None:
+        parts.append(f"{m['python_objects_before_timing']} Python objects on the heap")
+    gc_total = sum((c.get("gc_ms") or 0.0) for row in m.get("decode", {}).values() for c in row.values()
+                   if isinstance(c, dict))
+    if m.get("decode"):
+        parts.append(f"garbage collector ran {gc_total:.1f} ms inside timed decode blocks")
+    return "Machine: " + "; ".join(parts) + "." if parts else None
 
 
 def _order(rows: Dict[str, Dict[str, Any]]) -> List[str]:
@@ -122,7 +143,11 @@ def render(data: Dict[str, Any]) -> str:
     lines = [_env_line(data), ""]
     for model, m in data.get("models", {}).items():
         if m.get("decode"):
-            lines += _table(f"#### {model}: decode step, ms (median [min-max] over rounds)", m["decode"], "batch")
+            lines += _table(f"#### {model}: decode step, ms (median [min-max] over rounds; * warm-up did not settle)",
+                            m["decode"], "batch")
+            machine = _machine_line(m)
+            if machine:
+                lines += [machine, ""]
         ratios = m.get("ratios") or {}
         if ratios:
             refs = [r for r in REFERENCES if any(r in v for row in ratios.values() for v in row.values())]

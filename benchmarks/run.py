@@ -495,6 +495,9 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
 
         # 2. Time: interleaved rounds per batch size.
         m["gpu_before_timing"] = gpu_state()
+        # How much a collection would have to walk: a cold inductor compile leaves a far
+        # bigger heap than a warm one (the suspect of the first-run slow mode, issue 12).
+        m["python_objects_before_timing"] = len(gc.get_objects())
         for bs in bs_list:
             m["decode"][str(bs)] = timer.time(f"{name} decode bs={bs}", methods[bs])
             print(f"{name} bs={bs}: " + ", ".join(f"{k} {c['median_ms']:.3f} [{c['min_ms']:.3f}-{c['max_ms']:.3f}]"
