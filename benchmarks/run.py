@@ -8,78 +8,115 @@ For each model preset (bfloat16, random weights; shapes of Llama-3.2-1B and Qwen
   replay: the floor for any runner's overhead); ``torch.compile(mode="reduce-overhead")``
   (CUDA-graph trees; at a few batch sizes, compile time is long); and every installed
   graph backend through ``DecodeCudaGraphRunner``;
+* the ratio of every backend to the hand-written graph and to reduce-overhead, measured
+  in this run (what ``benchmarks/compare.py`` checks against the stored baseline);
 * capture seconds and graph memory for the default decode size list (up to 256), and
-  the memory of the largest size alone (the pool-sharing ratio);
+  the memory of the largest size alone (the pool-sharing ratio; not with ``--quick``);
 * host-side time of ``replay_prepare`` (µs, median);
 * prefill latency (ms) over token counts, eager vs each prefill-capable backend.
 
-Times: median of ``--repeats`` measurements, each the mean of ``--iters`` calls between
-two device synchronizes (METHOD.md: warm up, repeat, take the median). Results go to
-``OUT/benchmarks.json`` (rewritten after every section, so a cut-short run keeps what it
-measured) and ``OUT/benchmarks.md``.
+How the numbers are made to hold from run to run (issue 12; docs/benchmarks.md says why):
+
+1. Everything is built before anything is timed: every hand-written graph, every
+   reduce-overhead compile, every backend's compile and capture (inductor's kernels and
+   their autotuning happen here, not inside a timed block).
+2. Inductor's run-time choices that depend on timing are pinned (``--inductor-config
+   pinned``, the default): one kernel config per pointwise kernel and one filtered config
+   per reduction, chosen by heuristics instead of by a benchmark that a busy fresh machine
+   can bias; no max-autotune, no coordinate descent.
+3. The garbage collector is collected and frozen before timing (as the runners do around
+   capture; sglang's ``freeze_gc``), and the time it still spends is reported (``gc_ms``).
+4. Timing is in rounds (``bench_rounds.run_rounds``): each round times every method once
+   (a block of ``--iters`` calls between two device synchronizes), in an order rotated
+   every round, so a drift of the machine hits all methods alike; warm-up rounds repeat
+   until every method's time changes by less than 2% (median of 3 rounds vs the 3 before,
+   at most ``--warmup-max`` rounds), then ``--rounds`` rounds are measured. Each cell
+   reports median, min and max over the measured rounds, and ratios pair round with round.
+5. ``--pin-cpu`` pins the process to the given CPUs while timing (host-bound backends
+   suffer most from a busy host); the GPU's SM clock, throttle reasons and the host load
+   are recorded before and after timing.
+
+Results go to ``OUT/benchmarks.json`` (rewritten after every section, so a cut-short run
+keeps what it measured) and ``OUT/benchmarks.md`` (``make_docs.render``).
+
+``--device cpu`` is a smoke test of the harness only (the tiny preset, float32, no CUDA
+graphs: ``hand_graph`` then copies the inputs and runs eagerly); its numbers mean nothing.
+``--inject-sleep-ms BACKEND=MS`` is test-only: it adds a host sleep after every call of
+that method, to show that ``compare.py`` flags a slowed backend.
 
 Usage (device machine, after ``scripts/gpu_check.sh`` installed the packages)::
 
     python benchmarks/run.py --out $OUT
-    python benchmarks/run.py --out /tmp/b --models llama-3.2-1b --batch-sizes 1 32 --quick
+    python benchmarks/run.py --out /tmp/b --models llama-3.2-1b --batch-sizes 1 32 128 --quick --prefill-tokens
+    python benchmarks/run.py --device cpu --models tiny --batch-sizes 1 4 --quick --prefill-tokens --out /tmp/smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from cuda_graph_runner.bench import time_ms
-from cuda_graph_runner.errors import CudaGraphRunnerError
-from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.registry import get_registry
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_rounds import run_rounds  # noqa: E402
+from bench_summary import SCHEMA, ratios_for  # noqa: E402
+from make_docs import render  # noqa: E402
+
+from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
+from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
+from cuda_graph_runner.forward_context import forward_context  # noqa: E402
+from cuda_graph_runner.registry import get_registry  # noqa: E402
+from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.testing.batches import (  # noqa: E402
+    GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch)
+from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
 
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL_TOKENS = [128, 512, 2048]
 
 
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
-def bench_ms(fn: Callable[[], Any], *, iters: int, repeats: int, warmup: int = 3) -> float:
-    """Median over ``repeats`` of the mean time (ms) of ``iters`` calls (the CLI bench's timer)."""
-    return time_ms(fn, iters=iters, warmup=warmup, sync=sync, repeats=repeats)
+def _model_forward(model: Any, batch: ForwardBatch) -> torch.Tensor:
+    # The class's forward, not ``model.forward``: tc_piecewise installs a trampoline as the
+    # instance's forward while its runner lives; eager and the baselines must not pass through it.
+    return type(model).forward(model, batch)
 
 
 class HandWrittenGraph:
     """One ``torch.cuda.CUDAGraph`` for exactly one batch size, no runner in between.
 
     Its ``__call__`` copies the live batch's five inputs into its static tensors and
-    replays: the least any integration can do per step.
+    replays: the least any integration can do per step. ``use_graph=False`` (the CPU
+    smoke test only) runs the model eagerly on the static tensors instead.
     """
 
     FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
 
-    def __init__(self, model: Any, batch: ForwardBatch, pool: Any) -> None:
+    def __init__(self, model: Any, batch: ForwardBatch, pool: Any, use_graph: bool = True) -> None:
         self.static = batch.replace(**{f: getattr(batch, f).clone() for f in self.FIELDS})
         self.model = model
+        self.graph: Any = None
+        fn = lambda: model.compute_logits(_model_forward(model, self.static), self.static)  # noqa: E731
+        self.fn = fn
+        if not use_graph:
+            return
         stream = torch.cuda.Stream()
-        fn = lambda: model.compute_logits(model.forward(self.static), self.static)  # noqa: E731
         with forward_context(self.static):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     fn()
             torch.cuda.current_stream().wait_stream(stream)
-            sync()
+            torch.cuda.synchronize()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool, stream=stream):
                 self.out = fn()
@@ -87,16 +124,21 @@ class HandWrittenGraph:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         for f in self.FIELDS:
             getattr(self.static, f).copy_(getattr(batch, f), non_blocking=True)
+        if self.graph is None:
+            with forward_context(self.static):
+                return self.fn()
         self.graph.replay()
         return self.out
 
 
 def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatch], torch.Tensor]:
-    """``torch.compile(mode="reduce-overhead")`` over the model for one batch size.
+    """``torch.compile(mode="reduce-overhead", dynamic=False)`` over the model for one batch size.
 
     The marked attention op reads metadata through the forward context, which Dynamo
     does not see, so the compiled function always runs on the same static tensors
     (live values copied in) to keep the addresses the captured graph reads.
+    ``dynamic=False``: each batch size gets its own static entry (no reset between sizes,
+    so all of them stay alive for the interleaved rounds).
     """
     static = batch.replace(**{f: getattr(batch, f).clone() for f in HandWrittenGraph.FIELDS})
     # CUDA-graph trees skip graphs that mutate non-static inputs; the KV cache and the
@@ -107,9 +149,9 @@ def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatc
         torch._dynamo.mark_static_address(t)
 
     def step(b: ForwardBatch) -> torch.Tensor:
-        return model.compute_logits(model.forward(b), b)
+        return model.compute_logits(_model_forward(model, b), b)
 
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=False)
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=False, dynamic=False)
 
     def call(live: ForwardBatch) -> torch.Tensor:
         for f in HandWrittenGraph.FIELDS:
@@ -123,7 +165,7 @@ def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatc
 def eager_fn(model: Any) -> Callable[[ForwardBatch], torch.Tensor]:
     def call(b: ForwardBatch) -> torch.Tensor:
         with forward_context(b):
-            return model.compute_logits(model.forward(b), b)
+            return model.compute_logits(_model_forward(model, b), b)
 
     return call
 
@@ -152,60 +194,176 @@ def fresh_backend(phase: str, label: str) -> Any:
     return get_registry().resolve(phase, phase_options(label), device="cuda", memory_pool=torch.cuda.graph_pool_handle())
 
 
+# -- pinning the causes of run-to-run drift -------------------------------------------------
+
+def pin_inductor(mode: str) -> Dict[str, Any]:
+    """Make inductor's kernel choices independent of timing (``mode="pinned"``); returns
+    the settings applied (recorded in the JSON). ``"default"`` leaves inductor alone.
+
+    By default inductor benchmarks several Triton configs of a pointwise or reduction
+    kernel at its first call and keeps the fastest (``CachingAutotuner``); on a fresh,
+    busy machine that benchmark can pick another config than on a quiet one, and the
+    choice is cached on disk. Pinned: heuristics pick one config
+    (``triton.autotune_pointwise=False``, ``test_configs.force_filter_reduction_configs=True``),
+    and neither max-autotune nor coordinate-descent tuning runs.
+    """
+    if mode == "default":
+        return {"mode": "default"}
+    import torch._inductor.config as ic
+
+    # force_filter_reduction_configs: the heuristic filter inductor's deterministic mode uses
+    # (torch/_inductor/runtime/triton_heuristics.py), without the rest of that mode.
+    wanted = {"max_autotune": False, "max_autotune_pointwise": False, "max_autotune_gemm": False,
+              "coordinate_descent_tuning": False, "triton.autotune_pointwise": False,
+              "test_configs.force_filter_reduction_configs": True}
+    applied: Dict[str, Any] = {"mode": "pinned"}
+    for key, value in wanted.items():
+        owner, _, attr = key.rpartition(".")
+        obj = getattr(ic, owner, None) if owner else ic
+        if obj is not None and hasattr(obj, attr):  # names move between torch versions: set what exists
+            setattr(obj, attr, value)
+            applied[key] = value
+        else:
+            applied[key] = "not in this torch"
+    return applied
+
+
+def inductor_cache_state() -> Dict[str, Any]:
+    """Where inductor's on-disk cache is and whether it held anything when the run began
+    (a cold cache is what a fresh machine's first run has)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        path = cache_dir()
+    except Exception:  # older torch: the documented default
+        path = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or f"/tmp/torchinductor_{os.environ.get('USER', 'root')}"
+    try:
+        entries = len(os.listdir(path))
+    except OSError:
+        entries = 0
+    return {"dir": path, "entries_at_start": entries, "warm": entries > 0}
+
+
+def gpu_state() -> Dict[str, Any]:
+    """SM clock (MHz) and more from NVML/nvidia-smi, each field None where not available."""
+    state: Dict[str, Any] = {"time": time.time(), "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    if not torch.cuda.is_available():
+        return state
+    try:
+        state["clock_rate_mhz"] = torch.cuda.clock_rate()
+    except Exception as exc:  # needs pynvml
+        state["clock_rate_mhz"] = None
+        state["clock_rate_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    # clocks_throttle_reasons.active: a bit mask, 0 = nothing holds the clock down (power, thermal, ...).
+    fields = "clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                               f"--id={torch.cuda.current_device()}"],
+                              capture_output=True, text=True, timeout=15, check=False)
+        out = proc.stdout.strip()
+        if proc.returncode == 0 and out:
+            state["nvidia_smi"] = dict(zip(fields.split(","), [v.strip() for v in out.split(",")]))
+        else:
+            state["nvidia_smi"] = None
+            state["nvidia_smi_error"] = (out or proc.stderr.strip())[:200]
+    except (OSError, subprocess.SubprocessError) as exc:
+        state["nvidia_smi"] = None
+        state["nvidia_smi_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return state
+
+
+def parse_cpus(spec: str) -> List[int]:
+    """``"3"``, ``"2,3"``, ``"2-5"`` or ``"auto"`` (the last CPU this process may use, away
+    from CPU 0, which takes most interrupts) -> CPU ids.
+
+    Raises:
+        argparse.ArgumentTypeError: malformed spec (names it and the accepted forms).
+    """
+    if spec == "auto":
+        allowed = sorted(os.sched_getaffinity(0))
+        return [allowed[-1]]
+    cpus: List[int] = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            cpus += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pin-cpu {spec!r}: expected 'auto', N, N,M or N-M") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"--pin-cpu {spec!r}: no CPU named")
+    return cpus
+
+
+def parse_sleep(spec: str) -> tuple:
+    """``"breakable=0.5"`` -> ``("breakable", 0.5)`` (ms); test-only (see the module docstring)."""
+    name, sep, ms = spec.rpartition("=")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if not sep or not name or value < 0:
+        raise argparse.ArgumentTypeError(f"--inject-sleep-ms {spec!r}: expected METHOD=MS with MS >= 0, "
+                                         "e.g. breakable=0.5")
+    return name, value
+
+
+def with_sleep(fn: Callable[[], Any], ms: float, sync: Callable[[], None]) -> Callable[[], Any]:
+    """``fn``, a device synchronize, then a host sleep of ``ms`` milliseconds (the
+    deliberately slowed backend). The synchronize keeps the sleep from hiding behind
+    queued device work, so every batch size slows by at least ``ms`` per step."""
+    def slowed() -> Any:
+        out = fn()
+        sync()
+        time.sleep(ms / 1000.0)
+        return out
+
+    return slowed
+
+
+class Pinned:
+    """Context manager: the calling (main, kernel-launching) thread runs on ``cpus`` inside,
+    on its old CPU set after. Only while timing: compile workers spawned earlier keep all
+    CPUs (pinned at compile time, a cold inductor compile would crawl on one core)."""
+
+    def __init__(self, cpus: Optional[List[int]]) -> None:
+        self.cpus = cpus
+        self.old: Optional[set] = None
+
+    def __enter__(self) -> "Pinned":
+        if self.cpus:
+            self.old = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cpus)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.old is not None:
+            os.sched_setaffinity(0, self.old)
+
+
+# -- results ---------------------------------------------------------------------------------
+
 class Results:
-    def __init__(self, out_dir: str, env: Dict[str, Any]) -> None:
+    def __init__(self, out_dir: str, env: Dict[str, Any], settings: Dict[str, Any]) -> None:
         self.path = os.path.join(out_dir, "benchmarks.json")
         self.md_path = os.path.join(out_dir, "benchmarks.md")
-        self.data: Dict[str, Any] = {"env": env, "models": {}, "notes": []}
+        self.used_sleep: set = set()  # methods that got the test-only --inject-sleep-ms
+        self.data: Dict[str, Any] = {"schema": SCHEMA, "env": env, "settings": settings, "models": {}, "notes": []}
 
     def model(self, name: str) -> Dict[str, Any]:
-        return self.data["models"].setdefault(name, {"decode": {}, "prefill": {}, "capture": {}, "replay_prepare_us": {}})
+        return self.data["models"].setdefault(name, {"decode": {}, "ratios": {}, "prefill": {}, "capture": {},
+                                                     "replay_prepare_us": {}})
 
     def note(self, text: str) -> None:
         print(f"note: {text}", flush=True)
         self.data["notes"].append(text)
 
     def save(self) -> None:
-        with open(self.path, "w") as f:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
             json.dump(self.data, f, indent=2)
+        os.replace(tmp, self.path)
         with open(self.md_path, "w") as f:
-            f.write(to_markdown(self.data))
-
-
-def _cell(v: Any, spec: str = ".3f") -> str:
-    if v is None:
-        return "-"
-    return format(v, spec) if isinstance(v, float) else str(v)
-
-
-def to_markdown(data: Dict[str, Any]) -> str:
-    env = data["env"]
-    lines = [f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}, bfloat16, random weights.", ""]
-    for model, m in data["models"].items():
-        methods = sorted({k for row in m["decode"].values() for k in row})
-        order = [k for k in ("eager", "hand_graph", "reduce_overhead") if k in methods] + [k for k in methods if k not in ("eager", "hand_graph", "reduce_overhead")]
-        lines += [f"### {model}: decode step (ms)", "", "| batch | " + " | ".join(order) + " |",
-                  "|---|" + "---|" * len(order)]
-        for bs in sorted(m["decode"], key=int):
-            row = m["decode"][bs]
-            lines.append(f"| {bs} | " + " | ".join(_cell(row.get(k)) for k in order) + " |")
-        if m["capture"]:
-            lines += ["", "| backend | sizes | capture s | graph memory MB | largest size alone MB | ratio | replay_prepare µs |",
-                      "|---|---|---|---|---|---|---|"]
-            for name, c in m["capture"].items():
-                lines.append(f"| {name} | {c.get('sizes')} | {_cell(c.get('capture_s'), '.2f')} | {_cell(c.get('pool_mb'), '.1f')} | "
-                             f"{_cell(c.get('largest_alone_mb'), '.1f')} | {_cell(c.get('pool_ratio'), '.2f')} | "
-                             f"{_cell(m['replay_prepare_us'].get(name), '.1f')} |")
-        if m["prefill"]:
-            methods = sorted({k for row in m["prefill"].values() for k in row})
-            lines += ["", f"### {model}: prefill (ms, 4 requests per batch)", "",
-                      "| tokens | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-            for t in sorted(m["prefill"], key=int):
-                lines.append(f"| {t} | " + " | ".join(_cell(m["prefill"][t].get(k)) for k in methods) + " |")
-        lines.append("")
-    if data["notes"]:
-        lines += ["Notes:", ""] + [f"- {n}" for n in data["notes"]]
-    return "\n".join(lines) + "\n"
+            f.write(render(self.data))
 
 
 def decode_batches(model: Any, batch_sizes: Sequence[int], prompt_len: int) -> Dict[int, ForwardBatch]:
@@ -219,157 +377,284 @@ def decode_batches(model: Any, batch_sizes: Sequence[int], prompt_len: int) -> D
     return batches
 
 
-def run_model(name: str, args: argparse.Namespace, results: Results) -> None:
+class Timer:
+    """Runs the rounds of one size with the run's settings (sleep injection, pinning, GC)."""
+
+    def __init__(self, args: argparse.Namespace, device: str, results: Results) -> None:
+        self.args = args
+        self.sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self.results = results
+        self.sleep = dict(args.inject_sleep_ms or [])
+
+    def time(self, label: str, methods: Dict[str, Callable[[], Any]]) -> Dict[str, Dict[str, Any]]:
+        """``{method: cell}`` (see ``bench_rounds.CellTimes.summary``) for one size; ``label``
+        names it in notes."""
+        fns = {}
+        for name, fn in methods.items():
+            if name in self.sleep:
+                fns[name] = with_sleep(fn, self.sleep[name], self.sync)
+                self.results.used_sleep.add(name)
+            else:
+                fns[name] = fn
+        a = self.args
+        gc.collect()
+        if a.gc_freeze:
+            gc.freeze()
+        try:
+            with Pinned(a.pin_cpu), torch.no_grad():
+                # Eager need not settle: it is no reference (bound by the host's launch rate,
+                # it wanders) and waiting for it would run every warm-up to the cap.
+                cells = run_rounds(fns, iters=a.iters, rounds=a.rounds, sync=self.sync, warmup_min=a.warmup_min,
+                                   warmup_max=a.warmup_max, tol=a.warmup_tol, between_rounds=self.sync,
+                                   must_settle=[n for n in fns if n != "eager"])
+        finally:
+            if a.gc_freeze:
+                gc.unfreeze()
+        out = {name: cell.summary() for name, cell in cells.items()}
+        unsteady = [n for n, c in out.items() if not c["steady"] and n != "eager"]
+        if unsteady:
+            self.results.note(f"{label}: warm-up hit --warmup-max={a.warmup_max} before {', '.join(unsteady)} settled "
+                              f"(2% rule); their numbers may include a cold start")
+        return out
+
+
+def run_model(name: str, args: argparse.Namespace, results: Results, device: str) -> None:
     m = results.model(name)
-    model = ReferenceLlamaForCausalLM.from_preset(name, dtype=torch.bfloat16, device="cuda")
+    on_cuda = device == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    model = ReferenceLlamaForCausalLM.from_preset(name, dtype=dtype, device=device)
     bs_list = sorted(args.batch_sizes)
     context = args.prompt_len + 16
     max_reqs = sum(bs_list) + 2
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     batches = decode_batches(model, bs_list, args.prompt_len)
-    kw = dict(iters=args.iters, repeats=args.repeats)
-    pool = torch.cuda.graph_pool_handle()
+    pool = torch.cuda.graph_pool_handle() if on_cuda else None
     eager = eager_fn(model)
+    timer = Timer(args, device, results)
+    methods: Dict[int, Dict[str, Callable[[], Any]]] = {bs: {} for bs in bs_list}
 
     with torch.no_grad():
+        # 1. Build everything before timing anything.
         for bs in bs_list:
-            row = m["decode"].setdefault(str(bs), {})
             b = batches[bs]
-            row["eager"] = bench_ms(lambda: eager(b), **kw)
-            hand = HandWrittenGraph(model, b, pool)
-            row["hand_graph"] = bench_ms(lambda: hand(b), **kw)
-            del hand
-            print(f"{name} bs={bs}: eager {row['eager']:.3f} ms, hand-written graph {row['hand_graph']:.3f} ms", flush=True)
-        results.save()
+            methods[bs]["eager"] = lambda b=b: eager(b)
+            hand = HandWrittenGraph(model, b, pool, use_graph=on_cuda)
+            methods[bs]["hand_graph"] = lambda b=b, hand=hand: hand(b)
 
-        if not args.quick:
+        if not args.quick and on_cuda:
+            torch._dynamo.reset()  # once, before any backend: a reset later would drop tc_piecewise's compiled code
             for bs in [b for b in args.reduce_overhead_bs if b in batches]:
-                torch._dynamo.reset()
                 start = time.perf_counter()
                 try:
                     fn = reduce_overhead_fn(model, batches[bs])
                     for _ in range(3):
                         fn(batches[bs])
-                    m["decode"][str(bs)]["reduce_overhead"] = bench_ms(lambda: fn(batches[bs]), **kw)
+                    methods[bs]["reduce_overhead"] = lambda fn=fn, b=batches[bs]: fn(b)
                     results.note(f"{name}: torch.compile reduce-overhead at bs={bs} compiled in {time.perf_counter() - start:.1f} s")
                 except Exception as exc:  # a baseline failing must not stop the suite
                     results.note(f"{name}: torch.compile reduce-overhead failed at bs={bs}: {type(exc).__name__}: {exc}")
-                torch._dynamo.reset()
-            results.save()
 
-        for backend, reason in available("decode", args.backends).items():
+        runners: Dict[str, Any] = {}
+        backends = available("decode", args.backends) if on_cuda else {
+            b: "--device cpu: graph backends are not timed (smoke test)" for b in args.backends}
+        for backend, reason in backends.items():
             if reason:
                 results.note(f"{name}: decode backend {backend} skipped: {reason}")
                 continue
+            runner = None
             try:
-                # A fresh pool per measurement, so one backend's leftovers never hide another's memory.
+                # A fresh pool per backend, so one backend's leftovers never hide another's memory.
                 runner = DecodeCudaGraphRunner(
                     model, {"decode": {**phase_options(backend), "max_bs": max(256, max(bs_list))}}, show_progress=False,
                     backend=fresh_backend("decode", backend))
                 runner.capture()
-                cap = m["capture"].setdefault(backend, {})
-                cap.update(sizes=len(runner.capture_sizes), capture_s=runner.capture_seconds,
-                           pool_mb=(runner.capture_memory_bytes or 0) / 2**20)
+                cap = {"sizes": len(runner.capture_sizes), "capture_s": runner.capture_seconds,
+                       "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
                 if getattr(runner.backend, "compile_seconds", None) is not None:
                     cap["compile_s"] = runner.backend.compile_seconds
-                for bs in bs_list:
-                    b = batches[bs]
-                    m["decode"][str(bs)][backend] = bench_ms(lambda: runner.forward(b), **kw)
-                    diff = float((runner.forward(b) - eager(b)).abs().max())
-                    m.setdefault("max_abs_diff_vs_eager", {}).setdefault(backend, {})[str(bs)] = diff
-                calls = getattr(runner.backend, "piece_calls", None)
-                if callable(calls):  # tc_piecewise: did every piece replay its graph?
-                    cap["piece_calls"] = calls()
-                    cap["dynamo_compiles"] = getattr(runner.backend, "dynamo_compiles", None)
-                # Host-side cost of padding/copying a live batch (no device wait).
-                b = batches[bs_list[0]]
-                samples = []
-                for _ in range(200):
-                    start = time.perf_counter()
-                    runner.replay_prepare(b)
-                    samples.append((time.perf_counter() - start) * 1e6)
-                sync()
-                m["replay_prepare_us"][backend] = statistics.median(samples)
-                runner.cleanup()
-                del runner
-                # The largest size alone: how much the shared pool saves.
-                alone = DecodeCudaGraphRunner(model, {"decode": {**phase_options(backend), "bs": [256], "max_bs": 256}},
-                                              show_progress=False, backend=fresh_backend("decode", backend))
-                alone.capture()
-                cap["largest_alone_mb"] = (alone.capture_memory_bytes or 0) / 2**20
-                if cap["largest_alone_mb"]:
-                    cap["pool_ratio"] = cap["pool_mb"] / cap["largest_alone_mb"]
-                alone.cleanup()
-                del alone
-                print(f"{name} {backend}: " + ", ".join(f"bs={bs} {m['decode'][str(bs)][backend]:.3f}" for bs in bs_list), flush=True)
+                diffs = {str(bs): float((runner.forward(batches[bs]).float() - eager(batches[bs]).float()).abs().max())
+                         for bs in bs_list}
             except Exception as exc:
                 results.note(f"{name}: decode backend {backend} failed: {type(exc).__name__}: {exc}")
+                if runner is not None:
+                    try:
+                        runner.cleanup()
+                    except Exception:  # the failure above is what the note reports
+                        pass
+                continue
+            # Only a backend that captured and ran every size is timed (never half a row).
+            m["capture"][backend] = cap
+            m.setdefault("max_abs_diff_vs_eager", {})[backend] = diffs
+            for bs in bs_list:
+                methods[bs][backend] = lambda b=batches[bs], runner=runner: runner.forward(b)
+            runners[backend] = runner
+        if on_cuda:
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        results.save()
+
+        # 2. Time: interleaved rounds per batch size.
+        m["gpu_before_timing"] = gpu_state()
+        # How much a collection would have to walk: a cold inductor compile leaves a far
+        # bigger heap than a warm one (the suspect of the first-run slow mode, issue 12).
+        m["python_objects_before_timing"] = len(gc.get_objects())
+        for bs in bs_list:
+            m["decode"][str(bs)] = timer.time(f"{name} decode bs={bs}", methods[bs])
+            print(f"{name} bs={bs}: " + ", ".join(f"{k} {c['median_ms']:.3f} [{c['min_ms']:.3f}-{c['max_ms']:.3f}]"
+                                                 for k, c in m["decode"][str(bs)].items()), flush=True)
+            m["ratios"] = ratios_for(m["decode"])
             results.save()
+        m["gpu_after_timing"] = gpu_state()
+
+        # 3. What needs no steady timing: host-side replay_prepare, then the memory of the largest size alone.
+        for backend, runner in runners.items():
+            calls = getattr(runner.backend, "piece_calls", None)
+            if callable(calls):  # tc_piecewise: did every piece replay its graph?
+                m["capture"][backend]["piece_calls"] = calls()
+                m["capture"][backend]["dynamo_compiles"] = getattr(runner.backend, "dynamo_compiles", None)
+            b = batches[bs_list[0]]
+            samples = []
+            for _ in range(200):
+                start = time.perf_counter()
+                runner.replay_prepare(b)
+                samples.append((time.perf_counter() - start) * 1e6)
+            torch.cuda.synchronize()
+            m["replay_prepare_us"][backend] = statistics.median(samples)
+        for backend in list(runners):
+            runners.pop(backend).cleanup()
+        methods.clear()
+        if on_cuda:
+            torch.cuda.empty_cache()
+        if not args.quick and on_cuda:
+            for backend in [b for b in m["capture"] if b in args.backends]:
+                try:
+                    alone = DecodeCudaGraphRunner(model, {"decode": {**phase_options(backend), "bs": [256], "max_bs": 256}},
+                                                  show_progress=False, backend=fresh_backend("decode", backend))
+                    alone.capture()
+                    cap = m["capture"][backend]
+                    cap["largest_alone_mb"] = (alone.capture_memory_bytes or 0) / 2**20
+                    if cap["largest_alone_mb"]:
+                        cap["pool_ratio"] = cap["pool_mb"] / cap["largest_alone_mb"]
+                    alone.cleanup()
+                    del alone
+                except Exception as exc:
+                    results.note(f"{name}: decode backend {backend} (largest size alone) failed: {type(exc).__name__}: {exc}")
+                torch.cuda.empty_cache()
+        results.save()
 
         if args.prefill_tokens:
-            from cuda_graph_runner.runner import PrefillCudaGraphRunner
-
-            max_tokens = max(args.prefill_tokens)
-            # 4 requests per batch, every batch alive at once (re-running one rewrites its own slots).
-            n = len(args.prefill_tokens)
-            model.create_kv_cache(num_slots=sum(args.prefill_tokens) + 1, max_reqs=4 * n + 1,
-                                  max_context_len=max_tokens // 4 + 1)
-            prefill_batches = {}
-            for t in args.prefill_tokens:
-                lengths = [t // 4 + (1 if i < t % 4 else 0) for i in range(4)]
-                prefill_batches[t] = make_extend_batch(model.kv_cache, make_dummy_prompts(4, lengths, model.config.vocab_size))
-                m["prefill"].setdefault(str(t), {})["eager"] = bench_ms(lambda: eager(prefill_batches[t]), **kw)
-            for backend, reason in available("prefill", args.backends).items():
-                if reason:
-                    results.note(f"{name}: prefill backend {backend} skipped: {reason}")
-                    continue
-                try:
-                    runner = PrefillCudaGraphRunner(model, {"prefill": {**phase_options(backend), "max_bs": max_tokens}},
-                                                    show_progress=False, backend=fresh_backend("prefill", backend))
-                    runner.capture()
-                    m["capture"][f"{backend} (prefill)"] = {"sizes": len(runner.capture_sizes),
-                                                            "capture_s": runner.capture_seconds,
-                                                            "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
-                    for t, b in prefill_batches.items():
-                        m["prefill"][str(t)][backend] = bench_ms(lambda: runner.forward(b), **kw)
-                    runner.cleanup()
-                    del runner
-                except Exception as exc:
-                    results.note(f"{name}: prefill backend {backend} failed: {type(exc).__name__}: {exc}")
-                torch.cuda.empty_cache()
-                results.save()
+            run_prefill(name, model, args, results, timer, eager, on_cuda)
     del model
-    torch.cuda.empty_cache()
+    if on_cuda:
+        torch.cuda.empty_cache()
+
+
+def run_prefill(name: str, model: Any, args: argparse.Namespace, results: Results, timer: Timer,
+                eager: Callable[[ForwardBatch], torch.Tensor], on_cuda: bool) -> None:
+    from cuda_graph_runner.runner import PrefillCudaGraphRunner
+
+    m = results.model(name)
+    max_tokens = max(args.prefill_tokens)
+    # 4 requests per batch, every batch alive at once (re-running one rewrites its own slots).
+    n = len(args.prefill_tokens)
+    model.create_kv_cache(num_slots=sum(args.prefill_tokens) + 1, max_reqs=4 * n + 1, max_context_len=max_tokens // 4 + 1)
+    batches = {}
+    methods: Dict[int, Dict[str, Callable[[], Any]]] = {}
+    for t in args.prefill_tokens:
+        lengths = [t // 4 + (1 if i < t % 4 else 0) for i in range(4)]
+        batches[t] = make_extend_batch(model.kv_cache, make_dummy_prompts(4, lengths, model.config.vocab_size))
+        methods[t] = {"eager": lambda b=batches[t]: eager(b)}
+    runners = []
+    backends = available("prefill", args.backends) if on_cuda else {b: "--device cpu" for b in args.backends}
+    for backend, reason in backends.items():
+        if reason:
+            results.note(f"{name}: prefill backend {backend} skipped: {reason}")
+            continue
+        try:
+            runner = PrefillCudaGraphRunner(model, {"prefill": {**phase_options(backend), "max_bs": max_tokens}},
+                                            show_progress=False, backend=fresh_backend("prefill", backend))
+            runner.capture()
+            m["capture"][f"{backend} (prefill)"] = {"sizes": len(runner.capture_sizes), "capture_s": runner.capture_seconds,
+                                                    "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
+            for t, b in batches.items():
+                methods[t][backend] = lambda b=b, runner=runner: runner.forward(b)
+            runners.append(runner)
+        except Exception as exc:
+            results.note(f"{name}: prefill backend {backend} failed: {type(exc).__name__}: {exc}")
+    for t in args.prefill_tokens:
+        m["prefill"][str(t)] = timer.time(f"{name} prefill {t} tokens", methods[t])
+        results.save()
+    for runner in runners:
+        runner.cleanup()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder (default $OUT or ./out)")
-    parser.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen2.5-0.5b"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: smoke test of the harness only (no graphs, numbers mean nothing)")
+    parser.add_argument("--models", nargs="+", default=None, help="presets (default llama-3.2-1b qwen2.5-0.5b; "
+                        "tiny with --device cpu)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=DECODE_BS)
     parser.add_argument("--backends", default="full,breakable,tc_piecewise,tc_piecewise:inductor",
                         help="comma-separated backends (name[:tc_compiler]) to bench where installed and usable")
     parser.add_argument("--reduce-overhead-bs", type=int, nargs="*", default=[1, 32],
                         help="batch sizes for the torch.compile reduce-overhead baseline (slow to compile)")
-    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=PREFILL_TOKENS)
+    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=PREFILL_TOKENS,
+                        help="prefill token counts; none (the flag alone) skips prefill")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--iters", type=int, default=20, help="calls per timed block")
+    parser.add_argument("--rounds", type=int, default=10, help="measured rounds (one block per method each)")
+    parser.add_argument("--warmup-min", type=int, default=3, help="fewest warm-up rounds")
+    parser.add_argument("--warmup-max", type=int, default=20, help="most warm-up rounds (the steady-state cap)")
+    parser.add_argument("--warmup-tol", type=float, default=0.02,
+                        help="warm-up ends when each method's median of 3 rounds moves less than this (relative)")
+    parser.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)  # old name of --rounds
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the torch.compile baseline and the largest-size-alone captures")
+    parser.add_argument("--pin-cpu", type=parse_cpus, default=None, metavar="CPUS",
+                        help="while timing, run on these CPUs: auto, N, N,M or N-M (default: no pinning)")
+    parser.add_argument("--inductor-config", choices=["pinned", "default"], default="pinned",
+                        help="pinned (default): inductor picks kernel configs by heuristics, not by timing")
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="leave the garbage collector running while timing (default: collect, then freeze)")
+    parser.add_argument("--inject-sleep-ms", type=parse_sleep, action="append", metavar="METHOD=MS",
+                        help="TEST ONLY: sleep MS ms on the host after every call of METHOD (a slowed backend "
+                             "for compare.py's demonstration); repeatable")
     args = parser.parse_args(argv)
+    if args.repeats is not None:
+        args.rounds = args.repeats
+    if args.iters < 1 or args.rounds < 1 or not 0 <= args.warmup_min <= args.warmup_max:
+        parser.error(f"need --iters >= 1, --rounds >= 1 and 0 <= --warmup-min <= --warmup-max; got {args.iters}, "
+                     f"{args.rounds}, {args.warmup_min}, {args.warmup_max}")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not torch.cuda.is_available():
-        print("benchmarks/run.py needs a CUDA device", file=sys.stderr)
+    if args.models is None:
+        args.models = ["tiny"] if args.device == "cpu" else ["llama-3.2-1b", "qwen2.5-0.5b"]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/run.py needs a CUDA device (or --device cpu for a smoke test of the harness)", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "date": datetime.date.today().isoformat()}
-    results = Results(args.out, env)
+    env = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "date": datetime.date.today().isoformat(), "argv": sys.argv[1:] if argv is None else list(argv),
+           "cpus": os.cpu_count(), "pinned_cpus": args.pin_cpu, "gc_freeze": args.gc_freeze,
+           "inductor_cache": inductor_cache_state(), "inductor_config": pin_inductor(args.inductor_config),
+           "inject_sleep_ms": dict(args.inject_sleep_ms or []), "gpu_at_start": gpu_state()}
+    settings = {"iters": args.iters, "rounds": args.rounds, "warmup_min": args.warmup_min,
+                "warmup_max": args.warmup_max, "warmup_tol": args.warmup_tol, "quick": args.quick,
+                "prompt_len": args.prompt_len}
+    if env["inject_sleep_ms"]:
+        print(f"TEST ONLY: --inject-sleep-ms {env['inject_sleep_ms']} slows these methods on purpose", flush=True)
+    results = Results(args.out, env, settings)
     for name in args.models:
-        run_model(name, args, results)
+        run_model(name, args, results, args.device)
+
+    unused = set(env["inject_sleep_ms"]) - results.used_sleep
+    if unused:
+        results.note(f"--inject-sleep-ms named {sorted(unused)}, which no timed method matched")
+    results.data["env"]["gpu_at_end"] = gpu_state()
     results.save()
-    print(to_markdown(results.data))
+    print(render(results.data))
     return 0
 
 
