@@ -101,6 +101,11 @@ class BackendConformanceTests:
         atol, rtol: tolerance of graph output against eager.
         device_marks: pytest marks added to the ``test_device_*`` tests of a subclass
             (e.g. ``(pytest.mark.gpu,)``).
+        fake_device_backend_kwargs: extra keyword arguments for the backend class in
+            ``test_fake_device_calls_name_the_runners_device`` (a CPU test: the backend
+            is built with ``device="cuda:1"`` and a recording fake device module whose
+            current device is 0, and every stream / graph / synchronize / device-guard
+            call must name device 1; see :mod:`cuda_graph_runner.testing.device_check`).
     """
 
     backend_name: ClassVar[str] = ""
@@ -117,6 +122,7 @@ class BackendConformanceTests:
     atol: ClassVar[float] = 1e-4
     rtol: ClassVar[float] = 1e-4
     device_marks: ClassVar[Tuple[Any, ...]] = ()
+    fake_device_backend_kwargs: ClassVar[Dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -310,6 +316,28 @@ class BackendConformanceTests:
                 silent.append(name)
         assert not silent, (f"{type(self).__name__} overrides standard test(s) {silent} without "
                             "@pytest.mark.xfail(reason=...) or @pytest.mark.skip(reason=...)")
+
+    def test_fake_device_calls_name_the_runners_device(self) -> None:
+        """On the CPU: the backend on fake ``cuda:1`` while device 0 is current acts on 1 only."""
+        self._require_phase("decode")
+        from ..config import PhaseConfig
+        from .device_check import check_device_calls
+
+        row = {e.name: e for e in registry.list_backends()}[self.backend_name]
+        try:
+            cls = registry.get_registry().load_class(row)
+        except Exception as exc:  # unloadable here: the contract test reports it
+            pytest.skip(f"backend {self.backend_name!r} cannot be loaded here: {exc}")
+        phase_config = PhaseConfig(backend=self.backend_name, max_bs=4)
+
+        def make(device: str, module: Any) -> Any:
+            return cls(device, phase="decode", phase_config=phase_config, device_module=module,
+                       **self.fake_device_backend_kwargs)
+
+        try:
+            check_device_calls(make)
+        except BackendUnavailableError as exc:
+            pytest.skip(f"backend {self.backend_name!r} cannot run on the fake device module: {exc}")
 
     # -- on the device -----------------------------------------------------------------------
     def test_device_decode_capture_replay_matches_eager(self) -> None:
