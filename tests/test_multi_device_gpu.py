@@ -38,6 +38,9 @@ def test_runner_on_cuda1_while_cuda0_is_current_replays_eager(backend):
     model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
     cache = model.kv_cache
     torch.cuda.synchronize(0)
+    # torch.cuda.graph empties the cache on entry (all devices): start from an empty cache on
+    # cuda:0 so that only a real allocation there can change its reserved memory.
+    torch.cuda.empty_cache()
     reserved0 = torch.cuda.memory_reserved(0)
     config = {"decode": {"backend": backend, "max_bs": 8}}
     if backend == "tc_piecewise":
