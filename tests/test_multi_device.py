@@ -239,6 +239,8 @@ def test_capture_the_largest_size_first_then_the_rest():
     assert rest.sizes == [4, 2, 1] and rest.captured_sizes == [8, 4, 2, 1]
     assert rest.pool_bytes == 4000 == runner.capture_memory_bytes
     assert backend.captured() == [ShapeKey(s, "decode") for s in (8, 4, 2, 1)]  # each once, largest first
+    again = runner.capture()  # nothing left to capture: no second capture of any size
+    assert again.sizes == [] and again.pool_bytes == 4000 and len(backend.captured()) == 4
     with pytest.raises(ValueError, match=r"sizes \[3\] are not among this runner's capture sizes \[1, 2, 4, 8\]"):
         runner.capture(sizes=[3, 4])
 
