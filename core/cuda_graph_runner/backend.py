@@ -15,6 +15,20 @@ Call order, from the runner::
         with backend.replay_session():
             out = backend.replay(key, static_batch)
     backend.cleanup()                            # before recapture or teardown
+
+Device and streams: a backend learns its device from ``self.device`` (the runner's
+device, given at construction) and reaches it through ``self.device_module``. The
+runner makes every call above (``prepare`` included) inside a device guard of
+``backend.device`` (``device_module.device(device)``, :func:`cuda_graph_runner.device.device_guard`),
+so code that uses the current device (``torch.cuda.graph``'s synchronize and
+``empty_cache``, default streams) acts on the backend's device whatever device the
+caller had current. Backends still name the device explicitly where they can
+(:meth:`BaseCudaGraphBackend.synchronize`, :meth:`~BaseCudaGraphBackend.new_stream`,
+:meth:`~BaseCudaGraphBackend.device_guard`); a vendor backend called outside a runner
+gets the same guarantee from them. ``replay`` runs on the caller's *current stream of
+the backend's device* and must not synchronize the device nor switch to another
+stream, so an engine overlapping the next batch's preparation with the GPU's work
+(overlap scheduling) keeps its stream ordering.
 """
 
 from __future__ import annotations
@@ -120,6 +134,28 @@ class BaseCudaGraphBackend(abc.ABC):
         finally:
             self.capture_stream = None
 
+    def device_guard(self) -> ContextManager[Any]:
+        """Make ``self.device`` current for the block (``device_module.device(device)``);
+        a no-op on the CPU or for an index-less device. The runner already enters it
+        around every contract call; nesting is harmless."""
+        from .device import device_guard
+
+        return device_guard(self.device, self.device_module)
+
+    def synchronize(self) -> None:
+        """Wait for all work on ``self.device`` (``device_module.synchronize(device)``),
+        never on whichever device happens to be current."""
+        from .device import synchronize
+
+        synchronize(self.device, self.device_module)
+
+    def new_stream(self) -> Any:
+        """A new stream on ``self.device`` (``device_module.Stream(device=device)``), or
+        None on a device without streams."""
+        from .device import new_stream
+
+        return new_stream(self.device, self.device_module)
+
     def on_capture_stream(self) -> ContextManager[Any]:
         """Run the block on the capture stream (a no-op without one)."""
         if self.capture_stream is None:
@@ -130,15 +166,14 @@ class BaseCudaGraphBackend(abc.ABC):
         """The warm-ups before a capture: ``num_warmups`` runs of ``forward_fn`` on the
         capture stream (so lazily made workspaces belong to it), each after a device
         synchronize, then ``post_warmup_hook()``, then a synchronize (sglang's two
-        warm-ups; vLLM warms up likewise)."""
-        dm = self.device_module
+        warm-ups; vLLM warms up likewise). Every synchronize names ``self.device``."""
         for _ in range(self.num_warmups):
-            dm.synchronize()
+            self.synchronize()
             with self.on_capture_stream():
                 forward_fn()
         if post_warmup_hook is not None:
             post_warmup_hook()
-        dm.synchronize()
+        self.synchronize()
 
     # -- optional hooks -------------------------------------------------------------
     def prepare(self, runner: Any) -> None:
@@ -159,8 +194,10 @@ class BaseCudaGraphBackend(abc.ABC):
         """Context wrapping the runner's whole capture loop; binds ``stream`` and the pool.
 
         Args:
-            stream: the side stream captures run on (a ``device_module.Stream``), or
-                None where the device has no streams.
+            stream: the side stream captures run on, made on ``self.device``
+                (:func:`cuda_graph_runner.pool.get_capture_stream`), or None where the
+                device has no streams (a backend that needs one makes it with
+                :meth:`new_stream`, never a bare ``Stream()`` on the current device).
         """
 
     @abc.abstractmethod
@@ -195,6 +232,9 @@ class BaseCudaGraphBackend(abc.ABC):
         ``static_batch`` views the runner's static buffers, already filled with the live
         batch and padded to ``key.size``. The returned tensors live in graph memory and
         are overwritten by the next replay of any graph in the same pool.
+
+        Runs on the caller's current stream of ``self.device`` (the runner holds a device
+        guard of it): no device synchronize, no switch to a side or default stream.
 
         Raises:
             KeyError: no graph was captured for ``key``.

@@ -94,7 +94,7 @@ def _sync_fn(device: torch.device) -> Callable[[], None]:
     if device.type == "cpu":
         return lambda: None
     module = torch.get_device_module(device)
-    return module.synchronize
+    return lambda: module.synchronize(device)  # this device, not whichever is current
 
 
 def _make_runner(kind: str, model: Any, config: CudaGraphConfig, device: torch.device) -> Any:

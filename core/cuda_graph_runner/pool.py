@@ -11,18 +11,23 @@ from typing import Any, Dict, Optional
 
 import torch
 
-_pools: Dict[str, Any] = {}
-_streams: Dict[str, Any] = {}
+from .device import new_stream, resolve_device
+
+_pools: Dict[Any, Any] = {}
+_streams: Dict[Any, Any] = {}
 
 
-def _device_key(device: "torch.device | str", module: Optional[Any] = None) -> str:
+def _device_key(device: "torch.device | str", module: Optional[Any] = None) -> Any:
     # "cuda" and "cuda:0" must name the same pool: resolve a missing index to the current device.
-    device = torch.device(device)
-    if device.index is None and device.type != "cpu":
-        current = getattr(module or torch.get_device_module(device), "current_device", None)
-        if current is not None:
-            device = torch.device(device.type, current())
-    return str(device)
+    key = str(resolve_device(device, module))
+    if module is None:
+        return key
+    try:
+        native = torch.get_device_module(torch.device(key))
+    except Exception:  # a device type this torch cannot name: only the given module knows it
+        native = None
+    # A test fake passed as the module must never share (or poison) the real device's cache.
+    return key if module is native else (key, module)
 
 
 def get_global_graph_memory_pool(device: "torch.device | str", device_module: Optional[Any] = None) -> Any:
@@ -41,14 +46,19 @@ def get_global_graph_memory_pool(device: "torch.device | str", device_module: Op
 
 
 def get_capture_stream(device: "torch.device | str", device_module: Optional[Any] = None) -> Any:
-    """The process-wide side stream captures run on, or None on a device without streams."""
+    """The process-wide side stream captures run on, or None on a device without streams.
+
+    The stream is made *on* ``device`` (``Stream(device=...)``), not on the current
+    device: a capture stream of another device records none of the model's kernels.
+    """
+    if torch.device(device).type == "cpu":
+        return None
     key = _device_key(device, device_module)
     if key not in _streams:
-        module = device_module or torch.get_device_module(torch.device(device))
-        stream_cls = getattr(module, "Stream", None)
-        if stream_cls is None or torch.device(device).type == "cpu":
+        stream = new_stream(resolve_device(device, device_module), device_module)
+        if stream is None:
             return None
-        _streams[key] = stream_cls()
+        _streams[key] = stream
     return _streams[key]
 
 
@@ -67,7 +77,9 @@ def pool_memory_bytes(pool: Any, device: "torch.device | str" = "cuda") -> Optio
     except Exception:  # a private API: never let a measurement break capture
         return None
     want = tuple(pool) if isinstance(pool, (tuple, list)) else pool
-    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == want)
+    index = torch.device(device).index
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == want
+               and (index is None or s.get("device", index) == index))
 
 
 def reset_global_graph_memory_pools() -> None:

@@ -25,6 +25,8 @@ from ..buffers import CudaGraphBufferRegistry
 from ..config import CudaGraphConfig, PhaseConfig
 from ..forward_batch import ForwardBatch
 from ..forward_context import forward_context
+from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
+from ..device import device_guard, synchronize
 from ..pool import get_capture_stream
 
 logger = logging.getLogger(__name__)
@@ -226,37 +228,106 @@ class BaseCudaGraphRunner(abc.ABC):
             return False
         return self.backend.can_run(batch, self.make_key(self.padded_size(size)))
 
-    def capture(self) -> None:
-        """Capture every size, largest first, into the shared pool.
+    def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
+        """Capture every size (or ``sizes``), largest first, into the shared pool.
 
         Largest first so each smaller graph reuses blocks the larger ones freed in the
-        pool. A no-op for backend ``disabled``.
+        pool; the pool right after the largest size therefore estimates the graph
+        memory (:mod:`cuda_graph_runner.capture_report`: ``capture(sizes=[max_size])``,
+        :meth:`graph_memory_bytes`, then ``capture()`` for the rest). Sizes that already
+        hold a graph are skipped. A no-op for backend ``disabled``.
+
+        Everything happens on the runner's device (its backend's ``device``) whatever
+        device is current: the capture stream is made on it, every synchronize names it,
+        and the backend's calls run inside its device guard.
+
+        Args:
+            sizes: a subset of ``capture_sizes``; None means all of them.
+
+        Returns:
+            A :class:`~cuda_graph_runner.capture_report.CaptureReport`.
+
+        Raises:
+            ValueError: ``sizes`` names a size not in ``capture_sizes`` (lists both).
+            cuda_graph_runner.capture_report.CaptureOutOfMemoryError: the device ran out of
+                memory (a ``torch.OutOfMemoryError``; names phase, backend, size, the sizes
+                done, the pool so far and the fixes). Captured sizes stay usable.
         """
+        if sizes is not None:
+            bad = sorted(set(int(s) for s in sizes) - set(self.capture_sizes))
+            if bad:
+                raise ValueError(f"sizes {bad} are not among this runner's capture sizes {self.capture_sizes}")
+        todo = sorted(set(self.capture_sizes if sizes is None else (int(s) for s in sizes))
+                      - {k.size for k in self.captured_keys}, reverse=True)
+        report = CaptureReport(self.phase, self.backend.name, [], self._captured_sizes(), 0.0)
         if self.is_disabled:
-            return
+            return report
+        if not todo:  # every requested size already holds a graph
+            report.pool_bytes = self.backend.graph_memory_bytes()
+            return report
         from tqdm.auto import tqdm
 
-        self.backend.prepare(self)
-        stream = get_capture_stream(self.device) if self.device.type != "cpu" else None
-        module = torch.get_device_module(self.device) if self.device.type != "cpu" else None
-        self._synchronize()
-        before = module.memory_reserved(self.device) if module is not None and hasattr(module, "memory_reserved") else None
+        device, module = self._graph_device()
         start = time.perf_counter()
-        sizes = sorted(self.capture_sizes, reverse=True)
-        with freeze_gc(self.enable_cudagraph_gc), self.backend.capture_session(stream):
-            for size in tqdm(sizes, desc=f"capture {self.phase} ({self.backend.name})",
-                             disable=None if self.show_progress is None else not self.show_progress,
-                             leave=False):
-                self.capture_one_shape(size)
-        self._synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        pool_bytes = self.backend.graph_memory_bytes()
+        with device_guard(device, module):
+            self.backend.prepare(self)
+            stream = get_capture_stream(device, module) if device.type != "cpu" else None
+            self._synchronize()
+            before = module.memory_reserved(device) if module is not None and hasattr(module, "memory_reserved") else None
+            with freeze_gc(self.enable_cudagraph_gc), self.backend.capture_session(stream):
+                for size in tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})",
+                                 disable=None if self.show_progress is None else not self.show_progress,
+                                 leave=False):
+                    try:
+                        self.capture_one_shape(size)
+                    except Exception as exc:
+                        self._raise_if_out_of_memory(exc, size, todo, device, module)
+                        raise
+                    report.sizes.append(size)
+                    if len(report.sizes) == 1:
+                        report.first_size_pool_bytes = self.backend.graph_memory_bytes()
+            self._synchronize()
+        self.capture_seconds = report.seconds = time.perf_counter() - start
+        pool_bytes = report.pool_bytes = self.backend.graph_memory_bytes()
         if pool_bytes is not None:
             self.capture_memory_bytes = pool_bytes
         elif before is not None:
-            self.capture_memory_bytes = module.memory_reserved(self.device) - before
-        logger.info("captured %d %s graphs with %s in %.2f s", len(sizes), self.phase, self.backend.name,
+            self.capture_memory_bytes = module.memory_reserved(device) - before
+        report.captured_sizes = self._captured_sizes()
+        logger.info("captured %d %s graphs with %s in %.2f s", len(todo), self.phase, self.backend.name,
                     self.capture_seconds)
+        return report
+
+    def graph_memory_bytes(self) -> Optional[int]:
+        """Bytes of the graph memory pool now (shared: other runners' graphs in the same
+        pool count too), or None where the device cannot tell. After
+        ``capture(sizes=[max_size])`` it estimates the full capture's graph memory, with
+        the accuracy stated in :mod:`cuda_graph_runner.capture_report`."""
+        return self.backend.graph_memory_bytes()
+
+    def _captured_sizes(self) -> List[int]:
+        return sorted({k.size for k in self.captured_keys}, reverse=True)
+
+    def _graph_device(self) -> Tuple[torch.device, Any]:
+        # The backend knows the device its graphs live on (and, in tests, a fake module).
+        device = self.backend.device
+        return device, (self.backend.device_module if device.type != "cpu" else None)
+
+    def _raise_if_out_of_memory(self, exc: BaseException, size: int, todo: Sequence[int],
+                                device: torch.device, module: Any) -> None:
+        oom = find_out_of_memory(exc)
+        if oom is None:
+            return
+        try:
+            pool_bytes = self.backend.graph_memory_bytes()
+        except Exception:  # a measurement must not hide the error being reported
+            pool_bytes = None
+        free, total = device_memory_info(device, module)
+        done = self._captured_sizes()
+        raise CaptureOutOfMemoryError(
+            phase=self.phase, backend=self.backend.name, size=size, captured_sizes=done,
+            pending_sizes=[s for s in todo if s not in done], pool_bytes=pool_bytes,
+            free_bytes=free, total_bytes=total, original=oom) from exc
 
     def capture_one_shape(self, size: int) -> None:
         """Capture one size: build the dummy batch, then ``backend.capture_one``."""
@@ -276,14 +347,25 @@ class BaseCudaGraphRunner(abc.ABC):
     def replay(self, batch: ForwardBatch) -> Any:
         """Run ``batch`` through its captured graph.
 
+        Runs inside a device guard of the runner's device, on the caller's *current
+        stream of that device*: the copies into the static buffers, the graph replay and
+        the output slicing are enqueued there, without any synchronize. The output is
+        ready when work enqueued after it on that stream runs (or after a synchronize of
+        that stream); an engine preparing the next batch on another stream must order it
+        after this one (``other.wait_stream(current)``) before touching the outputs.
+
         Raises:
             ValueError: the batch is larger than the largest captured size.
             KeyError: no graph for its padded size (call ``can_run`` first).
         """
-        key, static_batch = self.replay_prepare(batch)
-        with forward_context(static_batch), self.backend.replay_session():
-            output = self.backend.replay(key, static_batch)
-        return self.finish_output(output, batch, static_batch)
+        device, module = self._graph_device()
+        # On the caller's current stream of the runner's device: no synchronize here, so
+        # an engine overlapping the next batch's preparation keeps its stream order.
+        with device_guard(device, module):
+            key, static_batch = self.replay_prepare(batch)
+            with forward_context(static_batch), self.backend.replay_session():
+                output = self.backend.replay(key, static_batch)
+            return self.finish_output(output, batch, static_batch)
 
     def forward(self, batch: ForwardBatch) -> Any:
         """Replay when a graph covers ``batch``, else run it eagerly."""
@@ -295,13 +377,16 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def cleanup(self) -> None:
         """Drop every graph; ``capture()`` may be called again."""
-        self.backend.cleanup()
+        device, module = self._graph_device()
+        with device_guard(device, module):
+            self.backend.cleanup()
         self.captured_keys.clear()
         self.buffers.reset()
 
     def _synchronize(self) -> None:
-        if self.device.type != "cpu":
-            torch.get_device_module(self.device).synchronize()
+        device, module = self._graph_device()
+        if device.type != "cpu":
+            synchronize(device, module)  # this device only, never the current one
 
 
 def _as_config(config: Any, phase: str) -> CudaGraphConfig:

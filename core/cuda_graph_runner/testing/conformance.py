@@ -26,7 +26,8 @@ or editable). What is checked:
   model (:mod:`cuda_graph_runner.testing.model`, preset ``tiny``) captured with
   ``DecodeCudaGraphRunner`` (decode and target-verify) and, for prefill backends,
   ``PrefillCudaGraphRunner``, replays with outputs equal to eager, including padded
-  batch sizes, eager fallback and recapture after ``cleanup()``. Where the backend is
+  batch sizes, eager fallback and recapture after ``cleanup()``, and on device index 1
+  while index 0 is current (where two devices exist). Where the backend is
   unavailable these tests skip with ``backend '<name>' unavailable here: <reason>``.
 
 A standard test may only be overridden with ``@pytest.mark.xfail(reason=...)`` or
@@ -76,6 +77,7 @@ _DEVICE_TESTS = (
     "test_device_target_verify_matches_eager",
     "test_device_prefill_capture_replay_matches_eager",
     "test_device_cleanup_then_recapture",
+    "test_device_runner_on_second_device_matches_eager",
 )
 
 
@@ -104,6 +106,11 @@ class BackendConformanceTests:
             eager run at different (padded) batch shapes, so they sum in different orders.
         device_marks: pytest marks added to the ``test_device_*`` tests of a subclass
             (e.g. ``(pytest.mark.gpu,)``).
+        fake_device_backend_kwargs: extra keyword arguments for the backend class in
+            ``test_fake_device_calls_name_the_runners_device`` (a CPU test: the backend
+            is built with ``device="cuda:1"`` and a recording fake device module whose
+            current device is 0, and every stream / graph / synchronize / device-guard
+            call must name device 1; see :mod:`cuda_graph_runner.testing.device_check`).
     """
 
     backend_name: ClassVar[str] = ""
@@ -120,6 +127,7 @@ class BackendConformanceTests:
     atol: ClassVar[Optional[float]] = None
     rtol: ClassVar[Optional[float]] = None
     device_marks: ClassVar[Tuple[Any, ...]] = ()
+    fake_device_backend_kwargs: ClassVar[Dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -324,6 +332,28 @@ class BackendConformanceTests:
         assert not silent, (f"{type(self).__name__} overrides standard test(s) {silent} without "
                             "@pytest.mark.xfail(reason=...) or @pytest.mark.skip(reason=...)")
 
+    def test_fake_device_calls_name_the_runners_device(self) -> None:
+        """On the CPU: the backend on fake ``cuda:1`` while device 0 is current acts on 1 only."""
+        self._require_phase("decode")
+        from ..config import PhaseConfig
+        from .device_check import check_device_calls
+
+        row = {e.name: e for e in registry.list_backends()}[self.backend_name]
+        try:
+            cls = registry.get_registry().load_class(row)
+        except Exception as exc:  # unloadable here: the contract test reports it
+            pytest.skip(f"backend {self.backend_name!r} cannot be loaded here: {exc}")
+        phase_config = PhaseConfig(backend=self.backend_name, max_bs=4)
+
+        def make(device: str, module: Any) -> Any:
+            return cls(device, phase="decode", phase_config=phase_config, device_module=module,
+                       **self.fake_device_backend_kwargs)
+
+        try:
+            check_device_calls(make)
+        except BackendUnavailableError as exc:
+            pytest.skip(f"backend {self.backend_name!r} cannot run on the fake device module: {exc}")
+
     # -- on the device -----------------------------------------------------------------------
     def test_device_decode_capture_replay_matches_eager(self) -> None:
         self._require_phase("decode")
@@ -448,6 +478,45 @@ class BackendConformanceTests:
                 session.close()
                 runner.cleanup()
                 assert not runner.can_run(batch), "after cleanup() the runner still claims a graph"
+
+    def test_device_runner_on_second_device_matches_eager(self) -> None:
+        """A runner on device index 1 while index 0 is current replays equal to eager,
+        and no graph comes out empty (torch's "captured on wrong device or stream")."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import warnings
+
+        import torch
+
+        from ..runner import DecodeCudaGraphRunner
+        from .batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        module = torch.get_device_module(device_type)
+        count = module.device_count() if device_type != "cpu" and hasattr(module, "device_count") else 1
+        if count < 2:
+            pytest.skip(f"needs 2 {device_type} devices (a runner on {device_type}:1 while {device_type}:0 is "
+                        f"current); this machine has {count}")
+        module.set_device(0)
+        model = self.make_model(f"{device_type}:1")
+        cache = model.kv_cache
+        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
+                                       show_progress=False)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.capture()
+            session = GreedySession(model, cache)
+            bs = min(5, self.decode_max_bs)
+            session.prefill(make_dummy_prompts(bs, [3 + i for i in range(bs)], model.config.vocab_size, seed=7))
+            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+            expected = eager_logits_fn(model)(batch).clone()
+            assert runner.can_run(batch), f"batch size {bs} cannot replay on {device_type}:1"
+            got = runner.forward(batch).clone()
+            session.close()
+            runner.cleanup()
+        empty = [str(w.message) for w in caught if "graph is empty" in str(w.message).lower()]
+        assert not empty, f"a graph was captured on the wrong device or stream: {empty}"
+        assert module.current_device() == 0, "the runner left another device current"
+        self.assert_close(got, expected, f"decode batch size {bs} on {device_type}:1")
 
     def _require_phase(self, phase: str) -> None:
         phases = self.entry().phases

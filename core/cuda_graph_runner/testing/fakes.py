@@ -33,27 +33,94 @@ class FakeGraph:
         self.module = module
         self.id = next(self._ids)
         self.captured = False
+        module.record_device("CUDAGraph", None)
 
     def replay(self) -> None:
         if not self.captured:
             raise RuntimeError("replay of a graph that was never captured")
+        self.module.record_device("replay", None)
         self.module.events.append(("replay", self.id))
 
     def reset(self) -> None:
         self.captured = False
+        self.module.record_device("reset", None)
         self.module.events.append(("reset", self.id))
+
+
+class FakeStream:
+    """A stand-in for ``torch.cuda.Stream``: remembers the device index it was made on
+    (``device=None``: the module's current device, as torch does)."""
+
+    module: "FakeGraphDeviceModule" = None  # type: ignore[assignment]  # set per module
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        module = type(self).module
+        self.device_index = module.index_of(device) if module is not None else None
+        if module is not None:
+            module.record_device("Stream", self.device_index)
+
+    def __repr__(self) -> str:
+        return "FakeStream"
 
     def pool(self) -> Any:
         return self.module.pool_handle
 
 
 class FakeGraphDeviceModule:
-    """Records the graph API calls a backend makes (``events``), for CPU tests."""
+    """Records the graph API calls a backend makes (``events``), for CPU tests.
 
-    def __init__(self) -> None:
+    It also plays a multi-device module: ``current_device()`` starts at
+    ``current_device`` (default 0), ``device(d)`` is a device guard, ``Stream(device=...)``
+    makes a stream on a device (the current one by default) and ``stream(s)`` switches to
+    its device, as ``torch.cuda`` does. Every call that acts on a device is recorded in
+    ``device_calls`` as ``(what, device_index)``: ``"device_guard"``, ``"Stream"``,
+    ``"stream"``, ``"synchronize"``, ``"graph"`` (the current device when a capture
+    begins, where ``torch.cuda.graph`` synchronizes and empties the cache),
+    ``"graph_stream"`` (the capture stream's device), ``"CUDAGraph"``, ``"replay"`` and
+    ``"reset"`` (the current device then). A backend given ``device="cuda:1"`` and this
+    module can thus be checked to act on device 1 only while device 0 is current
+    (:func:`cuda_graph_runner.testing.device_check.check_device_calls`).
+    """
+
+    def __init__(self, current_device: int = 0) -> None:
         self.events: List[Event] = []
         self.pool_handle = ("fake-pool", id(self))
         self.capturing: Optional[FakeGraph] = None
+        self.current = current_device
+        self.device_calls: List[Tuple[str, Optional[int]]] = []
+        # A class per module, as torch.cuda.Stream is a class (``Stream(device=...)``).
+        self.Stream = type("Stream", (FakeStream,), {"module": self})
+
+    # devices
+    def index_of(self, device: Any) -> int:
+        """The index ``device`` names (an int, ``"cuda:1"``, a ``torch.device``); the
+        current device for None or an index-less device."""
+        if device is None:
+            return self.current
+        if isinstance(device, int):
+            return device
+        index = torch.device(device).index
+        return self.current if index is None else index
+
+    def record_device(self, what: str, index: Optional[int]) -> None:
+        self.device_calls.append((what, self.current if index is None else index))
+
+    def current_device(self) -> int:
+        return self.current
+
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        index = self.index_of(device)
+        self.record_device("device_guard", index)
+        previous, self.current = self.current, index
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def foreign_device_calls(self, index: int) -> List[Tuple[str, Optional[int]]]:
+        """The recorded device calls that acted on another device than ``index``."""
+        return [c for c in self.device_calls if c[1] != index]
 
     # graph API
     def CUDAGraph(self) -> FakeGraph:  # noqa: N802 - mirrors torch.cuda
@@ -69,6 +136,9 @@ class FakeGraphDeviceModule:
     def graph(self, cuda_graph: FakeGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
         if self.capturing is not None:
             raise RuntimeError("nested graph capture")
+        self.record_device("graph", None)
+        if stream is not None:
+            self.record_device("graph_stream", getattr(stream, "device_index", None))
         self.events.append(("capture_begin", cuda_graph.id, pool, stream))
         self.capturing = cuda_graph
         try:
@@ -79,15 +149,23 @@ class FakeGraphDeviceModule:
             self.events.append(("capture_end", cuda_graph.id))
 
     # streams and sync
-    class Stream:
-        def __repr__(self) -> str:
-            return "FakeStream"
+    Stream = FakeStream  # replaced per instance by a subclass bound to the module
 
     @contextlib.contextmanager
     def stream(self, stream: Any) -> Iterator[None]:
-        yield
+        index = getattr(stream, "device_index", None)
+        self.record_device("stream", index)
+        # torch.cuda.stream(s) makes s's device current for the block.
+        previous = self.current
+        if index is not None:
+            self.current = index
+        try:
+            yield
+        finally:
+            self.current = previous
 
     def synchronize(self, device: Any = None) -> None:
+        self.record_device("synchronize", self.index_of(device))
         self.events.append(("synchronize",))
 
     def names(self) -> List[str]:

@@ -170,8 +170,9 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     # -- capture -----------------------------------------------------------------------
     def capture_session(self, stream: Any) -> ContextManager[None]:
         if stream is None and self.device.type != "cpu" and hasattr(self.device_module, "Stream"):
-            # Eager ops between segments must run on the stream the segments capture on.
-            stream = self.device_module.Stream()
+            # Eager ops between segments must run on the stream the segments capture on;
+            # made on this backend's device, not the current one.
+            stream = self.new_stream()
         return self.bind_capture_stream(stream)
 
     def capture_one(
@@ -210,7 +211,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             _local.capture = None
         self._graphs[key] = capture.graph
         # As in ``full``: aliases let smaller shapes reuse this shape's output blocks.
-        weak = self.weak_ref_args and self.device.type == "cuda"
+        weak = self.weak_ref_args and self.device.type == "cuda" and _all_on_cuda(output)
         self._outputs[key] = weak_ref_tensors(output) if weak else output
         logger.debug("breakable %s: %d segments, eager ops %s", key, len(capture.graph.segments),
                      capture.graph.op_names)
@@ -474,6 +475,17 @@ def _same_stream(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
+
+
+def _all_on_cuda(value: Any) -> bool:
+    # Weak aliases only for memory a CUDA graph pool keeps alive (never a fake's host tensors).
+    if isinstance(value, torch.Tensor):
+        return value.device.type == "cuda"
+    if isinstance(value, (tuple, list)):
+        return all(_all_on_cuda(v) for v in value)
+    if isinstance(value, dict):
+        return all(_all_on_cuda(v) for v in value.values())
+    return True
 
 
 def _has_tensor(value: Any) -> bool:

@@ -135,6 +135,9 @@ class EmulatedGraphDeviceModule(FakeGraphDeviceModule):
               **kwargs: Any) -> Iterator[None]:
         if self.capturing is not None:
             raise RuntimeError("nested graph capture")
+        self.record_device("graph", None)
+        if stream is not None:
+            self.record_device("graph_stream", getattr(stream, "device_index", None))
         self.events.append(("capture_begin", cuda_graph.id, pool, stream))
         self.capturing = cuda_graph
         try:

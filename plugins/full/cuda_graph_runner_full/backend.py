@@ -17,7 +17,9 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
 
     Capture (per shape): ``num_warmups`` eager runs of ``forward_fn`` on the capture
     stream, ``post_warmup_hook()``, a synchronize, then one recorded run inside
-    ``device_module.graph(g, pool=pool, stream=stream)``. The tensors that recorded run
+    ``device_module.graph(g, pool=pool, stream=stream)``, all on ``self.device`` (explicit
+    synchronize, capture stream made on it; the runner holds its device guard). Replay
+    runs on the caller's current stream of that device. The tensors that recorded run
     returned are kept as the shape's output: every replay rewrites them in place, so a
     caller must consume (or copy) an output before the next replay of any graph in the
     pool (sglang ``FullCudaGraphBackend``; PyTorch "CUDA Graphs" notes).
@@ -65,7 +67,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         # shapes captured next reuse them: the pool stays near the largest shape's size
         # instead of the sum of every shape's outputs. Only for memory that really lives
         # in a graph pool (CUDA), never for a fake device's plain tensors.
-        keep_weak = self.weak_ref_outputs and self.device.type == "cuda"
+        keep_weak = self.weak_ref_outputs and self.device.type == "cuda" and _all_on_cuda(output)
         self._outputs[key] = weak_ref_tensors(output) if keep_weak else output
 
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
@@ -92,3 +94,15 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
     def captured_keys(self) -> list:
         """Captured keys, in capture order."""
         return list(self._graphs)
+
+
+def _all_on_cuda(value: Any) -> bool:
+    # Weak aliases are only safe for memory a CUDA graph pool keeps alive (a fake device
+    # module in CPU tests captures plain host tensors, which would be freed under them).
+    if isinstance(value, torch.Tensor):
+        return value.device.type == "cuda"
+    if isinstance(value, (tuple, list)):
+        return all(_all_on_cuda(v) for v in value)
+    if isinstance(value, dict):
+        return all(_all_on_cuda(v) for v in value.values())
+    return True

@@ -238,7 +238,7 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         if self.updates_host_inputs:
             cpu_update_input = self.cpu_update_input(static_batch)
             if self.synchronize_before_update:
-                self.device_module.synchronize()
+                self.synchronize()  # this backend's device only
             try:
                 # Synchronous on purpose: the replay below must not start before the
                 # update has been issued (the seed's threaded update raced the replay).

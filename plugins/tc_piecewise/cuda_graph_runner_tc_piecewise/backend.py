@@ -535,7 +535,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
 
     def _synchronize(self) -> None:
         if self.device.type != "cpu" or self._device_module is not None:
-            self.device_module.synchronize()
+            self.synchronize()  # names self.device, whatever device is current
 
     def _require_prepared(self) -> None:
         if self._runner is None or self._compiled is None:
