@@ -275,7 +275,7 @@ def run_model(name: str, args: argparse.Namespace, results: Results) -> None:
                 for bs in bs_list:
                     b = batches[bs]
                     m["decode"][str(bs)][backend] = bench_ms(lambda: runner.forward(b), **kw)
-                    diff = float((runner.forward(b) - eager(b)).abs().max())
+                    diff = float((runner.forward(b).clone() - eager(b)).abs().max())  # never hold a replay's alias
                     m.setdefault("max_abs_diff_vs_eager", {}).setdefault(backend, {})[str(bs)] = diff
                 calls = getattr(runner.backend, "piece_calls", None)
                 if callable(calls):  # tc_piecewise: did every piece replay its graph?

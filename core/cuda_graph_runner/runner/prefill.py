@@ -24,7 +24,7 @@ from ..backend import ShapeKey
 from ..buffers import TOKEN_AXIS
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
-from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture
+from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
@@ -210,9 +210,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         return self.model.forward(batch)
 
     def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
-        # hidden[:T] is a view into graph memory; compute_logits makes a fresh tensor,
-        # so the result survives the next replay.
-        hidden = graph_output[: batch.num_tokens]
+        # hidden[:T] is a view into graph memory (through any supported structure);
+        # compute_logits usually makes a fresh tensor (owned_outputs copies it otherwise).
+        hidden = slice_rows(graph_output, batch.num_tokens)
         with forward_context(batch):
             return self.model.compute_logits(hidden, batch)
 
