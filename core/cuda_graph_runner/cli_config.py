@@ -2,7 +2,7 @@
 
 Output (stdout) is one JSON object::
 
-    {"config":  {"decode": {"backend": ..., "max_bs": ..., "bs": ..., "tc_compiler": ...},
+    {"config":  {"decode": {"backend": ..., "max_bs": ..., "bs": ..., "tc_compiler": ..., "owned_outputs": ...},
                  "prefill": {...}},
      "sources": {"decode": {"backend": "flag:--cuda-graph-backend-decode", ...}, ...},
      "backends_checked": true}

@@ -44,7 +44,7 @@ def freeze_gc(enable_cudagraph_gc: bool = False) -> Iterator[None]:
     (``gc.get_freeze_count() > 0``, e.g. an application's pre-fork ``gc.freeze()``)
     automatic collection is switched off for the block instead (``gc.disable()``, then
     the previous ``gc.isenabled()`` state is restored) and nothing is frozen or thawed:
-    the freeze count on exit equals the one on entry.
+    ``gc.get_freeze_count()`` never grows and falls only as frozen objects are freed.
     """
     gc.collect()
     if enable_cudagraph_gc:

@@ -76,6 +76,11 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     A batch runs eagerly when ``T`` exceeds the largest captured size, or when ``P > 2 T``
     (sglang's padding-waste rule).
 
+    Outputs: the same contract as every runner (:class:`BaseCudaGraphRunner`): valid until
+    the next replay of any graph in the pool. The logits computed eagerly from the hidden
+    states are in fact fresh; ``owned_outputs=True`` copies only what ``compute_logits``
+    returns that shares memory with the graph's hidden states (normally nothing).
+
     Default sizes: :func:`default_prefill_token_sizes` cut at ``phase_config.max_bs``
     (default 4096), the maximum itself always captured. Capture builds a dummy batch of
     as few requests as possible, each at most ``max_request_tokens`` long, all on the
