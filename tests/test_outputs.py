@@ -527,3 +527,17 @@ def test_disabled_backend_builds_no_static_buffers(runner_cls):
     graphs = runner_cls(ToyModel(), {runner_cls.phase: {"max_bs": 8}}, device="cpu",
                         backend=RecordingBackend("cpu", phase=runner_cls.phase))
     assert graphs.buffers.nbytes() > 0  # the control: a graph backend has them
+
+
+def test_breakable_walks_op_arguments_and_bridge_outputs_with_the_same_walker():
+    bk = pytest.importorskip("cuda_graph_runner_breakable.backend")
+    from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+
+    backend = bk.BreakableCudaGraphBackend("cpu", phase="decode", device_module=FakeGraphDeviceModule(),
+                                           memory_pool="pool-0", weak_ref_args=True)
+    t = torch.ones(2)
+    arg = {"x": Pair(t, t), "r": Result(t, {"s": [t]})}
+    frozen = backend.freeze(arg)
+    assert frozen is not arg and frozen["r"].extra["s"] is not arg["r"].extra["s"]  # containers rebuilt
+    assert type(frozen["x"]) is Pair and frozen["x"].logits is t  # CPU tensors are kept, not aliased
+    assert bk._has_tensor(Result(None, {"s": t})) and not bk._has_tensor(Result(None, {"n": 1}))

@@ -244,10 +244,11 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     def freeze(self, value: Any) -> Any:
         """What a replay closure keeps of an op argument: the value, with each CUDA tensor
         in it (through tuples, NamedTuples, lists, dicts, dataclasses) replaced by a weak
-        alias when ``weak_ref_args`` is on; other objects (modules, callables) as they are."""
-        if not self.weak_ref_args:
-            return value
-        return map_tensors(lambda t: weak_ref_tensor(t) if t.device.type == "cuda" else t, value)
+        alias when ``weak_ref_args`` is on; other objects (modules, callables) as they are.
+        Containers are always rebuilt, so a list the model mutates after the call does not
+        change what replays pass."""
+        weak = self.weak_ref_args
+        return map_tensors(lambda t: weak_ref_tensor(t) if weak and t.device.type == "cuda" else t, value)
 
     # -- replay ------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
