@@ -54,14 +54,14 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
     assert code == 0, err
     report = json.loads(out)
     assert report["config"] == {
-        "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager"},
-        "prefill": {"backend": "disabled", "max_bs": None, "bs": None, "tc_compiler": "eager"},
+        "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", "owned_outputs": False},
+        "prefill": {"backend": "disabled", "max_bs": None, "bs": None, "tc_compiler": "eager", "owned_outputs": False},
     }
     assert report["sources"] == {
         "decode": {"backend": "flag:--cuda-graph-backend-decode", "max_bs": "json:--cuda-graph-config",
-                   "bs": "flag:--cuda-graph-bs-decode", "tc_compiler": "default"},
+                   "bs": "flag:--cuda-graph-bs-decode", "tc_compiler": "default", "owned_outputs": "default"},
         "prefill": {"backend": "legacy:--disable-cuda-graph", "max_bs": "default", "bs": "default",
-                    "tc_compiler": "default"},
+                    "tc_compiler": "default", "owned_outputs": "default"},
     }
     assert report["backends_checked"] is True
 

@@ -213,8 +213,10 @@ class BaseCudaGraphBackend(abc.ABC):
         Runs ``forward_fn`` ``num_warmups`` times, then ``post_warmup_hook`` (if given:
         it undoes state the warm-ups mutated), then records ``forward_fn`` once.
         ``forward_fn`` takes no argument, reads the runner's static buffers and returns
-        the model output (a tensor or a structure of tensors), whose storage the
-        backend keeps so later replays write into it.
+        the model output: a tensor, or tensors nested in tuples, NamedTuples, lists,
+        dicts and dataclasses (the runner rejects anything else on the first run; walk
+        it with :mod:`cuda_graph_runner.nested`, never with a container check of your
+        own). The backend keeps that output's storage so later replays write into it.
         """
 
     @abc.abstractmethod
@@ -230,8 +232,16 @@ class BaseCudaGraphBackend(abc.ABC):
         """Replay the graph of ``key`` and return its output.
 
         ``static_batch`` views the runner's static buffers, already filled with the live
-        batch and padded to ``key.size``. The returned tensors live in graph memory and
-        are overwritten by the next replay of any graph in the same pool.
+        batch and padded to ``key.size``.
+
+        Output lifetime (one contract for every backend): the returned output, with the
+        structure ``forward_fn`` returned at capture, must stay valid until the next
+        replay of any graph in the same pool, and may be overwritten then. ``full``,
+        ``breakable`` and ``npu`` return the tensors of the capture, in graph memory
+        (zero-copy); a backend may return fresh tensors instead (``tc_piecewise`` decode
+        logits are computed eagerly), which satisfies the contract too. A backend never
+        copies for the caller: a runner built with ``owned_outputs=True`` clones what
+        shares memory with this output, once.
 
         Runs on the caller's current stream of ``self.device`` (the runner holds a device
         guard of it): no device synchronize, no switch to a side or default stream.

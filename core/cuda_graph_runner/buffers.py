@@ -17,6 +17,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from .nested import map_pairs
+
 BATCH_AXIS = "batch"
 TOKEN_AXIS = "token"
 
@@ -126,13 +128,19 @@ class CudaGraphBufferRegistry:
 
 
 def copy_into(dst: Any, src: Any) -> None:
-    """Copy ``src`` into ``dst`` in place, through tensors, tuples, lists and dicts of the
-    same structure (how a replay-by-rerun refreshes the tensors a capture returned)."""
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for d, s in zip(dst, src):
-            copy_into(d, s)
-    elif isinstance(dst, dict):
-        for k in dst:
-            copy_into(dst[k], src[k])
+    """Copy ``src`` into ``dst`` in place, tensor by tensor, through any structure the
+    walker supports (tuples, NamedTuples, lists, dicts, dataclasses;
+    :mod:`cuda_graph_runner.nested`): how a replay-by-rerun refreshes the tensors a capture
+    returned.
+
+    Raises:
+        ValueError: ``src`` has another structure than ``dst``, or a non-tensor where
+            ``dst`` holds a tensor (naming the path).
+    """
+    def copy(d: torch.Tensor, s: Any) -> None:
+        if not isinstance(s, torch.Tensor):
+            raise ValueError(f"copy_into: expected a tensor to copy into a {tuple(d.shape)} tensor, "
+                             f"got a {type(s).__name__}")
+        d.copy_(s)
+
+    map_pairs(copy, dst, src, where="copy_into")

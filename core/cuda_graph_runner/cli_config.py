@@ -2,7 +2,8 @@
 
 Output (stdout) is one JSON object::
 
-    {"config":    {"decode": {"backend": ..., "max_bs": ..., "bs": ..., "tc_compiler": ...},
+    {"config":    {"decode": {"backend": ..., "max_bs": ..., "bs": ..., "tc_compiler": ...,
+                                "owned_outputs": ...},
                    "prefill": {...}},
      "sources":   {"decode": {"backend": "flag:--cuda-graph-backend-decode", ...}, ...},
      "effective": {"decode": {"backend": "disabled", "max_bs": 256, "bs": "runner buckets"}, ...},

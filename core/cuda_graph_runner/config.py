@@ -6,7 +6,7 @@ CLI can parse and validate a config before touching a device.
 The model
 ---------
 A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
-(``decode``, ``prefill``). Each phase has four keys:
+(``decode``, ``prefill``). Each phase has five keys:
 
 ``backend``
     Name of the capture backend, or ``None`` for *auto* (the registry picks the
@@ -29,6 +29,10 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     only by backends whose spec lists it in ``BackendSpec.options``
     (``tc_piecewise``). Setting an option that the selected backend does not read
     is an error at resolve time (see ``cuda_graph_runner.backend_options``).
+``owned_outputs``
+    ``false`` (default, zero-copy: a replayed output is valid until the next replay
+    of any graph in the same pool) or ``true`` (the runner returns owned copies, one
+    copy per replay). Read by the runner, for every backend.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -155,7 +159,7 @@ DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 MAX_CAPTURE_SIZE = 65536
 
 #: The keys of one phase, in field order.
-PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler")
+PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "owned_outputs")
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
@@ -269,7 +273,7 @@ class PhaseConfig:
         CudaGraphConfigError (``phase`` None; :class:`CudaGraphConfig` adds it):
         backend not None nor an identifier string; max_bs or an element of bs
         not an int >= 1 (bools refused); bs not a non-empty list/tuple;
-        max_bs < max(bs); tc_compiler not in ``TC_COMPILERS``.
+        max_bs < max(bs); tc_compiler not in ``TC_COMPILERS``; owned_outputs not a bool.
 
     Assigning a field later skips these checks; :meth:`CudaGraphConfig.validate`
     runs them again. Prefer :meth:`CudaGraphConfig.with_phase`.
@@ -279,6 +283,7 @@ class PhaseConfig:
     max_bs: Optional[int] = None
     bs: Optional[List[int]] = None
     tc_compiler: str = "eager"
+    owned_outputs: bool = False
 
     def __post_init__(self) -> None:
         self._check()
@@ -326,6 +331,10 @@ class PhaseConfig:
         if not isinstance(self.tc_compiler, str) or self.tc_compiler not in TC_COMPILERS:
             raise CudaGraphConfigError(
                 "unknown compiler", key="tc_compiler", value=self.tc_compiler, accepted=", ".join(TC_COMPILERS)
+            )
+        if not isinstance(self.owned_outputs, bool):
+            raise CudaGraphConfigError(
+                "must be a boolean", key="owned_outputs", value=self.owned_outputs, accepted="true or false"
             )
 
     def to_dict(self) -> Dict[str, Any]:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .nested import map_tensors
+
 _make_storage = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 
 
@@ -37,9 +39,7 @@ def weak_ref_tensor(tensor: Any) -> Any:
 
 
 def weak_ref_tensors(value: Any) -> Any:
-    """:func:`weak_ref_tensor` through tuples, lists and dicts."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(weak_ref_tensors(v) for v in value)
-    if isinstance(value, dict):
-        return {k: weak_ref_tensors(v) for k, v in value.items()}
-    return weak_ref_tensor(value)
+    """:func:`weak_ref_tensor` on every tensor of a nested structure (tuples, NamedTuples,
+    lists, dicts, dataclasses; :mod:`cuda_graph_runner.nested`), rebuilt with the same
+    types; anything else passes through."""
+    return map_tensors(weak_ref_tensor, value)

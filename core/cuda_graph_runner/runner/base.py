@@ -27,6 +27,7 @@ from ..forward_batch import ForwardBatch
 from ..forward_context import forward_context
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from ..device import device_guard, synchronize
+from ..nested import check_structure, clone_tensors, map_tensors
 from ..pool import get_capture_stream
 
 logger = logging.getLogger(__name__)
@@ -34,22 +35,38 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def freeze_gc(enable_cudagraph_gc: bool = False) -> Iterator[None]:
-    """Collect once, then freeze the heap for the capture (sglang's ``freeze_gc``).
+    """Collect once, then keep the collector off the heap for the capture (sglang's ``freeze_gc``).
 
     A collection during capture walks every live object between kernel launches and
     can free tensors whose memory a graph is recording; freezing moves the survivors
     out of the collector's reach. ``enable_cudagraph_gc=True`` opts out.
+
+    What the caller froze stays frozen: ``gc.unfreeze()`` thaws *every* frozen object
+    and Python cannot thaw only some, so when objects are already frozen on entry
+    (``gc.get_freeze_count() > 0``, e.g. an application's pre-fork ``gc.freeze()``)
+    automatic collection is switched off for the block instead (``gc.disable()``, then
+    the previous ``gc.isenabled()`` state is restored) and nothing is frozen or thawed:
+    ``gc.get_freeze_count()`` never grows and falls only as frozen objects are freed.
     """
     gc.collect()
-    should_freeze = not enable_cudagraph_gc
-    if should_freeze:
+    if enable_cudagraph_gc:
+        yield
+        return
+    frozen_before = gc.get_freeze_count()
+    was_enabled = gc.isenabled()
+    if frozen_before:
+        gc.disable()
+    else:
         gc.freeze()
     try:
         yield
     finally:
-        if should_freeze:
-            gc.unfreeze()
-            gc.collect()
+        if frozen_before:
+            if was_enabled:
+                gc.enable()
+        else:
+            gc.unfreeze()  # only what this block froze: nothing was frozen before it
+        gc.collect()
 
 
 def get_batch_sizes_to_capture(
@@ -82,21 +99,42 @@ def get_batch_sizes_to_capture(
 
 
 def slice_rows(output: Any, rows: int) -> Any:
-    """``output[:rows]`` through tensors, tuples, lists and dicts (views, no copy)."""
-    if isinstance(output, torch.Tensor):
-        return output[:rows]
-    if isinstance(output, (tuple, list)):
-        return type(output)(slice_rows(o, rows) for o in output)
-    if isinstance(output, dict):
-        return {k: slice_rows(v, rows) for k, v in output.items()}
-    return output
+    """``t[:rows]`` for every tensor of ``output`` with at least one dimension (views, no
+    copy), through tuples, NamedTuples, lists, dicts and dataclasses, rebuilt with the
+    same types (:mod:`cuda_graph_runner.nested`); constants and 0-d tensors pass through."""
+    return map_tensors(lambda t: t[:rows] if t.dim() > 0 else t, output)
 
 
-def _model_device(model: Any) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        return torch.device("cpu")
+def _model_device(model: Any, runner: str) -> torch.device:
+    """The device of ``model``'s first parameter, else of its first buffer.
+
+    Raises:
+        ValueError: the model has neither (no silent CPU fallback: a CUDA model without
+            parameters would otherwise be captured on the CPU).
+    """
+    for attr in ("parameters", "buffers"):
+        tensors = getattr(model, attr, None)
+        if callable(tensors):
+            try:
+                first = next(iter(tensors()), None)
+            except TypeError:
+                first = None
+            if isinstance(first, torch.Tensor):
+                return first.device
+    raise ValueError(
+        f"{runner}: cannot tell which device to capture on: the model ({type(model).__name__}) has no "
+        "parameters or buffers; pass device=, e.g. device='cuda:0'")
+
+
+def _check_backend_arg(backend: Any) -> None:
+    """Raises TypeError for a ``backend=`` that is not an instance, a name or None."""
+    if backend is None or isinstance(backend, (str, BaseCudaGraphBackend)):
+        return
+    accepted = ("a backend instance (a BaseCudaGraphBackend subclass, built with its device and phase), "
+                "a backend name (a str such as 'full'), or None for the config's backend")
+    if isinstance(backend, type) and issubclass(backend, BaseCudaGraphBackend):
+        raise TypeError(f"backend={backend.__name__} is a backend class, not an instance; pass {accepted}")
+    raise TypeError(f"backend={backend!r} ({type(backend).__name__}) is not accepted; pass {accepted}")
 
 
 class BaseCudaGraphRunner(abc.ABC):
@@ -109,13 +147,34 @@ class BaseCudaGraphRunner(abc.ABC):
             ``init_forward_metadata_replay(batch)`` and ``post_warmup_hook()``.
         config: a ``CudaGraphConfig``, this phase's ``PhaseConfig``, a dict in
             ``CudaGraphConfig.from_dict`` form, or None (defaults).
-        device: where graphs are captured; None means the model's parameters' device.
+        device: where graphs are captured; None means the device of the model's first
+            parameter (else first buffer); a model with neither needs it.
         backend: a backend instance, a backend name, or None to resolve the one the
             config names through the registry.
+        owned_outputs: return owned copies of replayed outputs (see "Outputs" below);
+            None reads the phase config's ``owned_outputs`` key (default False).
         enable_cudagraph_gc: keep the garbage collector running during capture.
         show_progress: progress bar during capture (None: only on a terminal).
 
+    Outputs (the same contract for every backend):
+        By default (zero-copy) a replayed output is valid until the next replay of any
+        graph in the same memory pool, i.e. until the next ``forward``/``replay`` of this
+        runner or of any runner sharing its pool (sglang and vLLM behave so): a replay
+        writes its outputs into graph memory that other shapes reuse. Consume or copy it
+        first. Some backends happen to return fresh memory (prefill logits, tc_piecewise
+        decode logits); rely only on the contract. With ``owned_outputs=True`` every
+        output is the caller's: the tensors that share memory with the graph's output are
+        cloned once, after slicing (logits ``[tokens, vocab]`` float32: one copy of that
+        size per step). Eager-fallback outputs are the model's own fresh tensors either
+        way. Outputs may be tensors or tensors nested in tuples, NamedTuples, lists, dicts
+        and dataclasses (:mod:`cuda_graph_runner.nested`); anything else is rejected at
+        capture. Capture and replay run under ``torch.no_grad()``: outputs carry no
+        ``grad_fn``, whatever the caller's grad mode.
+
     Raises:
+        TypeError: ``backend`` is not an instance, a name or None; ``owned_outputs`` not
+            a bool or None.
+        ValueError: ``device`` is None and the model has no parameters or buffers.
         cuda_graph_runner.errors.UnknownBackendError and friends, from resolution.
     """
 
@@ -130,13 +189,19 @@ class BaseCudaGraphRunner(abc.ABC):
         *,
         device: Any = None,
         backend: Any = None,
+        owned_outputs: Optional[bool] = None,
         enable_cudagraph_gc: bool = False,
         show_progress: Optional[bool] = None,
     ) -> None:
+        _check_backend_arg(backend)
+        if owned_outputs is not None and not isinstance(owned_outputs, bool):
+            raise TypeError(f"owned_outputs={owned_outputs!r}: must be True, False or None (the config's value)")
         self.model = model
-        self.device = torch.device(device) if device is not None else _model_device(model)
+        self.device = torch.device(device) if device is not None else _model_device(model, type(self).__name__)
         self.config = _as_config(config, self.phase)
         self.phase_config: PhaseConfig = self.config[self.phase]
+        #: Whether replayed outputs are cloned for the caller (see the class docstring).
+        self.owned_outputs: bool = bool(self.phase_config.owned_outputs) if owned_outputs is None else owned_outputs
         if isinstance(backend, BaseCudaGraphBackend):
             self.backend = backend
         else:
@@ -152,7 +217,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self.capture_sizes: List[int] = self.get_sizes_to_capture()
         self.max_size: int = self.capture_sizes[-1]
         self.buffers = CudaGraphBufferRegistry(self.device)
-        self.init_buffers()
+        if not self.is_disabled:  # ``disabled`` never replays: static buffers would be dead memory
+            self.init_buffers()
         self.captured_keys: List[ShapeKey] = []
         self.capture_seconds: Optional[float] = None
         #: Bytes of the graph pool after capture (shared pool: includes other runners'
@@ -235,7 +301,7 @@ class BaseCudaGraphRunner(abc.ABC):
         pool; the pool right after the largest size therefore estimates the graph
         memory (:mod:`cuda_graph_runner.capture_report`: ``capture(sizes=[max_size])``,
         :meth:`graph_memory_bytes`, then ``capture()`` for the rest). Sizes that already
-        hold a graph are skipped. A no-op for backend ``disabled``.
+        hold a graph are skipped. Runs under ``torch.no_grad()``. A no-op for backend ``disabled``.
 
         Everything happens on the runner's device (its backend's ``device``) whatever
         device is current: the capture stream is made on it, every synchronize names it,
@@ -252,6 +318,8 @@ class BaseCudaGraphRunner(abc.ABC):
             cuda_graph_runner.capture_report.CaptureOutOfMemoryError: the device ran out of
                 memory (a ``torch.OutOfMemoryError``; names phase, backend, size, the sizes
                 done, the pool so far and the fixes). Captured sizes stay usable.
+            cuda_graph_runner.nested.UnsupportedStructureError: the forward returns a type
+                the runner cannot slice or copy (named, with its place in the output).
         """
         if sizes is not None:
             bad = sorted(set(int(s) for s in sizes) - set(self.capture_sizes))
@@ -265,6 +333,10 @@ class BaseCudaGraphRunner(abc.ABC):
         if not todo:  # every requested size already holds a graph
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
+        with torch.no_grad():  # a capture-time grad_fn would ride on every replayed output
+            return self._capture_sizes(todo, report)
+
+    def _capture_sizes(self, todo: List[int], report: CaptureReport) -> CaptureReport:
         from tqdm.auto import tqdm
 
         device, module = self._graph_device()
@@ -337,15 +409,26 @@ class BaseCudaGraphRunner(abc.ABC):
         if init is not None:
             init(batch)
 
+        where = f"{self.phase} graph output"
+
         def forward_fn() -> Any:
             with forward_context(batch):
-                return self.graph_forward(batch)
+                output = self.graph_forward(batch)
+            # Checked on the first (warm-up) run, before anything is recorded.
+            check_structure(output, where=where)
+            return output
 
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
         self.captured_keys.append(key)
 
     def replay(self, batch: ForwardBatch) -> Any:
-        """Run ``batch`` through its captured graph.
+        """Run ``batch`` through its captured graph (under ``torch.no_grad()``).
+
+        Returns:
+            The model's output for the live batch (padding sliced off). Zero-copy by
+            default: valid until the next replay of any graph in the same pool (the next
+            ``forward``/``replay`` of this runner or of one sharing its pool); copy what
+            you keep, or build the runner with ``owned_outputs=True`` to get owned copies.
 
         Runs inside a device guard of the runner's device, on the caller's *current
         stream of that device*: the copies into the static buffers, the graph replay and
@@ -361,17 +444,29 @@ class BaseCudaGraphRunner(abc.ABC):
         device, module = self._graph_device()
         # On the caller's current stream of the runner's device: no synchronize here, so
         # an engine overlapping the next batch's preparation keeps its stream order.
-        with device_guard(device, module):
+        with device_guard(device, module), torch.no_grad():
             key, static_batch = self.replay_prepare(batch)
             with forward_context(static_batch), self.backend.replay_session():
                 output = self.backend.replay(key, static_batch)
-            return self.finish_output(output, batch, static_batch)
+            result = self.finish_output(output, batch, static_batch)
+            if self.owned_outputs:
+                # Only what shares memory with the graph's output: one copy, none for
+                # results the runner already computed eagerly (prefill logits).
+                result = clone_tensors(result, aliasing=output)
+            return result
 
     def forward(self, batch: ForwardBatch) -> Any:
-        """Replay when a graph covers ``batch``, else run it eagerly."""
-        if self.can_run(batch):
-            return self.replay(batch)
-        return self.eager_forward(batch)
+        """Replay when a graph covers ``batch``, else run it eagerly (both without autograd).
+
+        Returns:
+            The model's output for ``batch``. A replayed output is valid until the next
+            replay of any graph in the same pool unless the runner was built with
+            ``owned_outputs=True`` (see :meth:`replay`); an eager one is the model's own.
+        """
+        with torch.no_grad():
+            if self.can_run(batch):
+                return self.replay(batch)
+            return self.eager_forward(batch)
 
     __call__ = forward
 

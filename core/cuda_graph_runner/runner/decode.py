@@ -29,17 +29,49 @@ def default_decode_batch_sizes(max_bs: int) -> List[int]:
     return [s for s in sizes if s <= max_bs]
 
 
+_MODES_ACCEPTED = "ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, 'decode' or 'target_verify'"
+
+
+def as_decode_mode(mode: Any) -> ForwardMode:
+    """``mode`` as a ``ForwardMode``: members pass, strings are matched by value or name,
+    any case (``"decode"``, ``"TARGET_VERIFY"``).
+
+    Raises:
+        TypeError: neither a ``ForwardMode`` nor a string.
+        ValueError: a string naming no mode (lists the accepted ones).
+    """
+    if isinstance(mode, ForwardMode):
+        return mode
+    if isinstance(mode, str):
+        text = mode.strip().lower()
+        for member in ForwardMode:
+            if text in (member.value, member.name.lower()):
+                return member
+        raise ValueError(f"mode={mode!r} is not a forward mode; accepted: {_MODES_ACCEPTED}")
+    raise TypeError(f"mode={mode!r} ({type(mode).__name__}) is not accepted; pass {_MODES_ACCEPTED}")
+
+
 class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     """Decode runner: one graph per batch size, logits ``[num_tokens, vocab]`` float32 out.
 
     Args (beyond :class:`BaseCudaGraphRunner`'s):
-        mode: ``ForwardMode.DECODE`` or ``ForwardMode.TARGET_VERIFY``.
+        mode: ``ForwardMode.DECODE`` or ``ForwardMode.TARGET_VERIFY``, or their values as
+            strings (``"decode"``, ``"target_verify"``, any case).
         num_tokens_per_req: tokens per request (1 for decode, the draft width for
             target-verify); the token axis holds ``batch_size * num_tokens_per_req`` rows.
         seq_len_fill_value: ``seq_lens`` of padded requests (>= ``num_tokens_per_req``
             so a padded request's queries always see at least one key).
 
     Padded requests point at request row 0 and KV slot 0, the reserved dummies.
+
+    Outputs: the logits of a replay live in graph memory and are valid until the next
+    replay of any graph in the same pool, unless ``owned_outputs=True`` (see
+    :class:`BaseCudaGraphRunner`).
+
+    Raises:
+        TypeError: ``mode`` is neither a ``ForwardMode`` nor a string.
+        ValueError: ``mode`` names no decode-like mode; ``num_tokens_per_req`` does not
+            fit it.
     """
 
     phase: ClassVar[str] = "decode"
@@ -50,11 +82,12 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         model: Any,
         config: Any = None,
         *,
-        mode: ForwardMode = ForwardMode.DECODE,
+        mode: "ForwardMode | str" = ForwardMode.DECODE,
         num_tokens_per_req: int = 1,
         seq_len_fill_value: int = 1,
         **kwargs: Any,
     ) -> None:
+        mode = as_decode_mode(mode)
         if not mode.is_decode_like():
             raise ValueError(f"DecodeCudaGraphRunner runs DECODE or TARGET_VERIFY batches, not {mode}")
         if num_tokens_per_req < 1 or (mode is ForwardMode.DECODE and num_tokens_per_req != 1):

@@ -24,7 +24,7 @@ from ..backend import ShapeKey
 from ..buffers import TOKEN_AXIS
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
-from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture
+from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
@@ -75,6 +75,11 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
 
     A batch runs eagerly when ``T`` exceeds the largest captured size, or when ``P > 2 T``
     (sglang's padding-waste rule).
+
+    Outputs: the same contract as every runner (:class:`BaseCudaGraphRunner`): valid until
+    the next replay of any graph in the pool. The logits computed eagerly from the hidden
+    states are in fact fresh; ``owned_outputs=True`` copies only what ``compute_logits``
+    returns that shares memory with the graph's hidden states (normally nothing).
 
     Default sizes: :func:`default_prefill_token_sizes` cut at ``phase_config.max_bs``
     (default 4096), the maximum itself always captured. Capture builds a dummy batch of
@@ -210,9 +215,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         return self.model.forward(batch)
 
     def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
-        # hidden[:T] is a view into graph memory; compute_logits makes a fresh tensor,
-        # so the result survives the next replay.
-        hidden = graph_output[: batch.num_tokens]
+        # hidden[:T] is a view into graph memory (through any supported structure);
+        # compute_logits usually makes a fresh tensor (owned_outputs copies it otherwise).
+        hidden = slice_rows(graph_output, batch.num_tokens)
         with forward_context(batch):
             return self.model.compute_logits(hidden, batch)
 

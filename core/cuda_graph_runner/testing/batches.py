@@ -221,12 +221,15 @@ class GreedySession:
         cache: the KV cache the model writes (``model.kv_cache``).
         prefill_fn, decode_fn: ``batch -> float32 logits`` (EXTEND: ``[bs, vocab]``;
             DECODE: ``[num_tokens >= bs, vocab]``, rows past ``bs`` ignored, so a
-            runner's padded output is fine). Default: eager.
+            runner's padded output is fine). Default: eager. ``runner.forward`` may be
+            passed as it is: the session copies what it keeps.
 
     Attributes:
         rows: the request rows, after :meth:`prefill`.
         tokens: generated token ids per request.
-        logits: per step, the float32 logits ``[bs, vocab]`` the tokens were picked from.
+        logits: per step, the float32 logits ``[bs, vocab]`` the tokens were picked from:
+            owned copies, never aliases of what ``prefill_fn``/``decode_fn`` returned (a
+            runner's zero-copy output is valid only until its next replay).
     """
 
     def __init__(
@@ -265,7 +268,8 @@ class GreedySession:
             batch = make_extend_batch(
                 self.cache, [prompts[i][start : start + step] for i in live], rows=[self.rows[i] for i in live]
             )
-            logits = self.prefill_fn(batch)
+            # A copy: the next chunk's call may overwrite a zero-copy output.
+            logits = self.prefill_fn(batch)[: len(live)].clone()
             for j, i in enumerate(live):
                 last[i] = logits[j]
         out = torch.stack(last)  # type: ignore[arg-type]
@@ -276,10 +280,11 @@ class GreedySession:
         """One decode step on every request's last token; picks the next tokens.
 
         Returns:
-            ``[bs, vocab]`` float32 logits.
+            ``[bs, vocab]`` float32 logits (an owned copy, kept in :attr:`logits`).
         """
         batch = make_decode_batch(self.cache, self.rows, None, [t[-1] for t in self.tokens])
-        out = self.decode_fn(batch)[: len(self.rows)]
+        # A copy: the next step's replay overwrites a runner's zero-copy output.
+        out = self.decode_fn(batch)[: len(self.rows)].clone()
         self._pick(out)
         return out
 

@@ -27,7 +27,8 @@ or editable). What is checked:
   ``DecodeCudaGraphRunner`` (decode and target-verify) and, for prefill backends,
   ``PrefillCudaGraphRunner``, replays with outputs equal to eager, including padded
   batch sizes, eager fallback and recapture after ``cleanup()``, and on device index 1
-  while index 0 is current (where two devices exist). Where the backend is
+  while index 0 is current (where two devices exist); a runner built with
+  ``owned_outputs=True`` returns outputs that later replays leave unchanged. Where the backend is
   unavailable these tests skip with ``backend '<name>' unavailable here: <reason>``.
 
 A standard test may only be overridden with ``@pytest.mark.xfail(reason=...)`` or
@@ -78,6 +79,7 @@ _DEVICE_TESTS = (
     "test_device_prefill_capture_replay_matches_eager",
     "test_device_cleanup_then_recapture",
     "test_device_runner_on_second_device_matches_eager",
+    "test_device_owned_outputs_survive_later_replays",
 )
 
 
@@ -517,6 +519,37 @@ class BackendConformanceTests:
         assert not empty, f"a graph was captured on the wrong device or stream: {empty}"
         assert module.current_device() == 0, "the runner left another device current"
         self.assert_close(got, expected, f"decode batch size {bs} on {device_type}:1")
+
+    def test_device_owned_outputs_survive_later_replays(self) -> None:
+        """The output-lifetime contract's option: with ``owned_outputs=True`` an output kept
+        from one replay is unchanged by replays of the same and of another size."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ..runner import DecodeCudaGraphRunner
+        from .batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        model = self.make_model(device_type)
+        cache = model.kv_cache
+        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
+                                       owned_outputs=True, show_progress=False)
+        eager = eager_logits_fn(model)
+        sizes = (min(3, self.decode_max_bs), self.decode_max_bs)
+        with torch.no_grad():
+            runner.capture()
+            kept, expected = [], []
+            for i, bs in enumerate(sizes + sizes):
+                session = GreedySession(model, cache)
+                session.prefill(make_dummy_prompts(bs, 3 + i, model.config.vocab_size, seed=40 + i))
+                batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                expected.append(eager(batch).clone())
+                assert runner.can_run(batch), f"batch size {bs} <= max_bs {self.decode_max_bs} cannot replay"
+                kept.append(runner.forward(batch))  # kept without a copy: the runner owns it for us
+                session.close()  # the kept output needs no cache rows
+            for i, (got, want) in enumerate(zip(kept, expected)):
+                self.assert_close(got, want, f"owned output {i} (batch size {(sizes + sizes)[i]}) after later replays")
+            runner.cleanup()
 
     def _require_phase(self, phase: str) -> None:
         phases = self.entry().phases

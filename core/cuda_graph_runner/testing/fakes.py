@@ -20,6 +20,7 @@ import torch
 from ..backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from ..forward_batch import ForwardBatch
 from ..buffers import copy_into
+from ..nested import map_tensors
 
 Event = Tuple[Any, ...]
 
@@ -178,16 +179,27 @@ class RecordingBackend(BaseCudaGraphBackend):
 
     ``events`` holds ``("warmup", key)``, ``("post_warmup_hook", key)``,
     ``("capture", key)``, ``("replay", key)``, ``("cleanup",)`` in call order.
+
+    Args (beyond :class:`~cuda_graph_runner.backend.BaseCudaGraphBackend`'s):
+        share_pool: emulate one graph memory pool: the ``i``-th output tensor of every
+            shape is a view of one buffer (sized by the largest shape, captured first),
+            as real graphs of one pool reuse the blocks a larger shape freed. A replay
+            then overwrites what earlier replays of *other* shapes returned, which is the
+            output-lifetime contract at its strictest (a kept zero-copy output changes).
+            False: each shape keeps its own tensors (only replays of the same shape
+            overwrite them).
     """
 
     name = "recording"
 
-    def __init__(self, device: Any = "cpu", **kwargs: Any) -> None:
+    def __init__(self, device: Any = "cpu", *, share_pool: bool = False, **kwargs: Any) -> None:
         super().__init__(device, **kwargs)
         self.events: List[Event] = []
         self._fns: Dict[ShapeKey, ForwardFn] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
         self.in_session = False
+        self.share_pool = share_pool
+        self._pool: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
@@ -210,8 +222,23 @@ class RecordingBackend(BaseCudaGraphBackend):
             self.events.append(("post_warmup_hook", key))
             post_warmup_hook()
         self.events.append(("capture", key))
-        self._outputs[key] = forward_fn()
+        output = forward_fn()
+        self._outputs[key] = self._place_in_pool(output) if self.share_pool else output
         self._fns[key] = forward_fn
+
+    def _place_in_pool(self, output: Any) -> Any:
+        counter = itertools.count()
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            slot_key = (next(counter), t.dtype)
+            slot = self._pool.get(slot_key)
+            if slot is None or slot.numel() < t.numel():
+                slot = self._pool[slot_key] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+            view = slot[: t.numel()].view(t.shape)
+            view.copy_(t)
+            return view
+
+        return map_tensors(place, output)
 
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
         return key in self._fns
@@ -224,13 +251,15 @@ class RecordingBackend(BaseCudaGraphBackend):
         if key not in self._fns:
             raise KeyError(f"no graph captured for {key}")
         self.events.append(("replay", key))
-        copy_into(self._outputs[key], self._fns[key]())
+        with torch.no_grad():  # a graph replay records no autograd history
+            copy_into(self._outputs[key], self._fns[key]())
         return self._outputs[key]
 
     def cleanup(self) -> None:
         self.events.append(("cleanup",))
         self._fns.clear()
         self._outputs.clear()
+        self._pool.clear()
 
     def captured(self) -> List[ShapeKey]:
         """Keys in capture order."""

@@ -31,6 +31,7 @@ import torch
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.nested import iter_tensors, map_pairs
 
 #: Static-batch fields whose addresses must not change between replays of one key.
 STATIC_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
@@ -136,29 +137,18 @@ class AcmeDebugBackend(BaseCudaGraphBackend):
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+    # The core's one walker over nested outputs: tuples, NamedTuples, lists, dicts, dataclasses.
+    return (t for _, t in iter_tensors(obj))
 
 
 def _copy_into(dst: Any, src: Any, where: str) -> None:
-    if isinstance(dst, torch.Tensor):
-        if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
-            got = f"{tuple(src.shape)} {src.dtype}" if isinstance(src, torch.Tensor) else type(src).__name__
-            raise GraphInvariantError(f"{where}: output was {tuple(dst.shape)} {dst.dtype} at capture, now {got}")
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        if not isinstance(src, (tuple, list)) or len(src) != len(dst):
-            raise GraphInvariantError(f"{where}: output structure changed since capture")
-        for d, s in zip(dst, src):
-            _copy_into(d, s, where)
-    elif isinstance(dst, dict):
-        if not isinstance(src, dict) or src.keys() != dst.keys():
-            raise GraphInvariantError(f"{where}: output keys changed since capture")
-        for k in dst:
-            _copy_into(dst[k], src[k], where)
+    def copy(d: torch.Tensor, s: Any) -> None:
+        if not isinstance(s, torch.Tensor) or s.shape != d.shape or s.dtype != d.dtype:
+            got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise GraphInvariantError(f"{where}: output was {tuple(d.shape)} {d.dtype} at capture, now {got}")
+        d.copy_(s)
+
+    try:
+        map_pairs(copy, dst, src, where="output")
+    except ValueError as exc:  # map_pairs: another container type, length, keys or fields
+        raise GraphInvariantError(f"{where}: output structure changed since capture: {exc}") from exc

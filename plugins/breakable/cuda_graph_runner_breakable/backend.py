@@ -40,8 +40,9 @@ from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly
-from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
 from cuda_graph_runner.buffers import copy_into
+from cuda_graph_runner.nested import iter_tensors, map_tensors
+from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -244,14 +245,13 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
                     "from cuda_graph_runner.forward_context.get_forward_batch()")
 
     def freeze(self, value: Any) -> Any:
-        """What a replay closure keeps of an op argument (the tensor, or a weak alias)."""
-        if isinstance(value, torch.Tensor):
-            if self.weak_ref_args and value.device.type == "cuda":
-                return weak_ref_tensor(value)
-            return value
-        if isinstance(value, (tuple, list)):
-            return type(value)(self.freeze(v) for v in value)
-        return value
+        """What a replay closure keeps of an op argument: the value, with each CUDA tensor
+        in it (through tuples, NamedTuples, lists, dicts, dataclasses) replaced by a weak
+        alias when ``weak_ref_args`` is on; other objects (modules, callables) as they are.
+        Containers are always rebuilt, so a list the model mutates after the call does not
+        change what replays pass."""
+        weak = self.weak_ref_args
+        return map_tensors(lambda t: weak_ref_tensor(t) if weak and t.device.type == "cuda" else t, value)
 
     # -- replay ------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
@@ -489,13 +489,7 @@ def _all_on_cuda(value: Any) -> bool:
 
 
 def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_has_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    return False
+    return next(iter_tensors(value), None) is not None
 
 
 def _named_tensors(op: EagerOp, args: tuple, kwargs: Dict[str, Any]) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -504,13 +498,6 @@ def _named_tensors(op: EagerOp, args: tuple, kwargs: Dict[str, Any]) -> Iterator
     except (TypeError, ValueError):
         bound = {**{f"#{i}": a for i, a in enumerate(args)}, **kwargs}
 
-    def walk(name: str, value: Any) -> Iterator[Tuple[str, torch.Tensor]]:
-        if isinstance(value, torch.Tensor):
-            yield repr(name), value
-        elif isinstance(value, (tuple, list)):
-            for i, v in enumerate(value):
-                yield from walk(f"{name}[{i}]", v)
-
     for name, value in bound.items():
-        yield from walk(name, value)
-
+        for path, tensor in iter_tensors(value, where=name):
+            yield repr(path), tensor
