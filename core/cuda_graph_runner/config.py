@@ -23,6 +23,17 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     normalised: sorted ascending, duplicates dropped.
 ``tc_compiler``
     ``eager`` or ``inductor``; read only by the ``tc_piecewise`` backend.
+``host_value_guard``
+    ``true`` (default): model code reading a host value of the batch
+    (``seq_lens_cpu``, ...) where the graph would freeze it is an error at capture
+    (``cuda_graph_runner.host_guard``); ``false`` turns the check off.
+``verify``, ``verify_first_n``, ``verify_every``
+    Verify mode (``cuda_graph_runner.verify``), off by default: compare the first
+    ``verify_first_n`` replays of each shape (default 3), and every
+    ``verify_every``-th one (0, the default: none after those), with the backend's
+    reference on the same batch. The environment variables
+    ``CUDA_GRAPH_RUNNER_VERIFY``, ``CUDA_GRAPH_RUNNER_VERIFY_FIRST_N`` and
+    ``CUDA_GRAPH_RUNNER_VERIFY_EVERY`` override these for both phases.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -142,7 +153,7 @@ TC_COMPILERS = ("eager", "inductor")
 DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 
 #: The keys of one phase, in field order.
-PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler")
+PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "host_value_guard", "verify", "verify_first_n", "verify_every")
 
 SOURCE_DEFAULT = "default"
 SOURCE_API = "api"
@@ -251,6 +262,10 @@ class PhaseConfig:
     max_bs: Optional[int] = None
     bs: Optional[List[int]] = None
     tc_compiler: str = "eager"
+    host_value_guard: bool = True
+    verify: bool = False
+    verify_first_n: int = 3
+    verify_every: int = 0
 
     def __post_init__(self) -> None:
         self._check()
@@ -292,6 +307,20 @@ class PhaseConfig:
             raise CudaGraphConfigError(
                 "unknown compiler", key="tc_compiler", value=self.tc_compiler, accepted=", ".join(TC_COMPILERS)
             )
+        for key in ("host_value_guard", "verify"):
+            if not isinstance(getattr(self, key), bool):
+                raise CudaGraphConfigError("must be a boolean", key=key, value=getattr(self, key),
+                                           accepted="true or false")
+        for key in ("verify_first_n", "verify_every"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise CudaGraphConfigError("must be an integer >= 0", key=key, value=value,
+                                           accepted="an integer >= 0 (not a bool)")
+            setattr(self, key, int(value))
+        if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
+            raise CudaGraphConfigError("verify is on but verify_first_n and verify_every are both 0, so no "
+                                       "replay would be checked", key="verify_first_n", value=0,
+                                       accepted="verify_first_n >= 1 or verify_every >= 1")
 
     def to_dict(self) -> Dict[str, Any]:
         """The keys whose values differ from the defaults (``bs`` copied)."""

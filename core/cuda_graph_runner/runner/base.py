@@ -23,8 +23,9 @@ import torch
 from ..backend import BaseCudaGraphBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..config import CudaGraphConfig, PhaseConfig
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
+from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..pool import get_capture_stream
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,11 @@ class BaseCudaGraphRunner(abc.ABC):
             self.backend = get_registry().resolve(self.phase, selection, device=self.device)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
+        from ..verify import Verifier, policy_from
+
+        policy = policy_from(self.phase_config)
+        #: Verify mode's state (:mod:`cuda_graph_runner.verify`); None when off (no cost).
+        self.verifier: Optional[Verifier] = Verifier(policy, self.phase, self.backend.name) if policy else None
         self.capture_sizes: List[int] = self.get_sizes_to_capture()
         self.max_size: int = self.capture_sizes[-1]
         self.buffers = CudaGraphBufferRegistry(self.device)
@@ -234,7 +240,10 @@ class BaseCudaGraphRunner(abc.ABC):
             return
         from tqdm.auto import tqdm
 
-        self.backend.prepare(self)
+        scope = self.host_value_guard_scope()
+        # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
+        with host_value_guard(self.backend.name, self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF):
+            self.backend.prepare(self)
         stream = get_capture_stream(self.device) if self.device.type != "cpu" else None
         module = torch.get_device_module(self.device) if self.device.type != "cpu" else None
         self._synchronize()
@@ -258,14 +267,16 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def capture_one_shape(self, size: int) -> None:
         """Capture one size: build the dummy batch, then ``backend.capture_one``."""
-        batch = self.capture_prepare(size)
+        batch = as_static_batch(self.capture_prepare(size))
         key = self.make_key(size)
         init = getattr(self.model, "init_forward_metadata_capture", None)
         if init is not None:
             init(batch)
+        scope = self.host_value_guard_scope()
 
         def forward_fn() -> Any:
-            with forward_context(batch):
+            # The guard covers warm-ups too: a read there is a read in the recorded run.
+            with forward_context(batch), host_value_guard(self.backend.name, self.phase, scope):
                 return self.graph_forward(batch)
 
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
@@ -281,7 +292,19 @@ class BaseCudaGraphRunner(abc.ABC):
         key, static_batch = self.replay_prepare(batch)
         with forward_context(static_batch), self.backend.replay_session():
             output = self.backend.replay(key, static_batch)
-        return self.finish_output(output, batch, static_batch)
+        result = self.finish_output(output, batch, static_batch)
+        if self.verifier is not None:
+            self.verifier.after_replay(self.backend, self.model, key, static_batch, result,
+                                       lambda: self.eager_forward(batch))
+        return result
+
+    def host_value_guard_scope(self) -> str:
+        """Where a host read during capture is an error: the backend's ``host_value_guard``
+        scope, or ``"off"`` when the phase config says ``host_value_guard: false``
+        (:mod:`cuda_graph_runner.host_guard`)."""
+        if not getattr(self.phase_config, "host_value_guard", True):
+            return SCOPE_OFF
+        return getattr(self.backend, "host_value_guard", "forward")
 
     def forward(self, batch: ForwardBatch) -> Any:
         """Replay when a graph covers ``batch``, else run it eagerly."""
