@@ -151,7 +151,7 @@ class BaseCudaGraphRunner(abc.ABC):
 
         policy = policy_from(self.phase_config)
         #: Verify mode's state (:mod:`cuda_graph_runner.verify`); None when off (no cost).
-        self.verifier: Optional[Verifier] = Verifier(policy, self.phase, self.backend.name) if policy else None
+        self.verifier: Optional[Verifier] = Verifier(policy, self.phase, self._backend_label()) if policy else None
         self.capture_sizes: List[int] = self.get_sizes_to_capture()
         self.max_size: int = self.capture_sizes[-1]
         self.buffers = CudaGraphBufferRegistry(self.device)
@@ -242,7 +242,7 @@ class BaseCudaGraphRunner(abc.ABC):
 
         scope = self.host_value_guard_scope()
         # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
-        with host_value_guard(self.backend.name, self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF):
+        with host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF):
             self.backend.prepare(self)
         stream = get_capture_stream(self.device) if self.device.type != "cpu" else None
         module = torch.get_device_module(self.device) if self.device.type != "cpu" else None
@@ -276,7 +276,7 @@ class BaseCudaGraphRunner(abc.ABC):
 
         def forward_fn() -> Any:
             # The guard covers warm-ups too: a read there is a read in the recorded run.
-            with forward_context(batch), host_value_guard(self.backend.name, self.phase, scope):
+            with forward_context(batch), host_value_guard(self._backend_label(), self.phase, scope):
                 return self.graph_forward(batch)
 
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
@@ -305,6 +305,9 @@ class BaseCudaGraphRunner(abc.ABC):
         if not getattr(self.phase_config, "host_value_guard", True):
             return SCOPE_OFF
         return getattr(self.backend, "host_value_guard", "forward")
+
+    def _backend_label(self) -> str:
+        return self.backend.name or type(self.backend).__name__
 
     def forward(self, batch: ForwardBatch) -> Any:
         """Replay when a graph covers ``batch``, else run it eagerly."""
