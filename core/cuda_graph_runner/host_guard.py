@@ -129,11 +129,16 @@ def marked_op_running() -> Iterator[None]:
         guard.lifted -= 1
 
 
+def _armed(guard: Optional[_Guard]) -> bool:
+    if guard is None or guard.lifted:
+        return False
+    return guard.scope != SCOPE_TRACE or torch.compiler.is_compiling()
+
+
 @torch.compiler.assume_constant_result
 def guard_engaged() -> bool:
-    """True while a guard is on in this thread and not lifted (under Dynamo: evaluated for real)."""
-    guard = _local.guard
-    return guard is not None and not guard.lifted
+    """True when a host read here and now would raise (under Dynamo: evaluated for real)."""
+    return _armed(_local.guard)
 
 
 @torch.compiler.assume_constant_result
@@ -144,9 +149,7 @@ def check_host_read(field: str) -> None:
         CudaGraphHostValueError: names the field, the backend, the phase and the fixes.
     """
     guard = _local.guard
-    if guard is None or guard.lifted:
-        return
-    if guard.scope == SCOPE_TRACE and not torch.compiler.is_compiling():
+    if not _armed(guard):
         return
     raise CudaGraphHostValueError(_message(field, guard), field=field, backend=guard.backend, phase=guard.phase)
 
