@@ -75,7 +75,8 @@ def test_host_branch_model_is_refused_at_capture(host_branch, make_backend, wher
     with torch.no_grad(), pytest.raises(CudaGraphHostValueError) as info:
         runner.capture()
     err = info.value
-    label = type(runner.backend).__name__  # built directly, not through the registry: no name
+    # Built directly: the registry's name if it has resolved the class before, else the class name.
+    label = runner.backend.name or type(runner.backend).__name__
     assert err.field == "seq_lens_cpu" and err.backend == label and err.phase == "decode"
     text = str(err)
     for fragment in ("ForwardBatch.seq_lens_cpu", where, repr(label), "device tensors",
@@ -180,7 +181,7 @@ def test_a_marked_op_read_is_free_only_where_marked_ops_run_eagerly():
         decode_runner(OpModel(), breakable()).capture()
         with pytest.raises(CudaGraphHostValueError, match="marked ops included") as info:
             decode_runner(OpModel(), full()).capture()
-        assert info.value.backend == "FullCudaGraphBackend"
+        assert info.value.backend in ("full", "FullCudaGraphBackend")
 
 
 def test_warmups_and_fake_graph_module_are_guarded_too(host_branch):
@@ -240,3 +241,25 @@ def test_runner_batches_are_static_batches():
         key, static = runner.replay_prepare(decode_batch(3))
     assert isinstance(static, StaticForwardBatch) and static.seq_lens_cpu[-1] == runner.seq_len_fill_value
     assert isinstance(runner.capture_prepare(2), StaticForwardBatch)
+
+
+class ExtraScaleToy(ToyModel):
+    """Reads a Python number an engine put in ``extra`` (in the metadata hook) inside the forward."""
+
+    def init_forward_metadata_capture(self, batch):
+        batch.extra["scale"] = 2
+
+    def forward(self, batch):
+        return super().forward(batch) * batch.extra["scale"]
+
+
+@pytest.mark.parametrize("make_backend", [full, breakable, tc_piecewise])
+def test_a_host_value_in_extra_is_guarded_on_every_backend(make_backend):
+    backend = make_backend()
+    runner = decode_runner(ExtraScaleToy(), backend)
+    try:
+        with torch.no_grad(), pytest.raises(CudaGraphHostValueError, match=r"ForwardBatch.extra\['scale'\]") as info:
+            runner.capture()
+        assert info.value.field == "extra['scale']"
+    finally:
+        getattr(backend, "uninstall", backend.cleanup)()

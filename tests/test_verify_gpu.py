@@ -4,7 +4,8 @@
   with ``CudaGraphHostValueError`` naming ``seq_lens_cpu``;
 * with ``host_value_guard: false`` it captures, and verify mode (``verify_first_n=2``,
   ``verify_every=3``) raises ``CudaGraphVerifyError`` at replay 6, the first sampled replay
-  whose live lengths exceed 8 (replays 1-3 have lengths 4-6 and pass);
+  whose live lengths exceed 8 (replays 1-3 have lengths 4-6 and pass), in decode on all
+  three backends and in prefill on breakable;
 * the reference model passes verify mode on every replay, in decode on all three backends
   (float32 and bfloat16, the backends' default tolerances) and in prefill on breakable and
   tc_piecewise.
@@ -98,11 +99,14 @@ def test_guard_off_verify_catches_the_branch_flipping_on_a_later_batch(backend):
         _uninstall(runner)
 
 
-@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
-def test_guard_off_verify_catches_the_host_branch_in_prefill(backend):
-    """Capture's dummy requests are 16..64 tokens long (the 2.0 branch); a short live batch flips it."""
+def test_guard_off_verify_catches_the_host_branch_in_prefill_with_breakable():
+    """Capture's dummy requests are 16..64 tokens long (the 2.0 branch); a short live batch flips it.
+
+    (Not tc_piecewise: a prefill replay passes the live request-axis tensors, so it goes
+    through Dynamo, whose guard on the traced host list recompiles instead of replaying
+    the frozen branch, with a RuntimeWarning.)"""
     model = make_model(device="cuda", context=64)
-    runner = prefill_runner(model, backend, host_value_guard=False, verify=True)
+    runner = prefill_runner(model, "breakable", host_value_guard=False, verify=True)
     try:
         with torch.no_grad():
             runner.capture()

@@ -26,7 +26,8 @@ or editable). What is checked:
   model (:mod:`cuda_graph_runner.testing.model`, preset ``tiny``) captured with
   ``DecodeCudaGraphRunner`` (decode and target-verify) and, for prefill backends,
   ``PrefillCudaGraphRunner``, replays with outputs equal to eager, including padded
-  batch sizes, eager fallback and recapture after ``cleanup()``. Where the backend is
+  batch sizes, eager fallback and recapture after ``cleanup()``; with the host-value
+  guard on, capture succeeds and replays pass verify mode. Where the backend is
   unavailable these tests skip with ``backend '<name>' unavailable here: <reason>``.
 
 A standard test may only be overridden with ``@pytest.mark.xfail(reason=...)`` or
@@ -76,6 +77,7 @@ _DEVICE_TESTS = (
     "test_device_target_verify_matches_eager",
     "test_device_prefill_capture_replay_matches_eager",
     "test_device_cleanup_then_recapture",
+    "test_device_reference_model_passes_verify_mode",
 )
 
 
@@ -435,6 +437,29 @@ class BackendConformanceTests:
                 session.close()
                 runner.cleanup()
                 assert not runner.can_run(batch), "after cleanup() the runner still claims a graph"
+
+    def test_device_reference_model_passes_verify_mode(self) -> None:
+        """Captured with the host-value guard on, the reference model's decode replays pass
+        verify mode (every replay checked against the backend's own reference and tolerance)."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ..runner import DecodeCudaGraphRunner
+        from .batches import GreedySession, make_dummy_prompts
+
+        model = self.make_model(device_type)
+        config = {"decode": {"backend": self.backend_name, "max_bs": 4, "verify": True, "verify_every": 1}}
+        runner = DecodeCudaGraphRunner(model, config, show_progress=False)
+        with torch.no_grad():
+            runner.capture()
+            session = GreedySession(model, model.kv_cache, decode_fn=runner.forward)
+            session.prefill(make_dummy_prompts(3, [3, 5, 4], model.config.vocab_size, seed=11))
+            for _ in range(3):
+                session.decode()
+            session.close()
+            runner.cleanup()
+        assert runner.verifier is not None and len(runner.verifier.checked) == 3, "replays were not verified"
 
     def _require_phase(self, phase: str) -> None:
         phases = self.entry().phases
