@@ -103,7 +103,9 @@ def test_verify_every_k_catches_the_branch_that_flips_on_a_later_batch(make_back
     assert runner.verifier.checked == [(key, 1), (key, 2), (key, 3), (key, 6)]
     assert err.max_abs_diff > 1e-3
     text = str(err)
-    for fragment in ("replay 6", str(key), "'decode'", repr(type(backend).__name__), "max abs difference",
+    label = backend.name or type(backend).__name__  # built directly: named once the registry resolved it
+    assert err.backend == label
+    for fragment in ("replay 6", str(key), "'decode'", repr(label), "max abs difference",
                      "host value", "data-dependent control flow", "allocated outside the static buffers",
                      "random ops"):
         assert fragment in text, fragment
