@@ -260,11 +260,18 @@ def test_emulated_breakable_prefill_matches_eager_on_every_layout(returning):
 
 
 def test_emulated_full_capture_of_the_op_replays_stale_metadata():
-    """The control: frozen into a graph, the op replays the capture's request layout."""
+    """The control: frozen into a graph, the op replays the capture's request layout. The
+    host-value guard refuses such a capture; with the guard off it replays stale metadata."""
+    from cuda_graph_runner.errors import CudaGraphHostValueError
+
     full = pytest.importorskip("cuda_graph_runner_full.backend")
     dm = EmulatedGraphDeviceModule()
     backend = full.FullCudaGraphBackend("cpu", phase="prefill", device_module=dm, memory_pool="pool-0")
-    runner = prefill_runner(MixModel(), backend, max_bs=8)
+    with pytest.raises(CudaGraphHostValueError, match="extend_seq_lens_cpu"):
+        prefill_runner(MixModel(), backend, max_bs=8).capture()
+    backend.cleanup()
+    runner = PrefillCudaGraphRunner(MixModel(), {"prefill": {"max_bs": 8, "host_value_guard": False}}, device="cpu",
+                                    backend=backend, show_progress=False)
     with torch.no_grad():
         runner.capture()
         same = extend_batch([8])  # the capture's own layout: one 8-token request

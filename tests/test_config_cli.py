@@ -53,15 +53,17 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
     )
     assert code == 0, err
     report = json.loads(out)
+    checks = {"owned_outputs": False, "host_value_guard": True, "verify": False, "verify_first_n": 3, "verify_every": 0}
     assert report["config"] == {
-        "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", "owned_outputs": False},
-        "prefill": {"backend": "disabled", "max_bs": None, "bs": None, "tc_compiler": "eager", "owned_outputs": False},
+        "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", **checks},
+        "prefill": {"backend": "disabled", "max_bs": None, "bs": None, "tc_compiler": "eager", **checks},
     }
+    default_sources = {key: "default" for key in checks}
     assert report["sources"] == {
         "decode": {"backend": "flag:--cuda-graph-backend-decode", "max_bs": "json:--cuda-graph-config",
-                   "bs": "flag:--cuda-graph-bs-decode", "tc_compiler": "default", "owned_outputs": "default"},
+                   "bs": "flag:--cuda-graph-bs-decode", "tc_compiler": "default", **default_sources},
         "prefill": {"backend": "legacy:--disable-cuda-graph", "max_bs": "default", "bs": "default",
-                    "tc_compiler": "default", "owned_outputs": "default"},
+                    "tc_compiler": "default", **default_sources},
     }
     assert report["backends_checked"] is True
 

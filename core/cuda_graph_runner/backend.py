@@ -36,7 +36,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Tuple
 
 import torch
 
@@ -87,6 +87,12 @@ class BaseCudaGraphBackend(abc.ABC):
     name: ClassVar[str] = ""
     #: Forward runs before each capture (JIT kernels, cuBLAS workspaces, allocator growth).
     num_warmups: ClassVar[int] = 2
+    #: Where model code reading a host value of the batch (``seq_lens_cpu``, ...) during
+    #: capture is an error (:mod:`cuda_graph_runner.host_guard`): ``"forward"`` (the whole
+    #: recorded forward, marked ops included; the default, right for any backend that
+    #: records the forward as one graph), ``"outside_marked_ops"`` (marked ops run eagerly
+    #: at replay), ``"trace"`` (only while torch.compile traces), ``"off"``.
+    host_value_guard: ClassVar[str] = "forward"
 
     def __init__(
         self,
@@ -188,6 +194,27 @@ class BaseCudaGraphBackend(abc.ABC):
 
         return pool_memory_bytes(self._memory_pool, self.device)
 
+    # -- verify mode (cuda_graph_runner.verify) -------------------------------------------
+    def verify_reference(self, eager_fn: Callable[[], Any], key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        """What a sampled replay of ``key`` is compared with, computed after the replay on the
+        same live batch. Default: ``eager_fn()``, the runner's eager forward of the live
+        batch (same output structure as the runner's replay output).
+
+        It repeats the forward's side effects (the KV-cache writes of this step, with the
+        same values): verify mode needs a forward whose side effects are idempotent for a
+        repeated step. A backend whose replay numerics differ by design may return another
+        reference (the same compiled code run without graphs, for instance).
+        """
+        return eager_fn()
+
+    def verify_tolerance(self, dtype: torch.dtype) -> Tuple[float, float]:
+        """``(atol, rtol)`` for comparing a replay with :meth:`verify_reference`, elementwise
+        ``|replay - reference| <= atol + rtol * |reference|``; ``dtype`` is the model's
+        compute dtype. Default: near-exact for the dtype (the graph runs the same kernels as
+        eager; only the padded shape may pick another GEMM algorithm):
+        float64 1e-6, float32 1e-4 / 1e-3, float16 1e-2, bfloat16 5e-2."""
+        return default_verify_tolerance(dtype)
+
     # -- the contract -----------------------------------------------------------------
     @abc.abstractmethod
     def capture_session(self, stream: Any) -> ContextManager[None]:
@@ -255,6 +282,16 @@ class BaseCudaGraphBackend(abc.ABC):
         """Drop every graph and output (``graph.reset()``); the backend can capture again."""
 
 
+def default_verify_tolerance(dtype: torch.dtype) -> Tuple[float, float]:
+    """The base backend's ``(atol, rtol)`` per compute dtype (see ``verify_tolerance``)."""
+    return {
+        torch.float64: (1e-6, 1e-6),
+        torch.float32: (1e-4, 1e-3),
+        torch.float16: (1e-2, 1e-2),
+        torch.bfloat16: (5e-2, 5e-2),
+    }.get(dtype, (1e-4, 1e-3))
+
+
 class DisabledBackend(BaseCudaGraphBackend):
     """Backend ``disabled``: captures nothing, so the runner runs every batch eagerly.
 
@@ -263,6 +300,7 @@ class DisabledBackend(BaseCudaGraphBackend):
 
     name = "disabled"
     num_warmups = 0
+    host_value_guard = "off"
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:

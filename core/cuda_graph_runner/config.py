@@ -33,6 +33,17 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     ``false`` (default, zero-copy: a replayed output is valid until the next replay
     of any graph in the same pool) or ``true`` (the runner returns owned copies, one
     copy per replay). Read by the runner, for every backend.
+``host_value_guard``
+    ``true`` (default): model code reading a host value of the batch
+    (``seq_lens_cpu``, ...) where the graph would freeze it is an error at capture
+    (``cuda_graph_runner.host_guard``); ``false`` turns the check off.
+``verify``, ``verify_first_n``, ``verify_every``
+    Verify mode (``cuda_graph_runner.verify``), off by default: compare the first
+    ``verify_first_n`` replays of each shape (default 3), and every
+    ``verify_every``-th one (0, the default: none after those), with the backend's
+    reference on the same batch. The environment variables
+    ``CUDA_GRAPH_RUNNER_VERIFY``, ``CUDA_GRAPH_RUNNER_VERIFY_FIRST_N`` and
+    ``CUDA_GRAPH_RUNNER_VERIFY_EVERY`` override these for both phases.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -159,7 +170,8 @@ DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 MAX_CAPTURE_SIZE = 65536
 
 #: The keys of one phase, in field order.
-PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "owned_outputs")
+PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "owned_outputs", "host_value_guard", "verify",
+              "verify_first_n", "verify_every")
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
@@ -284,6 +296,10 @@ class PhaseConfig:
     bs: Optional[List[int]] = None
     tc_compiler: str = "eager"
     owned_outputs: bool = False
+    host_value_guard: bool = True
+    verify: bool = False
+    verify_first_n: int = 3
+    verify_every: int = 0
 
     def __post_init__(self) -> None:
         self._check()
@@ -336,6 +352,20 @@ class PhaseConfig:
             raise CudaGraphConfigError(
                 "must be a boolean", key="owned_outputs", value=self.owned_outputs, accepted="true or false"
             )
+        for key in ("host_value_guard", "verify"):
+            if not isinstance(getattr(self, key), bool):
+                raise CudaGraphConfigError("must be a boolean", key=key, value=getattr(self, key),
+                                           accepted="true or false")
+        for key in ("verify_first_n", "verify_every"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise CudaGraphConfigError("must be an integer >= 0", key=key, value=value,
+                                           accepted="an integer >= 0 (not a bool)")
+            setattr(self, key, int(value))
+        if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
+            raise CudaGraphConfigError("verify is on but verify_first_n and verify_every are both 0, so no "
+                                       "replay would be checked", key="verify_first_n", value=0,
+                                       accepted="verify_first_n >= 1 or verify_every >= 1")
 
     def to_dict(self) -> Dict[str, Any]:
         """The keys whose values differ from the defaults (``bs`` copied)."""

@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .host_guard import HOST_FIELDS, GuardedExtra, check_host_read, guard_engaged
+
 
 class ForwardMode(enum.Enum):
     """What a batch does.
@@ -58,9 +60,12 @@ class ForwardBatch:
         extend_prefix_lens: ``[batch_size]`` int32 cached prefix per request (EXTEND only).
         seq_lens_cpu, extend_seq_lens_cpu, extend_prefix_lens_cpu: host copies of the
             same values, for eager code that loops over requests (never read inside a
-            captured graph: they would be frozen at capture).
+            captured graph: they would be frozen at capture; the runner's
+            :class:`StaticForwardBatch` makes such a read an error).
         num_tokens_per_req: tokens per request in DECODE (1) and TARGET_VERIFY (> 1).
-        extra: engine-specific fields; runners copy none of it.
+        extra: engine-specific fields; runners copy none of it. Host values in it
+            (Python numbers, lists, tuples, numpy arrays, tensors on another device) are
+            guarded like the ``*_cpu`` fields (:mod:`cuda_graph_runner.host_guard`).
     """
 
     forward_mode: ForwardMode
@@ -94,3 +99,66 @@ class ForwardBatch:
     def replace(self, **changes: Any) -> "ForwardBatch":
         """A shallow copy with some fields replaced (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+class StaticForwardBatch(ForwardBatch):
+    """The batch a runner hands to capture and replay: a :class:`ForwardBatch` whose host
+    fields (``seq_lens_cpu``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` and host
+    values in ``extra``) are guarded properties.
+
+    Outside a guard (eager runs, replay, the metadata hooks) a read costs one thread-local
+    lookup and returns the value. While the runner records a graph, a read where the
+    backend would freeze it raises
+    :class:`~cuda_graph_runner.errors.CudaGraphHostValueError` (see
+    :mod:`cuda_graph_runner.host_guard` for the rule per backend). ``repr`` and
+    :meth:`replace` never count as reads.
+    """
+
+    def replace(self, **changes: Any) -> "StaticForwardBatch":
+        """A shallow copy with some fields replaced, without reading guarded fields."""
+        values = {f.name: self.__dict__[f.name] for f in dataclasses.fields(self) if f.init}
+        values.update(changes)
+        return type(self)(**values)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f.name}={self.__dict__.get(f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+        return f"{type(self).__name__}({inner})"
+
+
+def _guarded_field(name: str) -> property:
+    def get(self: ForwardBatch) -> Any:
+        check_host_read(name)
+        return self.__dict__[name]
+
+    def set_(self: ForwardBatch, value: Any) -> None:
+        self.__dict__[name] = value
+
+    return property(get, set_, doc=f"Host field ``{name}`` (guarded during capture).")
+
+
+def _get_extra(self: ForwardBatch) -> Dict[str, Any]:
+    data = self.__dict__["extra"]
+    if guard_engaged():
+        return GuardedExtra(data, self.__dict__["input_ids"].device)  # type: ignore[return-value]
+    return data
+
+
+def _set_extra(self: ForwardBatch, value: Dict[str, Any]) -> None:
+    self.__dict__["extra"] = value
+
+
+for _name in HOST_FIELDS:
+    setattr(StaticForwardBatch, _name, _guarded_field(_name))
+StaticForwardBatch.extra = property(_get_extra, _set_extra,  # type: ignore[assignment]
+                                    doc="Engine fields; host values in it are guarded during capture.")
+del _name
+
+
+def as_static_batch(batch: ForwardBatch, **changes: Any) -> StaticForwardBatch:
+    """``batch`` as a :class:`StaticForwardBatch` (shallow: tensors and lists are shared),
+    with ``changes`` applied; a static batch without changes is returned as is."""
+    if isinstance(batch, StaticForwardBatch):
+        return batch.replace(**changes) if changes else batch
+    values = {f.name: batch.__dict__[f.name] for f in dataclasses.fields(batch) if f.init}
+    values.update(changes)
+    return StaticForwardBatch(**values)

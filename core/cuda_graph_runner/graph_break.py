@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
+import types
 from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Sequence
 
 import torch
+
+from .host_guard import marked_op_running
 
 NAMESPACE = "cuda_graph_runner"
 
@@ -110,12 +114,28 @@ def register_eager_op(name: str, fn: Callable[..., None], *, mutates_args: Seque
             "pick another name"
         )
     qualname = f"{NAMESPACE}::{name}"
-    op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(fn)
+    op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(_lifting_host_guard(fn))
     # Out-ops return nothing, so the fake (meta) implementation has nothing to compute.
     op.register_fake(lambda *args, **kwargs: None)
     marked = EagerOp(name=name, qualname=qualname, fn=fn, custom_op=getattr(getattr(torch.ops, NAMESPACE), name))
     _registry[name] = marked
     return marked
+
+
+def _lifting_host_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with the host-value guard lifted (:func:`cuda_graph_runner.host_guard.marked_op_running`):
+    a marked op reads live host metadata, which is fine wherever the backend runs it eagerly
+    at replay. torch infers the custom op's schema from ``fn``'s annotations, evaluated in
+    the wrapper's globals when they are strings: the wrapper gets ``fn``'s globals (it uses
+    closure variables only) and ``functools.wraps`` its signature."""
+    lift = marked_op_running
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with lift():
+            return fn(*args, **kwargs)
+
+    wrapper = types.FunctionType(run.__code__, fn.__globals__, fn.__name__, None, run.__closure__)
+    return functools.wraps(fn)(wrapper)
 
 
 def registered_eager_ops() -> Dict[str, EagerOp]:

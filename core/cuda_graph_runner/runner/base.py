@@ -23,11 +23,12 @@ import torch
 from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..config import CudaGraphConfig, PhaseConfig
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from ..device import device_guard, synchronize
 from ..nested import check_structure, clone_tensors, map_tensors
+from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..pool import get_capture_stream
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,11 @@ class BaseCudaGraphRunner(abc.ABC):
             self.backend = get_registry().resolve(self.phase, selection, device=self.device)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
+        from ..verify import Verifier, policy_from
+
+        policy = policy_from(self.phase_config)
+        #: Verify mode's state (:mod:`cuda_graph_runner.verify`); None when off (no cost).
+        self.verifier: Optional[Verifier] = Verifier(policy, self.phase, self._backend_label()) if policy else None
         self.capture_sizes: List[int] = self.get_sizes_to_capture()
         self.max_size: int = self.capture_sizes[-1]
         self.buffers = CudaGraphBufferRegistry(self.device)
@@ -342,7 +348,10 @@ class BaseCudaGraphRunner(abc.ABC):
         device, module = self._graph_device()
         start = time.perf_counter()
         with device_guard(device, module):
-            self.backend.prepare(self)
+            scope = self.host_value_guard_scope()
+            # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
+            with host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF):
+                self.backend.prepare(self)
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
             before = module.memory_reserved(device) if module is not None and hasattr(module, "memory_reserved") else None
@@ -403,16 +412,19 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def capture_one_shape(self, size: int) -> None:
         """Capture one size: build the dummy batch, then ``backend.capture_one``."""
-        batch = self.capture_prepare(size)
+        batch = as_static_batch(self.capture_prepare(size))
         key = self.make_key(size)
         init = getattr(self.model, "init_forward_metadata_capture", None)
         if init is not None:
             init(batch)
+        scope = self.host_value_guard_scope()
 
         where = f"{self.phase} graph output"
 
         def forward_fn() -> Any:
-            with forward_context(batch):
+        def forward_fn() -> Any:
+            # The guard covers warm-ups too: a read there is a read in the recorded run.
+            with forward_context(batch), host_value_guard(self._backend_label(), self.phase, scope):
                 output = self.graph_forward(batch)
             # Checked on the first (warm-up) run, before anything is recorded.
             check_structure(output, where=where)
@@ -449,11 +461,25 @@ class BaseCudaGraphRunner(abc.ABC):
             with forward_context(static_batch), self.backend.replay_session():
                 output = self.backend.replay(key, static_batch)
             result = self.finish_output(output, batch, static_batch)
+            if self.verifier is not None:
+                self.verifier.after_replay(self.backend, self.model, key, static_batch, result,
+                                           lambda: self.eager_forward(batch))
             if self.owned_outputs:
                 # Only what shares memory with the graph's output: one copy, none for
                 # results the runner already computed eagerly (prefill logits).
                 result = clone_tensors(result, aliasing=output)
             return result
+
+    def host_value_guard_scope(self) -> str:
+        """Where a host read during capture is an error: the backend's ``host_value_guard``
+        scope, or ``"off"`` when the phase config says ``host_value_guard: false``
+        (:mod:`cuda_graph_runner.host_guard`)."""
+        if not getattr(self.phase_config, "host_value_guard", True):
+            return SCOPE_OFF
+        return getattr(self.backend, "host_value_guard", "forward")
+
+    def _backend_label(self) -> str:
+        return self.backend.name or type(self.backend).__name__
 
     def forward(self, batch: ForwardBatch) -> Any:
         """Replay when a graph covers ``batch``, else run it eagerly (both without autograd).

@@ -8,7 +8,7 @@ import torch
 
 from ..backend import ShapeKey
 from ..buffers import BATCH_AXIS, TOKEN_AXIS
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
 from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
 
@@ -123,7 +123,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def _static_batch(self, bs: int, seq_lens_cpu: Any = None) -> ForwardBatch:
         tokens = bs * self.num_tokens_per_req
         view = self.buffers.view
-        return ForwardBatch(
+        return StaticForwardBatch(  # host fields guarded during capture (host_guard)
             forward_mode=self.mode,
             input_ids=view("input_ids", tokens),
             positions=view("positions", tokens),

@@ -22,7 +22,7 @@ import torch
 
 from ..backend import ShapeKey
 from ..buffers import TOKEN_AXIS
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
 
@@ -172,7 +172,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         req["extend_seq_lens"][:n].copy_(torch.tensor(lens, dtype=torch.int32))
         req["extend_prefix_lens"][:n].zero_()
         view = self.buffers.view
-        return ForwardBatch(
+        return StaticForwardBatch(  # host fields guarded during capture (host_guard)
             forward_mode=ForwardMode.EXTEND,
             input_ids=view("input_ids", size),
             positions=view("positions", size),
@@ -201,7 +201,8 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         for name, _ in _PREFILL_SLOTS:
             self.buffers.fill(name, getattr(batch, name), padded)
         view = self.buffers.view
-        static = batch.replace(
+        static = as_static_batch(
+            batch,
             input_ids=view("input_ids", padded),
             positions=view("positions", padded),
             out_cache_loc=view("out_cache_loc", padded),

@@ -28,7 +28,8 @@ or editable). What is checked:
   ``PrefillCudaGraphRunner``, replays with outputs equal to eager, including padded
   batch sizes, eager fallback and recapture after ``cleanup()``, and on device index 1
   while index 0 is current (where two devices exist); a runner built with
-  ``owned_outputs=True`` returns outputs that later replays leave unchanged. Where the backend is
+  ``owned_outputs=True`` returns outputs that later replays leave unchanged; with the
+  host-value guard on, capture succeeds and replays pass verify mode. Where the backend is
   unavailable these tests skip with ``backend '<name>' unavailable here: <reason>``.
 
 A standard test may only be overridden with ``@pytest.mark.xfail(reason=...)`` or
@@ -80,6 +81,7 @@ _DEVICE_TESTS = (
     "test_device_cleanup_then_recapture",
     "test_device_runner_on_second_device_matches_eager",
     "test_device_owned_outputs_survive_later_replays",
+    "test_device_reference_model_passes_verify_mode",
 )
 
 
@@ -550,6 +552,29 @@ class BackendConformanceTests:
             for i, (got, want) in enumerate(zip(kept, expected)):
                 self.assert_close(got, want, f"owned output {i} (batch size {(sizes + sizes)[i]}) after later replays")
             runner.cleanup()
+
+    def test_device_reference_model_passes_verify_mode(self) -> None:
+        """Captured with the host-value guard on, the reference model's decode replays pass
+        verify mode (every replay checked against the backend's own reference and tolerance)."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ..runner import DecodeCudaGraphRunner
+        from .batches import GreedySession, make_dummy_prompts
+
+        model = self.make_model(device_type)
+        config = {"decode": {"backend": self.backend_name, "max_bs": 4, "verify": True, "verify_every": 1}}
+        runner = DecodeCudaGraphRunner(model, config, show_progress=False)
+        with torch.no_grad():
+            runner.capture()
+            session = GreedySession(model, model.kv_cache, decode_fn=runner.forward)
+            session.prefill(make_dummy_prompts(3, [3, 5, 4], model.config.vocab_size, seed=11))
+            for _ in range(3):
+                session.decode()
+            session.close()
+            runner.cleanup()
+        assert runner.verifier is not None and len(runner.verifier.checked) == 3, "replays were not verified"
 
     def _require_phase(self, phase: str) -> None:
         phases = self.entry().phases

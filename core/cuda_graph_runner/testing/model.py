@@ -20,6 +20,13 @@ KV cache ownership: the model holds at most one :class:`PagedKVCache` in
 
 Each layer writes this step's K/V into the cache (``k_cache[out_cache_loc] = k``) and
 then calls the marked eager op ``cuda_graph_runner::reference_llama_attention``.
+
+A step is idempotent: running the same batch twice writes the same values into the same
+slots and returns the same output, which verify mode (:mod:`cuda_graph_runner.verify`)
+relies on when it re-runs a replayed step eagerly. Inside the captured forward the model
+reads only device tensors of the batch; host lengths are read inside the marked
+attention op only (EXTEND), so the host-value guard (:mod:`cuda_graph_runner.host_guard`)
+never trips on it.
 """
 
 import dataclasses

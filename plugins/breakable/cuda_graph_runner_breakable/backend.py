@@ -158,6 +158,10 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         ValueError: the shape was already captured.
     """
 
+    #: Marked ops run eagerly at replay on the live batch; the model body between them is
+    #: frozen into segments (cuda_graph_runner.host_guard).
+    host_value_guard = "outside_marked_ops"
+
     def __init__(self, *args: Any, weak_ref_args: Optional[bool] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if weak_ref_args is None:

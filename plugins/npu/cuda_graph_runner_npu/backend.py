@@ -150,6 +150,14 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         return module
 
     @property
+    def host_value_guard(self) -> str:  # type: ignore[override]
+        """``"outside_marked_ops"`` with host-input updates on (a marked attention op may pass
+        ``seq_lens_cpu`` to the fused attention op, whose host argument each replay's update
+        rebinds), else ``"forward"``: the whole recorded forward is frozen
+        (:mod:`cuda_graph_runner.host_guard`)."""
+        return "outside_marked_ops" if self.updates_host_inputs else "forward"
+
+    @property
     def updates_host_inputs(self) -> bool:
         """Whether replays run the update-then-replay path."""
         return self.update_input_name is not None or self.cpu_update_input_fn is not None
