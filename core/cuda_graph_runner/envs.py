@@ -43,8 +43,10 @@ class EnvVar:
 
     Attributes:
         name: the full variable name (``CUDA_GRAPH_RUNNER_...``).
-        kind: ``"bool"``, ``"str"``, ``"list"`` (comma-separated) or ``"optional_list"``
-            (unset means None, i.e. "not restricted"; empty means ``[]``).
+        kind: ``"bool"``, ``"str"``, ``"list"`` (comma-separated), ``"optional_list"``
+            (unset means None, i.e. "not restricted"; empty means ``[]``), or
+            ``"optional_bool"`` / ``"optional_count"`` (an integer >= 0): unset or empty
+            means None, i.e. "keep the config's value".
         default: the value when the variable is unset (or empty, for ``bool``/``str``).
         help: what it does, one or two sentences (shown by :func:`describe`).
         owner: who reads it: ``"core"``, a distribution name, or ``"tests"``.
@@ -93,8 +95,28 @@ def _parse_optional_list(var: EnvVar, text: Optional[str]) -> Optional[List[str]
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _parse_optional_bool(var: EnvVar, text: Optional[str]) -> Optional[bool]:
+    # Unset or empty: None, so the reader keeps its config's value.
+    return None if text is None or not text.strip() else _parse_bool(var, text)
+
+
+def _parse_optional_count(var: EnvVar, text: Optional[str]) -> Optional[int]:
+    if text is None or not text.strip():
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise EnvVarError(f"{var.name}={text!r} is not accepted; accepted: an integer >= 0, or unset/empty "
+                          f"for the config's value")
+    return value
+
+
 _PARSERS: Dict[str, Callable[[EnvVar, Optional[str]], Any]] = {
     "bool": _parse_bool,
+    "optional_bool": _parse_optional_bool,
+    "optional_count": _parse_optional_count,
     "str": _parse_str,
     "list": _parse_list,
     "optional_list": _parse_optional_list,
@@ -194,3 +216,15 @@ TORCH_NPU_DOWNLOAD = define(
 WHEEL_CACHE = define(
     "CUDA_GRAPH_RUNNER_WHEEL_CACHE", "str", "",
     "tests: folder of cached wheels (empty: ~/.cache/cuda-graph-runner/wheels).", owner="tests").name
+VERIFY = define(
+    "CUDA_GRAPH_RUNNER_VERIFY", "optional_bool", None,
+    "Verify mode for both phases, overriding the config key 'verify' (cuda_graph_runner.verify). "
+    "Read when a runner is built.").name
+VERIFY_FIRST_N = define(
+    "CUDA_GRAPH_RUNNER_VERIFY_FIRST_N", "optional_count", None,
+    "Verify mode: how many first replays of each shape are checked, overriding 'verify_first_n'. "
+    "Read when a runner is built.").name
+VERIFY_EVERY = define(
+    "CUDA_GRAPH_RUNNER_VERIFY_EVERY", "optional_count", None,
+    "Verify mode: also check every k-th replay of each shape (0: none), overriding 'verify_every'. "
+    "Read when a runner is built.").name

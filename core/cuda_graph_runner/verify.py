@@ -33,19 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import envs
 from .errors import CudaGraphVerifyError
+from .nested import iter_tensors, map_tensors
 
-ENV_VERIFY = "CUDA_GRAPH_RUNNER_VERIFY"
-ENV_VERIFY_FIRST_N = "CUDA_GRAPH_RUNNER_VERIFY_FIRST_N"
-ENV_VERIFY_EVERY = "CUDA_GRAPH_RUNNER_VERIFY_EVERY"
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+ENV_VERIFY = envs.VERIFY
+ENV_VERIFY_FIRST_N = envs.VERIFY_FIRST_N
+ENV_VERIFY_EVERY = envs.VERIFY_EVERY
 
 CAUSES = (
     "model code branching on a host value of the batch (seq_lens_cpu, extra, ...) during capture "
@@ -59,32 +57,6 @@ CAUSES = (
 
 __all__ = ["CAUSES", "ENV_VERIFY", "ENV_VERIFY_EVERY", "ENV_VERIFY_FIRST_N", "VerifyPolicy", "Verifier",
            "compare_outputs", "policy_from"]
-
-
-def _env_bool(name: str) -> Optional[bool]:
-    # Local reader; one env-flag parser for all CUDA_GRAPH_RUNNER_* variables may replace it.
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"environment variable {name}={raw!r}: accepted: {', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}")
-
-
-def _env_int(name: str) -> Optional[int]:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"environment variable {name}={raw!r}: accepted: an integer >= 0")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +75,17 @@ def policy_from(phase_config: Any) -> Optional[VerifyPolicy]:
     """The verify policy of a phase: its config keys overridden by the environment; None when off.
 
     Raises:
-        ValueError: an environment variable with a value that is not accepted (named).
+        cuda_graph_runner.envs.EnvVarError: (a ``ValueError``) an environment variable with a
+            value that is not accepted (named, with what is).
     """
     enabled = bool(getattr(phase_config, "verify", False))
-    env = _env_bool(ENV_VERIFY)
+    env = envs.get(ENV_VERIFY)
     if env is not None:
         enabled = env
     if not enabled:
         return None
-    first_n = _env_int(ENV_VERIFY_FIRST_N)
-    every = _env_int(ENV_VERIFY_EVERY)
+    first_n = envs.get(ENV_VERIFY_FIRST_N)
+    every = envs.get(ENV_VERIFY_EVERY)
     first_n = int(getattr(phase_config, "verify_first_n", 3)) if first_n is None else first_n
     every = int(getattr(phase_config, "verify_every", 0)) if every is None else every
     if first_n == 0 and every == 0:
@@ -121,67 +94,41 @@ def policy_from(phase_config: Any) -> Optional[VerifyPolicy]:
     return VerifyPolicy(first_n=first_n, every=every)
 
 
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
+def _leaf_diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Tuple[bool, float]:
+    if a.numel() == 0:
+        return True, 0.0
+    x = a.detach().to(torch.float64).cpu()
+    y = b.detach().to(torch.float64).cpu()
+    both_nan = torch.isnan(x) & torch.isnan(y)
+    diff = (x - y).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
+    ok = bool((diff <= atol + rtol * y.abs().nan_to_num(nan=0.0)).all())
+    return ok, float(diff.max())
 
 
 def compare_outputs(got: Any, want: Any, atol: float, rtol: float) -> Tuple[bool, float, str]:
-    """Compare two output structures (tensors, tuples, lists, dicts; other leaves by ``==``).
+    """Compare the tensor leaves of two output structures (any structure
+    :mod:`cuda_graph_runner.nested` walks: tuples, NamedTuples, lists, dicts, dataclasses).
 
     Returns:
         ``(ok, max_abs_diff, where)``: ``where`` names the first failing leaf (``""`` if
         none); ``max_abs_diff`` is over every tensor leaf (inf for a shape or structure
         mismatch, or NaN on one side only).
     """
-    worst = 0.0
-    first_bad = ""
-
-    def walk(a: Any, b: Any, path: str) -> None:
-        nonlocal worst, first_bad
-
-        def bad(why: str, diff: float = math.inf) -> None:
-            nonlocal worst, first_bad
-            worst = max(worst, diff)
-            if not first_bad:
-                first_bad = f"{path or 'output'}: {why}"
-
-        if isinstance(b, torch.Tensor):
-            if not isinstance(a, torch.Tensor) or a.shape != b.shape:
-                bad(f"shape {getattr(a, 'shape', type(a).__name__)} vs reference {tuple(b.shape)}")
-                return
-            if a.numel() == 0:
-                return
-            x = a.detach().to(torch.float64).cpu()
-            y = b.detach().to(torch.float64).cpu()
-            both_nan = torch.isnan(x) & torch.isnan(y)
-            diff = (x - y).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
-            d = float(diff.max())
-            worst = max(worst, d)
-            if not bool((diff <= atol + rtol * y.abs().nan_to_num(nan=0.0)).all()):
-                bad(f"max abs difference {d:.6g} (atol {atol:g}, rtol {rtol:g})", d)
-        elif isinstance(b, (tuple, list)):
-            if not isinstance(a, (tuple, list)) or len(a) != len(b):
-                bad(f"structure {type(a).__name__} vs reference {type(b).__name__} of {len(b)}")
-                return
-            for i, (u, v) in enumerate(zip(a, b)):
-                walk(u, v, f"{path}[{i}]")
-        elif isinstance(b, dict):
-            if not isinstance(a, dict) or set(a) != set(b):
-                bad(f"keys {sorted(map(str, a)) if isinstance(a, dict) else type(a).__name__} vs reference "
-                    f"{sorted(map(str, b))}")
-                return
-            for k in b:
-                walk(a[k], b[k], f"{path}[{k!r}]")
-        elif a != b:
-            bad(f"{a!r} vs reference {b!r}")
-
-    walk(got, want, "")
+    got_leaves = list(iter_tensors(got, where=""))
+    want_leaves = list(iter_tensors(want, where=""))
+    if [p for p, _ in got_leaves] != [p for p, _ in want_leaves]:
+        return False, math.inf, (f"structure: tensors at {[p for p, _ in got_leaves]} vs reference "
+                                 f"{[p for p, _ in want_leaves]}")
+    worst, first_bad = 0.0, ""
+    for (path, a), (_, b) in zip(got_leaves, want_leaves):
+        if a.shape != b.shape:
+            worst = math.inf
+            first_bad = first_bad or f"{path or 'output'}: shape {tuple(a.shape)} vs reference {tuple(b.shape)}"
+            continue
+        ok, d = _leaf_diff(a, b, atol, rtol)
+        worst = max(worst, d)
+        if not ok and not first_bad:
+            first_bad = f"{path or 'output'}: max abs difference {d:.6g} (atol {atol:g}, rtol {rtol:g})"
     return not first_bad, worst, first_bad
 
 
@@ -226,7 +173,7 @@ class Verifier:
         self.replays[key] = n
         if not self.policy.samples(n):
             return
-        got = _clone(output)  # the reference may run in the same pool; keep the replay's values
+        got = map_tensors(lambda t: t.detach().clone(), output)  # the reference may run in the same pool; keep the replay's values
         with torch.no_grad():
             want = backend.verify_reference(eager_fn, key, static_batch)
         atol, rtol = backend.verify_tolerance(_compute_dtype(model, want))

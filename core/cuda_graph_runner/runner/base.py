@@ -422,7 +422,6 @@ class BaseCudaGraphRunner(abc.ABC):
         where = f"{self.phase} graph output"
 
         def forward_fn() -> Any:
-        def forward_fn() -> Any:
             # The guard covers warm-ups too: a read there is a read in the recorded run.
             with forward_context(batch), host_value_guard(self._backend_label(), self.phase, scope):
                 output = self.graph_forward(batch)
