@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,8 +37,8 @@ class PerRequestToy(ToyModel):
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         # Snapshot: the runner reuses its request-axis capture buffers for every shape.
-        self.capture_batches.append({k: (v.tolist() if isinstance(v, torch.Tensor) else v)
-                                     for k, v in vars(batch).items()})
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        self.capture_batches.append({k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         self.replay_batches.append(batch)

@@ -116,35 +116,50 @@ class StaticForwardBatch(ForwardBatch):
 
     def replace(self, **changes: Any) -> "StaticForwardBatch":
         """A shallow copy with some fields replaced, without reading guarded fields."""
-        values = {f.name: self.__dict__[f.name] for f in dataclasses.fields(self) if f.init}
+        values = {f.name: _stored(self, f.name) for f in dataclasses.fields(self) if f.init}
         values.update(changes)
         return type(self)(**values)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{f.name}={self.__dict__.get(f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+        inner = ", ".join(f"{f.name}={_stored(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
         return f"{type(self).__name__}({inner})"
 
 
+def _storage_key(name: str) -> str:
+    # Guarded values live under another key than the property's name: Dynamo (torch 2.11)
+    # resolves ``self.__dict__[name]`` back through the property and recurses forever.
+    return "_guarded_" + name
+
+
+def _stored(batch: ForwardBatch, name: str) -> Any:
+    """The value of field ``name`` without a guarded read (for repr, replace, copies)."""
+    data = batch.__dict__
+    key = _storage_key(name)
+    return data[key] if key in data else data.get(name)
+
+
 def _guarded_field(name: str) -> property:
+    key = _storage_key(name)
+
     def get(self: ForwardBatch) -> Any:
         check_host_read(name)
-        return self.__dict__[name]
+        return self.__dict__[key]
 
     def set_(self: ForwardBatch, value: Any) -> None:
-        self.__dict__[name] = value
+        self.__dict__[key] = value
 
     return property(get, set_, doc=f"Host field ``{name}`` (guarded during capture).")
 
 
 def _get_extra(self: ForwardBatch) -> Dict[str, Any]:
-    data = self.__dict__["extra"]
+    data = self.__dict__[_storage_key("extra")]
     if guard_engaged():
         return GuardedExtra(data, self.__dict__["input_ids"].device)  # type: ignore[return-value]
     return data
 
 
 def _set_extra(self: ForwardBatch, value: Dict[str, Any]) -> None:
-    self.__dict__["extra"] = value
+    self.__dict__[_storage_key("extra")] = value
 
 
 for _name in HOST_FIELDS:
@@ -159,6 +174,6 @@ def as_static_batch(batch: ForwardBatch, **changes: Any) -> StaticForwardBatch:
     with ``changes`` applied; a static batch without changes is returned as is."""
     if isinstance(batch, StaticForwardBatch):
         return batch.replace(**changes) if changes else batch
-    values = {f.name: batch.__dict__[f.name] for f in dataclasses.fields(batch) if f.init}
+    values = {f.name: _stored(batch, f.name) for f in dataclasses.fields(batch) if f.init}
     values.update(changes)
     return StaticForwardBatch(**values)
