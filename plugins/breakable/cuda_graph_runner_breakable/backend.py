@@ -482,14 +482,9 @@ def _same_stream(a: Any, b: Any) -> bool:
 
 
 def _all_on_cuda(value: Any) -> bool:
-    # Weak aliases only for memory a CUDA graph pool keeps alive (never a fake's host tensors).
-    if isinstance(value, torch.Tensor):
-        return value.device.type == "cuda"
-    if isinstance(value, (tuple, list)):
-        return all(_all_on_cuda(v) for v in value)
-    if isinstance(value, dict):
-        return all(_all_on_cuda(v) for v in value.values())
-    return True
+    # Weak aliases are only safe for memory a CUDA graph pool keeps alive (a fake device
+    # module in CPU tests captures plain host tensors, which would be freed under them).
+    return all(t.device.type == "cuda" for _, t in iter_tensors(value))
 
 
 def _has_tensor(value: Any) -> bool:

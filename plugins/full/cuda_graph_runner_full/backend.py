@@ -9,6 +9,7 @@ import torch
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.nested import iter_tensors
 from cuda_graph_runner.weak_ref import weak_ref_tensors
 
 
@@ -99,10 +100,4 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
 def _all_on_cuda(value: Any) -> bool:
     # Weak aliases are only safe for memory a CUDA graph pool keeps alive (a fake device
     # module in CPU tests captures plain host tensors, which would be freed under them).
-    if isinstance(value, torch.Tensor):
-        return value.device.type == "cuda"
-    if isinstance(value, (tuple, list)):
-        return all(_all_on_cuda(v) for v in value)
-    if isinstance(value, dict):
-        return all(_all_on_cuda(v) for v in value.values())
-    return True
+    return all(t.device.type == "cuda" for _, t in iter_tensors(value))
