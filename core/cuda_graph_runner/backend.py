@@ -40,6 +40,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, 
 
 import torch
 
+from .device import resolve_device
 from .forward_batch import ForwardBatch
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -103,7 +104,9 @@ class BaseCudaGraphBackend(abc.ABC):
         memory_pool: Any = None,
         device_module: Any = None,
     ) -> None:
-        self.device = torch.device(device)
+        # "cuda" means the current device *now*: resolved once, so a later change of the
+        # current device never moves this backend's graphs.
+        self.device = resolve_device(device, device_module)
         self.phase = phase
         self.phase_config = phase_config
         self._memory_pool = memory_pool

@@ -42,10 +42,12 @@ def resolve_device(device: "torch.device | str", device_module: Optional[Any] = 
     device = torch.device(device)
     if device.index is not None or device.type == "cpu":
         return device
-    current = getattr(device_module_of(device, device_module), "current_device", None)
-    if current is None:
+    try:
+        current = getattr(device_module_of(device, device_module), "current_device", None)
+        index = current() if current is not None else None
+    except Exception:  # no such device in this build (CUDA on a CPU-only torch): keep it as given
         return device
-    return torch.device(device.type, current())
+    return device if index is None else torch.device(device.type, index)
 
 
 def device_guard(device: "torch.device | str", device_module: Optional[Any] = None) -> ContextManager[Any]:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from .host_guard import marked_op_running
+from .host_guard import run_marked_op
 
 NAMESPACE = "cuda_graph_runner"
 
@@ -128,11 +128,10 @@ def _lifting_host_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     at replay. torch infers the custom op's schema from ``fn``'s annotations, evaluated in
     the wrapper's globals when they are strings: the wrapper gets ``fn``'s globals (it uses
     closure variables only) and ``functools.wraps`` its signature."""
-    lift = marked_op_running
+    call = run_marked_op
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with lift():
-            return fn(*args, **kwargs)
+        return call(fn, args, kwargs)
 
     wrapper = types.FunctionType(run.__code__, fn.__globals__, fn.__name__, None, run.__closure__)
     return functools.wraps(fn)(wrapper)

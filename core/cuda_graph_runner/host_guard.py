@@ -129,6 +129,20 @@ def marked_op_running() -> Iterator[None]:
         guard.lifted -= 1
 
 
+def run_marked_op(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with the guard lifted as :func:`marked_op_running` does, without
+    a context manager: marked ops run once per layer at every breakable / tc_piecewise
+    replay, where a generator-based context would cost microseconds per call."""
+    guard = _local.guard
+    if guard is None or guard.scope == SCOPE_FORWARD:
+        return fn(*args, **kwargs)
+    guard.lifted += 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        guard.lifted -= 1
+
+
 def _armed(guard: Optional[_Guard]) -> bool:
     if guard is None or guard.lifted:
         return False
@@ -167,7 +181,8 @@ def _message(field: str, guard: _Guard) -> str:
         "extend_seq_lens, extend_prefix_lens) with tensor ops; or move the read into an op marked with "
         "cuda_graph_runner.graph_break.eager_op and use a backend that runs marked ops eagerly at replay "
         "(breakable, tc_piecewise); or read it in init_forward_metadata_capture/replay. To capture anyway, set "
-        f"the config key {guard.phase}.host_value_guard to false (then check replays with verify mode)."
+        f"the config key {guard.phase}.host_value_guard to false (then check replays with verify mode). "
+        "Copying the batch counts as reading every field: use batch.replace(...), not dataclasses.replace."
     )
 
 

@@ -26,7 +26,7 @@ from ..config import CudaGraphConfig, PhaseConfig
 from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
-from ..device import device_guard, synchronize
+from ..device import device_guard, resolve_device, synchronize
 from ..nested import check_structure, clone_tensors, map_tensors
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..pool import get_capture_stream
@@ -103,6 +103,8 @@ def slice_rows(output: Any, rows: int) -> Any:
     """``t[:rows]`` for every tensor of ``output`` with at least one dimension (views, no
     copy), through tuples, NamedTuples, lists, dicts and dataclasses, rebuilt with the
     same types (:mod:`cuda_graph_runner.nested`); constants and 0-d tensors pass through."""
+    if isinstance(output, torch.Tensor):  # the common case (logits), without the walker
+        return output[:rows] if output.dim() > 0 else output
     return map_tensors(lambda t: t[:rows] if t.dim() > 0 else t, output)
 
 
@@ -198,12 +200,18 @@ class BaseCudaGraphRunner(abc.ABC):
         if owned_outputs is not None and not isinstance(owned_outputs, bool):
             raise TypeError(f"owned_outputs={owned_outputs!r}: must be True, False or None (the config's value)")
         self.model = model
-        self.device = torch.device(device) if device is not None else _model_device(model, type(self).__name__)
+        # An index-less "cuda" is resolved once: buffers, graphs and replays stay on one device.
+        self.device = resolve_device(device) if device is not None else _model_device(model, type(self).__name__)
         self.config = _as_config(config, self.phase)
         self.phase_config: PhaseConfig = self.config[self.phase]
         #: Whether replayed outputs are cloned for the caller (see the class docstring).
         self.owned_outputs: bool = bool(self.phase_config.owned_outputs) if owned_outputs is None else owned_outputs
         if isinstance(backend, BaseCudaGraphBackend):
+            theirs = backend.device
+            if theirs.type == self.device.type and None not in (theirs.index, self.device.index) \
+                    and theirs.index != self.device.index:
+                raise ValueError(f"backend {backend.name!r} is on {theirs} but the runner's device is {self.device}: "
+                                 f"build the backend with device={str(self.device)!r} or pass device={str(theirs)!r}")
             self.backend = backend
         else:
             from ..registry import get_registry
@@ -314,20 +322,28 @@ class BaseCudaGraphRunner(abc.ABC):
         and the backend's calls run inside its device guard.
 
         Args:
-            sizes: a subset of ``capture_sizes``; None means all of them.
+            sizes: a subset of ``capture_sizes`` (a list of ints, or one int); None means
+                all of them.
 
         Returns:
             A :class:`~cuda_graph_runner.capture_report.CaptureReport`.
 
         Raises:
             ValueError: ``sizes`` names a size not in ``capture_sizes`` (lists both).
+            TypeError: ``sizes`` is not an int or a list of ints.
+            cuda_graph_runner.errors.CudaGraphHostValueError: the model read a host value of
+                the batch where the graph would freeze it (names the field and the fixes).
             cuda_graph_runner.capture_report.CaptureOutOfMemoryError: the device ran out of
                 memory (a ``torch.OutOfMemoryError``; names phase, backend, size, the sizes
                 done, the pool so far and the fixes). Captured sizes stay usable.
             cuda_graph_runner.nested.UnsupportedStructureError: the forward returns a type
                 the runner cannot slice or copy (named, with its place in the output).
         """
+        if isinstance(sizes, int):
+            sizes = [sizes]
         if sizes is not None:
+            if not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+                raise TypeError(f"sizes={sizes!r}: expected a list of ints from capture_sizes {self.capture_sizes}")
             bad = sorted(set(int(s) for s in sizes) - set(self.capture_sizes))
             if bad:
                 raise ValueError(f"sizes {bad} are not among this runner's capture sizes {self.capture_sizes}")
@@ -451,11 +467,15 @@ class BaseCudaGraphRunner(abc.ABC):
         Raises:
             ValueError: the batch is larger than the largest captured size.
             KeyError: no graph for its padded size (call ``can_run`` first).
+            cuda_graph_runner.errors.CudaGraphVerifyError: verify mode is on and this replay
+                differs from the backend's reference on the same batch.
         """
         device, module = self._graph_device()
         # On the caller's current stream of the runner's device: no synchronize here, so
         # an engine overlapping the next batch's preparation keeps its stream order.
-        with device_guard(device, module), torch.no_grad():
+        # forward() already entered no_grad; entering it again costs microseconds per step.
+        grad_off = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+        with device_guard(device, module), grad_off:
             key, static_batch = self.replay_prepare(batch)
             with forward_context(static_batch), self.backend.replay_session():
                 output = self.backend.replay(key, static_batch)
