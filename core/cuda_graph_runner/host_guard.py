@@ -146,7 +146,19 @@ def run_marked_op(fn: Any, args: tuple, kwargs: dict) -> Any:
 def _armed(guard: Optional[_Guard]) -> bool:
     if guard is None or guard.lifted:
         return False
-    return guard.scope != SCOPE_TRACE or torch.compiler.is_compiling()
+    return guard.scope != SCOPE_TRACE or _dynamo_tracing()
+
+
+def _dynamo_tracing() -> bool:
+    # Called for real by Dynamo (assume_constant_result) while it traces. torch >= 2.12 sets
+    # is_compiling() then; torch 2.11 does not, but its tracing context is active.
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._guards import TracingContext
+    except ImportError:  # a torch without it: is_compiling() is all there is
+        return False
+    return TracingContext.try_get() is not None
 
 
 @torch.compiler.assume_constant_result
