@@ -144,3 +144,31 @@ def test_config_help_default_agrees_with_the_printed_config(capsys):
     assert report["config"]["decode"]["max_bs"] is None and report["effective"]["decode"]["max_bs"] == 256
     assert report["effective"]["prefill"]["max_bs"] == 4096
     assert "checked against the installed backends" in report["legend"]["backends_checked"]
+
+
+# -- found trying the CLI as a new user ------------------------------------------------------------
+
+
+def test_bad_environment_variable_is_reported_before_any_work(monkeypatch, capsys):
+    # The verify variables are read only when a runner is built; `backends` builds none.
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_VERIFY", "maybe")
+    assert main(["backends"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA_GRAPH_RUNNER_VERIFY='maybe'" in err and "accepted" in err and "Traceback" not in err
+
+
+def test_bench_json_into_a_missing_folder_fails_before_the_run(tmp_path, capsys):
+    target = tmp_path / "no" / "such" / "x.json"
+    assert main(["bench", "--json", str(target), *TINY]) == 2
+    out, err = capsys.readouterr()
+    assert str(tmp_path / "no" / "such") in err and "eager ms" not in out and not target.exists()
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    # `cuda-graph-runner config | head -c 0`: the reader has left before the command writes.
+    cli = subprocess.Popen([sys.executable, "-m", "cuda_graph_runner", "config"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    cli.stdout.close()
+    err = cli.stderr.read().decode()
+    cli.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -394,6 +394,13 @@ def run_bench(args: argparse.Namespace) -> int:
     except CudaGraphConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.json_path:
+        folder = os.path.dirname(os.path.abspath(args.json_path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            # Checked before minutes of capture and timing, not after.
+            print(f"error: --json {args.json_path!r}: folder {folder!r} does not exist or is not writable",
+                  file=sys.stderr)
+            return 2
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError) as exc:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from typing import Any, List, Optional
 
-from . import __version__
+from . import __version__, envs
 from .config import CudaGraphConfigError
 from .envs import EnvVarError
 from .errors import CudaGraphRunnerError, UnknownBackendError
@@ -150,7 +151,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
     try:
         args = build_parser().parse_args(argv)
+        envs.check_all()  # a bad CUDA_GRAPH_RUNNER_* value is reported before any work
         return args.func(args)
+    except BrokenPipeError:  # `... | head`: the reader left; stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except (CudaGraphConfigError, UnknownBackendError, EnvVarError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -41,6 +41,8 @@ LEGEND = {
     "effective": "what the nulls become on this machine",
     "backends_checked": "true: backend names and backend options were checked against the installed backends; "
                         "false: the registry could not be imported, so they were not checked",
+    "environment": "CUDA_GRAPH_RUNNER_VERIFY, _VERIFY_FIRST_N and _VERIFY_EVERY, where set, override the verify "
+                   "keys of both phases when a runner is built (not shown in config/sources)",
 }
 
 

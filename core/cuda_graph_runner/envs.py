@@ -162,6 +162,19 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     return var.parse(env.get(name))
 
 
+def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Parse every variable in the table that is set, so a bad value is reported up front
+    (the CLI calls it first) rather than only when, or if, its reader runs.
+
+    Raises:
+        EnvVarError: the first variable whose value does not parse (named, with what is accepted).
+    """
+    env = os.environ if environ is None else environ
+    for name, var in list(VARIABLES.items()):
+        if name in env:
+            var.parse(env[name])
+
+
 def raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The unparsed text of ``name`` (None: unset), for messages that quote it.
 

@@ -76,7 +76,7 @@ import torch._dynamo
 from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
-from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch
 from cuda_graph_runner.forward_context import forward_context
 
 from .compiler import PIECE_COMPILERS, CompiledGraph, PiecewiseDynamoBackend
@@ -469,6 +469,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
                     return direct.run()
         else:
             mark_dynamic_tokens(args, kwargs)
+        # Dynamo traced the runner's StaticForwardBatch; a plain ForwardBatch (eager
+        # fallback, forward_compiled) would fail its type guard and recompile the model.
+        args = tuple(as_static_batch(a) if type(a) is ForwardBatch else a for a in args)
         record = (act is not None and act.mode is Mode.CAPTURE and self.direct_replay and self.capture_enabled
                   and self._graph_calls is None)
         if record:
