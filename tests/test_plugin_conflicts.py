@@ -103,3 +103,12 @@ def test_prefer_in_a_fresh_process(dup_site):
         print(json.dumps({"cls": type(b).__name__, "dist": {e.name: e.distribution for e in registry.list_backends()}["dup"]}))
     """, pythonpath=[dup_site], env={registry.ENV_PREFER: "dup=cgr-dup-two"})
     assert out == {"cls": "DupTwo", "dist": "Cgr_Dup.Two"}
+
+
+def test_backends_lists_a_conflict_and_check_fails_on_it(with_dups, capsys):
+    from cuda_graph_runner.cli import main
+
+    assert main(["backends", "--device-type", "cpu"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("dup "))
+    assert "conflict" in line and "cgr-dup-one" in line and "CUDA_GRAPH_RUNNER_PREFER" in line
+    assert main(["backends", "--check"]) == 1
