@@ -123,7 +123,7 @@ def register_eager_op(name: str, fn: Callable[..., None], *, mutates_args: Seque
 
 
 def _lifting_host_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run with the host-value guard lifted (:func:`cuda_graph_runner.host_guard.marked_op_running`):
+    """``fn`` run with the host-value guard lifted (:func:`cuda_graph_runner.host_guard.run_marked_op`):
     a marked op reads live host metadata, which is fine wherever the backend runs it eagerly
     at replay. torch infers the custom op's schema from ``fn``'s annotations, evaluated in
     the wrapper's globals when they are strings: the wrapper gets ``fn``'s globals (it uses

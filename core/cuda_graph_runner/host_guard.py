@@ -72,7 +72,7 @@ __all__ = [
     "guard_engaged",
     "host_value_guard",
     "is_host_value",
-    "marked_op_running",
+    "run_marked_op",
 ]
 
 
@@ -114,25 +114,11 @@ def host_value_guard(backend: str, phase: str, scope: str) -> Iterator[None]:
         _local.guard = previous
 
 
-@contextlib.contextmanager
-def marked_op_running() -> Iterator[None]:
-    """Lift the guard while a marked op's body runs (graph_break wraps every marked op in it),
-    unless the backend's scope is ``"forward"`` (it records marked ops into the graph too)."""
-    guard = _local.guard
-    if guard is None or guard.scope == SCOPE_FORWARD:
-        yield
-        return
-    guard.lifted += 1
-    try:
-        yield
-    finally:
-        guard.lifted -= 1
-
-
 def run_marked_op(fn: Any, args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` with the guard lifted as :func:`marked_op_running` does, without
-    a context manager: marked ops run once per layer at every breakable / tc_piecewise
-    replay, where a generator-based context would cost microseconds per call."""
+    """``fn(*args, **kwargs)`` with the host-value guard lifted while a marked op's body runs
+    (graph_break wraps every marked op in it), unless the backend's scope is ``"forward"``
+    (it records marked ops into the graph too). A plain call, not a context manager:
+    marked ops run once per layer at every breakable / tc_piecewise replay."""
     guard = _local.guard
     if guard is None or guard.scope == SCOPE_FORWARD:
         return fn(*args, **kwargs)
