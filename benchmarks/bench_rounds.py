@@ -43,11 +43,12 @@ class CellTimes:
     gc_ms: float = 0.0
 
     def summary(self) -> Dict[str, Any]:
-        """``{median_ms, min_ms, max_ms, samples_ms, warmup_rounds, steady, gc_ms}`` (JSON cell)."""
+        """``{median_ms, min_ms, max_ms, samples_ms, warmup_rounds, warmup_ms, steady, gc_ms}`` (JSON cell)."""
         s = self.samples_ms
         return {"median_ms": statistics.median(s) if s else None, "min_ms": min(s) if s else None,
                 "max_ms": max(s) if s else None, "samples_ms": [round(x, 5) for x in s],
-                "warmup_rounds": len(self.warmup_ms), "steady": self.steady, "gc_ms": round(self.gc_ms, 3)}
+                "warmup_rounds": len(self.warmup_ms), "warmup_ms": [round(x, 4) for x in self.warmup_ms],
+                "steady": self.steady, "gc_ms": round(self.gc_ms, 3)}
 
 
 class _GcTimer:
@@ -91,15 +92,21 @@ def is_steady(history: Sequence[float], *, window: int = 3, tol: float = 0.02) -
 
 def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int, sync: Callable[[], None],
                warmup_min: int = 3, warmup_max: int = 20, tol: float = 0.02, window: int = 3,
-               clock: Clock = time.perf_counter,
+               warmup_min_s: float = 0.0, clock: Clock = time.perf_counter,
                between_rounds: Optional[Callable[[], None]] = None,
                must_settle: Optional[Sequence[str]] = None) -> Dict[str, CellTimes]:
     """Time every method in interleaved rounds after a warm-up that reaches steady state.
 
     One block = ``sync(); iters`` calls ``; sync()``, its time divided by ``iters``; one
     round = one block of every method, the order rotated by one each round. Warm-up rounds
-    run at least ``warmup_min`` and at most ``warmup_max`` times, and stop as soon as every
-    method :func:`is_steady`; then ``rounds`` measured rounds follow.
+    run at least ``warmup_min`` times and for at least ``warmup_min_s`` seconds, at most
+    ``warmup_max`` times, and stop as soon as every method :func:`is_steady`; then
+    ``rounds`` measured rounds follow.
+
+    Why a minimum time as well as a steady test: on a fresh machine the host-bound backends
+    were seen on a slow plateau for the first few seconds of timing (flat, so the steady test
+    passed on it) and fast afterwards; a rule on the shape of the curve alone cannot tell a
+    plateau from the end state, a few seconds of warm-up can.
 
     Args:
         methods: ``{name: fn}``; ``fn()`` runs one step (device work may be asynchronous).
@@ -108,6 +115,8 @@ def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int
         sync: waits for the device (``torch.cuda.synchronize``; a no-op on CPU).
         warmup_min, warmup_max: bounds on the warm-up rounds (0 <= min <= max).
         tol, window: see :func:`is_steady`.
+        warmup_min_s: seconds of warm-up (by ``clock``) before the steady test may end it
+            (>= 0); ``warmup_max`` still caps the rounds.
         clock: seconds (``time.perf_counter``; tests pass a fake one).
         between_rounds: called after each round (e.g. a device synchronize).
         must_settle: the methods whose steady state ends the warm-up (default all); the
@@ -123,6 +132,8 @@ def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int
         raise ValueError(f"iters and rounds must be >= 1, got iters={iters}, rounds={rounds}")
     if not 0 <= warmup_min <= warmup_max:
         raise ValueError(f"need 0 <= warmup_min <= warmup_max, got {warmup_min}, {warmup_max}")
+    if warmup_min_s < 0:
+        raise ValueError(f"need warmup_min_s >= 0 (seconds), got {warmup_min_s}")
     names = list(methods)
     cells = {n: CellTimes() for n in names}
     gate = [cells[n] for n in (names if must_settle is None else must_settle) if n in cells]
@@ -149,10 +160,11 @@ def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int
             between_rounds()
 
     index = 0
+    started = clock()
     while index < warmup_max:
         one_round(index, measured=False)
         index += 1
-        if index >= warmup_min and all(is_steady(c.warmup_ms, window=window, tol=tol) for c in gate):
+        if index >= warmup_min and clock() - started >= warmup_min_s and all(is_steady(c.warmup_ms, window=window, tol=tol) for c in gate):
             break
     for c in cells.values():
         c.steady = is_steady(c.warmup_ms, window=window, tol=tol)

@@ -30,7 +30,9 @@ How the numbers are made to hold from run to run (issue 12; docs/benchmarks.md s
    (a block of ``--iters`` calls between two device synchronizes), in an order rotated
    every round, so a drift of the machine hits all methods alike; warm-up rounds repeat
    until every method's time changes by less than 2% (median of 3 rounds vs the 3 before,
-   at most ``--warmup-max`` rounds), then ``--rounds`` rounds are measured. Each cell
+   at most ``--warmup-max`` rounds) and for at least ``--warmup-min-s`` seconds (a fresh
+   machine showed a flat but slow first few seconds), then ``--rounds`` rounds are
+   measured; a host-speed probe after every round is kept (``host_probe_us``). Each cell
    reports median, min and max over the measured rounds, and ratios pair round with round.
 5. ``--pin-cpu`` pins the process to the given CPUs while timing (host-bound backends
    suffer most from a busy host); the GPU's SM clock, throttle reasons and the host load
@@ -347,7 +349,8 @@ class Results:
         self.path = os.path.join(out_dir, "benchmarks.json")
         self.md_path = os.path.join(out_dir, "benchmarks.md")
         self.used_sleep: set = set()  # methods that got the test-only --inject-sleep-ms
-        self.data: Dict[str, Any] = {"schema": SCHEMA, "env": env, "settings": settings, "models": {}, "notes": []}
+        self.data: Dict[str, Any] = {"schema": SCHEMA, "env": env, "settings": settings, "models": {}, "notes": [],
+                                     "host_probe_us": {}}
 
     def model(self, name: str) -> Dict[str, Any]:
         return self.data["models"].setdefault(name, {"decode": {}, "ratios": {}, "prefill": {}, "capture": {},
@@ -377,6 +380,16 @@ def decode_batches(model: Any, batch_sizes: Sequence[int], prompt_len: int) -> D
     return batches
 
 
+def host_probe_us() -> float:
+    """Microseconds a fixed pure-Python loop takes now: a host-speed sample (CPU clocks,
+    contention), independent of the GPU."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(20000):
+        total += i
+    return (time.perf_counter() - start) * 1e6
+
+
 class Timer:
     """Runs the rounds of one size with the run's settings (sleep injection, pinning, GC)."""
 
@@ -397,6 +410,12 @@ class Timer:
             else:
                 fns[name] = fn
         a = self.args
+        probes: List[float] = []
+
+        def between_rounds() -> None:
+            self.sync()
+            probes.append(host_probe_us())
+
         gc.collect()
         if a.gc_freeze:
             gc.freeze()
@@ -405,12 +424,16 @@ class Timer:
                 # Eager need not settle: it is no reference (bound by the host's launch rate,
                 # it wanders) and waiting for it would run every warm-up to the cap.
                 cells = run_rounds(fns, iters=a.iters, rounds=a.rounds, sync=self.sync, warmup_min=a.warmup_min,
-                                   warmup_max=a.warmup_max, tol=a.warmup_tol, between_rounds=self.sync,
+                                   warmup_max=a.warmup_max, tol=a.warmup_tol, warmup_min_s=a.warmup_min_s,
+                                   between_rounds=between_rounds,
                                    must_settle=[n for n in fns if n != "eager"])
         finally:
             if a.gc_freeze:
                 gc.unfreeze()
         out = {name: cell.summary() for name, cell in cells.items()}
+        # One host-speed sample per round (warm-up and measured): tells a slow host (clocks,
+        # contention) from a slow device path when a round is slow.
+        self.results.data["host_probe_us"][label] = [round(x, 1) for x in probes]
         unsteady = [n for n, c in out.items() if not c["steady"] and n != "eager"]
         if unsteady:
             self.results.note(f"{label}: warm-up hit --warmup-max={a.warmup_max} before {', '.join(unsteady)} settled "
@@ -606,7 +629,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--iters", type=int, default=20, help="calls per timed block")
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds (one block per method each)")
     parser.add_argument("--warmup-min", type=int, default=3, help="fewest warm-up rounds")
-    parser.add_argument("--warmup-max", type=int, default=20, help="most warm-up rounds (the steady-state cap)")
+    parser.add_argument("--warmup-max", type=int, default=40, help="most warm-up rounds (the steady-state cap)")
+    parser.add_argument("--warmup-min-s", type=float, default=4.0,
+                        help="seconds of warm-up per batch size before the steady test may end it "
+                             "(a fresh machine's first seconds were a slow plateau)")
     parser.add_argument("--warmup-tol", type=float, default=0.02,
                         help="warm-up ends when each method's median of 3 rounds moves less than this (relative)")
     parser.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)  # old name of --rounds
@@ -624,9 +650,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats is not None:
         args.rounds = args.repeats
-    if args.iters < 1 or args.rounds < 1 or not 0 <= args.warmup_min <= args.warmup_max:
-        parser.error(f"need --iters >= 1, --rounds >= 1 and 0 <= --warmup-min <= --warmup-max; got {args.iters}, "
-                     f"{args.rounds}, {args.warmup_min}, {args.warmup_max}")
+    if args.iters < 1 or args.rounds < 1 or not 0 <= args.warmup_min <= args.warmup_max or args.warmup_min_s < 0:
+        parser.error(f"need --iters >= 1, --rounds >= 1, 0 <= --warmup-min <= --warmup-max and --warmup-min-s >= 0; "
+                     f"got {args.iters}, {args.rounds}, {args.warmup_min}, {args.warmup_max}, {args.warmup_min_s}")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.models is None:
         args.models = ["tiny"] if args.device == "cpu" else ["llama-3.2-1b", "qwen2.5-0.5b"]
@@ -641,7 +667,8 @@ def main(argv: Optional[List[str]] = None) -> int:
            "inductor_cache": inductor_cache_state(), "inductor_config": pin_inductor(args.inductor_config),
            "inject_sleep_ms": dict(args.inject_sleep_ms or []), "gpu_at_start": gpu_state()}
     settings = {"iters": args.iters, "rounds": args.rounds, "warmup_min": args.warmup_min,
-                "warmup_max": args.warmup_max, "warmup_tol": args.warmup_tol, "quick": args.quick,
+                "warmup_max": args.warmup_max, "warmup_tol": args.warmup_tol,
+                "warmup_min_s": args.warmup_min_s, "quick": args.quick,
                 "prompt_len": args.prompt_len}
     if env["inject_sleep_ms"]:
         print(f"TEST ONLY: --inject-sleep-ms {env['inject_sleep_ms']} slows these methods on purpose", flush=True)

@@ -123,8 +123,28 @@ def test_rounds_only_must_settle_methods_gate_the_warmup():
     assert cells["g"].steady and not cells["eager"].steady
 
 
+def test_rounds_min_warmup_time_outlasts_a_slow_plateau():
+    """A flat slow plateau passes the steady test; the minimum warm-up time outlasts it."""
+    clock = FakeClock()
+    calls = {"n": 0}
+
+    def plateau_then_fast():  # 4 ms per call for the first 0.1 s of the run, then 2 ms
+        calls["n"] += 1
+        clock.now += (0.004 if clock.now < 0.1 else 0.002)
+
+    quick = bench_rounds.run_rounds({"p": plateau_then_fast}, iters=1, rounds=3, sync=lambda: None,
+                                    warmup_min=1, warmup_max=100, clock=clock)
+    assert quick["p"].steady and quick["p"].samples_ms == pytest.approx([4.0] * 3)  # fooled by the plateau
+    clock.now = 0.0
+    timed = bench_rounds.run_rounds({"p": plateau_then_fast}, iters=1, rounds=3, sync=lambda: None,
+                                    warmup_min=1, warmup_max=100, warmup_min_s=0.15, clock=clock)
+    assert timed["p"].steady and timed["p"].samples_ms == pytest.approx([2.0] * 3)
+    assert timed["p"].summary()["warmup_ms"][0] == pytest.approx(4.0)
+
+
 @pytest.mark.parametrize("kw", [dict(iters=0, rounds=1), dict(iters=1, rounds=0),
-                                dict(iters=1, rounds=1, warmup_min=3, warmup_max=2)])
+                                dict(iters=1, rounds=1, warmup_min=3, warmup_max=2),
+                                dict(iters=1, rounds=1, warmup_min_s=-1.0)])
 def test_rounds_reject_bad_settings(kw):
     with pytest.raises(ValueError, match="must be|need"):
         bench_rounds.run_rounds({"x": lambda: None}, sync=lambda: None, **kw)
