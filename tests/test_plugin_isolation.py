@@ -23,7 +23,7 @@ from cuda_graph_runner.backend import DisabledBackend
 from cuda_graph_runner.errors import RegistryReentryError
 from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
+from cuda_graph_runner.testing.conformance import install_plugin_distributions, write_plugin_source
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
 from toy_model import ToyModel
@@ -60,7 +60,6 @@ ISO_MODULES = {
                                                       "        registry.list_backends('cpu')"),
     "iso_peek": _spec_module("peek", before="""
         from cuda_graph_runner import registry
-from cuda_graph_runner.registry import discovery
         from cuda_graph_runner.errors import RegistryReentryError
         try:
             SEEN = sorted(registry.get_registry().names())

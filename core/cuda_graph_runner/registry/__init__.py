@@ -55,7 +55,8 @@ Environment variables (parsed by :mod:`cuda_graph_runner.envs`; booleans accept
 1/0/true/false/yes/no/on/off; read when the registry first scans):
 
 * ``CUDA_GRAPH_RUNNER_PLUGINS``: comma-separated entry-point (backend) names or
-  distribution names to autoload; unset means all, empty means none (llm/datasette).
+  distribution names to autoload; unset means all, empty means none (as llm's and
+  datasette's plugin-list variables do).
 * ``CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point (built-ins and
   ``register()`` still work), like ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``.
 * ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1``: a plugin failure raises instead of being listed.
