@@ -22,6 +22,10 @@ One concept per module, as in pluggy's ``_manager.py`` / ``_hooks.py`` and conda
 * :mod:`.manager`: ``BackendRegistry``, which ties them together;
 * :mod:`.process`: the process-wide registry, fork handling, module-level functions.
 
+What this package does not do: hold backend code (the ``disabled`` backend lives in
+:mod:`cuda_graph_runner.backend`), import any plugin when it is imported (the scan runs
+on first use), or decide runner policy (sizes, padding, fallbacks).
+
 Contract checks (when a backend class is checked against ``BaseCudaGraphBackend``):
 
 * a spec whose ``backend_class`` is a class object (in-process plugins) is checked when
