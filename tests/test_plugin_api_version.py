@@ -7,6 +7,7 @@ import pytest
 
 import cuda_graph_runner.hookspecs as hookspecs
 from cuda_graph_runner import registry
+from cuda_graph_runner.registry import versions
 from cuda_graph_runner.backend import DisabledBackend
 from cuda_graph_runner.errors import BackendUnavailableError
 from cuda_graph_runner.hookspecs import PLUGIN_API_VERSION, BackendSpec
@@ -48,6 +49,6 @@ def test_compatible_or_undeclared_is_available(declared):
 
 
 def test_older_minor_is_compatible(monkeypatch):
-    monkeypatch.setattr(registry, "PLUGIN_API_VERSION", "1.3")
+    monkeypatch.setattr(versions, "PLUGIN_API_VERSION", "1.3")
     assert registry.api_version_problem("1.1") is None
     assert "newer than the 1.3" in registry.api_version_problem("1.4")

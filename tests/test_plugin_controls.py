@@ -9,6 +9,7 @@ from importlib import metadata
 import pytest
 
 from cuda_graph_runner import registry
+from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.errors import UnknownBackendError
 from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.testing.conformance import install_plugin_distributions, registry_snapshot, write_plugin_source
@@ -96,7 +97,7 @@ def test_discovery_is_scanned_once_and_cached(ctl):
         calls.append(kwargs)
         return real(**kwargs)
 
-    ctl.setattr(registry.metadata, "entry_points", counting)
+    ctl.setattr(discovery.metadata, "entry_points", counting)
     registry.reset_registry()
     for _ in range(3):
         registry.list_backends("cpu")

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from cuda_graph_runner import registry
+from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.backend import DisabledBackend
 from cuda_graph_runner.errors import RegistryReentryError
 from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
+from cuda_graph_runner.testing.conformance import install_plugin_distributions, write_plugin_source
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
 from toy_model import ToyModel
@@ -147,19 +148,19 @@ def test_specs_hook_raising_system_exit_fails_only_its_plugin(iso):
 
 
 def test_keyboard_interrupt_still_interrupts(iso, monkeypatch):
-    real = registry.importlib.import_module
+    real = discovery.importlib.import_module
 
     def interrupted(name, *args):
         if name == "iso_good":
             raise KeyboardInterrupt
         return real(name, *args)
 
-    monkeypatch.setattr(registry.importlib, "import_module", interrupted)
+    monkeypatch.setattr(discovery.importlib, "import_module", interrupted)
     with pytest.raises(KeyboardInterrupt):
         registry.list_backends("cpu")
     with pytest.raises(Exception, match="interrupted.*reset_registry"):  # never a silent half-built registry
         registry.list_backends("cpu")
-    monkeypatch.setattr(registry.importlib, "import_module", real)
+    monkeypatch.setattr(discovery.importlib, "import_module", real)
     registry.reset_registry()
     assert _rows()["iso_good"].status == "available"
 
@@ -224,7 +225,7 @@ def test_entry_point_enumeration_failure_reads_distributions_one_by_one(iso, mon
     def broken(**kwargs):
         raise TypeError("expected string or bytes-like object, got 'NoneType'")
 
-    monkeypatch.setattr(registry.metadata, "entry_points", broken)
+    monkeypatch.setattr(discovery.metadata, "entry_points", broken)
     registry.reset_registry()
     with pytest.warns(RuntimeWarning, match="entry_points\\(\\) raised TypeError"):
         rows = _rows()

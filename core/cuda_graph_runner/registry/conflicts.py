@@ -1,21 +1,27 @@
 """Who gets a contested name or default: the registry's order-independent policy.
 
-Two kinds of contest, both reported rather than silently resolved:
+Three kinds of contest, all reported rather than silently resolved:
 
+* **One name, several distributions.** :func:`conflict_entry` turns them into one
+  ``conflict`` row that names every claimant and both ways to choose
+  (``CUDA_GRAPH_RUNNER_PREFER``, parsed by :func:`parse_preferences`, or ``prefer()``).
 * **Default claims.** Several plugins may answer ``cuda_graph_runner_default_backend``
-  for one (phase, device type). :func:`choose_default` drops claims whose backend cannot
-  run here (so an unusable claim passes to the next claimant), then picks the highest
-  ``priority``, then the smallest backend name, then the smallest distribution name. The
-  outcome depends on the claims only, never on install or ``sys.path`` order (pluggy calls
-  hooks in registration order, which is the order entry points were found).
+  for one (phase, device type). :func:`collect_default_claims` calls every claimant (one
+  raising or answering first decides nothing), and :func:`choose_default` drops claims
+  whose backend cannot run here (so an unusable claim passes to the next claimant), then
+  picks the highest ``priority``, then the smallest backend name, then the smallest
+  distribution name. The outcome depends on the claims only, never on install or
+  ``sys.path`` order (pluggy calls hooks in registration order, which is the order entry
+  points were found).
 * **One module behind two distributions.** A release and a nightly whose entry points
   both name the same module: Python imports that module once, from whichever directory
   comes first on ``sys.path``, so listing the backend under one distribution would hide
   which code runs. :func:`shared_module_reason` words the conflict.
 
-The registry calls these from :mod:`cuda_graph_runner.registry`; the idea of gathering
-every claim and ranking it by an explicit priority follows vLLM's platform plugins
-(each plugin says whether it is usable; more than one usable is reported).
+What it does not do: hold registry state or decide whether a claimed backend is usable
+(the registry passes that in); it never picks a winner among distributions on its own.
+The idea of gathering every claim and ranking it by an explicit priority follows vLLM's
+platform plugins (each plugin says whether it is usable; more than one usable is reported).
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from importlib import metadata
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from .hookspecs import DefaultClaim
+from ..errors import BackendConflictError
+from ..hookspecs import DefaultClaim
+from .entries import CONFLICT, BackendEntry
 
 DISABLED = "disabled"
 
@@ -167,6 +175,59 @@ def shared_module_reason(name: str, module: str, path: str, dists: Sequence[Tupl
             f"first on sys.path)")
 
 
-def failed_hint(status: str, reason: str) -> str:
-    """How ``config`` words a backend that is installed but cannot be used."""
-    return f"is installed but {status}: {reason}"
+
+def conflict_entry(name: str, group: Sequence[BackendEntry], prefer_env: str) -> BackendEntry:
+    """The ``conflict`` row for ``name`` registered by every entry of ``group`` (in the
+    order found); its reason names each distribution and how to choose one."""
+    dists = ", ".join(f"{e.distribution} {e.version}".strip() for e in group)
+    first = group[0].distribution
+    reason = (f"backend name {name!r} is registered by several distributions: {dists}; uninstall all but "
+              f"one, or choose one with {prefer_env}=\"{name}={first}\" or "
+              f"cuda_graph_runner.registry.prefer({name!r}, {first!r})")
+    return BackendEntry(name, dists, "", group[-1].phases, group[-1].devices, status=CONFLICT, reason=reason,
+                        error=BackendConflictError(reason), _fixed=True)
+
+
+def parse_preferences(text: str) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """``"name=distribution,..."`` as ``([(name, distribution)], [malformed items])``;
+    blank items are ignored."""
+    pairs, malformed = [], []
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, sep, dist = (p.strip() for p in item.partition("="))
+        if not sep or not name or not dist:
+            malformed.append(item)
+        else:
+            pairs.append((name, dist))
+    return pairs, malformed
+
+
+def collect_default_claims(hook: Any, phase: str, device_type: str, *, skip: Callable[[Any], bool],
+                           on_error: Callable[[Any, BaseException], None]) -> List[Tuple[Any, Tuple[str, int]]]:
+    """Every ``(hookimpl, (backend, priority))`` claim of the default-backend ``hook``.
+
+    pluggy stops a hook call at the first raising impl (and at the first answer:
+    firstresult), so one vendor's bug or install order would decide the default; the
+    impls are called one by one instead, in pluggy's call order. ``skip(plugin)`` leaves
+    an impl out (wrappers always are); ``on_error(impl, exc)`` hears each impl that
+    raised or answered something that is not a claim, and may raise to stop.
+
+    Raises:
+        KeyboardInterrupt: passed through; anything ``on_error`` raises.
+    """
+    args = {"phase": phase, "device_type": device_type}
+    claims = []
+    for impl in reversed(hook.get_hookimpls()):  # pluggy's call order
+        if impl.hookwrapper or impl.wrapper or skip(impl.plugin):
+            continue
+        try:
+            result = impl.function(*[args[a] for a in impl.argnames])
+            if result is None:
+                continue
+            claims.append((impl, as_claim(result)))
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            on_error(impl, exc)
+    return claims

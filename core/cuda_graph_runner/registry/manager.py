@@ -1,0 +1,409 @@
+"""``BackendRegistry``: the plugin manager that ties discovery, entries and policy together.
+
+What it does: owns the registry's state and lock, registers and prefers backends
+in-process, lists entries probed for a device, gathers default-backend claims, and
+resolves a name to a checked, built backend (importing its class on first use and
+recording the contract outcome on the entry). Every failure is recorded on the entry it
+belongs to; strict mode re-raises instead.
+
+What it does not do: scan entry points or talk to plugins' spec hooks (:mod:`.loading`),
+word conflicts or rank default claims (:mod:`.conflicts`), check class signatures
+(:mod:`.contract`), parse API versions (:mod:`.versions`), or hold the process-wide
+instance (:mod:`.process`). It never writes to a plugin's class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import pluggy
+
+from .. import backend_options, envs, hookspecs
+from ..config import CudaGraphConfig
+from ..errors import (
+    BackendConflictError,
+    BackendContractError,
+    BackendLoadError,
+    BackendUnavailableError,
+    UnknownBackendError,
+)
+from ..hookspecs import ENTRY_POINT_GROUP, BackendSpec
+from . import conflicts, discovery
+from .config_input import phase_config_of
+from .contract import check_backend_class
+from .discovery import one_line
+from .entries import (
+    AVAILABLE,
+    CONFLICT,
+    FAILED,
+    UNAVAILABLE,
+    BackendEntry,
+    default_device_type,
+    natural_device,
+    probe,
+    unknown_backend_message,
+)
+from .loading import PluginLoading, _BuiltinPlugin
+from .versions import CORE_DISTRIBUTION
+
+ENV_STRICT = envs.STRICT_PLUGINS
+
+# Every registry made in this process, so a forked child can renew their locks (:mod:`.process`).
+live_registries: "weakref.WeakSet[BackendRegistry]" = weakref.WeakSet()
+
+
+class BackendRegistry(PluginLoading):
+    """Discovers, lists and resolves backends. Most code uses the module-level functions.
+
+    Args:
+        group: entry-point group to scan.
+        autoload: scan entry points at all (the environment can turn it off too).
+        strict: re-raise plugin failures instead of listing them; None reads
+            ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS``.
+    """
+
+    def __init__(self, group: str = ENTRY_POINT_GROUP, *, autoload: bool = True,
+                 strict: Optional[bool] = None) -> None:
+        self.group = group
+        self.autoload = autoload
+        self.strict = bool(envs.get(ENV_STRICT)) if strict is None else strict
+        # Guards every read and write of the tables below; readers iterate over snapshots
+        # taken under it, so register() from another thread never breaks a listing.
+        self._lock = threading.RLock()
+        self._scanned = False
+        self._scan_error: Optional[BaseException] = None
+        # The thread running the scan, so a plugin that lists or resolves while it is
+        # being loaded gets RegistryReentryError instead of a half-built view.
+        self._scanning_thread: Optional[int] = None
+        # register()/prefer() calls made on this registry, replayed after reset_registry().
+        self._in_process: Dict[str, Tuple[BackendSpec, bool]] = {}
+        self._preferred: Dict[str, str] = {}
+        self._replay: Tuple[Dict[str, Tuple[BackendSpec, bool]], Dict[str, str]] = ({}, {})
+        self._entries: Dict[str, BackendEntry] = {}
+        self._conflicts: Dict[str, List[BackendEntry]] = {}
+        # Entry points installed but not loaded (autoload off or not listed): name -> (dist, why).
+        self._skipped: discovery.Skipped = {}
+        # pluggy plugin name -> backend names it contributed, to blame a raising hook.
+        self._plugin_backends: Dict[str, List[str]] = {}
+        # Contested defaults already warned about, so a warning names each contest once.
+        self._warned_defaults: set = set()
+        #: Problems that belong to no single backend (a malformed ``CUDA_GRAPH_RUNNER_PREFER``).
+        self.problems: List[str] = []
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs.BackendHookSpecs)
+        live_registries.add(self)
+        self._register_plugin(_BuiltinPlugin(), distribution=CORE_DISTRIBUTION,
+                              version=discovery.dist_version(CORE_DISTRIBUTION))
+
+    # -- registering and preferring ---------------------------------------------------
+    def register(self, spec: BackendSpec, *, replace: bool = False) -> None:
+        """Register a backend in-process (tests, notebooks); no entry point needed.
+
+        A class object in ``spec.backend_class`` is checked against the contract now; a
+        ``"module:Class"`` string when it is resolved or verified.
+
+        Raises:
+            BackendConflictError: ``spec.name`` exists and ``replace`` is False.
+            BackendContractError: the class breaks the contract (names class, method, parameter).
+            ValueError: the spec is malformed (bad name, phases, devices, references).
+        """
+        self._scan()
+        with self._lock:
+            self._register_now(spec, replace=replace)
+            self._in_process[spec.name] = (spec, replace)
+
+    def unregister(self, name: str) -> None:
+        """Forget an in-process registration (no error if absent); reset_registry() no longer keeps it."""
+        with self._lock:
+            self._entries.pop(name, None)
+            self._conflicts.pop(name, None)
+            self._in_process.pop(name, None)
+
+    def prefer(self, name: str, distribution: str) -> None:
+        """Resolve a name registered by several distributions to ``distribution``'s.
+
+        Names compare after PEP 503 normalisation (``Acme_Backend`` = ``acme-backend``).
+
+        Raises:
+            UnknownBackendError: no distribution of that name registers ``name``.
+        """
+        self._scan()
+        with self._lock:
+            self._prefer_now(name, distribution)
+            self._preferred[name] = distribution
+
+    # -- listing ----------------------------------------------------------------------
+    def entries(self, device_type: Optional[str] = None) -> List[BackendEntry]:
+        """All entries, each probed for ``device_type``.
+
+        With ``device_type=None`` each backend is probed on its own first device type
+        ("can it run on this machine?"); ``"*"`` backends on the machine's accelerator.
+        """
+        rows = []
+        for entry in sorted(self._snapshot(), key=lambda e: e.name):
+            # Probes run plugin code: outside the lock, on the snapshot.
+            rows.append(self._probe(entry, device_type or natural_device(entry)))
+        return rows
+
+    def _snapshot(self) -> List[BackendEntry]:
+        """The registered entries now (scanned first); safe against concurrent register()."""
+        self._scan()
+        with self._lock:
+            return list(self._entries.values())
+
+    def names(self) -> List[str]:
+        return sorted(e.name for e in self._snapshot())
+
+    def backend_phases(self) -> Dict[str, frozenset]:
+        """``{name: phases}`` of every backend that registered (for config validation)."""
+        return {e.name: frozenset(e.phases) for e in self._snapshot() if e.status not in (FAILED, CONFLICT)}
+
+    def backend_problems(self) -> Dict[str, str]:
+        """``{name: why it cannot be used}`` of backends that are installed but failed or in
+        conflict (what ``config`` says instead of "not installed")."""
+        return {e.name: (f"installed but failed: {e.reason}" if e.status == FAILED
+                         else f"installed twice: {e.reason}")
+                for e in self._snapshot() if e.status in (FAILED, CONFLICT)}
+
+    def _probe(self, entry: BackendEntry, device_type: str) -> BackendEntry:
+        return probe(entry, device_type, strict=self.strict)
+
+    # -- defaults ---------------------------------------------------------------------
+    def default_backend(self, phase: str, device_type: str) -> str:
+        """The default backend name for ``phase`` on ``device_type`` (hook ``default_backend``).
+
+        Every plugin's claim is gathered; see :meth:`default_decision` for the rule.
+        Falls back to ``"disabled"`` when no claim is usable here. A plugin whose hook
+        raises is marked failed and skipped (strict mode: re-raised).
+
+        Raises:
+            BackendLoadError: strict mode only, a plugin's hook raised.
+        """
+        return self.default_decision(phase, device_type).backend
+
+    def default_decision(self, phase: str, device_type: str) -> "conflicts.DefaultDecision":
+        """Who sets the default for ``phase`` on ``device_type``, and who else claimed it.
+
+        A claim whose backend cannot run here passes to the next claimant; among usable
+        claims the highest priority wins, then the backend name, then the distribution
+        name (:mod:`cuda_graph_runner.registry.conflicts`): never install or ``sys.path``
+        order. With several claimants a ``RuntimeWarning`` names each claim once (once per
+        registry, phase and device type).
+
+        Raises:
+            BackendLoadError: strict mode only, a plugin's hook raised.
+        """
+        self._scan()
+
+        def on_error(impl: Any, exc: BaseException) -> None:
+            message = (f"plugin {impl.plugin_name}: hook cuda_graph_runner_default_backend(phase={phase!r}, "
+                       f"device_type={device_type!r}) raised {one_line(exc)}")
+            if self.strict:
+                raise BackendLoadError(message) from exc
+            self._blame_plugin(impl.plugin_name, impl.plugin, message, exc)
+
+        # The core's "disabled" is the fallback, not a claim.
+        found = conflicts.collect_default_claims(self.pm.hook.cuda_graph_runner_default_backend, phase, device_type,
+                                                 skip=lambda plugin: isinstance(plugin, _BuiltinPlugin),
+                                                 on_error=on_error)
+        claims = []
+        for impl, (backend, priority) in found:
+            usable, why = self._claim_usable(backend, phase, device_type)
+            claims.append(conflicts.Claim(backend, priority, impl.plugin_name,
+                                          impl.plugin_name.partition(":")[0], usable, why))
+        decision = conflicts.choose_default(phase, device_type, claims)
+        message = conflicts.contest_warning(decision)
+        if message and (phase, device_type, decision.claims) not in self._warned_defaults:
+            self._warned_defaults.add((phase, device_type, decision.claims))
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return decision
+
+    def _claim_usable(self, name: str, phase: str, device_type: str) -> Tuple[bool, str]:
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None:
+            return False, "no installed plugin registers it"
+        entry = self._probe(entry, device_type)
+        if not entry.ok:
+            return False, f"{entry.status}: {entry.reason}"
+        if phase not in entry.phases:
+            return False, f"does not support phase {phase!r}"
+        return True, ""
+
+    def _blame_plugin(self, plugin_name: str, plugin: Any, message: str, exc: BaseException) -> None:
+        with self._lock:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            for name in self._plugin_backends.get(plugin_name, []):
+                entry = self._entries.get(name)
+                if entry is not None and plugin_name.startswith(f"{entry.distribution}:"):
+                    self._entries[name] = dataclasses.replace(entry, status=FAILED, reason=message, error=exc,
+                                                              _fixed=True)
+
+    # -- resolving --------------------------------------------------------------------
+    def get(self, name: str, *, device_type: Optional[str] = None, phase: Optional[str] = None) -> BackendEntry:
+        """The usable entry of ``name``.
+
+        Raises:
+            UnknownBackendError: no plugin provides ``name`` (lists what is installed).
+            BackendConflictError: several distributions register ``name`` and none is preferred.
+            BackendContractError, BackendLoadError: an earlier resolve or verify found its
+                class broken or unimportable (the recorded error is chained).
+            BackendUnavailableError: installed but failed, unusable on ``device_type``,
+                or not for ``phase``; the original error is chained.
+        """
+        self._scan()
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None:
+            raise UnknownBackendError(self._unknown_message(name))
+        entry = self._probe(entry, device_type or default_device_type())
+        if not entry.ok:
+            err = entry.error
+            kind = type(err) if isinstance(err, (BackendConflictError, BackendContractError, BackendLoadError)) \
+                else BackendUnavailableError
+            where = f"{entry.distribution} {entry.version}".strip()
+            state = {FAILED: "installed but failed", CONFLICT: "in conflict"}.get(entry.status, entry.status)
+            raise kind(f"backend {name!r} ({where}) is {state}: {entry.reason}") from err
+        if phase is not None and phase not in entry.phases:
+            raise BackendUnavailableError(
+                f"backend {name!r} does not support phase {phase!r}; it supports {list(entry.phases)}; "
+                f"backends for {phase}: {sorted(e.name for e in self._snapshot() if phase in e.phases)}")
+        return entry
+
+    def load_class(self, entry: BackendEntry) -> type:
+        """Import and check the backend class of ``entry`` (cached). The outcome is
+        recorded on the registered entry, so ``list_backends`` shows a failure afterwards.
+
+        Raises:
+            BackendLoadError: the class reference does not import (original chained).
+            BackendContractError: the class breaks the backend contract.
+        """
+        target = self._stored(entry)
+        if target._class is not None:
+            return target._class
+        assert target.spec is not None, f"backend {entry.name!r} has no spec"
+        cls = self._import_class(target)
+        try:
+            check_backend_class(cls, target.name)
+        except BackendContractError as err:
+            self._record_failure(target, err, contract=FAILED)
+            raise
+        # The registered name is set on each instance by resolve(), never on the class:
+        # an alias of an existing class must not rename that class's other backends.
+        with self._lock:
+            target._class, target.contract = cls, "ok"
+        return cls
+
+    def _stored(self, entry: BackendEntry) -> BackendEntry:
+        # get()/entries() hand out probed copies; results belong on the registered entry.
+        with self._lock:
+            stored = self._entries.get(entry.name)
+        return stored if stored is not None and stored.spec is entry.spec else entry
+
+    def _import_class(self, entry: BackendEntry) -> type:
+        assert entry.spec is not None
+        try:
+            return discovery.load_ref(entry.spec.backend_class)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            err = BackendLoadError(
+                f"backend {entry.name!r} of {entry.distribution} {entry.version}: cannot import "
+                f"{entry.spec.backend_class!r}: {one_line(exc)}")
+            self._record_failure(entry, err)
+            raise err from exc
+
+    def _record_failure(self, entry: BackendEntry, err: BaseException, contract: str = "") -> None:
+        with self._lock:
+            entry.status, entry.reason, entry.error, entry._fixed = FAILED, str(err), err, True
+            if contract:
+                entry.contract = contract
+
+    def verify(self, name: str) -> BackendEntry:
+        """Import the class of ``name`` and check it against the contract, now.
+
+        This is the explicit form of the check ``resolve`` does on first use. The outcome
+        is recorded on the entry, so ``list_backends`` shows a violation from then on. A
+        backend that is unavailable on this machine and whose class cannot even be
+        imported here (a vendor SDK missing) is left unavailable with
+        ``contract = "not checked: ..."`` rather than marked failed.
+
+        Returns:
+            The entry, probed for its own device type: ``contract`` is ``"ok"``,
+            ``"failed"`` (``status`` failed, ``reason`` names class, method, parameter)
+            or ``"not checked: ..."``.
+
+        Raises:
+            UnknownBackendError: no plugin registers ``name``.
+            BackendContractError, BackendLoadError: strict mode only.
+        """
+        self._scan()
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None:
+            raise UnknownBackendError(self._unknown_message(name))
+        if entry.spec is None or (entry._fixed and entry.status != AVAILABLE) or entry.contract:
+            return self._probe(entry, natural_device(entry))
+        probed = self._probe(entry, natural_device(entry))
+        try:
+            self.load_class(entry)
+        except BackendLoadError as err:
+            if probed.status == UNAVAILABLE:
+                # The class may import the device SDK at module level: not a contract breach.
+                with self._lock:
+                    entry.status, entry.reason, entry.error, entry._fixed = AVAILABLE, None, None, False
+                    entry.contract = f"not checked: {one_line(err.__cause__ or err)}"
+            elif self.strict:
+                raise
+        except BackendContractError:
+            if self.strict:
+                raise
+        return self._probe(entry, natural_device(entry))
+
+    def verify_all(self) -> List[BackendEntry]:
+        """:meth:`verify` every registered backend; the checked rows, sorted by name."""
+        return [self.verify(name) for name in self.names()]
+
+    def resolve(self, phase: str, config: Any = None, *, device: Any = None, **backend_kwargs: Any) -> Any:
+        """Build the backend the config selects for ``phase`` on ``device``.
+
+        Args:
+            phase: ``"decode"`` or ``"prefill"``.
+            config: a ``CudaGraphConfig``, a ``PhaseConfig``, a mapping like
+                ``{"backend": "full"}``, a backend name, or None (the default).
+            device: torch device or string; None means the default accelerator.
+            backend_kwargs: extra keyword arguments for the backend constructor.
+
+        Returns:
+            An instance of the selected ``BaseCudaGraphBackend`` subclass.
+
+        Raises:
+            ValueError: ``phase`` is not a phase. TypeError: ``config`` is none of the above.
+            UnknownBackendError, BackendConflictError, BackendUnavailableError,
+            BackendLoadError, BackendContractError: see :meth:`get` and :meth:`load_class`.
+            cuda_graph_runner.config.CudaGraphConfigError: the config sets a backend option
+                (``tc_compiler``) the selected backend does not read; names who reads it.
+        """
+        phase_config = phase_config_of(phase, config)
+        device_str = str(device) if device is not None else default_device_type()
+        device_type = device_str.split(":")[0]
+        name = phase_config.backend or self.default_backend(phase, device_type)
+        entry = self.get(name, device_type=device_type, phase=phase)
+        backend_options.check_resolved(self, phase, config if isinstance(config, CudaGraphConfig) else phase_config,
+                                       entry)
+        cls = self.load_class(entry)
+        backend = cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
+        try:
+            # On the instance only (see load_class); a class whose ``name`` is read-only keeps its own.
+            backend.name = entry.name
+        except AttributeError:
+            pass
+        return backend
+
+    def _unknown_message(self, name: str) -> str:
+        return unknown_backend_message(name, self._snapshot(), self._skipped)
