@@ -10,8 +10,8 @@ method is timed once per round, in an order rotated from round to round (round-r
 so a drift hits all alike), warm-up rounds repeat until each method's time has settled,
 and the spread of the measured rounds is reported with the median. The warm-up rule is
 the usual steady-state test of benchmark harnesses (pyperf's and Google Benchmark's
-repeat-until-stable idea); the per-round ratio pairing is METHOD.md's "compare inside one
-run".
+repeat-until-stable idea); why ratios pair round with round inside one run is in
+docs/benchmarks.md ("Ratios and the regression check").
 """
 
 from __future__ import annotations

@@ -81,3 +81,9 @@ def median_ms(cell: Any) -> Optional[float]:
     if isinstance(cell, dict):
         return cell.get("median_ms")
     return cell if isinstance(cell, (int, float)) else None
+
+
+def format_ratio(stats: Optional[Dict[str, float]]) -> str:
+    """A table cell for ``{"median", "lo", "hi"}`` (:func:`ratio_stats`): ``median [lo-hi]``
+    with 3 decimals; ``-`` when there is none."""
+    return "-" if not stats else f"{stats['median']:.3f} [{stats['lo']:.3f}-{stats['hi']:.3f}]"

@@ -42,7 +42,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_summary import SCHEMA  # noqa: E402
+from bench_summary import SCHEMA, format_ratio  # noqa: E402
+
+from cuda_graph_runner.tables import markdown_table  # noqa: E402
 
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline", "h200-llama-3.2-1b.json")
 CREATE_BASELINE = ("python benchmarks/run.py --out OUT --models llama-3.2-1b --batch-sizes 1 32 128 "
@@ -153,20 +155,12 @@ def compare(baseline: Dict[str, Any], new: Dict[str, Any], *, threshold: float =
     return rows
 
 
-def _fmt(stats: Optional[Dict[str, float]]) -> str:
-    return "-" if not stats else f"{stats['median']:.3f} [{stats['lo']:.3f}-{stats['hi']:.3f}]"
-
-
 def table(rows: Sequence[Row]) -> str:
     """Markdown table of the rows (ratio median [lo-hi], change of the median, verdict)."""
-    lines = ["| model | section | size | backend | vs | baseline | new | change | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
     key = lambda r: (r.model, r.section, int(r.size) if r.size.isdigit() else r.size, r.method, r.ref)  # noqa: E731
-    for r in sorted(rows, key=key):
-        change = "-" if r.change is None else f"{r.change * 100:+.1f}%"
-        lines.append(f"| {r.model} | {r.section} | {r.size} | {r.method} | {r.ref} | {_fmt(r.base)} | "
-                     f"{_fmt(r.new)} | {change} | {r.verdict} |")
-    return "\n".join(lines)
+    cells = [[r.model, r.section, r.size, r.method, r.ref, format_ratio(r.base), format_ratio(r.new),
+              "-" if r.change is None else f"{r.change * 100:+.1f}%", r.verdict] for r in sorted(rows, key=key)]
+    return markdown_table(["model", "section", "size", "backend", "vs", "baseline", "new", "change", "verdict"], cells)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -329,3 +329,13 @@ def test_import_does_not_pull_torch(module):
     code = f"import sys; import {module}; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_package_exports_every_public_name():
+    """The config is a package (model / flags / loading); its users import from the top."""
+    import cuda_graph_runner.config as package
+
+    names = set(package.__all__) | {"source_phases", "SOURCE_DEFAULT", "SOURCE_API", "SOURCE_JSON",
+                                     "SOURCE_JSON_FLAG"}
+    assert {name for name in names if not hasattr(package, name)} == set()
+    assert package.CudaGraphConfig.__module__ == "cuda_graph_runner.config.model"

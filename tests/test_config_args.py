@@ -10,15 +10,16 @@ import warnings
 import pytest
 
 from cuda_graph_runner import config as config_module
+from cuda_graph_runner.config import flags as flags_module
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, Phase, PHASE_KEYS, add_cuda_graph_args
 
 
 @pytest.fixture(autouse=True)
 def _fresh_deprecation_state():
     """Deprecated flags warn once per process; start each test as a fresh process would."""
-    config_module._WARNED_FLAGS.clear()
+    flags_module._WARNED_FLAGS.clear()
     yield
-    config_module._WARNED_FLAGS.clear()
+    flags_module._WARNED_FLAGS.clear()
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -235,7 +236,7 @@ DEPRECATED = [
 
 
 def test_every_legacy_flag_is_covered():
-    legacy = {f.option for f in config_module._FLAGS if f.tier == "legacy"}
+    legacy = {f.option for f in flags_module._FLAGS if f.tier == "legacy"}
     assert legacy == {argv[0] for argv, _, _ in DEPRECATED}
     assert len(legacy) == 9
 
@@ -276,7 +277,7 @@ def test_help_marks_legacy_flags_deprecated_and_docstring_documents_every_flag()
     help_text = make_parser().format_help()
     doc = config_module.__doc__
     expanded = doc.replace("-{decode,prefill}", "-decode") + doc.replace("-{decode,prefill}", "-prefill")
-    options = [f.option for f in config_module._FLAGS] + ["--cuda-graph-config"]
+    options = [f.option for f in flags_module._FLAGS] + ["--cuda-graph-config"]
     for option in options:
         assert re.search(re.escape(option) + r"(?![\w-])", help_text), option
         assert re.search(re.escape(option) + r"(?![\w-])", expanded), option

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from cuda_graph_runner import config as config_module
+from cuda_graph_runner.config import flags as flags_module
 from cuda_graph_runner.cli_config import add_config_subcommand, run_config
 
 INSTALLED = {
@@ -120,7 +120,7 @@ def test_with_the_real_registry_defaults_are_valid(capsys):
 
 
 def test_legacy_flag_warning_reaches_the_user(fake_registry, capsys):
-    config_module._WARNED_FLAGS.discard("--cuda-graph-max-bs")
+    flags_module._WARNED_FLAGS.discard("--cuda-graph-max-bs")
     parser = argparse.ArgumentParser(prog="cuda-graph-runner")
     add_config_subcommand(parser.add_subparsers(dest="command"))
     with pytest.warns(FutureWarning, match="--cuda-graph-max-bs is deprecated"):

@@ -90,9 +90,26 @@ def test_nothing_but_envs_reads_the_environment():
         if ".venv" in path.parts or path.name == "envs.py" or "tests" in path.parts:
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
-            if re.search(r"os\.environ\.get|os\.getenv|environ\[[\"']CUDA", line):
+            # Copying the whole environment for a child process (dict(os.environ)) reads no flag.
+            if re.search(r"os\.environ\.get|os\.getenv|environ\[|\bin os\.environ|from os import .*environ", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert offenders == []
+
+
+def test_plugins_read_their_variables_from_the_core_table():
+    """This repository's plugins list their variables in the core table (owner: their
+    distribution) and read them by its constants; none defines its own."""
+    seen = {}
+    for plugin in sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file()):
+        distribution = re.search(r'^name = "([^"]+)"', (plugin / "pyproject.toml").read_text(), re.M).group(1)
+        for path in plugin.rglob("*.py"):
+            if "tests" in path.parts or ".venv" in path.parts:
+                continue
+            text = path.read_text()
+            assert "envs.define(" not in text and "envs import define" not in text, path
+            for name in re.findall(r"\bCUDA_GRAPH_RUNNER_[A-Z][A-Z0-9_]*[A-Z0-9]\b", text):
+                seen[name] = (distribution, envs.VARIABLES[name].owner)
+    assert seen and all(owner == distribution for distribution, owner in seen.values()), seen
 
 
 # -- the readers ----------------------------------------------------------------------------------

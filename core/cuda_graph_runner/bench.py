@@ -37,7 +37,8 @@ import torch
 
 from .config import CudaGraphConfig, CudaGraphConfigError, add_cuda_graph_args
 from .errors import CudaGraphRunnerError, UnknownBackendError
-from .forward_batch import ForwardBatch
+from .tables import format_cell as _fmt
+from .tables import format_table  # noqa: F401 - also importable from here, as before
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -193,28 +194,6 @@ def bench_prefill(model: Any, runner: Any, *, token_counts: Sequence[int], reque
             row["speedup"] = row["eager_ms"] / row["graph_ms"] if row.get("graph_ms") else None
             rows.append(row)
     return rows
-
-
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if isinstance(value, float):
-        return format(value, spec)
-    return str(value)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain fixed-width text table."""
-    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    # Numbers align right, words left.
-    numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
-             for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -387,8 +366,6 @@ def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments; returns the exit status (1 when a graph
     result disagrees with eager)."""
-    from .runner.base import _as_config
-
     try:
         config = CudaGraphConfig.from_args(args)
     except CudaGraphConfigError as exc:

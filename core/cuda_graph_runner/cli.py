@@ -72,7 +72,7 @@ def _device_type_problem(text: str, known: List[str]) -> Optional[str]:
 def run_backends(args: argparse.Namespace) -> int:
     """Print the installed backends (name, distribution, version, phases, status, reason),
     then who set each phase's default on the device type and who else claimed it."""
-    from .bench import format_table
+    from .tables import format_table
     from .registry import PHASES, default_device_type, get_registry, list_backends, verify_all
 
     if args.device_type is not None:

@@ -14,9 +14,22 @@ Parsing rules:
 * the value is read when :func:`get` is called (no caching), so tests and users can
   change a variable and the next reader sees it; each reader documents when it reads.
 
-A third-party plugin with its own variables adds them with :func:`define` at import of
-its registration module (the same parser then reads them); this module imports only the
-standard library (``config`` and the registry import it before torch).
+Who lists a variable, and how it is read (one way for everyone):
+
+* every variable of this repository's distributions (the core, its plugins, its test
+  suite) is a row of the table at the end of this module, with its owner. A row is data
+  only (name, parser kind, default, help), no backend code, so :func:`check_all` (the CLI
+  calls it first) and :func:`describe` cover the plugins' variables without importing a
+  plugin (and torch with it);
+* every reader, plugins included, reads through :func:`get` with the name constant
+  defined here (``envs.get(envs.BREAKABLE_WEAK_REF_ARGS)``); plugins never call
+  :func:`define` nor read ``os.environ`` (tests/test_envs.py checks both);
+* a third-party plugin, whose names this table cannot know, adds its variables with
+  :func:`define` at import of its registration module and reads them with :func:`get`
+  (the same parser then reads them; :func:`check_all` covers them once it is imported).
+
+This module imports only the standard library (``config`` and the registry import it
+before torch).
 """
 
 from __future__ import annotations

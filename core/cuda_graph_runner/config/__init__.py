@@ -1,0 +1,146 @@
+"""CUDA-graph configuration for the decode and prefill phases.
+
+Standard library only: this module never imports torch, so launchers and the
+CLI can parse and validate a config before touching a device.
+
+The model
+---------
+A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
+(``decode``, ``prefill``). Each phase has five keys:
+
+``backend``
+    Name of the capture backend, or ``None`` for *auto* (the registry picks the
+    device default: ``full`` for decode and ``breakable`` for prefill on CUDA,
+    ``disabled`` on CPU). Names are open: ``full``, ``breakable``,
+    ``tc_piecewise``, ``npu`` and ``disabled`` are well known, and any installed
+    plugin adds its own. Whether a name is installed, and allowed for the phase,
+    is checked by :meth:`CudaGraphConfig.validate` against the registry.
+``max_bs``
+    Decode: the largest batch size; prefill: the largest token count.
+    ``None``: the runner's default (``DEFAULT_MAX_BS``: 256 decode, 4096 prefill).
+    At most ``MAX_CAPTURE_SIZE`` (65,536: far above any engine's batch; a larger
+    value would only build millions of capture sizes and gigabytes of buffers).
+``bs``
+    Explicit capture sizes; ``None``: the runner's default buckets. Lists are
+    normalised: sorted ascending, duplicates dropped. Each size is at most
+    ``MAX_CAPTURE_SIZE``.
+``tc_compiler``
+    ``eager`` or ``inductor``; a *backend option* (``BACKEND_OPTION_KEYS``): read
+    only by backends whose spec lists it in ``BackendSpec.options``
+    (``tc_piecewise``). Setting an option that the selected backend does not read
+    is an error at resolve time (see ``cuda_graph_runner.backend_options``).
+``owned_outputs``
+    ``false`` (default, zero-copy: a replayed output is valid until the next replay
+    of any graph in the same pool) or ``true`` (the runner returns owned copies, one
+    copy per replay). Read by the runner, for every backend.
+``host_value_guard``
+    ``true`` (default): model code reading a host value of the batch
+    (``seq_lens_cpu``, ...) where the graph would freeze it is an error at capture
+    (``cuda_graph_runner.host_guard``); ``false`` turns the check off.
+``verify``, ``verify_first_n``, ``verify_every``
+    Verify mode (``cuda_graph_runner.verify``), off by default: compare the first
+    ``verify_first_n`` replays of each shape (default 3), and every
+    ``verify_every``-th one (0, the default: none after those), with the backend's
+    reference on the same batch. The environment variables
+    ``CUDA_GRAPH_RUNNER_VERIFY``, ``CUDA_GRAPH_RUNNER_VERIFY_FIRST_N`` and
+    ``CUDA_GRAPH_RUNNER_VERIFY_EVERY`` override these for both phases.
+
+Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
+names the phase, the key, the bad value, what is accepted and, where known,
+which source (flag, JSON) set it.
+
+Precedence (lowest to highest)
+------------------------------
+1. defaults;
+2. legacy sglang flags (deprecated aliases);
+3. per-phase convenience flags;
+4. ``--cuda-graph-config`` (JSON).
+
+A higher tier overrides a lower one key by key. Within one tier, a flag for one
+phase beats a flag for both phases (``--cuda-graph-tc-compiler inductor
+--cuda-graph-tc-compiler-decode eager`` gives decode eager, prefill inductor);
+two flags of one tier that give the same (phase, key) different values are an
+error. :attr:`CudaGraphConfig.sources` records, for every explicitly set
+(phase, key), the source that won: ``"api"``, ``"json"``,
+``"json:--cuda-graph-config"``, ``"flag:<option>"`` or ``"legacy:<option>"``;
+:meth:`CudaGraphConfig.source_of` answers ``"default"`` for the rest.
+
+Flags added by :func:`add_cuda_graph_args`
+------------------------------------------
+``--cuda-graph-config JSON_OR_PATH``
+    A JSON object ``{"decode": {...}, "prefill": {...}}`` (keys as above), or
+    the path of a file holding one. Unknown phases/keys are errors.
+``--cuda-graph-backend-{decode,prefill} NAME``
+    The phase's backend.
+``--cuda-graph-max-bs-{decode,prefill} N``
+    The phase's ``max_bs``.
+``--cuda-graph-bs-{decode,prefill} N [N ...]``
+    The phase's ``bs``; space and/or comma separated (``1 2 4`` or ``1,2,4``).
+``--cuda-graph-tc-compiler-{decode,prefill} {eager,inductor}``
+    The phase's ``tc_compiler``.
+``--cuda-graph-tc-compiler {eager,inductor}``
+    ``tc_compiler`` of both phases.
+``--disable-cuda-graph-{decode,prefill}``
+    The phase's backend is ``disabled``.
+
+Deprecated sglang flags, each mapped onto the keys above:
+
+=====================================  ===========================================
+``--disable-cuda-graph``               decode and prefill backend ``disabled``
+``--enable-breakable-cuda-graph``      prefill backend ``breakable``
+``--disable-piecewise-cuda-graph``     prefill backend ``disabled``
+``--enforce-piecewise-cuda-graph``     prefill backend ``tc_piecewise``
+``--cuda-graph-max-bs N``              decode ``max_bs``
+``--cuda-graph-bs N [N ...]``          decode ``bs``
+``--piecewise-cuda-graph-tokens N..``  prefill ``bs``
+``--piecewise-cuda-graph-max-tokens``  prefill ``max_bs``
+``--piecewise-cuda-graph-compiler C``  ``tc_compiler`` of both phases
+=====================================  ===========================================
+
+Using one emits a ``FutureWarning`` (shown to end users by default, unlike
+``DeprecationWarning``) naming its replacement, once per flag per process: a
+second parse in the same process, or the flag repeated, does not warn again.
+
+The package
+-----------
+``exceptions`` (:class:`CudaGraphConfigError`), ``model`` (the keys, :class:`PhaseConfig`,
+:class:`CudaGraphConfig`), ``loading`` (JSON given as text or as a file) and ``flags``
+(argparse, tiers, deprecated aliases); every public name is importable from here.
+"""
+
+from __future__ import annotations
+
+from .exceptions import CudaGraphConfigError
+from .flags import add_cuda_graph_args, source_phases  # noqa: F401 - source_phases: backend_options
+from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all__
+    _BACKEND_NAME,  # the one backend-name pattern; the registry may share it
+    BACKEND_OPTION_KEYS,
+    DEFAULT_MAX_BS,
+    MAX_CAPTURE_SIZE,
+    PHASE_KEYS,
+    SOURCE_API,
+    SOURCE_DEFAULT,
+    SOURCE_JSON,
+    SOURCE_JSON_FLAG,
+    TC_COMPILERS,
+    WELL_KNOWN_DISTRIBUTIONS,
+    Backend,
+    CudaGraphConfig,
+    Phase,
+    PhaseConfig,
+)
+
+__all__ = [
+    "Phase",
+    "Backend",
+    "WELL_KNOWN_DISTRIBUTIONS",
+    "TC_COMPILERS",
+    "DEFAULT_MAX_BS",
+    "MAX_CAPTURE_SIZE",
+    "PHASE_KEYS",
+    "BACKEND_OPTION_KEYS",
+    "CudaGraphConfigError",
+    "PhaseConfig",
+    "CudaGraphConfig",
+    "add_cuda_graph_args",
+]

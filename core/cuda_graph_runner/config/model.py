@@ -1,0 +1,423 @@
+"""The config's data model: phases, keys and their checks (:class:`PhaseConfig`), both
+phases with the source of each value (:class:`CudaGraphConfig`), and the checks against the
+installed backends. The keys, their meaning and the precedence of sources are described
+in the package docstring (:mod:`cuda_graph_runner.config`). Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from dataclasses import dataclass, field
+from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
+
+from .exceptions import CudaGraphConfigError, _short_repr
+from .loading import _load_json
+
+
+class Phase:
+    """The two phases a config covers."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    ALL = (DECODE, PREFILL)
+
+
+class Backend:
+    """Well-known backend names. Not a closed set: plugins add their own."""
+
+    FULL = "full"
+    BREAKABLE = "breakable"
+    TC_PIECEWISE = "tc_piecewise"
+    NPU = "npu"
+    DISABLED = "disabled"
+    WELL_KNOWN = (FULL, BREAKABLE, TC_PIECEWISE, NPU, DISABLED)
+
+
+#: Distribution to ``pip install`` for each well-known backend name.
+WELL_KNOWN_DISTRIBUTIONS: Dict[str, str] = {
+    Backend.FULL: "cuda-graph-runner-full",
+    Backend.BREAKABLE: "cuda-graph-runner-breakable",
+    Backend.TC_PIECEWISE: "cuda-graph-runner-tc-piecewise",
+    Backend.NPU: "cuda-graph-runner-npu",
+    Backend.DISABLED: "cuda-graph-runner",
+}
+
+TC_COMPILERS = ("eager", "inductor")
+
+#: What a runner uses when ``max_bs`` is None.
+DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
+
+#: Largest accepted ``max_bs`` and ``bs`` element (decode batch size or prefill token
+#: count): far above any engine's batch, small enough that the runner's buckets and
+#: static buffers stay bounded.
+MAX_CAPTURE_SIZE = 65536
+
+#: The keys of one phase, in field order.
+PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "owned_outputs", "host_value_guard", "verify",
+              "verify_first_n", "verify_every")
+
+#: Keys read by backends rather than the runner. A backend declares the ones it reads in
+#: ``BackendSpec.options``; one set for a backend that does not read it is an error.
+BACKEND_OPTION_KEYS = ("tc_compiler",)
+
+SOURCE_DEFAULT = "default"
+SOURCE_API = "api"
+SOURCE_JSON = "json"
+SOURCE_JSON_FLAG = "json:--cuda-graph-config"
+
+# ASCII only: backend names double as entry-point names and dict keys.
+_BACKEND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_BACKEND_NAME_ACCEPTED = "an identifier such as " + ", ".join(Backend.WELL_KNOWN) + " or a plugin's name"
+_SIZE_ACCEPTED = f"an integer >= 1 and <= {MAX_CAPTURE_SIZE} (not a bool)"
+_SIZES_ACCEPTED = f"a non-empty list of integers >= 1 and <= {MAX_CAPTURE_SIZE} (not bools)"
+
+
+def _positive_int(value: Any, key: str) -> int:
+    """``value`` as an int from 1 to ``MAX_CAPTURE_SIZE``; bools are refused. Raises CudaGraphConfigError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise CudaGraphConfigError("must be a positive integer", key=key, value=value, accepted=_SIZE_ACCEPTED)
+    if value > MAX_CAPTURE_SIZE:
+        raise CudaGraphConfigError(f"is above the maximum capture size {MAX_CAPTURE_SIZE}", key=key, value=value,
+                                   accepted=_SIZE_ACCEPTED)
+    return int(value)
+
+
+@dataclass
+class PhaseConfig:
+    """Settings of one phase; validated and normalised on construction.
+
+    ``bs`` is normalised, not rejected, when unsorted or duplicated: it is
+    stored sorted ascending with duplicates dropped (``[8, 1, 8]`` -> ``[1, 8]``),
+    as a new list. An empty ``bs`` is rejected (use backend ``disabled``).
+
+    Raises:
+        CudaGraphConfigError (``phase`` None; :class:`CudaGraphConfig` adds it):
+        backend not None nor an identifier string; max_bs or an element of bs
+        not an int >= 1 (bools refused); bs not a non-empty list/tuple;
+        max_bs < max(bs); tc_compiler not in ``TC_COMPILERS``; owned_outputs not a bool.
+
+    Assigning a field later skips these checks; :meth:`CudaGraphConfig.validate`
+    runs them again. Prefer :meth:`CudaGraphConfig.with_phase`.
+    """
+
+    backend: Optional[str] = None
+    max_bs: Optional[int] = None
+    bs: Optional[List[int]] = None
+    tc_compiler: str = "eager"
+    owned_outputs: bool = False
+    host_value_guard: bool = True
+    verify: bool = False
+    verify_first_n: int = 3
+    verify_every: int = 0
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        if self.backend is not None and not (
+            isinstance(self.backend, str) and _BACKEND_NAME.fullmatch(self.backend)
+        ):
+            raise CudaGraphConfigError(
+                "must be null or a backend name", key="backend", value=self.backend, accepted="null (auto) or " + _BACKEND_NAME_ACCEPTED
+            )
+        if self.max_bs is not None:
+            self.max_bs = _positive_int(self.max_bs, "max_bs")
+        if self.bs is not None:
+            if not isinstance(self.bs, (list, tuple)) or not self.bs:
+                raise CudaGraphConfigError(
+                    "must be null or a non-empty list of sizes",
+                    key="bs",
+                    value=self.bs,
+                    accepted=_SIZES_ACCEPTED,
+                )
+            for size in self.bs:
+                if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                    raise CudaGraphConfigError(
+                        f"element {_short_repr(size)} is not a positive integer",
+                        key="bs",
+                        value=self.bs,
+                        accepted=_SIZES_ACCEPTED,
+                    )
+                if size > MAX_CAPTURE_SIZE:
+                    raise CudaGraphConfigError(
+                        f"element {_short_repr(size)} is above the maximum capture size {MAX_CAPTURE_SIZE}",
+                        key="bs",
+                        value=self.bs,
+                        accepted=_SIZES_ACCEPTED,
+                    )
+            self.bs = sorted({int(size) for size in self.bs})
+        if self.max_bs is not None and self.bs is not None and self.max_bs < self.bs[-1]:
+            raise CudaGraphConfigError(
+                f"is smaller than the largest size in bs ({self.bs[-1]})",
+                key="max_bs",
+                value=self.max_bs,
+                accepted=f"max_bs >= max(bs) = {self.bs[-1]}, or max_bs unset",
+            )
+        if not isinstance(self.tc_compiler, str) or self.tc_compiler not in TC_COMPILERS:
+            raise CudaGraphConfigError(
+                "unknown compiler", key="tc_compiler", value=self.tc_compiler, accepted=", ".join(TC_COMPILERS)
+            )
+        if not isinstance(self.owned_outputs, bool):
+            raise CudaGraphConfigError(
+                "must be a boolean", key="owned_outputs", value=self.owned_outputs, accepted="true or false"
+            )
+        for key in ("host_value_guard", "verify"):
+            if not isinstance(getattr(self, key), bool):
+                raise CudaGraphConfigError("must be a boolean", key=key, value=getattr(self, key),
+                                           accepted="true or false")
+        for key in ("verify_first_n", "verify_every"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise CudaGraphConfigError("must be an integer >= 0", key=key, value=value,
+                                           accepted="an integer >= 0 (not a bool)")
+            setattr(self, key, int(value))
+        if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
+            raise CudaGraphConfigError("verify is on but verify_first_n and verify_every are both 0, so no "
+                                       "replay would be checked", key="verify_first_n", value=0,
+                                       accepted="verify_first_n >= 1 or verify_every >= 1")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The keys whose values differ from the defaults (``bs`` copied)."""
+        default = PhaseConfig()
+        diff = {}
+        for key in PHASE_KEYS:
+            value = getattr(self, key)
+            if value != getattr(default, key):
+                diff[key] = list(value) if isinstance(value, list) else value
+        return diff
+
+
+def _build_phase(phase: str, values: Mapping[str, Any], sources: Mapping[Tuple[str, str], str]) -> PhaseConfig:
+    """``PhaseConfig(**values)``, with errors naming the phase and the source of the key."""
+    try:
+        return PhaseConfig(**values)
+    except CudaGraphConfigError as err:
+        raise err.with_context(phase=phase, source=sources.get((phase, err.key))) from None
+
+
+@dataclass
+class CudaGraphConfig:
+    """CUDA-graph settings of both phases, plus where each explicit value came from.
+
+    ``sources`` maps each explicitly set ``(phase, key)`` to its source; it is
+    not part of equality or repr.
+
+    Raises:
+        CudaGraphConfigError: ``decode`` or ``prefill`` is not a PhaseConfig.
+    """
+
+    decode: PhaseConfig = field(default_factory=PhaseConfig)
+    prefill: PhaseConfig = field(default_factory=PhaseConfig)
+    sources: Dict[Tuple[str, str], str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for phase in Phase.ALL:
+            if not isinstance(getattr(self, phase), PhaseConfig):
+                raise CudaGraphConfigError(
+                    "must be a PhaseConfig", phase=phase, value=getattr(self, phase), accepted="a PhaseConfig"
+                )
+
+    def __getitem__(self, phase: str) -> PhaseConfig:
+        """The phase's settings. Raises CudaGraphConfigError for an unknown phase."""
+        if not isinstance(phase, str) or phase not in Phase.ALL:
+            raise CudaGraphConfigError("unknown phase", value=phase, accepted=", ".join(Phase.ALL))
+        return getattr(self, phase)
+
+    def source_of(self, phase: str, key: str) -> str:
+        """Where ``(phase, key)`` got its value: a recorded source, else ``"default"``."""
+        return self.sources.get((phase, key), SOURCE_DEFAULT)
+
+    def fully_disabled(self) -> bool:
+        """True when both phases say ``disabled`` (auto, None, is not disabled)."""
+        return all(self[phase].backend == Backend.DISABLED for phase in Phase.ALL)
+
+    # -- dict / JSON ---------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = SOURCE_API) -> "CudaGraphConfig":
+        """Defaults overridden by ``d`` = ``{phase: {key: value}}``; missing phases/keys keep defaults.
+
+        Each key present is recorded in ``sources`` as ``source``.
+
+        Raises:
+            CudaGraphConfigError: ``d`` or a phase entry is not a mapping; unknown
+            phase or key; any invalid value (see :class:`PhaseConfig`).
+        """
+        if not isinstance(d, Mapping):
+            raise CudaGraphConfigError(
+                "must be an object mapping phase to settings",
+                value=d,
+                accepted='an object like {"decode": {"backend": "full"}, "prefill": {...}}',
+                source=source,
+            )
+        phases: Dict[str, PhaseConfig] = {}
+        sources: Dict[Tuple[str, str], str] = {}
+        for phase, settings in d.items():
+            if not isinstance(phase, str) or phase not in Phase.ALL:
+                raise CudaGraphConfigError(
+                    "unknown phase", value=phase, accepted=", ".join(Phase.ALL), source=source
+                )
+            if not isinstance(settings, Mapping):
+                raise CudaGraphConfigError(
+                    "must be an object of settings",
+                    phase=phase,
+                    value=settings,
+                    accepted="an object with keys " + ", ".join(PHASE_KEYS),
+                    source=source,
+                )
+            for key, value in settings.items():
+                if not isinstance(key, str) or key not in PHASE_KEYS:
+                    raise CudaGraphConfigError(
+                        "unknown key",
+                        phase=phase,
+                        key=key if isinstance(key, str) else _short_repr(key),
+                        value=value,
+                        accepted="keys " + ", ".join(PHASE_KEYS),
+                        source=source,
+                    )
+                sources[(phase, key)] = source
+            phases[phase] = _build_phase(phase, settings, sources)
+        return cls(**phases, sources=sources)
+
+    def to_dict(self) -> Dict[str, Dict[str, Any]]:
+        """Only what differs from the defaults, so ``from_dict(c.to_dict()) == c``."""
+        return {phase: diff for phase in Phase.ALL if (diff := self[phase].to_dict())}
+
+    @classmethod
+    def from_json(cls, text_or_path: Any, *, source: str = SOURCE_JSON) -> "CudaGraphConfig":
+        """Parse a JSON object given as text or as the path of a file (see :meth:`from_dict`).
+
+        Text whose first non-blank character is ``{`` or ``[`` is JSON; otherwise an
+        existing file of that name is read; otherwise the text is parsed as JSON.
+
+        Raises:
+            CudaGraphConfigError: unreadable file, invalid JSON, duplicate object
+            keys, anything :meth:`from_dict` rejects.
+        """
+        return cls.from_dict(_load_json(text_or_path, source), source=source)
+
+    # -- argparse --------------------------------------------------------------------
+
+    @classmethod
+    def from_args(cls, namespace: Any) -> "CudaGraphConfig":
+        """Build the config from a namespace parsed with :func:`add_cuda_graph_args`.
+
+        Precedence, lowest to highest: defaults < legacy flags < per-phase flags <
+        ``--cuda-graph-config``; see the package docstring. Attributes missing from
+        ``namespace`` count as not given.
+
+        Raises:
+            CudaGraphConfigError: conflicting flags within a tier, invalid JSON, or
+            an invalid combined value (e.g. max_bs from a flag below bs from JSON);
+            the message names the source.
+        """
+        from .flags import _from_args  # flags builds on this module
+
+        return _from_args(cls, namespace)
+
+    # -- derivation and validation ---------------------------------------------------
+
+    def with_phase(self, phase: str, **fields: Any) -> "CudaGraphConfig":
+        """A copy with ``fields`` of ``phase`` replaced (recorded as source ``"api"``).
+
+        Raises:
+            CudaGraphConfigError: unknown phase or key; invalid value.
+        """
+        current = self[phase]
+        for key, value in fields.items():
+            if key not in PHASE_KEYS:
+                raise CudaGraphConfigError(
+                    "unknown key", phase=phase, key=key, value=value, accepted="keys " + ", ".join(PHASE_KEYS)
+                )
+        sources = dict(self.sources)
+        sources.update({(phase, key): SOURCE_API for key in fields})
+        merged = {key: getattr(current, key) for key in PHASE_KEYS}
+        merged.update(fields)
+        phases = {p: dataclasses.replace(self[p]) for p in Phase.ALL}  # copies: no shared bs lists
+        phases[phase] = _build_phase(phase, merged, sources)
+        return type(self)(**phases, sources=sources)
+
+    def validate(self, backend_phases: Optional[Mapping[str, Collection[str]]] = None,
+                 unusable: Optional[Mapping[str, str]] = None) -> None:
+        """Check every field again and, given the installed backends, every backend name.
+
+        Args:
+            backend_phases: ``{backend name: phases it supports}`` of the installed
+                backends (``registry.backend_phases()``); None skips the name checks.
+                ``disabled`` is always accepted (built into the core); None (auto)
+                is left to the registry.
+            unusable: ``{backend name: why}`` of backends that are installed but failed or
+                registered twice (``registry.backend_problems()``): such a name is
+                reported with that cause, not as "not installed".
+
+        Raises:
+            CudaGraphConfigError: an invalid field (e.g. assigned after construction);
+            a backend that is not installed (the message lists the installed ones and
+            the distribution providing a well-known name); a backend that does not
+            support the phase.
+        """
+        for phase in Phase.ALL:
+            try:
+                self[phase]._check()
+            except CudaGraphConfigError as err:
+                raise err.with_context(phase=phase, source=self.sources.get((phase, err.key))) from None
+        if backend_phases is None:
+            return
+        for phase in Phase.ALL:
+            name = self[phase].backend
+            if name is None or name == Backend.DISABLED:
+                continue
+            source = self.sources.get((phase, "backend"))
+            if name not in backend_phases and unusable and name in unusable:
+                raise CudaGraphConfigError(
+                    f"is {unusable[name]}",
+                    phase=phase,
+                    key="backend",
+                    value=name,
+                    accepted=_names_for(phase, backend_phases),
+                    source=source,
+                )
+            if name not in backend_phases:
+                raise CudaGraphConfigError(
+                    "is not an installed backend" + _install_hint(name, backend_phases),
+                    phase=phase,
+                    key="backend",
+                    value=name,
+                    accepted=_names_for(phase, backend_phases),
+                    source=source,
+                )
+            supported = backend_phases[name]
+            if phase not in supported:
+                raise CudaGraphConfigError(
+                    f"backend {name!r} does not support phase {phase!r} "
+                    f"(it supports: {', '.join(sorted(supported)) or 'none'})",
+                    phase=phase,
+                    key="backend",
+                    value=name,
+                    accepted=_names_for(phase, backend_phases),
+                    source=source,
+                )
+
+
+def _names_for(phase: str, backend_phases: Mapping[str, Collection[str]]) -> str:
+    """The backends usable for ``phase``, as accepted-values text."""
+    names = {name for name, phases in backend_phases.items() if phase in phases} | {Backend.DISABLED}
+    return "null (auto) or one of the installed backends for this phase: " + ", ".join(sorted(names))
+
+
+def _install_hint(name: str, backend_phases: Mapping[str, Collection[str]]) -> str:
+    installed = ", ".join(sorted(backend_phases)) or "none"
+    hint = f" (installed: {installed})"
+    if name in WELL_KNOWN_DISTRIBUTIONS:
+        hint += f"; install it with: pip install {WELL_KNOWN_DISTRIBUTIONS[name]}"
+    else:
+        missing = [
+            f"{n} ({d})"
+            for n, d in WELL_KNOWN_DISTRIBUTIONS.items()
+            if n not in backend_phases and n != Backend.DISABLED  # disabled is built in
+        ]
+        if missing:
+            hint += "; well-known backends not installed: " + ", ".join(missing)
+    return hint
