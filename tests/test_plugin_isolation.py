@@ -25,7 +25,7 @@ from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
-from toy_model import ToyModel
+from cuda_graph_runner.testing.toy_model import ToyModel
 
 
 def _spec_module(name: str, *, before: str = "", in_hook: str = "") -> str:
