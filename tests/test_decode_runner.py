@@ -11,7 +11,7 @@ from cuda_graph_runner.forward_batch import ForwardMode
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, default_decode_batch_sizes
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
 
-from toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 
 def make_runner(max_bs=None, bs=None, **kwargs):

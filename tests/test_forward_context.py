@@ -6,7 +6,7 @@ import pytest
 
 from cuda_graph_runner.forward_context import forward_context, forward_scratch, get_forward_batch
 
-from toy_model import decode_batch
+from cuda_graph_runner.testing.toy_model import decode_batch
 
 
 def test_each_block_has_its_own_scratch_and_batch():

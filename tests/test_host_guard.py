@@ -23,7 +23,7 @@ from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
 from host_branch_model import HostBranchLlama, make_model
-from toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 
 def full(phase: str = "decode", dm=None) -> FullCudaGraphBackend:

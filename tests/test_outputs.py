@@ -33,7 +33,7 @@ from cuda_graph_runner.runner.base import freeze_gc, slice_rows
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.weak_ref import weak_ref_tensors
 
-from toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VOCAB = 16
 HIDDEN = 8

@@ -3,15 +3,27 @@ or ``sys.path`` order, one backend name behind two distributions through one mod
 ``config`` naming an installed-but-failed or conflicting backend by its cause.
 
 Throwaway distributions are pip-installed into private site directories, each in its own
-so a test can choose their order on ``sys.path``; every check runs in a fresh interpreter
-(entry points and imported modules are per process).
+so a test can choose their order on ``sys.path``. Checks run in this process: entry points
+are read from ``sys.path`` at each registry scan, and the fixture ``on_path`` removes the
+plugins' modules from ``sys.modules`` afterwards, so each check sees only its sites.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import sys
+import warnings
+
 import pytest
 
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
+from cuda_graph_runner import registry
+from cuda_graph_runner.cli import main
+from cuda_graph_runner.errors import BackendConflictError
+from cuda_graph_runner.testing.conformance import install_plugin_distributions, write_plugin_source
+
+PLUGIN_MODULES = ("alpha_plugin", "beta_plugin", "zeta_plugin", "gamma_plugin", "broken_plugin")
 
 
 def _claiming_module(name: str, *, probe: str = "None", claim: str = "") -> str:
@@ -84,21 +96,6 @@ def sites(tmp_path_factory):
     }
 
 
-DEFAULT_AND_WARNINGS = """
-    import json, warnings
-    from cuda_graph_runner import registry
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        name = registry.get_registry().default_backend("decode", "cpu")
-        again = registry.get_registry().default_backend("decode", "cpu")
-    msgs = [str(w.message) for w in caught if "claim the default" in str(w.message)]
-    print(json.dumps({"default": name, "again": again, "warnings": msgs}))
-"""
-
-def _env(**extra):
-    return dict(extra)  # the plugin-filter variables are removed from os.environ below
-
-
 @pytest.fixture(autouse=True)
 def _no_plugin_filter(monkeypatch):
     monkeypatch.delenv("CUDA_GRAPH_RUNNER_PLUGINS", raising=False)
@@ -106,9 +103,34 @@ def _no_plugin_filter(monkeypatch):
     monkeypatch.delenv("CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD", raising=False)
 
 
+@pytest.fixture()
+def on_path(sites, monkeypatch):
+    """``on_path("a", "b")``: sites a then b first on ``sys.path`` (as ``PYTHONPATH=a:b``),
+    a freshly scanned registry; the plugins' modules are forgotten after the test."""
+
+    def put(*order):
+        for key in reversed(order):
+            monkeypatch.syspath_prepend(sites[key])
+        registry.reset_registry(keep_in_process=False)
+
+    yield put
+    for name in PLUGIN_MODULES:
+        sys.modules.pop(name, None)
+
+
+def _default_and_warnings():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        name = registry.get_registry().default_backend("decode", "cpu")
+        again = registry.get_registry().default_backend("decode", "cpu")
+    msgs = [str(w.message) for w in caught if "claim the default" in str(w.message)]
+    return {"default": name, "again": again, "warnings": msgs}
+
+
 @pytest.mark.parametrize("order", [("alpha", "beta"), ("beta", "alpha")])
-def test_unusable_claim_passes_to_the_next_claimant_in_either_order(sites, order):
-    out = run_python(DEFAULT_AND_WARNINGS, pythonpath=[sites[k] for k in order], env=_env())
+def test_unusable_claim_passes_to_the_next_claimant_in_either_order(on_path, order):
+    on_path(*order)
+    out = _default_and_warnings()
     assert out["default"] == "alpha" and out["again"] == "alpha"
     assert len(out["warnings"]) == 1  # once, not per call
     text = out["warnings"][0]
@@ -117,72 +139,59 @@ def test_unusable_claim_passes_to_the_next_claimant_in_either_order(sites, order
 
 
 @pytest.mark.parametrize("order", [("alpha", "zeta"), ("zeta", "alpha")])
-def test_two_usable_claimants_follow_the_documented_rule(sites, order):
-    paths = [sites[k] for k in order]
+def test_two_usable_claimants_follow_the_documented_rule(on_path, monkeypatch, order):
+    on_path(*order)
     # Equal priority: backend name order, so alpha before zeta whatever sys.path says.
-    assert run_python(DEFAULT_AND_WARNINGS, pythonpath=paths, env=_env())["default"] == "alpha"
-    # A higher priority wins.
-    assert run_python(DEFAULT_AND_WARNINGS, pythonpath=paths, env=_env(ZETA_PRIORITY="5"))["default"] == "zeta"
+    assert _default_and_warnings()["default"] == "alpha"
+    # A higher priority wins (the claim reads the variable when the registry scans).
+    monkeypatch.setenv("ZETA_PRIORITY", "5")
+    registry.reset_registry(keep_in_process=False)
+    assert _default_and_warnings()["default"] == "zeta"
 
 
-def test_backends_command_shows_who_set_the_default_and_who_else_claimed(sites):
-    out = run_python("""
-        import contextlib, io, json
-        from cuda_graph_runner.cli import main
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            code = main(["backends", "--device-type", "cpu"])
-        with contextlib.redirect_stdout(io.StringIO()) as js:
-            main(["backends", "--device-type", "cpu", "--json"])
-        rows = {r["name"]: r for r in json.loads(js.getvalue())}
-        print(json.dumps({"code": code, "out": buf.getvalue(), "alpha": rows["alpha"], "beta": rows["beta"]}))
-    """, pythonpath=[sites["beta"], sites["alpha"]], env=_env())
-    assert out["code"] == 0
-    line = next(l for l in out["out"].splitlines() if l.startswith("default decode backend on cpu"))
+@pytest.mark.filterwarnings("ignore:several plugins claim the default")  # the subject of the test above
+def test_backends_command_shows_who_set_the_default_and_who_else_claimed(on_path, capsys):
+    on_path("beta", "alpha")
+    code = main(["backends", "--device-type", "cpu"])
+    out = capsys.readouterr().out
+    main(["backends", "--device-type", "cpu", "--json"])
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert code == 0
+    line = next(l for l in out.splitlines() if l.startswith("default decode backend on cpu"))
     assert "alpha (set by cgr-alpha)" in line and "also claimed: beta" in line and "cgr-beta" in line
-    assert out["alpha"]["default_for"] == "decode" and out["beta"]["claims_default_for"] == "decode"
-    assert out["beta"]["default_for"] == ""
+    assert rows["alpha"]["default_for"] == "decode" and rows["beta"]["claims_default_for"] == "decode"
+    assert rows["beta"]["default_for"] == ""
 
 
-def test_release_and_nightly_loading_one_module_are_a_reported_conflict(sites):
-    out = run_python("""
-        import json
-        from cuda_graph_runner import registry
-        from cuda_graph_runner.errors import BackendConflictError
-        row = {e.name: e for e in registry.list_backends("cpu")}["gamma"]
-        try:
-            registry.resolve_decode_backend("gamma", device="cpu")
-            err = None
-        except BackendConflictError as exc:
-            err = str(exc)
-        print(json.dumps({"status": row.status, "dist": row.distribution, "reason": row.reason, "err": err}))
-    """, pythonpath=[sites["nightly"], sites["release"]], env=_env())
-    assert out["status"] == "conflict"
-    assert "cgr-gamma 1.0.0" in out["dist"] and "cgr-gamma-nightly 1.1.0.dev1" in out["dist"]
-    assert "same module" in out["reason"] and "installed by cgr-gamma-nightly" in out["reason"]
-    assert "CUDA_GRAPH_RUNNER_PREFER" in out["reason"]
-    assert out["err"] is not None and "in conflict" in out["err"]
+def test_release_and_nightly_loading_one_module_are_a_reported_conflict(on_path):
+    on_path("nightly", "release")
+    row = {e.name: e for e in registry.list_backends("cpu")}["gamma"]
+    assert row.status == "conflict"
+    assert "cgr-gamma 1.0.0" in row.distribution and "cgr-gamma-nightly 1.1.0.dev1" in row.distribution
+    assert "same module" in row.reason and "installed by cgr-gamma-nightly" in row.reason
+    assert "CUDA_GRAPH_RUNNER_PREFER" in row.reason
+    with pytest.raises(BackendConflictError, match="in conflict"):
+        registry.resolve_decode_backend("gamma", device="cpu")
 
 
-CONFIG_CLI = """
-    import contextlib, io, json, sys
-    from cuda_graph_runner.cli import main
+def _config_cli(name):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["config", "--cuda-graph-backend-decode", sys.argv[1] if len(sys.argv) > 1 else "{name}"])
-    print(json.dumps({{"code": code, "err": err.getvalue()}}))
-"""
+        code = main(["config", "--cuda-graph-backend-decode", name])
+    return code, err.getvalue()
 
 
-def test_config_names_an_installed_but_failed_backend_by_its_cause(sites):
-    out = run_python(CONFIG_CLI.format(name="broken"), pythonpath=[sites["broken"]], env=_env())
-    assert out["code"] == 2
-    assert "installed but failed" in out["err"] and "libbroken.so not found" in out["err"]
-    assert "not an installed backend" not in out["err"] and "pip install" not in out["err"]
+def test_config_names_an_installed_but_failed_backend_by_its_cause(on_path):
+    on_path("broken")
+    code, err = _config_cli("broken")
+    assert code == 2
+    assert "installed but failed" in err and "libbroken.so not found" in err
+    assert "not an installed backend" not in err and "pip install" not in err
 
 
-def test_config_says_how_to_pick_one_of_two_registrations(sites):
-    out = run_python(CONFIG_CLI.format(name="gamma"), pythonpath=[sites["nightly"], sites["release"]], env=_env())
-    assert out["code"] == 2
-    assert "installed twice" in out["err"] and 'CUDA_GRAPH_RUNNER_PREFER="gamma=' in out["err"]
-    assert "pip install" not in out["err"]
+def test_config_says_how_to_pick_one_of_two_registrations(on_path):
+    on_path("nightly", "release")
+    code, err = _config_cli("gamma")
+    assert code == 2
+    assert "installed twice" in err and 'CUDA_GRAPH_RUNNER_PREFER="gamma=' in err
+    assert "pip install" not in err

@@ -10,10 +10,8 @@ written by hand.
 from __future__ import annotations
 
 import builtins
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +24,7 @@ from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.conformance import install_plugin_distributions, write_plugin_source
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
-from toy_model import ToyModel
+from cuda_graph_runner.testing.toy_model import ToyModel
 
 
 def _spec_module(name: str, *, before: str = "", in_hook: str = "") -> str:
@@ -165,25 +163,17 @@ def test_keyboard_interrupt_still_interrupts(iso, monkeypatch):
     assert _rows()["iso_good"].status == "available"
 
 
-def _cli(site: Path, *args: str, env=None):
-    import os
+def test_cli_backends_and_config_survive_broken_plugins(iso, capsys):
+    from cuda_graph_runner.cli import main
 
-    full = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_GRAPH_RUNNER_")}
-    full["PYTHONPATH"] = os.pathsep.join([str(site), full.get("PYTHONPATH", "")])
-    full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "cuda_graph_runner", *args], env=full, capture_output=True, text=True)
-
-
-def test_cli_backends_and_config_survive_broken_plugins(iso_site):
-    out = _cli(iso_site, "backends", "--device-type", "cpu")
-    assert out.returncode == 0, out.stderr
-    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+    assert main(["backends", "--device-type", "cpu"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert "failed" in lines["exits"] and "SystemExit: 3" in lines["exits"]
     assert "failed" in lines["lazy"] and "ImportError" in lines["lazy"]
     assert "available" in lines["iso_good"] and "available" in lines["disabled"]
-    out = _cli(iso_site, "config")
-    assert out.returncode == 0, out.stderr
-    assert '"config"' in out.stdout
+    assert main(["config"]) == 0
+    assert '"config"' in capsys.readouterr().out
 
 
 # -- a distribution whose METADATA has no Name --------------------------------------------------

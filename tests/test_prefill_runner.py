@@ -14,7 +14,7 @@ from cuda_graph_runner.runner import PrefillCudaGraphRunner, default_prefill_tok
 from cuda_graph_runner.runner.prefill import MAX_PADDING_RATIO
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
-from toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VOCAB = 16
 

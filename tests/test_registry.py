@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -154,49 +153,35 @@ def _install_plugin(tmp_path: Path, name: str, module_source: str, ep_name: str)
     return site
 
 
-def _run_with_site(site: Path, code: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(site))
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _scan_with_site(site: Path, monkeypatch) -> dict:
+    """The registry's rows with ``site`` first on ``sys.path`` (entry points are read at each scan)."""
+    monkeypatch.syspath_prepend(str(site))
+    registry.reset_registry(keep_in_process=False)
+    return {e.name: e for e in registry.list_backends()}
 
 
-def test_broken_plugin_distribution_is_listed_failed_and_others_still_work(tmp_path):
+def test_broken_plugin_distribution_is_listed_failed_and_others_still_work(tmp_path, monkeypatch):
+    from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+
     site = _install_plugin(tmp_path, "broken_cgr_plugin", "raise ImportError('vendor SDK libacme.so not found')\n", "acme")
-    result = _run_with_site(site, """
-        import json
-        from cuda_graph_runner import registry
-        from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
-        rows = {e.name: e for e in registry.list_backends()}
-        acme = rows["acme"]
-        reg = registry.get_registry()
-        full_cls = reg.load_class(rows["full"])
-        full = full_cls("cuda", phase="decode", device_module=FakeGraphDeviceModule(), memory_pool="p")
-        disabled = registry.resolve_decode_backend("disabled", device="cpu")
-        print(json.dumps({"status": acme.status, "dist": acme.distribution, "reason": acme.reason,
-                          "cause": repr(acme.error), "full": type(full).__name__,
-                          "full_status": rows["full"].status, "disabled": type(disabled).__name__}))
-    """)
-    assert result["status"] == "failed"
-    assert result["dist"] == "broken-cgr-plugin"
-    assert "libacme.so" in result["reason"] and "ImportError" in result["cause"]
-    assert result["full"] == "FullCudaGraphBackend" and result["full_status"] != "failed"
-    assert result["disabled"] == "DisabledBackend"
+    rows = _scan_with_site(site, monkeypatch)
+    acme = rows["acme"]
+    full_cls = registry.get_registry().load_class(rows["full"])
+    full = full_cls("cuda", phase="decode", device_module=FakeGraphDeviceModule(), memory_pool="p")
+    assert acme.status == "failed"
+    assert acme.distribution == "broken-cgr-plugin"
+    assert "libacme.so" in acme.reason and "ImportError" in repr(acme.error)
+    assert type(full).__name__ == "FullCudaGraphBackend" and rows["full"].status != "failed"
+    assert type(registry.resolve_decode_backend("disabled", device="cpu")).__name__ == "DisabledBackend"
 
 
-def test_plugin_whose_hook_raises_is_failed_with_cause(tmp_path):
+def test_plugin_whose_hook_raises_is_failed_with_cause(tmp_path, monkeypatch):
     site = _install_plugin(tmp_path, "raising_cgr_plugin", """
         from cuda_graph_runner.hookspecs import hookimpl
         @hookimpl
         def cuda_graph_runner_backend_specs():
             raise RuntimeError("device table corrupt")
     """, "raising")
-    result = _run_with_site(site, """
-        import json
-        from cuda_graph_runner import registry
-        rows = {e.name: e for e in registry.list_backends()}
-        print(json.dumps({"status": rows["raising"].status, "reason": rows["raising"].reason,
-                          "names": sorted(rows)}))
-    """)
-    assert result["status"] == "failed" and "device table corrupt" in result["reason"]
-    assert "full" in result["names"] and "disabled" in result["names"]
+    rows = _scan_with_site(site, monkeypatch)
+    assert rows["raising"].status == "failed" and "device table corrupt" in rows["raising"].reason
+    assert "full" in rows and "disabled" in rows

@@ -25,7 +25,7 @@ from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
 from host_branch_model import THRESHOLD, make_model
-from toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VERIFY_ENV = ("CUDA_GRAPH_RUNNER_VERIFY", "CUDA_GRAPH_RUNNER_VERIFY_FIRST_N", "CUDA_GRAPH_RUNNER_VERIFY_EVERY")
 

@@ -1,52 +1,6 @@
-"""A tiny model honouring the runner's model protocol, for CPU runner tests.
+"""Kept so that tests importing ``toy_model`` keep working; the helper lives in
+:mod:`cuda_graph_runner.testing.toy_model` (plugin tests share it)."""
 
-Its output depends on every static input (token ids, positions, KV slot, request row,
-sequence length), so a padding or copy mistake in a runner changes the numbers.
-"""
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
-from __future__ import annotations
-
-import torch
-
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
-
-
-class ToyModel(torch.nn.Module):
-    def __init__(self, vocab: int = 16, hidden: int = 8) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = torch.nn.Parameter(torch.randn(vocab, hidden, generator=g))
-        self.head = torch.nn.Parameter(torch.randn(hidden, vocab, generator=g))
-        self.post_warmup_calls = 0
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed[batch.input_ids]
-        width = batch.num_tokens_per_req if batch.forward_mode.is_decode_like() else 1
-        per_token = torch.stack([batch.req_pool_indices, batch.seq_lens.long()], dim=1).repeat_interleave(width, 0)
-        if batch.forward_mode is ForwardMode.EXTEND:
-            per_token = torch.zeros(batch.num_tokens, 2, dtype=torch.long, device=h.device)
-        extra = torch.stack([batch.positions, batch.out_cache_loc], dim=1)
-        return h + 0.01 * torch.cat([per_token, extra], dim=1).float().sum(dim=1, keepdim=True)
-
-    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return (hidden @ self.head).float()
-
-    def post_warmup_hook(self) -> None:
-        self.post_warmup_calls += 1
-
-
-def decode_batch(bs: int, *, width: int = 1, offset: int = 1) -> ForwardBatch:
-    """A live batch with distinct non-zero values everywhere (rows >= 1)."""
-    tokens = bs * width
-    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
-    seq = torch.arange(bs, dtype=torch.int32) + 5 + width
-    return ForwardBatch(
-        forward_mode=mode,
-        input_ids=(torch.arange(tokens) * 3 + offset) % 16,
-        positions=torch.arange(tokens) + 4,
-        out_cache_loc=torch.arange(tokens) + 10,
-        req_pool_indices=torch.arange(bs) + 1,
-        seq_lens=seq,
-        seq_lens_cpu=seq.tolist(),
-        num_tokens_per_req=width,
-    )
+__all__ = ["ToyModel", "decode_batch"]

@@ -31,7 +31,7 @@ from cuda_graph_runner_breakable.backend import (
 )
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule, HostSyncInCaptureError
 
-from toy_model import decode_batch
+from cuda_graph_runner.testing.toy_model import decode_batch
 
 VOCAB = 16
 HIDDEN = 8

@@ -7,7 +7,7 @@
 * decode: padded batch sizes, several steps;
 * bfloat16 prefill within bf16 tolerance.
 
-Run on the device machine: ``python -m pytest tests/test_breakable_gpu.py``.
+Run on the device machine: ``python -m pytest plugins/breakable/tests/test_breakable_model_gpu.py``.
 """
 
 from __future__ import annotations

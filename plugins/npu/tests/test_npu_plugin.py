@@ -22,7 +22,7 @@ from cuda_graph_runner.errors import BackendUnavailableError
 from cuda_graph_runner.hookspecs import ENTRY_POINT_GROUP
 from cuda_graph_runner_npu import plugin, torch_npu_api
 
-PLUGIN_ROOT = Path(__file__).resolve().parents[1] / "plugins" / "npu"
+PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
 # A torch_npu.npu with the graph API the backend calls (built from the recording double).
 _GOOD_NPU = """

@@ -25,7 +25,7 @@ from cuda_graph_runner_npu import torch_npu_api
 from cuda_graph_runner_npu.backend import NPUCudaGraphBackend, NPUGraphUpdateError
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule, RecordingNPUModule
 
-from toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 KEY = "actual_seq_lengths_kv"
 

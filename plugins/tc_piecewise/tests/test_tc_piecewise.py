@@ -40,7 +40,7 @@ from cuda_graph_runner_tc_piecewise.errors import TcPiecewiseCompileError, TcPie
 from cuda_graph_runner.weak_ref import weak_ref_tensor
 from cuda_graph_runner_tc_piecewise.split import split_graph
 
-from toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VOCAB = 16
 

@@ -1,0 +1,110 @@
+"""The decoder's building blocks (sglang layout: fused ``qkv_proj`` and
+``gate_up_proj``): linear, RMSNorm, attention, MLP, decoder layer and the backbone.
+Parameters start uninitialised; the model fills them (random init or a checkpoint)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...forward_batch import ForwardBatch
+from ..kv_cache import PagedKVCache
+from .attention import reference_llama_attention
+from .config import ModelConfig
+from .rope import _rotate_half
+
+
+class _Linear(nn.Module):
+    """``y = x W^T (+ b)`` with uninitialised parameters (filled by init or loading)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' order: normalise in float32, cast back, then scale.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scaling = self.head_dim ** -0.5
+        self.sliding_window = config.sliding_window or 0
+        self.last_layer = layer_id == config.num_hidden_layers - 1
+        self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
+        self.o_proj = _Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache = cache.k_buffers[self.layer_id]
+        v_cache = cache.v_buffers[self.layer_id]
+        # Device index tensor: an index_put kernel, safe inside a graph capture.
+        k_cache[batch.out_cache_loc] = k
+        v_cache[batch.out_cache_loc] = v.reshape(t, self.num_kv_heads, self.head_dim)
+        out = torch.empty(t, self.q_size, dtype=x.dtype, device=x.device)
+        reference_llama_attention(
+            out, q.reshape(t, self.q_size), k_cache, v_cache, cache.req_to_token, self.scaling, self.sliding_window,
+            self.last_layer,
+        )
+        return self.o_proj(out)
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = _Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
+        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.self_attn = _Attention(config, layer_id, dtype, device)
+        self.mlp = _MLP(config, dtype, device)
+        self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, h, cos, sin, batch, cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True)
+        self.layers = nn.ModuleList(_DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
