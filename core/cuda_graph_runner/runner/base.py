@@ -16,7 +16,7 @@ import contextlib
 import gc
 import logging
 import time
-from typing import Any, Callable, ClassVar, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -234,6 +234,12 @@ class BaseCudaGraphRunner(abc.ABC):
         if not self.is_disabled:  # ``disabled`` never replays: static buffers would be dead memory
             self.init_buffers()
         self.captured_keys: List[ShapeKey] = []
+        # Replay plans per live size and reused static batches per captured size
+        # (subclasses' replay_prepare): built on first use, valid for the runner's
+        # lifetime (the static buffers never move).
+        self._replay_plans: Dict[int, Any] = {}
+        self._replay_statics: Dict[int, Any] = {}
+        self._keys: Dict[int, ShapeKey] = {}
         self.capture_seconds: Optional[float] = None
         #: Bytes of the graph pool after capture (shared pool: includes other runners'
         #: graphs in it), else the growth of reserved memory over the capture.
@@ -306,7 +312,11 @@ class BaseCudaGraphRunner(abc.ABC):
         size = self.size_of(batch)
         if size <= 0 or size > self.max_size:
             return False
-        return self.backend.can_run(batch, self.make_key(self.padded_size(size)))
+        padded = self.padded_size(size)
+        key = self._keys.get(padded)
+        if key is None:
+            key = self._keys[padded] = self.make_key(padded)
+        return self.backend.can_run(batch, key)
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
