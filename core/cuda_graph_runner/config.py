@@ -44,6 +44,15 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     reference on the same batch. The environment variables
     ``CUDA_GRAPH_RUNNER_VERIFY``, ``CUDA_GRAPH_RUNNER_VERIFY_FIRST_N`` and
     ``CUDA_GRAPH_RUNNER_VERIFY_EVERY`` override these for both phases.
+``warmup``
+    How many forward runs precede each captured size (``WARMUP_POLICIES``; read by
+    the base backend's warm-up, so by every backend that uses it):
+    ``auto`` (default) warms the first size of a capture session up the backend's
+    ``num_warmups`` times (sglang: twice) and each later size once, or not at all when
+    the backend already ran that size's kernels (tc_piecewise's compile pass);
+    ``every_size`` warms every size up ``num_warmups`` times (sglang's policy, the
+    slowest); ``first_size`` warms only the first size up (for models without per-shape
+    JIT compilation, autotuning or lazy allocations: the fastest capture).
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -120,6 +129,7 @@ __all__ = [
     "Backend",
     "WELL_KNOWN_DISTRIBUTIONS",
     "TC_COMPILERS",
+    "WARMUP_POLICIES",
     "DEFAULT_MAX_BS",
     "MAX_CAPTURE_SIZE",
     "PHASE_KEYS",
@@ -161,6 +171,9 @@ WELL_KNOWN_DISTRIBUTIONS: Dict[str, str] = {
 
 TC_COMPILERS = ("eager", "inductor")
 
+#: Values of the ``warmup`` key (see the module docstring).
+WARMUP_POLICIES = ("auto", "every_size", "first_size")
+
 #: What a runner uses when ``max_bs`` is None.
 DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 
@@ -171,7 +184,7 @@ MAX_CAPTURE_SIZE = 65536
 
 #: The keys of one phase, in field order.
 PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "owned_outputs", "host_value_guard", "verify",
-              "verify_first_n", "verify_every")
+              "verify_first_n", "verify_every", "warmup")
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
@@ -300,6 +313,7 @@ class PhaseConfig:
     verify: bool = False
     verify_first_n: int = 3
     verify_every: int = 0
+    warmup: str = "auto"
 
     def __post_init__(self) -> None:
         self._check()
@@ -362,6 +376,9 @@ class PhaseConfig:
                 raise CudaGraphConfigError("must be an integer >= 0", key=key, value=value,
                                            accepted="an integer >= 0 (not a bool)")
             setattr(self, key, int(value))
+        if not isinstance(self.warmup, str) or self.warmup not in WARMUP_POLICIES:
+            raise CudaGraphConfigError("unknown warm-up policy", key="warmup", value=self.warmup,
+                                       accepted=", ".join(WARMUP_POLICIES))
         if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
             raise CudaGraphConfigError("verify is on but verify_first_n and verify_every are both 0, so no "
                                        "replay would be checked", key="verify_first_n", value=0,

@@ -381,6 +381,9 @@ class BaseCudaGraphRunner(abc.ABC):
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
             before = module.memory_reserved(device) if module is not None and hasattr(module, "memory_reserved") else None
+            # The first size of this session warms up fully and empties the caches; later
+            # sizes follow the ``warmup`` policy and keep the cache (BaseCudaGraphBackend).
+            self.backend.new_capture_session(getattr(self.phase_config, "warmup", None))
             with freeze_gc(self.enable_cudagraph_gc), self.backend.capture_session(stream):
                 for size in tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})",
                                  disable=None if self.show_progress is None else not self.show_progress,
@@ -394,6 +397,11 @@ class BaseCudaGraphRunner(abc.ABC):
                     if len(report.sizes) == 1:
                         report.first_size_pool_bytes = self.backend.graph_memory_bytes()
             self._synchronize()
+            # Only the session's first graph emptied the cache: give back what the later
+            # sizes' warm-ups left cached (outside the graph pool), once.
+            empty_cache = getattr(module, "empty_cache", None) if module is not None else None
+            if empty_cache is not None:
+                empty_cache()
         self.capture_seconds = report.seconds = time.perf_counter() - start
         pool_bytes = report.pool_bytes = self.backend.graph_memory_bytes()
         if pool_bytes is not None:
