@@ -33,6 +33,9 @@ from ..pool import get_capture_stream
 
 logger = logging.getLogger(__name__)
 
+#: Most replay plans (one per live size seen) a runner keeps before starting afresh.
+MAX_REPLAY_PLANS = 4096
+
 
 @contextlib.contextmanager
 def freeze_gc(enable_cudagraph_gc: bool = False) -> Iterator[None]:

@@ -10,7 +10,7 @@ from ..backend import ShapeKey
 from ..buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
 from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
-from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
+from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
 
 #: Buffers copied from the live batch at every replay: (field, axis, dtype).
 _DECODE_SLOTS = (
@@ -179,6 +179,8 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
         padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
         plan = (self.make_key(bs), statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
+        if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
+            self._replay_plans.clear()
         self._replay_plans[raw_bs] = plan
         return plan
 

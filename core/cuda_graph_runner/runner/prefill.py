@@ -24,7 +24,7 @@ from ..backend import ShapeKey
 from ..buffers import TOKEN_AXIS, FusedFill
 from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
 from ..forward_context import forward_context
-from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
+from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
@@ -228,6 +228,8 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         names = [name for name, _ in _PREFILL_SLOTS]
         plan = (self.make_key(padded), statics[padded],
                 FusedFill(self.buffers, names, [tokens] * len(names), [padded] * len(names)))
+        if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
+            self._replay_plans.clear()
         self._replay_plans[tokens] = plan
         return plan
 
