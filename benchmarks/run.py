@@ -492,7 +492,8 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
                     backend=fresh_backend("decode", backend))
                 runner.capture()
                 cap = {"sizes": len(runner.capture_sizes), "capture_s": runner.capture_seconds,
-                       "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
+                       "pool_mb": (runner.capture_memory_bytes or 0) / 2**20,
+                       "warmup": runner.backend.warmup_policy}
                 if getattr(runner.backend, "compile_seconds", None) is not None:
                     cap["compile_s"] = runner.backend.compile_seconds
                 diffs = {str(bs): float((runner.forward(batches[bs]).float() - eager(batches[bs]).float()).abs().max())

@@ -53,7 +53,8 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
     )
     assert code == 0, err
     report = json.loads(out)
-    checks = {"owned_outputs": False, "host_value_guard": True, "verify": False, "verify_first_n": 3, "verify_every": 0}
+    checks = {"owned_outputs": False, "host_value_guard": True, "verify": False, "verify_first_n": 3, "verify_every": 0,
+              "warmup": "auto"}
     assert report["config"] == {
         "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", **checks},
         "prefill": {"backend": "disabled", "max_bs": None, "bs": None, "tc_compiler": "eager", **checks},

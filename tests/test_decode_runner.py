@@ -45,9 +45,44 @@ def test_capture_is_largest_first_with_warmups_and_hook_before_each_capture():
     for size in (8, 4, 2, 1):
         key = ShapeKey(size, "decode")
         mine = [e[0] for e in events if len(e) > 1 and e[1] == key]
-        assert mine == ["warmup", "warmup", "post_warmup_hook", "capture"]
+        # warmup "auto": the session's first (largest) size twice, every later size once.
+        assert mine == ["warmup"] * (2 if size == 8 else 1) + ["post_warmup_hook", "capture"]
     assert events[0] == ("session_begin",) and events[-1] == ("session_end",)
     assert runner.model.post_warmup_calls == 4
+
+
+@pytest.mark.parametrize("policy,later", [("every_size", 2), ("first_size", 0), ("auto", 1)])
+def test_warmup_policy_sets_the_warmups_per_size(policy, later):
+    cfg = CudaGraphConfig.from_dict({"decode": {"max_bs": 8, "warmup": policy}})
+    runner = DecodeCudaGraphRunner(ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu", phase="decode"),
+                                   show_progress=False)
+    runner.capture()
+    counts = [[e[0] for e in runner.backend.events if len(e) > 1 and e[1] == ShapeKey(s, "decode")].count("warmup")
+              for s in (8, 4, 2, 1)]
+    assert counts == [2, later, later, later]
+    # The hook undoes what warm-ups did: it runs only after a size that warmed up.
+    assert runner.model.post_warmup_calls == (4 if later else 1)
+    # A second session (recapture) warms its first size up fully again.
+    runner.cleanup()
+    runner.backend.events.clear()
+    runner.capture()
+    assert [e for e in runner.backend.events if e[0] == "warmup"][:2] == [("warmup", ShapeKey(8, "decode"))] * 2
+
+
+def test_auto_warmup_skips_sizes_whose_kernels_already_ran():
+    runner = make_runner(max_bs=8)
+    runner.backend.note_kernels_ran(ShapeKey(4, "decode"))
+    runner.capture()
+    warmed = [e[1].size for e in runner.backend.events if e[0] == "warmup"]
+    assert warmed == [8, 8, 2, 1]
+
+
+@pytest.mark.parametrize("bad", ["twice", "", None, 2])
+def test_warmup_policy_is_validated(bad):
+    from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
+
+    with pytest.raises(CudaGraphConfigError, match="decode.warmup.*accepted: auto, every_size, first_size"):
+        CudaGraphConfig.from_dict({"decode": {"warmup": bad}})
 
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 5, 7, 8])
@@ -140,9 +175,12 @@ def test_full_backend_protocol_with_fake_graph_api():
     names = fake.names()
     begins = [e for e in fake.events if e[0] == "capture_begin"]
     assert len(begins) == 3 and all(e[2] == "pool-0" for e in begins)  # one shared pool
-    # Per shape: sync before each of the two warm-ups, sync, then capture.
+    # First shape: one sync before its two warm-ups (one stream: none between), one after, then capture.
     first = names.index("capture_begin")
-    assert names[:first] == ["synchronize", "synchronize", "synchronize"]
+    assert names[:first] == ["synchronize", "synchronize"]
+    # Later shapes (warmup "auto"): one warm-up each, the same two syncs, no more.
+    second = names.index("capture_begin", first + 1)
+    assert names[names.index("capture_end") + 1:second] == ["synchronize", "synchronize"]
     assert backend.captured_keys == [ShapeKey(s, "decode") for s in (4, 2, 1)]
     out = runner.forward(decode_batch(3))
     assert fake.events[-1][0] == "replay" and out.shape == (3, 16)

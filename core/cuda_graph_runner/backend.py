@@ -36,7 +36,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Tuple
+import sys
+import unittest.mock
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Set, Tuple
 
 import torch
 
@@ -111,6 +113,10 @@ class BaseCudaGraphBackend(abc.ABC):
         self.phase_config = phase_config
         self._memory_pool = memory_pool
         self._device_module = device_module
+        #: Keys whose kernels this backend already ran outside a warm-up (see
+        #: :meth:`note_kernels_ran`); the ``auto`` warm-up policy skips their warm-ups.
+        self._kernels_ran: Set[ShapeKey] = set()
+        self.new_capture_session()
 
     @property
     def device_module(self) -> Any:
@@ -132,16 +138,86 @@ class BaseCudaGraphBackend(abc.ABC):
     #: The stream of the capture session in progress (None outside one, or on a device
     #: without streams); set by :meth:`bind_capture_stream`.
     capture_stream: Any = None
+    # Per capture session (new_capture_session): sizes warmed up, graphs begun.
+    _session_sizes: int = 0
+    _session_graphs: int = 0
 
     @contextlib.contextmanager
     def bind_capture_stream(self, stream: Any) -> Iterator[None]:
         """What most ``capture_session`` implementations need: remember ``stream`` for
-        the session (``self.capture_stream``)."""
+        the session (``self.capture_stream``); the session's warm-up and cache-emptying
+        state starts afresh (:meth:`new_capture_session`)."""
         self.capture_stream = stream
+        self.new_capture_session()
         try:
             yield
         finally:
             self.capture_stream = None
+
+    def new_capture_session(self, warmup: Optional[str] = None) -> None:
+        """Forget which sizes of the current session warmed up and which graphs began: the
+        next size is the session's first (full warm-up, caches emptied before its graph).
+        The runner calls it before every capture session with its config's ``warmup``
+        policy, which then wins over the backend's own ``phase_config``; so does
+        :meth:`bind_capture_stream` (keeping the policy)."""
+        self._session_sizes = 0
+        self._session_graphs = 0
+        if warmup is not None:
+            self._warmup_override = warmup
+
+    _warmup_override: Optional[str] = None
+
+    @property
+    def warmup_policy(self) -> str:
+        """``auto``, ``every_size`` or ``first_size`` (:data:`cuda_graph_runner.config.WARMUP_POLICIES`):
+        the runner's (``new_capture_session``), else the ``warmup`` key of this backend's
+        phase config, else ``auto``."""
+        return self._warmup_override or getattr(self.phase_config, "warmup", None) or "auto"
+
+    def note_kernels_ran(self, key: ShapeKey) -> None:
+        """Record that this backend already ran ``key``'s kernels outside a warm-up (a
+        compile pass over every size): under the ``auto`` policy that size needs no
+        warm-up of its own (vLLM warms compiled sizes up during compilation)."""
+        if "_kernels_ran" not in self.__dict__:  # a subclass that skipped __init__
+            self._kernels_ran = set()
+        self._kernels_ran.add(key)
+
+    def warmup_runs(self, key: Optional[ShapeKey] = None) -> int:
+        """How many warm-up runs precede the capture of ``key``; counts ``key`` as the
+        session's next size (call once per size, before its warm-ups).
+
+        The session's first size: ``num_warmups`` under every policy (JIT compilation,
+        cuBLAS workspaces and allocator growth happen there, on the capture stream).
+        Later sizes: ``every_size`` ``num_warmups`` (sglang's two per size);
+        ``first_size`` none; ``auto`` one (vLLM's default ``cudagraph_num_of_warmups``),
+        none when :meth:`note_kernels_ran` recorded ``key``.
+        """
+        first = self._session_sizes == 0
+        self._session_sizes += 1
+        policy = self.warmup_policy
+        if first or policy == "every_size":
+            return self.num_warmups
+        if policy == "first_size" or (key is not None and key in self.__dict__.get("_kernels_ran", ())):
+            return 0
+        return min(1, self.num_warmups)
+
+    def graph_capture(self, graph: Any, **options: Any) -> ContextManager[None]:
+        """``device_module.graph(graph, pool=self.memory_pool, stream=self.capture_stream,
+        **options)``, where only the session's first graph empties the allocator caches.
+
+        ``torch.cuda.graph`` synchronizes and empties the device (and pinned host) cache
+        on entry; once per graph that costs more than the capture itself, and the next
+        size's warm-up then allocates everything again. The first graph of the session
+        (the largest size) still frees what the model left cached; the runner empties the
+        cache once more after the session. Borrowed from vLLM's CUDA-graph wrapper and
+        sglang's piecewise runner, which patch ``empty_cache``/``gc.collect`` out of all
+        captures but the first.
+        """
+        first = self._session_graphs == 0
+        self._session_graphs += 1
+        dm = self.device_module
+        ctx = dm.graph(graph, pool=self.memory_pool, stream=self.capture_stream, **options)
+        return ctx if first else _without_cache_emptying(dm, ctx)
 
     def device_guard(self) -> ContextManager[Any]:
         """Make ``self.device`` current for the block (``device_module.device(device)``);
@@ -171,18 +247,26 @@ class BaseCudaGraphBackend(abc.ABC):
             return contextlib.nullcontext()
         return self.device_module.stream(self.capture_stream)
 
-    def warm_up(self, forward_fn: ForwardFn, post_warmup_hook: Optional[Callable[[], None]] = None) -> None:
-        """The warm-ups before a capture: ``num_warmups`` runs of ``forward_fn`` on the
-        capture stream (so lazily made workspaces belong to it), each after a device
-        synchronize, then ``post_warmup_hook()``, then a synchronize (sglang's two
-        warm-ups; vLLM warms up likewise). Every synchronize names ``self.device``."""
-        for _ in range(self.num_warmups):
-            self.synchronize()
+    def warm_up(self, forward_fn: ForwardFn, post_warmup_hook: Optional[Callable[[], None]] = None,
+                *, key: Optional[ShapeKey] = None) -> int:
+        """The warm-ups before a capture: :meth:`warmup_runs` runs of ``forward_fn`` on the
+        capture stream (so lazily made workspaces belong to it), after one device
+        synchronize (the capture stream must see what the runner wrote on the current
+        stream; runs on one stream need none between them), then ``post_warmup_hook()``
+        when a warm-up ran, then a synchronize (sglang warms up twice per size; the
+        ``warmup`` config key says how often, :meth:`warmup_runs`). Every synchronize
+        names ``self.device``. Returns the number of warm-up runs."""
+        runs = self.warmup_runs(key)
+        self.synchronize()
+        if not runs:
+            return 0
+        for _ in range(runs):
             with self.on_capture_stream():
                 forward_fn()
         if post_warmup_hook is not None:
             post_warmup_hook()
         self.synchronize()
+        return runs
 
     # -- optional hooks -------------------------------------------------------------
     def prepare(self, runner: Any) -> None:
@@ -283,6 +367,27 @@ class BaseCudaGraphBackend(abc.ABC):
     @abc.abstractmethod
     def cleanup(self) -> None:
         """Drop every graph and output (``graph.reset()``); the backend can capture again."""
+
+
+@contextlib.contextmanager
+def _without_cache_emptying(device_module: Any, ctx: ContextManager[Any]) -> Iterator[None]:
+    """Enter ``ctx`` (a ``graph(...)`` context) with the device module's ``empty_cache`` and,
+    for ``torch.cuda``, the pinned host cache's ``_host_emptyCache`` made no-ops; exit it
+    normally. Patched only while entering: nothing else runs with them replaced."""
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    with contextlib.ExitStack() as stack:
+        if hasattr(device_module, "empty_cache"):
+            stack.enter_context(unittest.mock.patch.object(device_module, "empty_cache", noop))
+        if device_module is getattr(torch, "cuda", None) and hasattr(torch._C, "_host_emptyCache"):
+            stack.enter_context(unittest.mock.patch.object(torch._C, "_host_emptyCache", noop))
+        ctx.__enter__()
+    try:
+        yield
+    except BaseException:
+        if not ctx.__exit__(*sys.exc_info()):
+            raise
+    else:
+        ctx.__exit__(None, None, None)
 
 
 def default_verify_tolerance(dtype: torch.dtype) -> Tuple[float, float]:

@@ -76,6 +76,18 @@ def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[]
     return statistics.median(samples)
 
 
+def replay_prepare_us(runner: Any, batch: ForwardBatch, *, sync: Callable[[], None], iters: int = 200) -> float:
+    """Host time of one ``runner.replay_prepare(batch)`` in µs: the median of ``iters``
+    single calls (the copies it enqueues are not waited for; one synchronize after)."""
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        runner.replay_prepare(batch)
+        samples.append((time.perf_counter() - start) * 1e6)
+    sync()
+    return statistics.median(samples)
+
+
 def load_model(spec: str, *, dtype: torch.dtype, device: torch.device) -> Any:
     """A preset name (see ``testing.model.PRESETS``) or a checkpoint directory.
 
@@ -117,7 +129,8 @@ def _capture(runner: Any) -> RunnerStats:
 
 def bench_decode(model: Any, runner: Any, *, batch_sizes: Sequence[int], prompt_len: int, steps: int,
                  iters: int, warmup: int, seed: int = 0) -> List[Dict[str, Any]]:
-    """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff}``.
+    """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff}``, plus
+    ``replay_prepare_us`` (host µs of ``replay_prepare``, median) where the batch replays.
 
     ``runner`` None means eager only (graph columns None).
     """
@@ -144,6 +157,8 @@ def bench_decode(model: Any, runner: Any, *, batch_sizes: Sequence[int], prompt_
             if runner is not None:
                 row["graph_ms"] = time_ms(lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync)
                 row["replayed"] = runner.can_run(batch)
+                if row["replayed"]:
+                    row["replay_prepare_us"] = replay_prepare_us(runner, batch, sync=sync)
             timing.close()
             if runner is not None:
                 got = GreedySession(model, cache, decode_fn=lambda b: runner.forward(b).clone())
@@ -430,9 +445,9 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
     results: Dict[str, Any] = {"env": env, "runners": [], "decode": [], "prefill": [], "notes": []}
 
-    decode_table = (["batch", "eager ms", "graph ms", "speedup", "tokens match", "max |diff|"],
+    decode_table = (["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|"],
                     lambda r: [r["batch_size"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
-                               r.get("tokens_match"), r.get("max_abs_diff")])
+                               r.get("replay_prepare_us"), r.get("tokens_match"), r.get("max_abs_diff")])
     failed = _bench_phase(
         "decode", args.decode_backends, config, model, device, max_bs, results, decode_table,
         lambda runner: bench_decode(model, runner, batch_sizes=batch_sizes, prompt_len=args.prompt_len,

@@ -32,12 +32,17 @@ class BufferSlot:
         axis: ``"batch"`` (one row per request) or ``"token"`` (one row per token).
         tensor: ``[rows, *trailing]`` buffer, allocated once.
         pad_value: what padded rows hold.
+        dirty: rows ``dirty:`` hold ``pad_value`` for sure; rows before it may hold a
+            live batch's data. Lets a fill pad only the rows an earlier, larger batch
+            left behind instead of the whole tail every step (0 after allocation and
+            :meth:`CudaGraphBufferRegistry.reset`).
     """
 
     name: str
     axis: str
     tensor: torch.Tensor
     pad_value: float = 0
+    dirty: int = 0
 
     @property
     def rows(self) -> int:
@@ -113,18 +118,80 @@ class CudaGraphBufferRegistry:
             raise ValueError(
                 f"buffer {name!r}: cannot place {n} rows padded to {padded_rows} in a buffer of {slot.rows} rows")
         slot.tensor[:n].copy_(src, non_blocking=True)
-        if padded_rows > n:
-            slot.tensor[n:padded_rows].fill_(slot.pad_value)
+        pad_tail(slot, n, padded_rows)
         return slot.tensor[:padded_rows]
 
     def reset(self) -> None:
         """Refill every slot with its pad value (before a recapture)."""
         for slot in self._slots.values():
             slot.tensor.fill_(slot.pad_value)
+            slot.dirty = 0
 
     def nbytes(self) -> int:
         """Bytes held by all slots."""
         return sum(s.tensor.numel() * s.tensor.element_size() for s in self._slots.values())
+
+
+def pad_tail(slot: BufferSlot, rows: int, padded_rows: int) -> None:
+    """After rows ``:rows`` of ``slot`` were written, make rows ``rows:padded_rows`` hold
+    the pad value, filling only those an earlier batch may have written (``slot.dirty``):
+    a steady batch size pads nothing."""
+    dirty = slot.dirty
+    if dirty > rows and padded_rows > rows:
+        slot.tensor[rows:min(dirty, padded_rows)].fill_(slot.pad_value)
+    slot.dirty = dirty if dirty > padded_rows else rows
+
+
+class FusedFill:
+    """Copies a live batch into several slots at once, for one (live rows, padded rows) shape.
+
+    Built once per live size and reused every step (no per-step views or objects): the
+    destinations ``slot.tensor[:rows]`` are made here, the copies go through
+    ``torch._foreach_copy_`` (one call per dtype group: on CUDA one fused kernel per
+    group instead of a copy per slot), and the padding only refills rows an earlier,
+    larger batch left behind (:func:`pad_tail`). Idea: sglang's fused input-buffer
+    copy of its CUDA-graph runner; vLLM pads its persistent buffers once and rewrites
+    only the live rows.
+
+    Args:
+        registry: the buffers.
+        names: slot names, in the order :meth:`__call__` gets the sources.
+        rows: live rows per slot (each source must have exactly this many).
+        padded_rows: rows of each slot the graph reads.
+
+    Raises:
+        ValueError: a size exceeds its slot, or ``rows > padded_rows``.
+    """
+
+    def __init__(self, registry: "CudaGraphBufferRegistry", names: Sequence[str], rows: Sequence[int],
+                 padded_rows: Sequence[int]) -> None:
+        self.names = tuple(names)
+        self.rows = tuple(int(r) for r in rows)
+        self.slots = [registry.slot(n) for n in self.names]
+        groups: Dict[torch.dtype, List[int]] = {}
+        for i, (slot, n, padded) in enumerate(zip(self.slots, self.rows, padded_rows)):
+            if n > padded or padded > slot.rows:
+                raise ValueError(f"buffer {slot.name!r}: cannot place {n} rows padded to {padded} in a buffer "
+                                 f"of {slot.rows} rows")
+            groups.setdefault(slot.tensor.dtype, []).append(i)
+        self.groups = [([self.slots[i].tensor[:self.rows[i]] for i in idx], tuple(idx)) for idx in groups.values()]
+        self.pads = [(slot, n, int(p)) for slot, n, p in zip(self.slots, self.rows, padded_rows)]
+
+    def __call__(self, srcs: Sequence[torch.Tensor]) -> None:
+        """Copy ``srcs[i]`` (``[rows[i], ...]``, any dtype castable to the slot's) into slot
+        ``names[i]`` and pad it to ``padded_rows[i]``.
+
+        Raises:
+            ValueError: a source does not have its ``rows`` rows (a copy would broadcast).
+        """
+        for src, n, name in zip(srcs, self.rows, self.names):
+            if src.shape[0] != n:
+                raise ValueError(f"buffer {name!r}: the batch's {name} has {src.shape[0]} rows, expected {n}")
+        for dsts, idx in self.groups:
+            torch._foreach_copy_(dsts, [srcs[i] for i in idx], non_blocking=True)
+        for slot, n, padded in self.pads:
+            if slot.dirty != n:
+                pad_tail(slot, n, padded)
 
 
 def copy_into(dst: Any, src: Any) -> None:

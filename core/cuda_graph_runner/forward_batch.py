@@ -177,3 +177,49 @@ def as_static_batch(batch: ForwardBatch, **changes: Any) -> StaticForwardBatch:
     values = {f.name: _stored(batch, f.name) for f in dataclasses.fields(batch) if f.init}
     values.update(changes)
     return StaticForwardBatch(**values)
+
+
+#: Per source class: ``(source __dict__ key, static __dict__ key, field name)`` of every
+#: ``ForwardBatch`` init field (guarded fields live under their storage keys).
+_FIELD_KEYS: Dict[type, tuple] = {}
+
+
+def _field_keys(cls: type) -> tuple:
+    keys = _FIELD_KEYS.get(cls)
+    if keys is None:
+        guarded = set(HOST_FIELDS) | {"extra"}
+        source_static = issubclass(cls, StaticForwardBatch)
+        keys = _FIELD_KEYS[cls] = tuple(
+            (_storage_key(f.name) if source_static and f.name in guarded else f.name,
+             _storage_key(f.name) if f.name in guarded else f.name, f.name)
+            for f in dataclasses.fields(ForwardBatch) if f.init)
+    return keys
+
+
+class StaticBatchUpdater:
+    """Refreshes one reused :class:`StaticForwardBatch` from each live batch, keeping some
+    fields (the runner's buffer views) as they are: what ``as_static_batch(batch, **views)``
+    gives, without building a new object per step (a dict write per field, no property
+    calls, no guarded reads).
+
+    Args:
+        static: the batch to refresh (its kept fields are set once, by the caller).
+        keep: field names left untouched (e.g. ``{"input_ids", "positions", "out_cache_loc"}``).
+    """
+
+    def __init__(self, static: StaticForwardBatch, keep: "set[str] | frozenset[str]") -> None:
+        self.static = static
+        self.keep = frozenset(keep)
+        self._plans: Dict[type, tuple] = {}
+
+    def __call__(self, batch: ForwardBatch) -> StaticForwardBatch:
+        """``static`` with every field but the kept ones taken from ``batch`` (shallow)."""
+        cls = type(batch)
+        plan = self._plans.get(cls)
+        if plan is None:
+            plan = self._plans[cls] = tuple((src, dst) for src, dst, name in _field_keys(cls) if name not in self.keep)
+        src_dict = batch.__dict__
+        dst_dict = self.static.__dict__
+        for src, dst in plan:
+            dst_dict[dst] = src_dict[src]
+        return self.static

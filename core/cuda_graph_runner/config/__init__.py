@@ -44,6 +44,15 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     reference on the same batch. The environment variables
     ``CUDA_GRAPH_RUNNER_VERIFY``, ``CUDA_GRAPH_RUNNER_VERIFY_FIRST_N`` and
     ``CUDA_GRAPH_RUNNER_VERIFY_EVERY`` override these for both phases.
+``warmup``
+    How many forward runs precede each captured size (``WARMUP_POLICIES``; read by
+    the base backend's warm-up, so by every backend that uses it):
+    ``auto`` (default) warms the first size of a capture session up the backend's
+    ``num_warmups`` times (sglang: twice) and each later size once, or not at all when
+    the backend already ran that size's kernels (tc_piecewise's compile pass);
+    ``every_size`` warms every size up ``num_warmups`` times (sglang's policy, the
+    slowest); ``first_size`` warms only the first size up (for models without per-shape
+    JIT compilation, autotuning or lazy allocations: the fastest capture).
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -123,6 +132,7 @@ from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all
     SOURCE_JSON,
     SOURCE_JSON_FLAG,
     TC_COMPILERS,
+    WARMUP_POLICIES,
     WELL_KNOWN_DISTRIBUTIONS,
     Backend,
     CudaGraphConfig,
@@ -135,6 +145,7 @@ __all__ = [
     "Backend",
     "WELL_KNOWN_DISTRIBUTIONS",
     "TC_COMPILERS",
+    "WARMUP_POLICIES",
     "DEFAULT_MAX_BS",
     "MAX_CAPTURE_SIZE",
     "PHASE_KEYS",

@@ -46,6 +46,9 @@ WELL_KNOWN_DISTRIBUTIONS: Dict[str, str] = {
 
 TC_COMPILERS = ("eager", "inductor")
 
+#: Values of the ``warmup`` key (see the module docstring).
+WARMUP_POLICIES = ("auto", "every_size", "first_size")
+
 #: What a runner uses when ``max_bs`` is None.
 DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 
@@ -56,7 +59,7 @@ MAX_CAPTURE_SIZE = 65536
 
 #: The keys of one phase, in field order.
 PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "owned_outputs", "host_value_guard", "verify",
-              "verify_first_n", "verify_every")
+              "verify_first_n", "verify_every", "warmup")
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
@@ -111,6 +114,7 @@ class PhaseConfig:
     verify: bool = False
     verify_first_n: int = 3
     verify_every: int = 0
+    warmup: str = "auto"
 
     def __post_init__(self) -> None:
         self._check()
@@ -173,6 +177,9 @@ class PhaseConfig:
                 raise CudaGraphConfigError("must be an integer >= 0", key=key, value=value,
                                            accepted="an integer >= 0 (not a bool)")
             setattr(self, key, int(value))
+        if not isinstance(self.warmup, str) or self.warmup not in WARMUP_POLICIES:
+            raise CudaGraphConfigError("unknown warm-up policy", key="warmup", value=self.warmup,
+                                       accepted=", ".join(WARMUP_POLICIES))
         if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
             raise CudaGraphConfigError("verify is on but verify_first_n and verify_every are both 0, so no "
                                        "replay would be checked", key="verify_first_n", value=0,

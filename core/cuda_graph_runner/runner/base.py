@@ -16,7 +16,7 @@ import contextlib
 import gc
 import logging
 import time
-from typing import Any, Callable, ClassVar, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +32,9 @@ from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..pool import get_capture_stream
 
 logger = logging.getLogger(__name__)
+
+#: Most replay plans (one per live size seen) a runner keeps before starting afresh.
+MAX_REPLAY_PLANS = 4096
 
 
 @contextlib.contextmanager
@@ -234,6 +237,12 @@ class BaseCudaGraphRunner(abc.ABC):
         if not self.is_disabled:  # ``disabled`` never replays: static buffers would be dead memory
             self.init_buffers()
         self.captured_keys: List[ShapeKey] = []
+        # Replay plans per live size and reused static batches per captured size
+        # (subclasses' replay_prepare): built on first use, valid for the runner's
+        # lifetime (the static buffers never move).
+        self._replay_plans: Dict[int, Any] = {}
+        self._replay_statics: Dict[int, Any] = {}
+        self._keys: Dict[int, ShapeKey] = {}
         self.capture_seconds: Optional[float] = None
         #: Bytes of the graph pool after capture (shared pool: includes other runners'
         #: graphs in it), else the growth of reserved memory over the capture.
@@ -306,7 +315,11 @@ class BaseCudaGraphRunner(abc.ABC):
         size = self.size_of(batch)
         if size <= 0 or size > self.max_size:
             return False
-        return self.backend.can_run(batch, self.make_key(self.padded_size(size)))
+        padded = self.padded_size(size)
+        key = self._keys.get(padded)
+        if key is None:
+            key = self._keys[padded] = self.make_key(padded)
+        return self.backend.can_run(batch, key)
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
@@ -371,6 +384,9 @@ class BaseCudaGraphRunner(abc.ABC):
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
             before = module.memory_reserved(device) if module is not None and hasattr(module, "memory_reserved") else None
+            # The first size of this session warms up fully and empties the caches; later
+            # sizes follow the ``warmup`` policy and keep the cache (BaseCudaGraphBackend).
+            self.backend.new_capture_session(getattr(self.phase_config, "warmup", None))
             with freeze_gc(self.enable_cudagraph_gc), self.backend.capture_session(stream):
                 for size in tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})",
                                  disable=None if self.show_progress is None else not self.show_progress,
@@ -384,6 +400,11 @@ class BaseCudaGraphRunner(abc.ABC):
                     if len(report.sizes) == 1:
                         report.first_size_pool_bytes = self.backend.graph_memory_bytes()
             self._synchronize()
+            # Only the session's first graph emptied the cache: give back what the later
+            # sizes' warm-ups left cached (outside the graph pool), once.
+            empty_cache = getattr(module, "empty_cache", None) if module is not None else None
+            if empty_cache is not None:
+                empty_cache()
         self.capture_seconds = report.seconds = time.perf_counter() - start
         pool_bytes = report.pool_bytes = self.backend.graph_memory_bytes()
         if pool_bytes is not None:

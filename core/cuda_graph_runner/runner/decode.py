@@ -7,10 +7,10 @@ from typing import Any, ClassVar, List, Tuple
 import torch
 
 from ..backend import ShapeKey
-from ..buffers import BATCH_AXIS, TOKEN_AXIS
+from ..buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
 from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
-from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
+from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
 
 #: Buffers copied from the live batch at every replay: (field, axis, dtype).
 _DECODE_SLOTS = (
@@ -140,17 +140,49 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         return self._static_batch(size, [self.seq_len_fill_value] * size)
 
     def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
-        raw_bs = batch.batch_size
-        bs = self.padded_size(raw_bs)
-        tokens = bs * self.num_tokens_per_req
-        for name, axis, _ in _DECODE_SLOTS:
-            self.buffers.fill(name, getattr(batch, name), tokens if axis == TOKEN_AXIS else bs)
-        static = self._static_batch(bs, pad_list(batch.seq_lens_cpu, bs, self.seq_len_fill_value))
+        """Copy ``batch`` into the static buffers padded to the captured batch size.
+
+        Per step: one ``_foreach_copy_`` per dtype group, pad fills only for rows a larger
+        batch left behind, and the one static batch of that size refreshed (its
+        ``seq_lens_cpu``, padded, and ``extra``); the plan of each live size is built once
+        (:class:`~cuda_graph_runner.buffers.FusedFill`). The returned static batch is
+        reused by later replays of the same size.
+
+        Raises:
+            ValueError: more requests than the largest captured size, or a tensor of the
+                batch without the rows its axis needs.
+        """
+        raw_bs = batch.req_pool_indices.shape[0]
+        plan = self._replay_plans.get(raw_bs)
+        if plan is None:
+            plan = self._replay_plan(raw_bs)
+        key, static, fill, bs = plan
+        fill((batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
+        seq_lens_cpu = batch.seq_lens_cpu
+        if seq_lens_cpu is not None and len(seq_lens_cpu) < bs:
+            seq_lens_cpu = pad_list(seq_lens_cpu, bs, self.seq_len_fill_value)
+        static.seq_lens_cpu = seq_lens_cpu
         static.extra = batch.extra
         init = getattr(self.model, "init_forward_metadata_replay", None)
         if init is not None:
             init(static)
-        return self.make_key(bs), static
+        return key, static
+
+    def _replay_plan(self, raw_bs: int) -> tuple:
+        """``(key, static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
+        bs = self.padded_size(raw_bs)
+        width = self.num_tokens_per_req
+        statics = self._replay_statics
+        if bs not in statics:
+            statics[bs] = self._static_batch(bs)
+        names = [name for name, _, _ in _DECODE_SLOTS]
+        rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
+        padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
+        plan = (self.make_key(bs), statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
+        if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
+            self._replay_plans.clear()
+        self._replay_plans[raw_bs] = plan
+        return plan
 
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return self.model.compute_logits(self.model.forward(batch), batch)

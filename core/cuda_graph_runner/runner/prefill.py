@@ -21,10 +21,10 @@ from typing import Any, ClassVar, List, Optional, Tuple
 import torch
 
 from ..backend import ShapeKey
-from ..buffers import TOKEN_AXIS
-from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch, as_static_batch
+from ..buffers import TOKEN_AXIS, FusedFill
+from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
 from ..forward_context import forward_context
-from .base import BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
+from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
@@ -193,24 +193,45 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         Returns ``(key, static_batch)``: token fields are ``[P]`` views of the static
         buffers; request fields and ``extra`` are the live batch's own.
 
+        One ``_foreach_copy_`` for the three token buffers, pad fills only for rows a
+        larger batch left behind, and the one static batch of the padded size refreshed
+        field by field (no new object per step; it is reused by later replays of that
+        size). The plan of each token count is built once.
+
         Raises:
-            ValueError: more tokens than the largest captured size.
+            ValueError: more tokens than the largest captured size, or a token tensor
+                without ``num_tokens`` rows.
         """
-        tokens = batch.num_tokens
-        padded = self.padded_size(tokens)
-        for name, _ in _PREFILL_SLOTS:
-            self.buffers.fill(name, getattr(batch, name), padded)
-        view = self.buffers.view
-        static = as_static_batch(
-            batch,
-            input_ids=view("input_ids", padded),
-            positions=view("positions", padded),
-            out_cache_loc=view("out_cache_loc", padded),
-        )
+        tokens = batch.input_ids.shape[0]
+        plan = self._replay_plans.get(tokens)
+        if plan is None:
+            plan = self._replay_plan(tokens)
+        key, update, fill = plan
+        fill((batch.input_ids, batch.positions, batch.out_cache_loc))
+        static = update(batch)
         init = getattr(self.model, "init_forward_metadata_replay", None)
         if init is not None:
             init(static)
-        return self.make_key(padded), static
+        return key, static
+
+    def _replay_plan(self, tokens: int) -> tuple:
+        """``(key, static batch updater, fill)`` for live batches of ``tokens`` tokens."""
+        padded = self.padded_size(tokens)
+        statics = self._replay_statics
+        if padded not in statics:
+            view = self.buffers.view
+            names = [name for name, _ in _PREFILL_SLOTS]
+            static = StaticForwardBatch(  # request fields: replaced by each live batch's own
+                forward_mode=ForwardMode.EXTEND, req_pool_indices=None, seq_lens=None,  # type: ignore[arg-type]
+                **{name: view(name, padded) for name in names})
+            statics[padded] = StaticBatchUpdater(static, keep=set(names))
+        names = [name for name, _ in _PREFILL_SLOTS]
+        plan = (self.make_key(padded), statics[padded],
+                FusedFill(self.buffers, names, [tokens] * len(names), [padded] * len(names)))
+        if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
+            self._replay_plans.clear()
+        self._replay_plans[tokens] = plan
+        return plan
 
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return self.model.forward(batch)

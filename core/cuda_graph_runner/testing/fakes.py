@@ -215,10 +215,11 @@ class RecordingBackend(BaseCudaGraphBackend):
                     post_warmup_hook: Optional[Callable[[], None]] = None) -> None:
         if not self.in_session:
             raise RuntimeError("capture_one outside capture_session")
-        for _ in range(self.num_warmups):
+        runs = self.warmup_runs(key)  # the ``warmup`` policy, as real backends follow it
+        for _ in range(runs):
             self.events.append(("warmup", key))
             forward_fn()
-        if post_warmup_hook is not None:
+        if runs and post_warmup_hook is not None:
             self.events.append(("post_warmup_hook", key))
             post_warmup_hook()
         self.events.append(("capture", key))

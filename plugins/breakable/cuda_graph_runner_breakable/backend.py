@@ -196,7 +196,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         if key in self._graphs:
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
         self._refuse_nested(key)
-        self.warm_up(forward_fn, post_warmup_hook)
+        self.warm_up(forward_fn, post_warmup_hook, key=key)
 
         capture = _SegmentCapture(self, key)
         _local.capture = capture
@@ -320,7 +320,8 @@ class _SegmentCapture:
 
     def begin_segment(self) -> None:
         segment = self.dm.CUDAGraph()
-        ctx = self.dm.graph(segment, pool=self.pool, stream=self.stream)
+        # Caches emptied before the session's first segment only (BaseCudaGraphBackend.graph_capture).
+        ctx = self.backend.graph_capture(segment)
         ctx.__enter__()
         self.graph.segments.append(segment)
         self._ctx = ctx

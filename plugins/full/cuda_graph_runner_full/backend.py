@@ -16,9 +16,11 @@ from cuda_graph_runner.weak_ref import weak_ref_tensors
 class FullCudaGraphBackend(BaseCudaGraphBackend):
     """One ``CUDAGraph`` per ``ShapeKey``, all captured into the runner's shared pool.
 
-    Capture (per shape): ``num_warmups`` eager runs of ``forward_fn`` on the capture
-    stream, ``post_warmup_hook()``, a synchronize, then one recorded run inside
-    ``device_module.graph(g, pool=pool, stream=stream)``, all on ``self.device`` (explicit
+    Capture (per shape): the warm-up runs of ``forward_fn`` on the capture stream that
+    the ``warmup`` policy asks for (``BaseCudaGraphBackend.warmup_runs``),
+    ``post_warmup_hook()``, a synchronize, then one recorded run inside
+    ``device_module.graph(g, pool=pool, stream=stream)`` (caches emptied only before the
+    session's first graph, ``BaseCudaGraphBackend.graph_capture``), all on ``self.device`` (explicit
     synchronize, capture stream made on it; the runner holds its device guard). Replay
     runs on the caller's current stream of that device. The tensors that recorded run
     returned are kept as the shape's output: every replay rewrites them in place, so a
@@ -58,10 +60,9 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         """
         if key in self._graphs:
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
-        self.warm_up(forward_fn, post_warmup_hook)
-        dm = self.device_module
-        graph = dm.CUDAGraph()
-        with dm.graph(graph, pool=self.memory_pool, stream=self.capture_stream):
+        self.warm_up(forward_fn, post_warmup_hook, key=key)
+        graph = self.device_module.CUDAGraph()
+        with self.graph_capture(graph):
             output = forward_fn()
         self._graphs[key] = graph
         # Keeping only aliases returns this shape's output blocks to the pool, so smaller

@@ -182,14 +182,14 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         if key in self._graphs:
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
         dm = self.device_module
-        self.warm_up(forward_fn, post_warmup_hook)
+        self.warm_up(forward_fn, post_warmup_hook, key=key)
         graph = dm.NPUGraph()
-        options: Dict[str, Any] = {"pool": self.memory_pool, "stream": self.capture_stream}
+        options: Dict[str, Any] = {}
         if self.updates_host_inputs:
             options["auto_dispatch_capture"] = True
         if self.capture_error_mode is not None:
             options["capture_error_mode"] = self.capture_error_mode
-        with dm.graph(graph, **options):
+        with self.graph_capture(graph, **options):
             output = forward_fn()
         self._graphs[key] = graph
         self._outputs[key] = output

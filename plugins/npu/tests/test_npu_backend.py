@@ -69,7 +69,7 @@ def test_capture_one_warms_up_runs_the_hook_then_records_on_the_stream():
     names = fake.names("synchronize", "stream", "forward", "hook", "capture_begin", "capture_end", "graph_pool_handle")
     assert names == [
         "synchronize", "stream", "forward",      # warm-up 1 on the capture stream
-        "synchronize", "stream", "forward",      # warm-up 2
+        "stream", "forward",                      # warm-up 2, same stream: no sync between
         "hook",                                   # post_warmup_hook after the warm-ups ...
         "synchronize", "graph_pool_handle",      # ... and before the capture
         "capture_begin", "forward", "capture_end",

@@ -13,8 +13,11 @@ The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
     largest first, that compiles and captures nothing. Its duration is
     ``compile_seconds``.
 ``capture_one(key, forward_fn)``
-    Calls ``forward_fn`` twice: call 1 warms every piece up for ``key``, call 2 records
-    each piece into its own ``CUDAGraph`` in the shared pool on the capture stream. The
+    Warms every piece up for ``key`` as often as the ``warmup`` policy says (``auto``:
+    once for the session's first size, then never, as the compile pass already ran every
+    size), then calls ``forward_fn`` once more to record each piece into its own
+    ``CUDAGraph`` in the shared pool on the capture stream (caches emptied only before
+    the session's first graph). The
     marked ops (attention) run eagerly between the pieces during both.
 ``replay(key, static_batch)``
     Runs ``runner.graph_forward(static_batch)`` through the compiled forward: each piece
@@ -393,8 +396,10 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             batch = runner.capture_prepare(size)
             if init is not None:
                 init(batch)
-            with forward_context(batch), activity(self, Mode.COMPILE, runner.make_key(size)):
+            key = runner.make_key(size)
+            with forward_context(batch), activity(self, Mode.COMPILE, key):
                 runner.graph_forward(batch)
+            self.note_kernels_ran(key)  # the ``auto`` warm-up policy need not warm it up again
         self._synchronize()
         self.compile_seconds = time.perf_counter() - start
         logger.info("tc_piecewise (%s, %s): %d Dynamo graph(s), %d pieces, compile pass %.2f s",
@@ -576,13 +581,14 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self._require_prepared()
         if key in self._captured:
             raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
-        for _ in range(self.num_warmups):
-            self._synchronize()
+        runs = self.warmup_runs(key)  # the compile pass already ran every size (prepare)
+        self._synchronize()
+        for _ in range(runs):
             with self.on_capture_stream(), activity(self, Mode.WARMUP, key):
                 forward_fn()
-        if post_warmup_hook is not None:
+        if runs and post_warmup_hook is not None:
             post_warmup_hook()
-        self._synchronize()
+            self._synchronize()
         self._direct.pop(key, None)
         with self.on_capture_stream(), activity(self, Mode.CAPTURE, key):
             forward_fn()

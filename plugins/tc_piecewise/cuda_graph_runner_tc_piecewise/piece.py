@@ -174,8 +174,10 @@ class GraphPiece:
         owner = self.owner
         dm = owner.device_module
         graph = dm.CUDAGraph()
+        # Only the session's first graph empties the caches (BaseCudaGraphBackend.graph_capture);
+        # gc.collect stays off for every piece after a size's first.
         quiet = contextlib.nullcontext() if self.is_first else _no_gc_nor_empty_cache(dm)
-        with quiet, dm.graph(graph, pool=owner.memory_pool, stream=owner.capture_stream):
+        with quiet, owner.graph_capture(graph):
             output = self.compiled(*args)
         kept = weak_ref_tensors(output) if owner.weak_ref_outputs else output
         self.entries[key] = _Entry(graph, kept, _tensor_ptrs(args) if owner.debug else None)

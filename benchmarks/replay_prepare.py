@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Host time of ``replay_prepare`` per step (µs), decode and prefill, on any device.
+
+A micro-benchmark of the runner's per-step host work only: copying a live batch into the
+static buffers (padded to the captured size) and building the static batch. No graph is
+captured: the runners hold the CPU ``RecordingBackend`` (or, with ``--device cuda``, the
+same with the buffers on the GPU), and a tiny model without parameters worth timing, so
+what is timed is the runner's Python and the copy launches.
+
+For each case the median over ``--repeats`` blocks of ``--iters`` calls is printed (µs per
+call), plus the min; ``--json PATH`` writes them. Cases: decode at a steady batch size on a
+bucket (8 of 8), off a bucket (5 of 8, padded), alternating sizes within a bucket (the
+padding refill path), and prefill at a steady token count. Compare two checkouts by running
+this script in each (``git stash`` / another worktree); on CUDA the numbers include the
+kernel launches of the copies.
+
+Usage::
+
+    python benchmarks/replay_prepare.py                      # CPU
+    python benchmarks/replay_prepare.py --device cuda --json $OUT/replay_prepare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.testing.fakes import RecordingBackend
+
+
+class _Model(torch.nn.Module):
+    """Honours the model protocol; only its device matters here."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return batch.input_ids.float()[:, None] + self.w
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return hidden
+
+
+def _decode_batch(bs: int, device: str) -> ForwardBatch:
+    seq = torch.arange(bs, dtype=torch.int32) + 7
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, input_ids=torch.arange(bs, device=device) + 1,
+                        positions=torch.arange(bs, device=device) + 3, out_cache_loc=torch.arange(bs, device=device) + 9,
+                        req_pool_indices=torch.arange(bs, device=device) + 1, seq_lens=seq.to(device),
+                        seq_lens_cpu=seq.tolist())
+
+
+def _extend_batch(lengths: List[int], device: str) -> ForwardBatch:
+    tokens = sum(lengths)
+    n = len(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    return ForwardBatch(forward_mode=ForwardMode.EXTEND, input_ids=torch.arange(tokens, device=device) + 1,
+                        positions=torch.arange(tokens, device=device), out_cache_loc=torch.arange(tokens, device=device) + 1,
+                        req_pool_indices=torch.arange(n, device=device) + 1, seq_lens=lens.to(device),
+                        extend_seq_lens=lens.to(device), extend_prefix_lens=torch.zeros(n, dtype=torch.int32, device=device),
+                        seq_lens_cpu=list(lengths), extend_seq_lens_cpu=list(lengths), extend_prefix_lens_cpu=[0] * n)
+
+
+def time_us(fn: Callable[[], Any], *, iters: int, repeats: int, sync: Callable[[], None]) -> Dict[str, float]:
+    """Median and min over ``repeats`` blocks of the mean µs per call of ``fn``."""
+    for _ in range(iters):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - start) * 1e6 / iters)
+        sync()
+    return {"median_us": statistics.median(samples), "min_us": min(samples)}
+
+
+def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
+    model = _Model(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    decode = DecodeCudaGraphRunner(model, {"decode": {"bs": [1, 2, 4, 8, 16], "max_bs": 16}},
+                                   backend=RecordingBackend(device), show_progress=False)
+    prefill = PrefillCudaGraphRunner(model, {"prefill": {"bs": [64, 128], "max_bs": 128}},
+                                     backend=RecordingBackend(device, phase="prefill"), show_progress=False)
+    b8, b5, b7 = (_decode_batch(n, device) for n in (8, 5, 7))
+    p100 = _extend_batch([40, 30, 30], device)
+    alternating = iter(())
+
+    def alternate() -> Any:
+        nonlocal alternating
+        try:
+            return decode.replay_prepare(next(alternating))
+        except StopIteration:
+            alternating = iter([b5, b7] * 64)
+            return decode.replay_prepare(next(alternating))
+
+    cases = {
+        "decode bs=8 (on a bucket)": lambda: decode.replay_prepare(b8),
+        "decode bs=5 (padded to 8)": lambda: decode.replay_prepare(b5),
+        "decode bs=5/7 alternating (padded to 8)": alternate,
+        "prefill 100 tokens, 3 requests (padded to 128)": lambda: prefill.replay_prepare(p100),
+    }
+    gc.collect()
+    gc.freeze()
+    try:
+        with torch.no_grad():
+            return {name: time_us(fn, iters=iters, repeats=repeats, sync=sync) for name, fn in cases.items()}
+    finally:
+        gc.unfreeze()
+
+
+def main(argv: "List[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--iters", type=int, default=2000, help="calls per timed block (default 2000)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed blocks; the median is reported (default 7)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    results = run(args.device, args.iters, args.repeats)
+    width = max(len(n) for n in results)
+    print(f"replay_prepare host time per step on {args.device} (torch {torch.__version__})")
+    for name, r in results.items():
+        print(f"  {name.ljust(width)}  median {r['median_us']:7.2f} µs   min {r['min_us']:7.2f} µs")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"device": args.device, "torch": torch.__version__, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""GPU: no host synchronization on any backend's replay path, and capture time of the default sizes.
+
+Replays run under ``torch.cuda.set_sync_debug_mode("error")``: any synchronizing call
+(``.item()``, ``.tolist()``, ``.cpu()`` of a device tensor, ``nonzero``, boolean-mask
+indexing, a blocking copy) raises. Covered: ``full``, ``breakable`` and ``tc_piecewise``
+(eager compiler) through the decode runner, ``breakable`` and ``tc_piecewise`` through the
+prefill runner, each after capture, on batches on and off the captured sizes (live
+batches are built before the mode is switched on).
+
+``test_capture_seconds_of_the_default_decode_sizes`` records how long ``full`` takes to
+capture the 36 default decode sizes of ``llama-3.2-1b`` under each warm-up policy (a
+benchmark row printed and written to ``$OUT/capture_seconds.json`` when ``OUT`` is set; no
+wall-clock assertion) and checks that every policy's replay equals eager.
+
+Run on the device machine: ``python -m pytest tests/test_replay_sync_gpu.py -s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.testing.batches import (
+    GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts, make_extend_batch)
+from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
+    m.create_kv_cache(num_slots=64 * 64 + 1, max_reqs=40, max_context_len=64)
+    return m
+
+
+def _replays_without_sync(runner: Any, batches: Dict[str, Any], eager: Any) -> None:
+    """Replay each batch twice under sync-debug "error"; compare with eager afterwards."""
+    outputs = {}
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            for what, batch in batches.items():
+                assert runner.can_run(batch), what
+                runner.forward(batch)
+                outputs[what] = runner.forward(batch).clone()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        for what, batch in batches.items():
+            torch.testing.assert_close(outputs[what], eager(batch), rtol=1e-3, atol=1e-3, msg=what)
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
+def test_decode_replay_never_synchronizes(model, backend):
+    runner = DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "bs": [1, 2, 4, 8], "max_bs": 8,
+                                                      **({"tc_compiler": "eager"} if backend == "tc_piecewise" else {})}},
+                                   show_progress=False)
+    runner.capture()
+    cache = model.kv_cache
+    sessions, batches = [], {}
+    with torch.no_grad():
+        for bs in (1, 3, 8):  # on a bucket, padded, the maximum
+            session = GreedySession(model, cache)
+            session.prefill(make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs))
+            batches[f"{backend} decode bs={bs}"] = make_decode_batch(cache, session.rows, None,
+                                                                     [t[-1] for t in session.tokens])
+            sessions.append(session)
+    try:
+        _replays_without_sync(runner, batches, eager_logits_fn(model))
+    finally:
+        for s in sessions:
+            s.close()
+        runner.cleanup()
+        uninstall = getattr(runner.backend, "uninstall", None)
+        if uninstall is not None:
+            uninstall()
+
+
+@pytest.mark.parametrize("backend", ["breakable", "tc_piecewise"])
+def test_prefill_replay_never_synchronizes(model, backend):
+    runner = PrefillCudaGraphRunner(model, {"prefill": {"backend": backend, "bs": [16, 32, 64], "max_bs": 64,
+                                                        **({"tc_compiler": "eager"} if backend == "tc_piecewise" else {})}},
+                                    show_progress=False)
+    runner.capture()
+    cache = model.kv_cache
+    batches, rows = {}, []
+    for lengths in ([16], [5, 9, 7], [20, 20, 24]):  # on a bucket, padded, the maximum
+        prompts = make_dummy_prompts(len(lengths), lengths, model.config.vocab_size, seed=sum(lengths))
+        batch = make_extend_batch(cache, prompts)
+        rows += batch.req_pool_indices.tolist()
+        batches[f"{backend} prefill {sum(lengths)} tokens"] = batch
+    try:
+        _replays_without_sync(runner, batches, eager_logits_fn(model))
+    finally:
+        for r in rows:
+            cache.free_request(r)
+        runner.cleanup()
+        uninstall = getattr(runner.backend, "uninstall", None)
+        if uninstall is not None:
+            uninstall()
+
+
+def test_capture_seconds_of_the_default_decode_sizes():
+    """A benchmark row per warm-up policy (printed, and saved under $OUT): seconds for
+    ``full`` to capture the 36 default decode sizes of llama-3.2-1b in bfloat16; every
+    policy's replay must still equal eager (greedy tokens)."""
+    from cuda_graph_runner.testing.batches import greedy_generate
+
+    m = ReferenceLlamaForCausalLM.from_preset("llama-3.2-1b", dtype=torch.bfloat16, device="cuda")
+    m.create_kv_cache(num_slots=256 * 40 + 1, max_reqs=257, max_context_len=40)
+    rows = {}
+    prompts = make_dummy_prompts(3, 12, m.config.vocab_size, seed=3)
+    with torch.no_grad():
+        expected = greedy_generate(m, m.kv_cache, prompts, 8)
+    for policy in ("auto", "first_size", "every_size"):
+        runner = DecodeCudaGraphRunner(m, {"decode": {"backend": "full", "warmup": policy}}, show_progress=False)
+        assert len(runner.capture_sizes) == 36
+        start = time.perf_counter()
+        runner.capture()
+        rows[policy] = {"capture_s": runner.capture_seconds, "wall_s": time.perf_counter() - start,
+                        "sizes": len(runner.capture_sizes), "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
+        with torch.no_grad():
+            got = greedy_generate(m, m.kv_cache, prompts, 8, decode_fn=runner.forward)
+        assert got == expected, policy
+        runner.cleanup()
+        torch.cuda.empty_cache()
+    print("\ncapture of the 36 default decode sizes (full, llama-3.2-1b, bf16):")
+    for policy, row in rows.items():
+        print(f"  warmup={policy:<10} {row['capture_s']:.2f} s  pool {row['pool_mb']:.0f} MB")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "capture_seconds.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
