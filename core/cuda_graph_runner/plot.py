@@ -116,7 +116,7 @@ def plot_series(series: Series, path: str, *, title: str = "") -> str:
         ax.set_xticks(sorted({x for pts in series[phase].values() for x, _ in pts}))
         ax.get_xaxis().set_major_formatter(ScalarFormatter())
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{phase} ms per step" if phase == "decode" else "prefill ms per batch")
+        ax.set_ylabel("decode ms per step" if phase == "decode" else "prefill ms per batch (fewest requests)")
         ax.set_title(f"{phase}: lower is better")
         ax.grid(True, alpha=0.3)
         ax.legend()
