@@ -74,7 +74,7 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
                         if phase == "decode" else (None, "eager only"))
     path = tmp_path / "b.json"
     with caplog.at_level(logging.INFO, logger="cuda_graph_runner"):
-        code = main(["bench", "-v", "--batch-sizes", "1", "3", "--no-prefill", "--iters", "1", "--warmup", "0",
+        code = main(["bench", "-v", "--device", "cpu", "--batch-sizes", "1", "3", "--no-prefill", "--iters", "1", "--warmup", "0",
                      "--steps", "1", "--prompt-len", "2", "--json", str(path)])
     capsys.readouterr()
     assert code == 0
