@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 #: ``{phase: {label: [(x, ms), ...]}}``; x is the batch size (decode) or tokens (prefill).
 Series = Dict[str, Dict[str, List[Tuple[int, float]]]]
 
+MARKERS = ("s", "^", "v", "D", "x", "P", "*", "<", ">")
 PLOT_INSTALL_HINT = "bench --plot needs matplotlib: pip install 'cuda-graph-runner[plot]'"
 
 
@@ -108,10 +109,13 @@ def plot_series(series: Series, path: str, *, title: str = "") -> str:
         raise ValueError("nothing to plot: the results have no decode or prefill times")
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
     for ax, (phase, xlabel) in zip(axes[0], panels):
-        for label, points in sorted(series[phase].items(), key=lambda kv: (kv[0] != "eager", kv[0])):
+        ordered = sorted(series[phase].items(), key=lambda kv: (kv[0] != "eager", kv[0]))
+        for i, (label, points) in enumerate(ordered):
             xs, ys = zip(*points)
-            style = {"color": "black", "linestyle": "--"} if label == "eager" else {}
-            ax.plot(xs, ys, marker="o", label=label, **style)
+            # Distinct hollow markers: backends within a few % of each other stay visible.
+            style = {"color": "black", "linestyle": "--", "marker": "o"} if label == "eager" else \
+                {"marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none", "markersize": 8}
+            ax.plot(xs, ys, label=label, **style)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({x for pts in series[phase].values() for x, _ in pts}))
         ax.get_xaxis().set_major_formatter(ScalarFormatter())
