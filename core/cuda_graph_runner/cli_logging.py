@@ -85,6 +85,15 @@ class _OursOrWarning(logging.Filter):
         return ours and record.levelno >= self.level
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (a test's capture, a redirect),
+    not to the stream of the moment the handler was made, which may be closed since."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def configure_logging(level: int, *, stream: Optional[object] = None, roots: Optional[Iterable[str]] = None) -> None:
     """Send log records to ``stream`` (default stderr) at ``level`` for our loggers.
 
@@ -95,7 +104,7 @@ def configure_logging(level: int, *, stream: Optional[object] = None, roots: Opt
     for handler in list(root.handlers):
         if handler.get_name() == _HANDLER_NAME:
             root.removeHandler(handler)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _CurrentStderrHandler()
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.addFilter(_OursOrWarning(plugin_logger_roots() if roots is None else roots, level))
