@@ -13,6 +13,12 @@ Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one 
 synchronize per measurement); capture seconds and graph memory are per runner (all
 sizes).
 
+Output: tables on stdout (``--format table``), or the JSON document (schema
+:data:`BENCH_SCHEMA`, also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
+``--format json|csv``, the words for people then on stderr; ``--plot FILE`` draws a PNG
+(:mod:`cuda_graph_runner.plot`). Each runner's run statistics (replays, eager fallbacks
+by reason, padding waste) go into the JSON and, with ``-v``, the log. docs/cli.md.
+
 Backends the bench chose itself (the device's default: no ``--decode-backends`` and no
 backend in the config) that cannot run give a note and eager numbers under backend
 ``disabled``. A backend named explicitly (``--decode-backends``, ``--prefill-backends`` or
