@@ -648,7 +648,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--inject-sleep-ms", type=parse_sleep, action="append", metavar="METHOD=MS",
                         help="TEST ONLY: sleep MS ms on the host after every call of METHOD (a slowed backend "
                              "for compare.py's demonstration); repeatable")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="also draw ms per step against batch size per method, and prefill ms against "
+                             "tokens, of the first model into this PNG (the plotter of cuda-graph-runner bench "
+                             "--plot; needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.plot:
+        from cuda_graph_runner.plot import PlotUnavailableError, check_plot_available
+
+        try:
+            check_plot_available()
+        except PlotUnavailableError as exc:
+            parser.error(str(exc))
     if args.repeats is not None:
         args.rounds = args.repeats
     if args.iters < 1 or args.rounds < 1 or not 0 <= args.warmup_min <= args.warmup_max or args.warmup_min_s < 0:
@@ -683,6 +694,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     results.data["env"]["gpu_at_end"] = gpu_state()
     results.save()
     print(render(results.data))
+    if args.plot:
+        from cuda_graph_runner.plot import plot_results
+
+        print(f"wrote {plot_results(results.data, args.plot)}")
     return 0
 
 

@@ -71,8 +71,10 @@ $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests plugins} -rs --ju
   2>&1 | tee "$OUT/gpu-tests.log" || status=1
 cuda-graph-runner backends | tee "$OUT/backends.txt"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  # The picture (docs/cli.md) where the optional matplotlib is installed.
+  plot=(); $PY -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
   # shellcheck disable=SC2086
-  cuda-graph-runner bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" || status=1
+  cuda-graph-runner -v bench --json "$OUT/bench.json" "${plot[@]}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" || status=1
 fi
 if [ "${RUN_BENCHMARKS:-0}" = 1 ] && [ -f benchmarks/run.py ]; then
   $PY benchmarks/run.py --out "$OUT" 2>&1 | tee "$OUT/benchmarks.log" || status=1

@@ -13,6 +13,12 @@ Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one 
 synchronize per measurement); capture seconds and graph memory are per runner (all
 sizes).
 
+Output: tables on stdout (``--format table``), or the JSON document (schema
+:data:`BENCH_SCHEMA`, also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
+``--format json|csv``, the words for people then on stderr; ``--plot FILE`` draws a PNG
+(:mod:`cuda_graph_runner.plot`). Each runner's run statistics (replays, eager fallbacks
+by reason, padding waste) go into the JSON and, with ``-v``, the log. docs/cli.md.
+
 Backends the bench chose itself (the device's default: no ``--decode-backends`` and no
 backend in the config) that cannot run give a note and eager numbers under backend
 ``disabled``. A backend named explicitly (``--decode-backends``, ``--prefill-backends`` or
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import platform
 import statistics
@@ -41,6 +48,12 @@ from .tables import format_cell as _fmt
 from .tables import format_table  # noqa: F401 - also importable from here, as before
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The ``"schema"`` of the bench's JSON (``--json PATH``, ``--format json``); the plotter
+#: (:mod:`cuda_graph_runner.plot`) reads it and benchmarks/run.py's.
+BENCH_SCHEMA = "cuda-graph-runner.bench/1"
+FORMATS = ("table", "json", "csv")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -53,6 +66,9 @@ class RunnerStats:
     capture_s: Optional[float]
     graph_memory_mb: Optional[float]
     compile_s: Optional[float] = None
+    #: ``runner.run_stats()`` after the measurements (replays, eager fallbacks by reason,
+    #: padding waste per captured size; :mod:`cuda_graph_runner.runner.stats`).
+    run_stats: Optional[Dict[str, Any]] = None
 
 
 def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[], None], repeats: int = 5) -> float:
@@ -211,6 +227,28 @@ def bench_prefill(model: Any, runner: Any, *, token_counts: Sequence[int], reque
     return rows
 
 
+#: Columns of ``--format csv``: one row per decode batch size or prefill (tokens,
+#: requests) per backend; a phase leaves the other phase's columns empty.
+CSV_COLUMNS = ("phase", "backend", "batch_size", "num_tokens", "requests", "eager_ms", "graph_ms", "speedup",
+               "replay_prepare_us", "replayed", "tokens_match", "argmax_match", "max_abs_diff")
+
+
+def results_csv(results: Dict[str, Any]) -> str:
+    """The decode and prefill rows of ``results`` as CSV text (header :data:`CSV_COLUMNS`;
+    booleans ``true``/``false``, missing values empty)."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for phase in ("decode", "prefill"):
+        for row in results.get(phase, []):
+            cells = {k: ("true" if v else "false") if isinstance(v, bool) else v for k, v in row.items()}
+            writer.writerow({"phase": phase, **cells})
+    return out.getvalue()
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` flags (plus every CUDA-graph config flag)."""
     parser.add_argument("--model", default=None,
@@ -238,6 +276,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
+    parser.add_argument("--format", choices=FORMATS, default="table",
+                        help="stdout format: table (default, for people), json (the --json document) or csv "
+                             "(one row per measurement); with json/csv the progress text goes to stderr")
+    parser.add_argument("--plot", dest="plot_path", default=None, metavar="FILE",
+                        help="also draw ms per step against batch size (and prefill ms against tokens) per "
+                             "backend, eager included, into this PNG (needs cuda-graph-runner[plot])")
     add_cuda_graph_args(parser)
 
 
@@ -311,7 +355,7 @@ def check_explicit_backends(phase: str, selection: Optional[str], config: CudaGr
 
 def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, model: Any, device: torch.device,
                  default_max: int, results: Dict[str, Any], table: Any,
-                 measure: Callable[[Any], List[Dict[str, Any]]]) -> bool:
+                 measure: Callable[[Any], List[Dict[str, Any]]], say: Callable[[str], None] = print) -> bool:
     """Capture (when a backend is usable), measure, print one table per backend; True if
     a graph result disagreed with eager."""
     headers, cells = table
@@ -333,11 +377,17 @@ def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, 
                 runner, backend, note = None, None, f"{phase} backend {backend!r} skipped: {exc}; running eager only"
         if runner is not None:
             stats = _capture(runner)
-            results["runners"].append(dataclasses.asdict(stats))
+            runner.stats.reset()  # count the measured calls only
         if note:
-            print(f"note: {note}")
+            say(f"note: {note}")
             results["notes"].append(note)
         rows = measure(runner)
+        if stats is not None:
+            stats.run_stats = runner.run_stats()
+            results["runners"].append(dataclasses.asdict(stats))
+            from .runner.stats import format_summary
+
+            logger.info("%s", format_summary(f"{phase} runner {stats.backend}", stats.run_stats))
         # The backend's own name: eager numbers come from backend "disabled".
         label = (backend + (f":{compiler}" if compiler else "")) if backend else "disabled"
         header = f"\n{phase}, backend {label}"
@@ -345,8 +395,8 @@ def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, 
             header += (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s"
                        + (f" (compile {stats.compile_s:.2f} s)" if stats.compile_s is not None else "")
                        + f", graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB")
-        print(header)
-        print(format_table(headers, [cells(r) for r in rows]))
+        say(header)
+        say(format_table(headers, [cells(r) for r in rows]))
         for r in rows:
             r["backend"] = label
             failed |= r.get("tokens_match") is False or r.get("argmax_match") is False
@@ -386,13 +436,26 @@ def run_bench(args: argparse.Namespace) -> int:
     except CudaGraphConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.json_path:
-        folder = os.path.dirname(os.path.abspath(args.json_path))
+    for flag, path in (("--json", args.json_path), ("--plot", getattr(args, "plot_path", None))):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             # Checked before minutes of capture and timing, not after.
-            print(f"error: --json {args.json_path!r}: folder {folder!r} does not exist or is not writable",
+            print(f"error: {flag} {path!r}: folder {folder!r} does not exist or is not writable",
                   file=sys.stderr)
             return 2
+    if getattr(args, "plot_path", None):
+        from .plot import PlotUnavailableError, check_plot_available
+
+        try:
+            check_plot_available()
+        except PlotUnavailableError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    fmt = getattr(args, "format", "table")
+    # With a machine-readable stdout the words for people go to stderr.
+    say: Callable[[str], None] = print if fmt == "table" else (lambda text: print(text, file=sys.stderr))
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError) as exc:
@@ -442,8 +505,9 @@ def run_bench(args: argparse.Namespace) -> int:
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     env = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "model": model_spec, "dtype": str(dtype).replace("torch.", "")}
-    print(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
-    results: Dict[str, Any] = {"env": env, "runners": [], "decode": [], "prefill": [], "notes": []}
+    say(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
+    results: Dict[str, Any] = {"schema": BENCH_SCHEMA, "env": env, "runners": [], "decode": [], "prefill": [],
+                               "notes": []}
 
     decode_table = (["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|"],
                     lambda r: [r["batch_size"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
@@ -451,7 +515,7 @@ def run_bench(args: argparse.Namespace) -> int:
     failed = _bench_phase(
         "decode", args.decode_backends, config, model, device, max_bs, results, decode_table,
         lambda runner: bench_decode(model, runner, batch_sizes=batch_sizes, prompt_len=args.prompt_len,
-                                    steps=args.steps, iters=iters, warmup=args.warmup))
+                                    steps=args.steps, iters=iters, warmup=args.warmup), say)
     if not args.no_prefill:
         max_reqs = max(args.prefill_requests) + 1
         model.create_kv_cache(num_slots=max_reqs * max_tokens + 1, max_reqs=max_reqs, max_context_len=max_tokens)
@@ -462,12 +526,21 @@ def run_bench(args: argparse.Namespace) -> int:
         failed |= _bench_phase(
             "prefill", args.prefill_backends, config, model, device, max_tokens, results, prefill_table,
             lambda runner: bench_prefill(model, runner, token_counts=token_counts, requests=args.prefill_requests,
-                                         iters=iters, warmup=args.warmup))
+                                         iters=iters, warmup=args.warmup), say)
 
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
-        print(f"\nwrote {args.json_path}")
+        say(f"\nwrote {args.json_path}")
+    if getattr(args, "plot_path", None):
+        from .plot import plot_results
+
+        plot_results(results, args.plot_path)
+        say(f"wrote {args.plot_path}")
+    if fmt == "json":
+        print(json.dumps(results, indent=2))
+    elif fmt == "csv":
+        sys.stdout.write(results_csv(results))
     if failed:
         print("\nerror: a graph result disagreed with eager (tokens or argmax); see the tables", file=sys.stderr)
     return 1 if failed else 0

@@ -17,6 +17,7 @@ import warnings
 from typing import Any, List, Optional
 
 from . import __version__, envs
+from .cli_logging import add_logging_arguments, configure_logging, hide_third_party_noise, level_from_args
 from .config import CudaGraphConfigError
 from .envs import EnvVarError
 from .errors import CudaGraphRunnerError, UnknownBackendError
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS_HELP, formatter_class=raw,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_logging_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     backends = sub.add_parser("backends", help="list installed graph backends and whether they can run here",
@@ -142,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog=EXIT_STATUS_HELP, formatter_class=raw)
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench_command)
+    for subcommand in sub.choices.values():  # `cuda-graph-runner bench -v` as well as `-v bench`
+        add_logging_arguments(subcommand, in_subcommand=True)
     return parser
 
 
@@ -149,8 +153,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the console script; returns the exit status (see module docstring)."""
     previous = warnings.formatwarning
     warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
+    hide_third_party_noise()
     try:
         args = build_parser().parse_args(argv)
+        configure_logging(level_from_args(args))
         envs.check_all()  # a bad CUDA_GRAPH_RUNNER_* value is reported before any work
         return args.func(args)
     except BrokenPipeError:  # `... | head`: the reader left; stop quietly, as cat does

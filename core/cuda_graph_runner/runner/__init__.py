@@ -2,12 +2,14 @@
 
 from .base import BaseCudaGraphRunner, freeze_gc, get_batch_sizes_to_capture
 from .decode import DecodeCudaGraphRunner, default_decode_batch_sizes
+from .stats import RunStats
 from .prefill import PrefillCudaGraphRunner, default_prefill_token_sizes
 
 __all__ = [
     "BaseCudaGraphRunner",
     "DecodeCudaGraphRunner",
     "PrefillCudaGraphRunner",
+    "RunStats",
     "default_decode_batch_sizes",
     "default_prefill_token_sizes",
     "freeze_gc",

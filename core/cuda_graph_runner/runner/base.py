@@ -30,6 +30,7 @@ from ..device import device_guard, resolve_device, synchronize
 from ..nested import check_structure, clone_tensors, map_tensors
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..pool import get_capture_stream
+from .stats import RunStats, fallback_reason
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self._replay_plans: Dict[int, Any] = {}
         self._replay_statics: Dict[int, Any] = {}
         self._keys: Dict[int, ShapeKey] = {}
+        #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
+        self.stats = RunStats()
         self.capture_seconds: Optional[float] = None
         #: Bytes of the graph pool after capture (shared pool: includes other runners'
         #: graphs in it), else the growth of reserved memory over the capture.
@@ -372,14 +375,16 @@ class BaseCudaGraphRunner(abc.ABC):
             return self._capture_sizes(todo, report)
 
     def _capture_sizes(self, todo: List[int], report: CaptureReport) -> CaptureReport:
-        from tqdm.auto import tqdm
+        from .. import progress
 
         device, module = self._graph_device()
         start = time.perf_counter()
         with device_guard(device, module):
             scope = self.host_value_guard_scope()
             # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
-            with host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF):
+            with host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF), \
+                    progress.step(f"prepare {self.phase} ({self.backend.name}), compile included",
+                                  f"prepared {self.phase} ({self.backend.name})", self.show_progress):
                 self.backend.prepare(self)
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
@@ -388,9 +393,9 @@ class BaseCudaGraphRunner(abc.ABC):
             # sizes follow the ``warmup`` policy and keep the cache (BaseCudaGraphBackend).
             self.backend.new_capture_session(getattr(self.phase_config, "warmup", None))
             with freeze_gc(self.enable_cudagraph_gc), self.backend.capture_session(stream):
-                for size in tqdm(todo, desc=f"capture {self.phase} ({self.backend.name})",
-                                 disable=None if self.show_progress is None else not self.show_progress,
-                                 leave=False):
+                for size in progress.bar(todo, desc=f"capture {self.phase} ({self.backend.name})",
+                                         done=f"captured {len(todo)} {self.phase} graphs ({self.backend.name})",
+                                         show=self.show_progress):
                     try:
                         self.capture_one_shape(size)
                     except Exception as exc:
@@ -531,8 +536,16 @@ class BaseCudaGraphRunner(abc.ABC):
         """
         with torch.no_grad():
             if self.can_run(batch):
+                self.stats.record_replay(self.size_of(batch))
                 return self.replay(batch)
+            self.stats.record_fallback(fallback_reason(self, batch))
             return self.eager_forward(batch)
+
+    def run_stats(self) -> dict:
+        """Replays, eager fallbacks by reason and padding waste per captured size of
+        ``forward`` calls so far (:meth:`.stats.RunStats.summary`; ``self.stats.reset()``
+        starts over)."""
+        return self.stats.summary(self.capture_sizes)
 
     __call__ = forward
 

@@ -1,0 +1,119 @@
+"""Run statistics of a runner: replays, eager fallbacks with their reason, padding waste.
+
+``BaseCudaGraphRunner.forward`` counts every call here: a replay under the batch's
+live size, an eager fallback under its reason. :meth:`RunStats.summary` turns the
+counts into the per-captured-size padding waste (padded rows / real rows) that shows
+whether the capture sizes fit the traffic (the same question sglang's and vLLM's
+``cuda_graph_bs`` lists answer by hand). Counting costs one dict update per call.
+
+The summary is what ``runner.run_stats()`` returns, what the bench writes under each
+runner's ``"run_stats"`` in its JSON, and what it logs at INFO.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+from typing import Any, Dict, List, Sequence
+
+logger = logging.getLogger(__name__)
+
+#: Why ``forward`` ran a batch eagerly (the keys of ``summary()["eager_fallbacks"]``).
+REASON_DISABLED = "disabled"  # the runner's backend is ``disabled``
+REASON_NOT_CAPTURED = "not captured"  # capture() has not run (or cleanup() dropped the graphs)
+REASON_TOO_LARGE = "too large"  # more rows than the largest captured size
+REASON_VARIANT = "variant not captured"  # another mode/layout, or the backend has no graph for it
+REASON_EMPTY = "empty batch"  # zero rows
+REASON_PADDING = "padding too large"  # prefill: the padded size exceeds its ratio cap
+REASONS = (REASON_DISABLED, REASON_NOT_CAPTURED, REASON_TOO_LARGE, REASON_VARIANT, REASON_EMPTY, REASON_PADDING)
+
+
+class RunStats:
+    """Counters of one runner since its construction (or :meth:`reset`).
+
+    Attributes:
+        replays_by_size: live size (decode: requests, prefill: tokens) -> replays.
+        fallbacks: reason (one of :data:`REASONS`) -> eager runs.
+    """
+
+    __slots__ = ("replays_by_size", "fallbacks")
+
+    def __init__(self) -> None:
+        self.replays_by_size: Dict[int, int] = collections.Counter()
+        self.fallbacks: Dict[str, int] = collections.Counter()
+
+    def record_replay(self, size: int) -> None:
+        """One replay of a live batch of ``size`` rows."""
+        self.replays_by_size[size] += 1
+
+    def record_fallback(self, reason: str) -> None:
+        """One eager run, for ``reason`` (one of :data:`REASONS`)."""
+        self.fallbacks[reason] += 1
+
+    def reset(self) -> None:
+        """Forget every count (e.g. after warm-up traffic)."""
+        self.replays_by_size.clear()
+        self.fallbacks.clear()
+
+    def summary(self, capture_sizes: Sequence[int]) -> Dict[str, Any]:
+        """Plain-JSON statistics.
+
+        Args:
+            capture_sizes: the runner's sorted capture sizes (each live size pads up to
+                the smallest one >= it).
+
+        Returns:
+            ``{"replays": int, "eager_fallbacks": {reason: int}, "eager_total": int,
+            "padding": [{"captured_size", "replays", "real_rows", "padded_rows",
+            "waste"}]}`` where ``waste`` = padded rows / real rows (0.0 = no padding),
+            one entry per captured size that replayed, ascending.
+        """
+        sizes = sorted(capture_sizes)
+        per_size: Dict[int, List[int]] = {}  # captured size -> [replays, real rows, padded rows]
+        for live, count in self.replays_by_size.items():
+            i = bisect.bisect_left(sizes, live)
+            captured = sizes[i] if i < len(sizes) else live
+            entry = per_size.setdefault(captured, [0, 0, 0])
+            entry[0] += count
+            entry[1] += live * count
+            entry[2] += (captured - live) * count
+        padding = [{"captured_size": s, "replays": n, "real_rows": real, "padded_rows": pad,
+                    "waste": pad / real if real else 0.0}
+                   for s, (n, real, pad) in sorted(per_size.items())]
+        return {"replays": sum(self.replays_by_size.values()),
+                "eager_fallbacks": dict(sorted(self.fallbacks.items())),
+                "eager_total": sum(self.fallbacks.values()),
+                "padding": padding}
+
+
+def fallback_reason(runner: Any, batch: Any) -> str:
+    """Why ``runner.can_run(batch)`` is False, as one of :data:`REASONS` (called on the
+    eager path only, so the replay path pays nothing for it)."""
+    if runner.is_disabled:
+        return REASON_DISABLED
+    if not runner.captured_keys:
+        return REASON_NOT_CAPTURED
+    if not runner.batch_matches(batch):
+        return REASON_VARIANT
+    size = runner.size_of(batch)
+    if size <= 0:
+        return REASON_EMPTY
+    if size > runner.max_size:
+        return REASON_TOO_LARGE
+    try:
+        if not runner.backend.can_run(batch, runner.make_key(runner.padded_size(size))):
+            return REASON_VARIANT
+    except Exception:  # a backend's can_run that raises is reported as not runnable
+        return REASON_VARIANT
+    return REASON_PADDING  # the runner's own cap (prefill's MAX_PADDING_RATIO)
+
+
+def format_summary(label: str, summary: Dict[str, Any]) -> str:
+    """One line for the log: ``"<label>: 40 replays, 2 eager (too large 2), padding waste 12.5%"``."""
+    fallbacks = ", ".join(f"{reason} {n}" for reason, n in summary["eager_fallbacks"].items())
+    real = sum(p["real_rows"] for p in summary["padding"])
+    padded = sum(p["padded_rows"] for p in summary["padding"])
+    waste = f"{100.0 * padded / real:.1f}%" if real else "-"
+    return (f"{label}: {summary['replays']} replays, {summary['eager_total']} eager"
+            + (f" ({fallbacks})" if fallbacks else "") + f", padding waste {waste}")

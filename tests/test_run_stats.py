@@ -1,0 +1,85 @@
+"""Run statistics of a runner: replays, eager fallbacks by reason, padding waste."""
+
+from __future__ import annotations
+
+import logging
+
+from cuda_graph_runner.config import CudaGraphConfig
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.stats import (REASON_DISABLED, REASON_NOT_CAPTURED, REASON_TOO_LARGE, REASON_VARIANT,
+                                            RunStats, format_summary)
+from cuda_graph_runner.testing.fakes import RecordingBackend
+
+from toy_model import ToyModel, decode_batch
+
+
+def make_runner(max_bs=4, bs=None):
+    cfg = CudaGraphConfig.from_dict({"decode": {"max_bs": max_bs, **({"bs": bs} if bs else {})}})
+    return DecodeCudaGraphRunner(ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu", phase="decode"),
+                                 show_progress=False)
+
+
+def test_replays_and_each_fallback_reason_are_counted():
+    runner = make_runner(max_bs=4, bs=[1, 2, 4])
+    runner.forward(decode_batch(2))  # before capture
+    runner.capture()
+    runner.forward(decode_batch(3))  # pads to 4
+    runner.forward(decode_batch(3))
+    runner.forward(decode_batch(1))
+    runner.forward(decode_batch(6))  # above max_bs
+    runner.forward(decode_batch(2, width=2))  # target-verify batch into a decode runner
+    runner.backend.can_run = lambda batch, key: False  # the backend holds no graph for this variant
+    runner.forward(decode_batch(2))
+    stats = runner.run_stats()
+    assert stats["replays"] == 3
+    assert stats["eager_fallbacks"] == {REASON_NOT_CAPTURED: 1, REASON_TOO_LARGE: 1, REASON_VARIANT: 2}
+    assert stats["eager_total"] == 4
+    assert stats["padding"] == [
+        {"captured_size": 1, "replays": 1, "real_rows": 1, "padded_rows": 0, "waste": 0.0},
+        {"captured_size": 4, "replays": 2, "real_rows": 6, "padded_rows": 2, "waste": 2 / 6},
+    ]
+
+
+def test_disabled_backend_fallbacks_say_disabled_and_reset_starts_over():
+    runner = DecodeCudaGraphRunner(ToyModel(), {"decode": {"backend": "disabled", "max_bs": 4}}, device="cpu")
+    runner.capture()
+    runner.forward(decode_batch(2))
+    assert runner.run_stats()["eager_fallbacks"] == {REASON_DISABLED: 1}
+    runner.stats.reset()
+    assert runner.run_stats() == {"replays": 0, "eager_fallbacks": {}, "eager_total": 0, "padding": []}
+
+
+def test_summary_line_names_counts_reasons_and_waste():
+    stats = RunStats()
+    for size in (3, 3, 4):
+        stats.record_replay(size)
+    stats.record_fallback(REASON_TOO_LARGE)
+    line = format_summary("decode runner full", stats.summary([1, 2, 4]))
+    assert line == "decode runner full: 3 replays, 1 eager (too large 1), padding waste 20.0%"
+
+
+def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkeypatch):
+    """The bench's JSON has each runner's run_stats; -v logs the one-line summary."""
+    import json
+
+    from cuda_graph_runner import bench
+    from cuda_graph_runner.cli import main
+
+    # A CPU-capturable backend for the bench: the recording fake instead of the registry's choice.
+    real = bench._make_runner
+    monkeypatch.setattr(bench, "_make_runner", lambda kind, model, config, device: DecodeCudaGraphRunner(
+        model, config, device=device, backend=RecordingBackend("cpu", phase="decode"), show_progress=False)
+        if kind == "decode" else real(kind, model, config, device))
+    monkeypatch.setattr(bench, "_resolve_or_explain", lambda phase, name, device: ("recording", "")
+                        if phase == "decode" else (None, "eager only"))
+    path = tmp_path / "b.json"
+    with caplog.at_level(logging.INFO, logger="cuda_graph_runner"):
+        code = main(["bench", "-v", "--device", "cpu", "--batch-sizes", "1", "3", "--no-prefill", "--iters", "1", "--warmup", "0",
+                     "--steps", "1", "--prompt-len", "2", "--json", str(path)])
+    capsys.readouterr()
+    assert code == 0
+    [runner] = json.loads(path.read_text())["runners"]
+    stats = runner["run_stats"]
+    assert stats["replays"] > 0 and stats["eager_total"] == 0
+    assert {p["captured_size"] for p in stats["padding"]} <= set(runner["sizes"])
+    assert any("decode runner" in r.getMessage() and "replays" in r.getMessage() for r in caplog.records)
