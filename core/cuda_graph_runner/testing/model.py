@@ -277,7 +277,7 @@ def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
 # -------------------------------------------------------------------------- attention
 
 
-@eager_op("reference_llama_attention")
+@eager_op("reference_llama_attention", capture_safe=("decode", "target_verify"))
 def reference_llama_attention(
     output: torch.Tensor,
     q: torch.Tensor,
