@@ -225,6 +225,11 @@ BREAKABLE_WEAK_REF_ARGS = define(
     "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS", "bool", True,
     "breakable: hand eager ops weak references to graph-owned arguments (default on). Read when a "
     "BreakableBackend is built without weak_ref_args.", owner="cuda-graph-runner-breakable").name
+BREAKABLE_INLINE_SAFE_OPS = define(
+    "CUDA_GRAPH_RUNNER_BREAKABLE_INLINE_SAFE_OPS", "bool", True,
+    "breakable: record marked ops declared capture-safe for the batch's mode inside the segments "
+    "(default on; off breaks at every marked op). Read when a BreakableBackend is built without "
+    "inline_capture_safe_ops.", owner="cuda-graph-runner-breakable").name
 TC_PIECEWISE_DEBUG = define(
     "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG", "bool", False,
     "tc_piecewise: check input addresses at every replay. Read when a TcPiecewiseBackend is built "

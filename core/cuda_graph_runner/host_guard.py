@@ -15,7 +15,9 @@ backend scope             where a host read is an error
                           otherwise: a vendor backend gets the strictest rule by default)
 ``"outside_marked_ops"``  the captured forward except inside marked ops
                           (:func:`cuda_graph_runner.graph_break.eager_op`), which run eagerly
-                          at replay on the live batch (``breakable``; ``npu`` with updates)
+                          at replay on the live batch (``breakable``; ``npu`` with updates);
+                          an op ``breakable`` records because it is declared capture-safe
+                          for the batch's mode stays guarded (it runs without the lift)
 ``"trace"``               only while torch.compile traces the forward (``tc_piecewise``:
                           the traced pieces replay without Dynamo; the marked ops and the
                           decode LM head run eagerly)

@@ -8,6 +8,17 @@ segment begins. Replay runs ``segment 0, op 0, segment 1, op 1, ..., segment N``
 ops that must see live, variable-length metadata (prefill attention) run on the live
 batch while everything between them replays from graphs. No torch.compile.
 
+Capture-safe ops stay inside the segments: an op that declares itself capture-safe for
+the captured batch's forward mode (``eager_op(..., capture_safe=("decode", ...))``, see
+:mod:`cuda_graph_runner.graph_break`) is recorded into the open segment like any other
+code, with the host-value guard armed inside it, instead of ending the segment. The
+reference attention declares the fixed-width decode modes, so a decode step replays as
+one graph (as ``full`` does, without one Python call and a few launches per layer from
+the host) while prefill still breaks at every attention (vLLM's ``FULL_AND_PIECEWISE``:
+full graphs for uniform decode, pieces for the rest; vLLM's breakable wrapper likewise
+runs its eager break inline inside a FULL-mode forward). Ops not declared safe for the
+mode break as before, in every phase.
+
 Memory and addresses:
 
 * every segment of every shape is captured into the one shared graph pool, so the
@@ -39,19 +50,23 @@ import torch
 from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly
+from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly, capture_safe_now
 from cuda_graph_runner.buffers import copy_into
 from cuda_graph_runner.nested import iter_tensors, map_tensors
 from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BreakableCaptureError", "BreakableCudaGraphBackend", "BreakableGraph", "EagerBreak", "ENV_WEAK_REF_ARGS"]
+__all__ = ["BreakableCaptureError", "BreakableCudaGraphBackend", "BreakableGraph", "EagerBreak", "ENV_INLINE_SAFE_OPS",
+           "ENV_WEAK_REF_ARGS"]
 
 #: Sets ``weak_ref_args`` for backends built without the argument (the registry builds
 #: them so), e.g. to compare graph memory in a benchmark; parsed by the core's ``envs``
 #: (1/0/true/false/yes/no/on/off, anything else is an error).
 ENV_WEAK_REF_ARGS = envs.BREAKABLE_WEAK_REF_ARGS
+#: Sets ``inline_capture_safe_ops`` for backends built without the argument (e.g. ``0`` to
+#: measure or debug the all-breaks form); parsed by the core's ``envs`` like the one above.
+ENV_INLINE_SAFE_OPS = envs.BREAKABLE_INLINE_SAFE_OPS
 
 
 class BreakableCaptureError(RuntimeError):
@@ -99,11 +114,14 @@ class BreakableGraph:
         key: the shape.
         segments: device graphs (``torch.cuda.CUDAGraph``), all in one pool.
         breaks: the eager ops, ``breaks[i]`` running after ``segments[i]``.
+        inlined: names of the marked ops recorded inside the segments (declared
+            capture-safe for the shape's mode), in call order.
     """
 
     key: ShapeKey
     segments: List[Any] = dataclasses.field(default_factory=list)
     breaks: List[EagerBreak] = dataclasses.field(default_factory=list)
+    inlined: List[str] = dataclasses.field(default_factory=list)
 
     def replay(self) -> None:
         """``segment 0, op 0, segment 1, ..., segment N`` on the current stream."""
@@ -118,6 +136,7 @@ class BreakableGraph:
             segment.reset()
         self.segments.clear()
         self.breaks.clear()
+        self.inlined.clear()
 
     @property
     def op_names(self) -> List[str]:
@@ -139,6 +158,14 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     dependent shapes) or index with them; it reads host metadata from the forward
     context.
 
+    A marked op declared capture-safe for the captured batch's forward mode
+    (``capture_safe=`` of :func:`~cuda_graph_runner.graph_break.eager_op`) does not end the
+    segment: its body is recorded into it, like the model code around it, with the
+    host-value guard armed (a host read there raises
+    :class:`~cuda_graph_runner.errors.CudaGraphHostValueError` at capture). With the
+    reference model a decode shape is then one segment; prefill shapes keep one break per
+    attention. ``BreakableGraph.inlined`` lists the ops so recorded.
+
     Args (beyond :class:`~cuda_graph_runner.backend.BaseCudaGraphBackend`'s):
         weak_ref_args: keep non-owning aliases of the ops' tensor arguments instead of
             references (CUDA only; vLLM/sglang do this), so graph-pool blocks an op
@@ -150,6 +177,11 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             ``CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS`` is off (``0``, ``false``, ``no``,
             ``off``; any other non-boolean raises ``envs.EnvVarError``). The shape's outputs
             are kept as aliases too, under the same switch.
+        inline_capture_safe_ops: record marked ops declared capture-safe for the batch's
+            mode inside the segments (True), or break at every marked op (False: the
+            behaviour before capture-safe declarations; slower decode, for comparison or
+            debugging). None (default): True unless ``CUDA_GRAPH_RUNNER_BREAKABLE_INLINE_SAFE_OPS``
+            is off (parsed like the variable above).
 
     Raises (from ``capture_one``):
         BreakableCaptureError: nested capture; a marked op given a tensor that is not
@@ -162,11 +194,15 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     #: frozen into segments (cuda_graph_runner.host_guard).
     host_value_guard = "outside_marked_ops"
 
-    def __init__(self, *args: Any, weak_ref_args: Optional[bool] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, weak_ref_args: Optional[bool] = None,
+                 inline_capture_safe_ops: Optional[bool] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if weak_ref_args is None:
             weak_ref_args = envs.get(ENV_WEAK_REF_ARGS)
         self.weak_ref_args = bool(weak_ref_args)
+        if inline_capture_safe_ops is None:
+            inline_capture_safe_ops = envs.get(ENV_INLINE_SAFE_OPS)
+        self.inline_capture_safe_ops = bool(inline_capture_safe_ops)
         self._graphs: Dict[ShapeKey, BreakableGraph] = {}
         self._outputs: Dict[ShapeKey, Any] = {}
         #: Replays since construction (tests and the bench read it).
@@ -218,8 +254,8 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         # As in ``full``: aliases let smaller shapes reuse this shape's output blocks.
         weak = self.weak_ref_args and self.device.type == "cuda" and _all_on_cuda(output)
         self._outputs[key] = weak_ref_tensors(output) if weak else output
-        logger.debug("breakable %s: %d segments, eager ops %s", key, len(capture.graph.segments),
-                     capture.graph.op_names)
+        logger.debug("breakable %s: %d segments, eager ops %s, recorded inside %s", key,
+                     len(capture.graph.segments), capture.graph.op_names, capture.graph.inlined)
 
     def _refuse_nested(self, key: ShapeKey) -> None:
         if is_capturing():
@@ -361,6 +397,12 @@ class _SegmentCapture:
             return call_eagerly(op, args, kwargs)
         if self._ctx is None:
             raise BreakableCaptureError(f"marked op {op.qualname!r} called while no segment is open")
+        if self.backend.inline_capture_safe_ops and capture_safe_now(op):
+            # The op promised fixed shapes and device-only metadata for this mode: record it
+            # into the open segment. ``op.fn`` directly, not the custom op: the custom op
+            # lifts the host-value guard, which must stay armed over recorded code.
+            self.graph.inlined.append(op.name)
+            return op.fn(*args, **kwargs)
         self.backend.check_op_args(op, args, kwargs)
         self.end_segment()
         self._in_op = True
