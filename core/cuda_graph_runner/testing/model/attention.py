@@ -11,7 +11,7 @@ from ...forward_context import forward_scratch, get_forward_batch
 from ...graph_break import eager_op
 
 
-@eager_op("reference_llama_attention")
+@eager_op("reference_llama_attention", capture_safe=("decode", "target_verify"))
 def reference_llama_attention(
     output: torch.Tensor,
     q: torch.Tensor,
