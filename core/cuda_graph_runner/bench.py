@@ -44,6 +44,7 @@ import torch
 
 from .config import CudaGraphConfig, CudaGraphConfigError, add_cuda_graph_args
 from .errors import CudaGraphRunnerError, UnknownBackendError
+from .forward_batch import ForwardBatch
 from .tables import format_cell as _fmt
 from .tables import format_table  # noqa: F401 - also importable from here, as before
 

@@ -3,11 +3,14 @@ the fused parameters of :class:`~cuda_graph_runner.testing.model.ReferenceLlamaF
 
 import json
 import os
-from typing import Dict, List, Union
+from typing import TYPE_CHECKING, Dict, List, Union
 
 import torch
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:  # the mixin's subclass; imported for the annotation only (no cycle at run time)
+    from .causal_lm import ReferenceLlamaForCausalLM
 
 
 class HFCheckpointMixin:
