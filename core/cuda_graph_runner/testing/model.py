@@ -43,6 +43,9 @@ from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_scratch, get_forward_batch
 from ..graph_break import eager_op
 from .kv_cache import PagedKVCache
+from .tensor_parallel import (
+    RowParallelLinear, TPLayout, VocabParallelEmbedding, parallel_lm_logits, shard_fused_param, shard_hf_tensor,
+)
 
 __all__ = [
     "ModelConfig",
@@ -458,18 +461,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        lay = TPLayout.of(config, tp)  # this rank's heads (all of them without TP)
+        self.num_heads = lay.local_heads
+        self.num_kv_heads = lay.local_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim ** -0.5
         self.sliding_window = config.sliding_window or 0
         self.last_layer = layer_id == config.num_hidden_layers - 1
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
-        self.o_proj = _Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+        self.o_proj = (_Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device) if tp is None
+                       else RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, dtype, device, tp))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
@@ -494,11 +499,12 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = _Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
-        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+        self.intermediate_size = TPLayout.of(config, tp).local_intermediate
+        self.gate_up_proj = _Linear(config.hidden_size, 2 * self.intermediate_size, False, dtype, device)
+        self.down_proj = (_Linear(self.intermediate_size, config.hidden_size, False, dtype, device) if tp is None
+                          else RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -506,10 +512,10 @@ class _MLP(nn.Module):
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
-        self.self_attn = _Attention(config, layer_id, dtype, device)
-        self.mlp = _MLP(config, dtype, device)
+        self.self_attn = _Attention(config, layer_id, dtype, device, tp)
+        self.mlp = _MLP(config, dtype, device, tp)
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -519,10 +525,12 @@ class _DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True)
-        self.layers = nn.ModuleList(_DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True) if tp is None
+            else VocabParallelEmbedding(TPLayout.of(config, tp), config.hidden_size, dtype, device, tp))
+        self.layers = nn.ModuleList(_DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers))
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
@@ -536,6 +544,10 @@ class ReferenceLlamaForCausalLM(nn.Module):
         config: the shape.
         dtype: parameter and KV dtype (float32, bfloat16, float16).
         device: where parameters live.
+        tp_group: a :class:`~cuda_graph_runner.distributed.TPGroup` for tensor
+            parallelism (this rank's shard of heads, MLP and vocab; see
+            :mod:`cuda_graph_runner.testing.tensor_parallel`), or None for one process.
+            Runners read it as ``model.tp_group``.
 
     Parameters start uninitialised: use :meth:`from_preset`, :meth:`from_config`
     (random weights) or :meth:`from_pretrained` (a checkpoint).
@@ -545,13 +557,17 @@ class ReferenceLlamaForCausalLM(nn.Module):
         kv_cache: the attached :class:`PagedKVCache`, or ``None``.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                 tp_group: Any = None):
         super().__init__()
         device = torch.device(device)
         self.config = config
-        self.model = _Backbone(config, dtype, device)
+        self.tp_group = tp_group
+        self.tp_layout = TPLayout.of(config, tp_group)  # raises ValueError when the heads do not split
+        self.model = _Backbone(config, dtype, device, tp_group)
         self.lm_head = (
-            None if config.tie_word_embeddings else _Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+            None if config.tie_word_embeddings
+            else _Linear(config.hidden_size, self.tp_layout.local_vocab, False, dtype, device)
         )
         self.register_buffer("inv_freq", compute_inv_freq(config).to(device), persistent=False)
         self.kv_cache: Optional[PagedKVCache] = None
@@ -575,12 +591,14 @@ class ReferenceLlamaForCausalLM(nn.Module):
         device: Union[str, torch.device] = "cpu",
         seed: int = 0,
         std: float = 0.02,
+        tp_group: Any = None,
     ) -> "ReferenceLlamaForCausalLM":
         """A model with random weights: normal(0, ``std``) matrices and biases, unit norms.
 
-        The same seed on the same device type gives the same weights.
+        The same seed on the same device type gives the same weights; with ``tp_group``
+        each rank holds its shard of those same weights.
         """
-        model = cls(config, dtype=dtype, device=device)
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
         model.init_random_weights(seed=seed, std=std)
         return model
 
@@ -592,6 +610,7 @@ class ReferenceLlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
         seed: int = 0,
+        tp_group: Any = None,
     ) -> "ReferenceLlamaForCausalLM":
         """A model of a :data:`PRESETS` shape with random weights (std 0.02).
 
@@ -600,16 +619,22 @@ class ReferenceLlamaForCausalLM(nn.Module):
         """
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        return cls.from_config(PRESETS[name], dtype=dtype, device=device, seed=seed)
+        return cls.from_config(PRESETS[name], dtype=dtype, device=device, seed=seed, tp_group=tp_group)
 
     @torch.no_grad()
     def init_random_weights(self, *, seed: int = 0, std: float = 0.02) -> None:
         """Fill matrices, embeddings and biases with normal(0, ``std``); norms with 1."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
+        # TP: draw the full (TP=1) tensors in TP=1 order and keep this rank's shard.
+        full = dict(type(self)(self.config, dtype=self.dtype, device="meta").named_parameters()) \
+            if self.tp_group is not None else None
         for name, param in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 param.fill_(1.0)
+            elif full is not None:
+                whole = torch.empty(full[name].shape, dtype=self.dtype, device=self.device).normal_(0.0, std, generator=gen)
+                param.copy_(shard_fused_param(name, whole, self.tp_layout))
             else:
                 param.normal_(0.0, std, generator=gen)
 
@@ -621,12 +646,15 @@ class ReferenceLlamaForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
+        tp_group: Any = None,
     ) -> "ReferenceLlamaForCausalLM":
         """Load a Hugging Face checkpoint directory.
 
         Reads ``config.json`` and either ``model.safetensors`` or the shards listed in
         ``model.safetensors.index.json``; q/k/v and gate/up weights are fused. A
         ``lm_head.weight`` of a tied model and ``rotary_emb.inv_freq`` are ignored.
+        With ``tp_group`` each rank reads only its shard of every tensor
+        (:func:`~cuda_graph_runner.testing.tensor_parallel.shard_hf_tensor`).
 
         Raises:
             FileNotFoundError: no config.json, or no safetensors file/index.
@@ -653,7 +681,7 @@ class ReferenceLlamaForCausalLM(nn.Module):
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
-        model = cls(config, dtype=dtype, device=device)
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
         targets = model._hf_targets()
         ignored = {k for k in weight_map if k.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:
@@ -676,7 +704,8 @@ class ReferenceLlamaForCausalLM(nn.Module):
             with safe_open(os.path.join(path, fname), framework="pt") as f:
                 for name in names:
                     dest = targets[name]
-                    src = f.get_tensor(name)
+                    src = f.get_tensor(name) if tp_group is None else shard_hf_tensor(name, f.get_slice(name),
+                                                                                       model.tp_layout)
                     if tuple(src.shape) != tuple(dest.shape):
                         raise ValueError(
                             f"tensor {name} in {fname} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}"
@@ -693,7 +722,9 @@ class ReferenceLlamaForCausalLM(nn.Module):
         }
         if self.lm_head is not None:
             t["lm_head.weight"] = self.lm_head.weight.data
-        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        attn0 = self.model.layers[0].self_attn if len(self.model.layers) else None  # local (TP) sizes
+        q, kv = (attn0.q_size, attn0.kv_size) if attn0 is not None else (c.q_size, c.kv_size)
+        inter = self.tp_layout.local_intermediate
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
             qkv = layer.self_attn.qkv_proj
@@ -725,7 +756,7 @@ class ReferenceLlamaForCausalLM(nn.Module):
         c = self.config
         cache = PagedKVCache(
             c.num_hidden_layers,
-            c.num_key_value_heads,
+            self.tp_layout.local_kv_heads,
             c.head_dim,
             num_slots,
             max_reqs,
@@ -743,7 +774,7 @@ class ReferenceLlamaForCausalLM(nn.Module):
             ValueError: its layers, heads, head_dim, dtype or device do not fit the model.
         """
         c = self.config
-        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        want = (c.num_hidden_layers, self.tp_layout.local_kv_heads, c.head_dim, self.dtype, self.device)
         got = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
         if want != got:
             raise ValueError(f"KV cache (layers, kv_heads, head_dim, dtype, device)={got} does not fit model {want}")
@@ -795,4 +826,6 @@ class ReferenceLlamaForCausalLM(nn.Module):
             last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1
             hidden = hidden[last]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp_group is not None:  # vocab shards, gathered: every rank returns [tokens, vocab]
+            return parallel_lm_logits(hidden, weight, self.config.vocab_size, self.tp_group)
         return F.linear(hidden, weight).float()
