@@ -75,7 +75,7 @@ def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[]
     return statistics.median(samples)
 
 
-def load_model(spec: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None) -> Any:
     """A preset name (see ``testing.model.PRESETS``) or a checkpoint directory.
 
     Raises:
@@ -84,9 +84,9 @@ def load_model(spec: str, *, dtype: torch.dtype, device: torch.device) -> Any:
     from .testing.model import PRESETS, ReferenceLlamaForCausalLM
 
     if spec in PRESETS:
-        return ReferenceLlamaForCausalLM.from_preset(spec, dtype=dtype, device=device)
+        return ReferenceLlamaForCausalLM.from_preset(spec, dtype=dtype, device=device, tp_group=tp_group)
     if os.path.isdir(spec):
-        return ReferenceLlamaForCausalLM.from_pretrained(spec, dtype=dtype, device=device)
+        return ReferenceLlamaForCausalLM.from_pretrained(spec, dtype=dtype, device=device, tp_group=tp_group)
     raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
 
 
@@ -243,6 +243,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=None,
                         help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size; >1 runs under torchrun --nproc-per-node N, rank 0 prints "
+                             "(default 1)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
     add_cuda_graph_args(parser)
 
@@ -386,7 +389,28 @@ def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments; returns the exit status (1 when a graph
-    result disagrees with eager)."""
+    result disagrees with eager). With ``--tp N`` > 1 every rank ends here in bounded
+    time (:mod:`cuda_graph_runner.bench_tp`)."""
+    from . import bench_tp
+
+    try:
+        tp = bench_tp.setup(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        code = _run_bench(args, tp)
+    except BaseException:
+        if tp is None:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    return bench_tp.finish(tp, code)
+
+
+def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     from .runner.base import _as_config
 
     try:
@@ -438,7 +462,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        model = load_model(model_spec, dtype=dtype, device=device)
+        model = load_model(model_spec, dtype=dtype, device=device, tp_group=tp)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -450,7 +474,10 @@ def run_bench(args: argparse.Namespace) -> int:
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     env = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "model": model_spec, "dtype": str(dtype).replace("torch.", "")}
-    print(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
+    if tp is not None:
+        env["tp"] = tp.size
+    print(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}"
+          + (f", tensor parallel {tp.size} ranks (rank 0 shown)" if tp is not None else ""))
     results: Dict[str, Any] = {"env": env, "runners": [], "decode": [], "prefill": [], "notes": []}
 
     decode_table = (["batch", "eager ms", "graph ms", "speedup", "tokens match", "max |diff|"],
@@ -472,7 +499,7 @@ def run_bench(args: argparse.Namespace) -> int:
             lambda runner: bench_prefill(model, runner, token_counts=token_counts, requests=args.prefill_requests,
                                          iters=iters, warmup=args.warmup))
 
-    if args.json_path:
+    if args.json_path and (tp is None or tp.rank == 0):
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
         print(f"\nwrote {args.json_path}")
