@@ -195,3 +195,16 @@ def test_size_one_group_runs_no_collective():
     x = torch.randn(3, 4)
     assert all_gather_last_dim(x, TPGroup(0, 1, torch.device("cpu"))) is x
     assert TPGroup(0, 1, torch.device("cpu")).agree_step(3, False) is False
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tp", "0"], "--tp 0: must be a positive int"),
+    (["--tp", "2"], "torchrun --nproc-per-node 2 -m cuda_graph_runner bench --tp 2"),
+])
+def test_bench_tp_usage_errors(argv, message, capsys, monkeypatch):
+    from cuda_graph_runner.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -27,7 +27,7 @@ from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from ..device import device_guard, resolve_device, synchronize
-from ..distributed import tp_capture_step
+from ..distributed import TPGroup, tp_capture_step
 from ..nested import check_structure, clone_tensors, map_tensors
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..pool import get_capture_stream
@@ -203,7 +203,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self.model = model
         #: The model's TP group (``model.tp_group``, :mod:`cuda_graph_runner.distributed`):
         #: ranks capture in step and agree on every batch's replay-or-eager decision.
-        self.tp_group = getattr(model, "tp_group", None)
+        tp = getattr(model, "tp_group", None)
+        self.tp_group: Optional[TPGroup] = tp if isinstance(tp, TPGroup) else None
         # An index-less "cuda" is resolved once: buffers, graphs and replays stay on one device.
         self.device = resolve_device(device) if device is not None else _model_device(model, type(self).__name__)
         self.config = _as_config(config, self.phase)
