@@ -246,6 +246,8 @@ def init_tensor_parallel(
             reads the environment (``env://``).
         timeout_s: seconds a collective may block before failing.
 
+    On CUDA, ``NCCL_NVLS_ENABLE`` defaults to ``0`` (NVLink multicast off) when unset.
+
     Raises:
         ValueError: the world size differs from ``tp_size``, a bad ``device_type``, or
             fewer CUDA devices than local ranks (each message names the values).
@@ -263,6 +265,9 @@ def init_tensor_parallel(
             kwargs.update(init_method=init_method, rank=rank, world_size=tp_size)
         local_rank = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
         if device_type == "cuda":
+            # NVLink SHARP (multicast) off unless the user chose: the lent 2-GPU machines
+            # must not use it, and small decode all-reduces gain nothing from it.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             if local_rank >= torch.cuda.device_count():
                 raise ValueError(f"local rank {local_rank} needs cuda:{local_rank}, "
                                  f"but {torch.cuda.device_count()} CUDA devices are visible")
