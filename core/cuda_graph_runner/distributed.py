@@ -263,7 +263,7 @@ def init_tensor_parallel(
         kwargs: dict = {"timeout": timeout}
         if init_method is not None:
             kwargs.update(init_method=init_method, rank=rank, world_size=tp_size)
-        local_rank = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
+        local_rank = dist.get_node_local_rank(fallback_rank=rank if rank is not None else 0)  # torchrun's LOCAL_RANK
         if device_type == "cuda":
             # NVLink SHARP (multicast) off unless the user chose: the lent 2-GPU machines
             # must not use it, and small decode all-reduces gain nothing from it.
@@ -278,7 +278,7 @@ def init_tensor_parallel(
     if tp_size is not None and world != tp_size:
         raise ValueError(f"--tp {tp_size} but the process group has {world} ranks; "
                          f"start it with torchrun --nproc-per-node {tp_size}")
-    local_rank = int(os.environ.get("LOCAL_RANK", me))
+    local_rank = dist.get_node_local_rank(fallback_rank=me)
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
