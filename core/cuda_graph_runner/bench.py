@@ -105,7 +105,7 @@ def replay_prepare_us(runner: Any, batch: ForwardBatch, *, sync: Callable[[], No
     return statistics.median(samples)
 
 
-def load_model(spec: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None) -> Any:
     """A preset name (see ``testing.model.PRESETS``) or a checkpoint directory.
 
     Raises:
@@ -114,9 +114,9 @@ def load_model(spec: str, *, dtype: torch.dtype, device: torch.device) -> Any:
     from .testing.model import PRESETS, ReferenceLlamaForCausalLM
 
     if spec in PRESETS:
-        return ReferenceLlamaForCausalLM.from_preset(spec, dtype=dtype, device=device)
+        return ReferenceLlamaForCausalLM.from_preset(spec, dtype=dtype, device=device, tp_group=tp_group)
     if os.path.isdir(spec):
-        return ReferenceLlamaForCausalLM.from_pretrained(spec, dtype=dtype, device=device)
+        return ReferenceLlamaForCausalLM.from_pretrained(spec, dtype=dtype, device=device, tp_group=tp_group)
     raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
 
 
@@ -276,6 +276,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=None,
                         help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size; >1 runs under torchrun --nproc-per-node N, rank 0 prints "
+                             "(default 1)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
     parser.add_argument("--format", choices=FORMATS, default="table",
                         help="stdout format: table (default, for people), json (the --json document) or csv "
@@ -431,7 +434,29 @@ def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments; returns the exit status (1 when a graph
-    result disagrees with eager)."""
+    result disagrees with eager). With ``--tp N`` > 1 every rank ends here in bounded
+    time (:mod:`cuda_graph_runner.bench_tp`)."""
+    from . import bench_tp
+
+    try:
+        tp = bench_tp.setup(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        code = _run_bench(args, tp)
+    except BaseException:
+        if tp is None:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    return bench_tp.finish(tp, code)
+
+
+def _run_bench(args: argparse.Namespace, tp: Any) -> int:
+
     try:
         config = CudaGraphConfig.from_args(args)
     except CudaGraphConfigError as exc:
@@ -494,7 +519,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        model = load_model(model_spec, dtype=dtype, device=device)
+        model = load_model(model_spec, dtype=dtype, device=device, tp_group=tp)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -506,7 +531,10 @@ def run_bench(args: argparse.Namespace) -> int:
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     env = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "model": model_spec, "dtype": str(dtype).replace("torch.", "")}
-    say(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}")
+    if tp is not None:
+        env["tp"] = tp.size
+    say(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}"
+        + (f", tensor parallel {tp.size} ranks (rank 0 shown)" if tp is not None else ""))
     results: Dict[str, Any] = {"schema": BENCH_SCHEMA, "env": env, "runners": [], "decode": [], "prefill": [],
                                "notes": []}
 
@@ -529,7 +557,7 @@ def run_bench(args: argparse.Namespace) -> int:
             lambda runner: bench_prefill(model, runner, token_counts=token_counts, requests=args.prefill_requests,
                                          iters=iters, warmup=args.warmup), say)
 
-    if args.json_path:
+    if args.json_path and (tp is None or tp.rank == 0):
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
         say(f"\nwrote {args.json_path}")

@@ -27,10 +27,11 @@ from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from ..device import device_guard, resolve_device, synchronize
+from ..distributed import TPGroup, tp_capture_step
 from ..nested import check_structure, clone_tensors, map_tensors
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..pool import get_capture_stream
-from .stats import RunStats, fallback_reason
+from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,10 @@ class BaseCudaGraphRunner(abc.ABC):
         if owned_outputs is not None and not isinstance(owned_outputs, bool):
             raise TypeError(f"owned_outputs={owned_outputs!r}: must be True, False or None (the config's value)")
         self.model = model
+        #: The model's TP group (``model.tp_group``, :mod:`cuda_graph_runner.distributed`):
+        #: ranks capture in step and agree on every batch's replay-or-eager decision.
+        tp = getattr(model, "tp_group", None)
+        self.tp_group: Optional[TPGroup] = tp if isinstance(tp, TPGroup) else None
         # An index-less "cuda" is resolved once: buffers, graphs and replays stay on one device.
         self.device = resolve_device(device) if device is not None else _model_device(model, type(self).__name__)
         self.config = _as_config(config, self.phase)
@@ -396,8 +401,10 @@ class BaseCudaGraphRunner(abc.ABC):
                 for size in progress.bar(todo, desc=f"capture {self.phase} ({self.backend.name})",
                                          done=f"captured {len(todo)} {self.phase} graphs ({self.backend.name})",
                                          show=self.show_progress):
+                    tp_step = tp_capture_step(self.tp_group, f"{self.phase} size {size}")
                     try:
-                        self.capture_one_shape(size)
+                        with tp_step:  # ranks warm up together; a failure on one fails all
+                            self.capture_one_shape(size)
                     except Exception as exc:
                         self._raise_if_out_of_memory(exc, size, todo, device, module)
                         raise
@@ -535,10 +542,13 @@ class BaseCudaGraphRunner(abc.ABC):
             ``owned_outputs=True`` (see :meth:`replay`); an eager one is the model's own.
         """
         with torch.no_grad():
-            if self.can_run(batch):
+            run = local = self.can_run(batch)
+            if self.tp_group is not None:  # one rank replaying while another runs eagerly deadlocks
+                run = self.tp_group.agree_step(self.size_of(batch), run)
+            if run:
                 self.stats.record_replay(self.size_of(batch))
                 return self.replay(batch)
-            self.stats.record_fallback(fallback_reason(self, batch))
+            self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
             return self.eager_forward(batch)
 
     def run_stats(self) -> dict:

@@ -26,7 +26,9 @@ REASON_TOO_LARGE = "too large"  # more rows than the largest captured size
 REASON_VARIANT = "variant not captured"  # another mode/layout, or the backend has no graph for it
 REASON_EMPTY = "empty batch"  # zero rows
 REASON_PADDING = "padding too large"  # prefill: the padded size exceeds its ratio cap
-REASONS = (REASON_DISABLED, REASON_NOT_CAPTURED, REASON_TOO_LARGE, REASON_VARIANT, REASON_EMPTY, REASON_PADDING)
+REASON_OTHER_RANK = "another rank cannot replay"  # tensor parallel: every rank takes the same path
+REASONS = (REASON_DISABLED, REASON_NOT_CAPTURED, REASON_TOO_LARGE, REASON_VARIANT, REASON_EMPTY, REASON_PADDING,
+           REASON_OTHER_RANK)
 
 
 class RunStats:

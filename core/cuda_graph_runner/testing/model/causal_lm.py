@@ -1,7 +1,7 @@
 """The reference causal LM: :class:`ReferenceLlamaForCausalLM`, the model protocol the
 runners drive (forward over a batch, logits, capture/replay hooks) over its KV cache."""
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,7 @@ from .config import PRESETS, ModelConfig
 from .layers import _Backbone, _Linear
 from .loading import HFCheckpointMixin
 from .rope import compute_inv_freq
+from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
 
 
 class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
@@ -22,6 +23,10 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         config: the shape.
         dtype: parameter and KV dtype (float32, bfloat16, float16).
         device: where parameters live.
+        tp_group: a :class:`~cuda_graph_runner.distributed.TPGroup` for tensor
+            parallelism (this rank's shard of heads, MLP and vocab; see
+            :mod:`cuda_graph_runner.testing.tensor_parallel`), or None for one process.
+            Runners read it as ``model.tp_group``.
 
     Parameters start uninitialised: use :meth:`from_preset`, :meth:`from_config`
     (random weights) or :meth:`from_pretrained` (a checkpoint).
@@ -31,13 +36,17 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         kv_cache: the attached :class:`PagedKVCache`, or ``None``.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                 tp_group: Any = None):
         super().__init__()
         device = torch.device(device)
         self.config = config
-        self.model = _Backbone(config, dtype, device)
+        self.tp_group = tp_group
+        self.tp_layout = TPLayout.of(config, tp_group)  # raises ValueError when the heads do not split
+        self.model = _Backbone(config, dtype, device, tp_group)
         self.lm_head = (
-            None if config.tie_word_embeddings else _Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+            None if config.tie_word_embeddings
+            else _Linear(config.hidden_size, self.tp_layout.local_vocab, False, dtype, device)
         )
         self.register_buffer("inv_freq", compute_inv_freq(config).to(device), persistent=False)
         self.kv_cache: Optional[PagedKVCache] = None
@@ -61,12 +70,14 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         device: Union[str, torch.device] = "cpu",
         seed: int = 0,
         std: float = 0.02,
+        tp_group: Any = None,
     ) -> "ReferenceLlamaForCausalLM":
         """A model with random weights: normal(0, ``std``) matrices and biases, unit norms.
 
-        The same seed on the same device type gives the same weights.
+        The same seed on the same device type gives the same weights; with ``tp_group``
+        each rank holds its shard of those same weights.
         """
-        model = cls(config, dtype=dtype, device=device)
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
         model.init_random_weights(seed=seed, std=std)
         return model
 
@@ -78,6 +89,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
         seed: int = 0,
+        tp_group: Any = None,
     ) -> "ReferenceLlamaForCausalLM":
         """A model of a :data:`PRESETS` shape with random weights (std 0.02).
 
@@ -86,16 +98,22 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         """
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        return cls.from_config(PRESETS[name], dtype=dtype, device=device, seed=seed)
+        return cls.from_config(PRESETS[name], dtype=dtype, device=device, seed=seed, tp_group=tp_group)
 
     @torch.no_grad()
     def init_random_weights(self, *, seed: int = 0, std: float = 0.02) -> None:
         """Fill matrices, embeddings and biases with normal(0, ``std``); norms with 1."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
+        # TP: draw the full (TP=1) tensors in TP=1 order and keep this rank's shard.
+        full = dict(type(self)(self.config, dtype=self.dtype, device="meta").named_parameters()) \
+            if self.tp_group is not None else None
         for name, param in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 param.fill_(1.0)
+            elif full is not None:
+                whole = torch.empty(full[name].shape, dtype=self.dtype, device=self.device).normal_(0.0, std, generator=gen)
+                param.copy_(shard_fused_param(name, whole, self.tp_layout))
             else:
                 param.normal_(0.0, std, generator=gen)
 
@@ -111,7 +129,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         c = self.config
         cache = PagedKVCache(
             c.num_hidden_layers,
-            c.num_key_value_heads,
+            self.tp_layout.local_kv_heads,
             c.head_dim,
             num_slots,
             max_reqs,
@@ -129,7 +147,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             ValueError: its layers, heads, head_dim, dtype or device do not fit the model.
         """
         c = self.config
-        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        want = (c.num_hidden_layers, self.tp_layout.local_kv_heads, c.head_dim, self.dtype, self.device)
         got = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
         if want != got:
             raise ValueError(f"KV cache (layers, kv_heads, head_dim, dtype, device)={got} does not fit model {want}")
@@ -181,4 +199,6 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1
             hidden = hidden[last]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp_group is not None:  # vocab shards, gathered: every rank returns [tokens, vocab]
+            return parallel_lm_logits(hidden, weight, self.config.vocab_size, self.tp_group)
         return F.linear(hidden, weight).float()

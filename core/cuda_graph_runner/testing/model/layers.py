@@ -11,6 +11,7 @@ from ..kv_cache import PagedKVCache
 from .attention import reference_llama_attention
 from .config import ModelConfig
 from .rope import _rotate_half
+from ..tensor_parallel import RowParallelLinear, TPLayout, VocabParallelEmbedding
 
 
 class _Linear(nn.Module):
@@ -42,18 +43,20 @@ class _RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        lay = TPLayout.of(config, tp)  # this rank's heads (all of them without TP)
+        self.num_heads = lay.local_heads
+        self.num_kv_heads = lay.local_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim ** -0.5
         self.sliding_window = config.sliding_window or 0
         self.last_layer = layer_id == config.num_hidden_layers - 1
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
-        self.o_proj = _Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+        self.o_proj = (_Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device) if tp is None
+                       else RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, dtype, device, tp))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
@@ -78,11 +81,12 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = _Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
-        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+        self.intermediate_size = TPLayout.of(config, tp).local_intermediate
+        self.gate_up_proj = _Linear(config.hidden_size, 2 * self.intermediate_size, False, dtype, device)
+        self.down_proj = (_Linear(self.intermediate_size, config.hidden_size, False, dtype, device) if tp is None
+                          else RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -90,10 +94,10 @@ class _MLP(nn.Module):
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
-        self.self_attn = _Attention(config, layer_id, dtype, device)
-        self.mlp = _MLP(config, dtype, device)
+        self.self_attn = _Attention(config, layer_id, dtype, device, tp)
+        self.mlp = _MLP(config, dtype, device, tp)
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -103,8 +107,10 @@ class _DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True)
-        self.layers = nn.ModuleList(_DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True) if tp is None
+            else VocabParallelEmbedding(TPLayout.of(config, tp), config.hidden_size, dtype, device, tp))
+        self.layers = nn.ModuleList(_DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers))
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

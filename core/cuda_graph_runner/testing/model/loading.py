@@ -3,11 +3,12 @@ the fused parameters of :class:`~cuda_graph_runner.testing.model.ReferenceLlamaF
 
 import json
 import os
-from typing import TYPE_CHECKING, Dict, List, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Union
 
 import torch
 
 from .config import ModelConfig
+from ..tensor_parallel import shard_hf_tensor
 
 if TYPE_CHECKING:  # the mixin's subclass; imported for the annotation only (no cycle at run time)
     from .causal_lm import ReferenceLlamaForCausalLM
@@ -26,12 +27,15 @@ class HFCheckpointMixin:
         *,
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
+        tp_group: Any = None,
     ) -> "ReferenceLlamaForCausalLM":
         """Load a Hugging Face checkpoint directory.
 
         Reads ``config.json`` and either ``model.safetensors`` or the shards listed in
         ``model.safetensors.index.json``; q/k/v and gate/up weights are fused. A
         ``lm_head.weight`` of a tied model and ``rotary_emb.inv_freq`` are ignored.
+        With ``tp_group`` each rank reads only its shard of every tensor
+        (:func:`~cuda_graph_runner.testing.tensor_parallel.shard_hf_tensor`).
 
         Raises:
             FileNotFoundError: no config.json, or no safetensors file/index.
@@ -58,7 +62,7 @@ class HFCheckpointMixin:
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
-        model = cls(config, dtype=dtype, device=device)
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
         targets = model._hf_targets()
         ignored = {k for k in weight_map if k.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:
@@ -81,7 +85,8 @@ class HFCheckpointMixin:
             with safe_open(os.path.join(path, fname), framework="pt") as f:
                 for name in names:
                     dest = targets[name]
-                    src = f.get_tensor(name)
+                    src = f.get_tensor(name) if tp_group is None else shard_hf_tensor(name, f.get_slice(name),
+                                                                                       model.tp_layout)
                     if tuple(src.shape) != tuple(dest.shape):
                         raise ValueError(
                             f"tensor {name} in {fname} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}"
@@ -98,7 +103,9 @@ class HFCheckpointMixin:
         }
         if self.lm_head is not None:
             t["lm_head.weight"] = self.lm_head.weight.data
-        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        attn0 = self.model.layers[0].self_attn if len(self.model.layers) else None  # local (TP) sizes
+        q, kv = (attn0.q_size, attn0.kv_size) if attn0 is not None else (c.q_size, c.kv_size)
+        inter = self.tp_layout.local_intermediate
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
             qkv = layer.self_attn.qkv_proj

@@ -1,0 +1,328 @@
+"""Tensor-parallel group handle over ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
+
+One process per device; every rank of a TP group runs the same model shard and the
+same runner. What the runners need from the group is small and lives here:
+
+* :class:`TPGroup`: rank, size, the device group (NCCL on CUDA, gloo on CPU) for the
+  model's collectives, a gloo CPU group for host decisions (no device sync, as sglang's
+  ``cpu_group``), :meth:`TPGroup.barrier`, :meth:`TPGroup.all_true` (every rank agrees
+  on a flag) and :meth:`TPGroup.agree_ints` (every rank checks it holds the same ints).
+* :func:`all_reduce` / :func:`all_gather_last_dim`: the model's collectives, in one
+  place so a later compiled path (issue 20) can swap them for functional collectives or
+  an opaque custom op (sglang's ``inplace_all_reduce``) without touching the model.
+* :func:`init_tensor_parallel` (from torchrun's environment or explicit arguments) and
+  :func:`shutdown` / :func:`exit_now`: teardown in bounded time. A
+  ``destroy_process_group`` after a successful NCCL run was seen to hang until the
+  job's timeout on a 2-GPU machine; :func:`shutdown` runs it in a daemon thread and
+  gives up after ``timeout_s``, and :func:`exit_now` flushes and ``os._exit``s so no
+  exit-time hook can hang either.
+
+The model's collectives run on the current stream of the rank's device: during a
+graph capture that is the capture stream, so they are recorded into the graph
+(PyTorch's ProcessGroupNCCL supports capture). Borrowed from sglang's
+``parallel_state`` (device + CPU groups, ``graph_capture``) and vLLM's
+``GroupCoordinator``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import threading
+from typing import Any, Iterator, List, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TPGroup",
+    "TensorParallelCaptureError",
+    "TensorParallelMismatchError",
+    "all_gather_last_dim",
+    "all_reduce",
+    "exit_now",
+    "init_tensor_parallel",
+    "shutdown",
+    "tp_capture_step",
+]
+
+#: Default seconds a collective may block before the process group gives up. A rank
+#: that died or took another path must not leave the others blocked for the library's
+#: 10-minute default.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class TensorParallelMismatchError(RuntimeError):
+    """Ranks of one TP group disagree on something they must share (e.g. a batch's size)."""
+
+
+class TensorParallelCaptureError(RuntimeError):
+    """Capture failed on another rank of the TP group, so it fails here too."""
+
+
+@dataclasses.dataclass
+class TPGroup:
+    """A rank's view of its tensor-parallel group.
+
+    Attributes:
+        rank: this process's rank in the group, ``0 <= rank < size``.
+        size: the TP size (any positive int).
+        device: the rank's device (``cuda:<local rank>`` or ``cpu``).
+        group: process group of the model's collectives (NCCL on CUDA, gloo on CPU);
+            None means the default group.
+        cpu_group: gloo group for host-side agreement (flags, sizes); None means
+            ``group`` (already gloo on CPU).
+    """
+
+    rank: int
+    size: int
+    device: torch.device
+    group: Any = None
+    cpu_group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"TPGroup: rank={self.rank} size={self.size}; need size >= 1 and 0 <= rank < size")
+
+    @property
+    def is_parallel(self) -> bool:
+        """Whether there is more than one rank (size 1 runs no collective)."""
+        return self.size > 1
+
+    def _cpu(self) -> Any:
+        return self.cpu_group if self.cpu_group is not None else self.group
+
+    def barrier(self) -> None:
+        """Block until every rank reaches this point (gloo, host only: no device sync)."""
+        if self.is_parallel:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._cpu())
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on every rank (one host all-reduce of an int, MIN)."""
+        if not self.is_parallel:
+            return bool(flag)
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
+        return bool(t.item())
+
+    def agree_ints(self, values: Sequence[int], what: str) -> List[int]:
+        """Check every rank holds the same ``values`` (one host all-reduce).
+
+        Returns:
+            ``list(values)``.
+
+        Raises:
+            TensorParallelMismatchError: a rank holds other values (names ``what`` and
+                the minimum and maximum over ranks).
+        """
+        vals = [int(v) for v in values]
+        if not self.is_parallel:
+            return vals
+        import torch.distributed as dist
+
+        # MIN of (v, -v) gives min and -max in one collective.
+        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
+        n = len(vals)
+        lo, hi = t[:n].tolist(), [-v for v in t[n:].tolist()]
+        if lo != hi:
+            raise TensorParallelMismatchError(
+                f"TP ranks disagree on {what}: rank {self.rank} has {vals}, min over ranks {lo}, max {hi}; "
+                "every rank must run the same batch")
+        return vals
+
+
+    def agree_step(self, size: int, replay: bool) -> bool:
+        """The decision every rank takes for one batch: replay only if all ranks can.
+
+        One host all-reduce (gloo, no device sync) carries the batch size (checked equal:
+        ranks of a TP group run the same batch) and the replay flag (MIN). Equal sizes and
+        equal capture sizes give equal padded sizes and variants, so one flag suffices.
+
+        Raises:
+            TensorParallelMismatchError: the ranks' batch sizes differ (names them).
+        """
+        if not self.is_parallel:
+            return bool(replay)
+        import torch.distributed as dist
+
+        t = torch.tensor([size, -size, 1 if replay else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
+        lo, hi, flag = int(t[0]), -int(t[1]), int(t[2])
+        if lo != hi:
+            raise TensorParallelMismatchError(
+                f"TP ranks run batches of different sizes: rank {self.rank} has {size}, others between {lo} and {hi}; "
+                "every rank of a TP group must run the same batch")
+        return bool(flag)
+
+
+@contextlib.contextmanager
+def tp_capture_step(tp: Optional[TPGroup], what: str) -> Iterator[None]:
+    """Wrap one size's capture so every rank of ``tp`` does it in step.
+
+    A barrier on entry (ranks warm up together, as sglang's per-size TP barrier); on
+    exit one host all-reduce of "did it succeed": a rank whose capture raised
+    re-raises its error, and every other rank raises :class:`TensorParallelCaptureError`,
+    so a capture failure on one rank (e.g. out of memory) fails capture on all ranks.
+    A rank that fails between two of the model's collectives leaves the others blocked
+    in a device collective until the process group's timeout (see
+    :func:`init_tensor_parallel`): bounded, never a hang. A no-op without a group.
+
+    Raises:
+        TensorParallelCaptureError: this rank succeeded but another failed.
+    """
+    if tp is None or not tp.is_parallel:
+        yield
+        return
+    tp.barrier()
+    try:
+        yield
+    except BaseException:
+        tp.all_true(False)
+        raise
+    if not tp.all_true(True):
+        raise TensorParallelCaptureError(
+            f"capture of {what} failed on another TP rank (this is rank {tp.rank} of {tp.size}); "
+            "see that rank's error")
+
+
+def all_reduce(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
+    """Sum ``x`` over the TP group, in place, on the current stream; returns ``x``.
+
+    A no-op without a group or at size 1.
+    """
+    if tp is None or not tp.is_parallel:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
+    """Concatenate every rank's ``x`` ``[..., n]`` along the last dim: ``[..., size * n]``,
+    rank order (same dtype and device). ``x`` itself without a group or at size 1."""
+    if tp is None or not tp.is_parallel:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    # Ranks stacked along dim 0 (the layout gloo and NCCL both take), then moved last.
+    out = torch.empty((tp.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, x, group=tp.group)
+    out = out.view((tp.size,) + tuple(x.shape))
+    return out.movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])
+
+
+def init_tensor_parallel(
+    tp_size: Optional[int] = None,
+    *,
+    device_type: Optional[str] = None,
+    rank: Optional[int] = None,
+    init_method: Optional[str] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TPGroup:
+    """Join (or start) the default process group and return this rank's :class:`TPGroup`.
+
+    Under ``torchrun`` everything comes from its environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``). The whole world is one TP group.
+
+    Args:
+        tp_size: expected world size; None accepts the environment's.
+        device_type: ``"cuda"`` (NCCL, device ``cuda:<LOCAL_RANK>``) or ``"cpu"``
+            (gloo); None picks cuda when available.
+        rank: this process's rank when not under torchrun (with ``init_method``).
+        init_method: e.g. ``"tcp://127.0.0.1:29500"`` or ``"file:///tmp/x"``; None
+            reads the environment (``env://``).
+        timeout_s: seconds a collective may block before failing.
+
+    On CUDA, ``NCCL_NVLS_ENABLE`` defaults to ``0`` (NVLink multicast off) when unset.
+
+    Raises:
+        ValueError: the world size differs from ``tp_size``, a bad ``device_type``, or
+            fewer CUDA devices than local ranks (each message names the values).
+    """
+    import torch.distributed as dist
+
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type={device_type!r}: accepted 'cuda' (NCCL) or 'cpu' (gloo)")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        kwargs: dict = {"timeout": timeout}
+        if init_method is not None:
+            kwargs.update(init_method=init_method, rank=rank, world_size=tp_size)
+        local_rank = dist.get_node_local_rank(fallback_rank=rank if rank is not None else 0)  # torchrun's LOCAL_RANK
+        if device_type == "cuda":
+            # NVLink SHARP (multicast) off unless the user chose: the lent 2-GPU machines
+            # must not use it, and small decode all-reduces gain nothing from it.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            if local_rank >= torch.cuda.device_count():
+                raise ValueError(f"local rank {local_rank} needs cuda:{local_rank}, "
+                                 f"but {torch.cuda.device_count()} CUDA devices are visible")
+            torch.cuda.set_device(local_rank)
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **kwargs)
+    world, me = dist.get_world_size(), dist.get_rank()
+    if tp_size is not None and world != tp_size:
+        raise ValueError(f"--tp {tp_size} but the process group has {world} ranks; "
+                         f"start it with torchrun --nproc-per-node {tp_size}")
+    local_rank = dist.get_node_local_rank(fallback_rank=me)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        device, cpu_group = torch.device("cpu"), None
+    return TPGroup(rank=me, size=world, device=device, group=None, cpu_group=cpu_group)
+
+
+def shutdown(timeout_s: float = 30.0) -> bool:
+    """Destroy the default process group, giving up after ``timeout_s`` seconds.
+
+    Runs ``destroy_process_group`` in a daemon thread (it can hang after NCCL work);
+    a thread still blocked is abandoned, and the caller should then leave through
+    :func:`exit_now`.
+
+    Returns:
+        True when the group was destroyed (or none existed), False on timeout (logged).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # teardown problems must not mask the run's result
+            logger.warning("destroy_process_group failed: %s", exc)
+        done.set()
+
+    threading.Thread(target=destroy, name="cgr-pg-destroy", daemon=True).start()
+    if done.wait(timeout_s):
+        return True
+    logger.warning("destroy_process_group did not finish in %.0f s; leaving it behind", timeout_s)
+    return False
+
+
+def exit_now(code: int) -> None:
+    """Flush stdout/stderr and end the process with ``code`` at once (``os._exit``):
+    no atexit or library exit hook (NCCL's among them) can hang it."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed pipe must not change the exit code
+            pass
+    os._exit(code)
