@@ -456,7 +456,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace, tp: Any) -> int:
-
     try:
         config = CudaGraphConfig.from_args(args)
     except CudaGraphConfigError as exc:
