@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, tp: Any) -> None:
     size = tp.size if tp is not None else 1
     model = load_model(args.model, dtype=dtype, device=device, tp_group=tp)
     context = args.prompt_len + 8
-    max_reqs = max(sizes) + 1
+    max_reqs = sum(sizes) + 1  # every size's session keeps its requests for the whole run
     cache = model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     eager = eager_logits_fn(model)

@@ -135,8 +135,9 @@ def _extend_attention(
         n, p = int(n), int(p)
         if n == 0:
             continue
-        # Index with a 0-d device tensor: a gather on device, no host sync.
-        slots = req_to_token[batch.req_pool_indices[i]][: p + n]
+        # index_select keeps the row index on the device (indexing with a 0-d tensor
+        # would read it on the host: a sync inside every replay of a prefill graph).
+        slots = req_to_token.index_select(0, batch.req_pool_indices[i : i + 1])[0, : p + n]
         k = k_cache[slots].transpose(0, 1)  # [kv_heads, p+n, d]
         v = v_cache[slots].transpose(0, 1)
         qi = q[start : start + n].view(n, heads, d).transpose(0, 1)  # [heads, n, d]
