@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Any, Optional
 
+from . import envs
+
 #: Seconds the process-group teardown may take before the rank exits anyway.
 TEARDOWN_TIMEOUT_S = 30.0
 
@@ -36,7 +38,7 @@ def setup(args: argparse.Namespace) -> Optional[Any]:
         raise ValueError(f"--tp {tp_size}: must be a positive int")
     if tp_size == 1:
         return None
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+    if not envs.launched_by_torch_distributed():
         raise ValueError(f"--tp {tp_size} needs one process per rank: run "
                          f"torchrun --nproc-per-node {tp_size} -m cuda_graph_runner bench --tp {tp_size}")
     from .distributed import init_tensor_parallel

@@ -199,6 +199,13 @@ def raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]
     return (os.environ if environ is None else environ).get(name)
 
 
+def launched_by_torch_distributed(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when torchrun (or another ``env://`` launcher) set ``RANK`` or ``WORLD_SIZE``:
+    torch's variables, not ours, read here so that this module stays the one reader."""
+    env = os.environ if environ is None else environ
+    return "RANK" in env or "WORLD_SIZE" in env
+
+
 def describe() -> List[Dict[str, str]]:
     """The table as rows ``{name, kind, default, owner, help}``, sorted by name (for docs/CLI)."""
     return [{"name": v.name, "kind": v.kind, "default": repr(v.default), "owner": v.owner, "help": v.help}
