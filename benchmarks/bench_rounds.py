@@ -45,10 +45,16 @@ class CellTimes:
     def summary(self) -> Dict[str, Any]:
         """``{median_ms, min_ms, max_ms, samples_ms, warmup_rounds, warmup_ms, steady, gc_ms}`` (JSON cell)."""
         s = self.samples_ms
-        return {"median_ms": statistics.median(s) if s else None, "min_ms": min(s) if s else None,
-                "max_ms": max(s) if s else None, "samples_ms": [round(x, 5) for x in s],
-                "warmup_rounds": len(self.warmup_ms), "warmup_ms": [round(x, 4) for x in self.warmup_ms],
-                "steady": self.steady, "gc_ms": round(self.gc_ms, 3)}
+        return {
+            "median_ms": statistics.median(s) if s else None,
+            "min_ms": min(s) if s else None,
+            "max_ms": max(s) if s else None,
+            "samples_ms": [round(x, 5) for x in s],
+            "warmup_rounds": len(self.warmup_ms),
+            "warmup_ms": [round(x, 4) for x in self.warmup_ms],
+            "steady": self.steady,
+            "gc_ms": round(self.gc_ms, 3),
+        }
 
 
 class _GcTimer:
@@ -86,15 +92,25 @@ def is_steady(history: Sequence[float], *, window: int = 3, tol: float = 0.02) -
     if len(history) < 2 * window:
         return False
     last = statistics.median(history[-window:])
-    before = statistics.median(history[-2 * window:-window])
+    before = statistics.median(history[-2 * window : -window])
     return before > 0 and abs(last - before) / before < tol
 
 
-def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int, sync: Callable[[], None],
-               warmup_min: int = 3, warmup_max: int = 20, tol: float = 0.02, window: int = 3,
-               warmup_min_s: float = 0.0, clock: Clock = time.perf_counter,
-               between_rounds: Optional[Callable[[], None]] = None,
-               must_settle: Optional[Sequence[str]] = None) -> Dict[str, CellTimes]:
+def run_rounds(
+    methods: Dict[str, Callable[[], Any]],
+    *,
+    iters: int,
+    rounds: int,
+    sync: Callable[[], None],
+    warmup_min: int = 3,
+    warmup_max: int = 20,
+    tol: float = 0.02,
+    window: int = 3,
+    warmup_min_s: float = 0.0,
+    clock: Clock = time.perf_counter,
+    between_rounds: Optional[Callable[[], None]] = None,
+    must_settle: Optional[Sequence[str]] = None,
+) -> Dict[str, CellTimes]:
     """Time every method in interleaved rounds after a warm-up that reaches steady state.
 
     One block = ``sync(); iters`` calls ``; sync()``, its time divided by ``iters``; one
@@ -164,7 +180,11 @@ def run_rounds(methods: Dict[str, Callable[[], Any]], *, iters: int, rounds: int
     while index < warmup_max:
         one_round(index, measured=False)
         index += 1
-        if index >= warmup_min and clock() - started >= warmup_min_s and all(is_steady(c.warmup_ms, window=window, tol=tol) for c in gate):
+        if (
+            index >= warmup_min
+            and clock() - started >= warmup_min_s
+            and all(is_steady(c.warmup_ms, window=window, tol=tol) for c in gate)
+        ):
             break
     for c in cells.values():
         c.steady = is_steady(c.warmup_ms, window=window, tol=tol)

@@ -29,8 +29,10 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_summary import ratio_stats  # noqa: E402
 
-RUN = ("python benchmarks/run.py --out OUT --models llama-3.2-1b qwen2.5-0.5b --batch-sizes 1 32 128 "
-       "--backends full,breakable --quick --prefill-tokens 128 512 2048")
+RUN = (
+    "python benchmarks/run.py --out OUT --models llama-3.2-1b qwen2.5-0.5b --batch-sizes 1 32 128 "
+    "--backends full,breakable --quick --prefill-tokens 128 512 2048"
+)
 
 
 def pair_ratios(section: Dict[str, Dict[str, Any]], num: str, den: str) -> Dict[str, Optional[Dict[str, float]]]:
@@ -43,8 +45,7 @@ def pair_ratios(section: Dict[str, Dict[str, Any]], num: str, den: str) -> Dict[
     return out
 
 
-def check(run: Dict[str, Any], before: Optional[Dict[str, Any]], max_ratio: float,
-          prefill_slack: float) -> tuple:
+def check(run: Dict[str, Any], before: Optional[Dict[str, Any]], max_ratio: float, prefill_slack: float) -> tuple:
     """(lines, failures, missing) for the report."""
     lines: List[str] = []
     failures = missing = 0
@@ -84,8 +85,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("run", help="benchmarks.json of a run.py run with full and breakable")
     parser.add_argument("--max-ratio", type=float, default=1.15, help="decode breakable / full target (default 1.15)")
     parser.add_argument("--before", default=None, help="an earlier run's benchmarks.json, for the prefill comparison")
-    parser.add_argument("--prefill-slack", type=float, default=0.10,
-                        help="prefill may be this much slower before it counts as worse (default 0.10)")
+    parser.add_argument(
+        "--prefill-slack",
+        type=float,
+        default=0.10,
+        help="prefill may be this much slower before it counts as worse (default 0.10)",
+    )
     args = parser.parse_args(argv)
     try:
         with open(args.run) as f:

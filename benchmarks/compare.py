@@ -47,9 +47,11 @@ from bench_summary import SCHEMA, format_ratio  # noqa: E402
 from cuda_graph_runner.tables import markdown_table  # noqa: E402
 
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline", "h200-llama-3.2-1b.json")
-CREATE_BASELINE = ("python benchmarks/run.py --out OUT --models llama-3.2-1b --batch-sizes 1 32 128 "
-                   "--backends full,tc_piecewise:inductor,breakable --quick --prefill-tokens && "
-                   "cp OUT/benchmarks.json benchmarks/baseline/h200-llama-3.2-1b.json  (on the H200, see docs/benchmarks.md)")
+CREATE_BASELINE = (
+    "python benchmarks/run.py --out OUT --models llama-3.2-1b --batch-sizes 1 32 128 "
+    "--backends full,tc_piecewise:inductor,breakable --quick --prefill-tokens && "
+    "cp OUT/benchmarks.json benchmarks/baseline/h200-llama-3.2-1b.json  (on the H200, see docs/benchmarks.md)"
+)
 SECTIONS = (("decode", "ratios"), ("prefill", "prefill_ratios"))
 
 
@@ -109,14 +111,18 @@ def load(path: str, role: str) -> Dict[str, Any]:
     if not isinstance(data, dict):
         raise CompareError(f"{role} {path}: expected a JSON object from benchmarks/run.py")
     if data.get("placeholder"):
-        raise CompareError(f"{role} {path} is a placeholder without device numbers; "
-                           f"create it on the H200 with:\n  {CREATE_BASELINE}")
+        raise CompareError(
+            f"{role} {path} is a placeholder without device numbers; create it on the H200 with:\n  {CREATE_BASELINE}"
+        )
     if data.get("schema") != SCHEMA:
-        raise CompareError(f"{role} {path}: schema {data.get('schema')!r}, expected {SCHEMA!r} "
-                           "(a JSON written by this benchmarks/run.py); rerun the benchmark")
+        raise CompareError(
+            f"{role} {path}: schema {data.get('schema')!r}, expected {SCHEMA!r} "
+            "(a JSON written by this benchmarks/run.py); rerun the benchmark"
+        )
     if not any(m.get(r) for m in data.get("models", {}).values() for _, r in SECTIONS):
-        raise CompareError(f"{role} {path} has no ratios (did the run measure hand_graph or reduce_overhead "
-                           "next to a backend?)")
+        raise CompareError(
+            f"{role} {path} has no ratios (did the run measure hand_graph or reduce_overhead next to a backend?)"
+        )
     return data
 
 
@@ -129,8 +135,9 @@ def _ratios(data: Dict[str, Any]) -> Iterator[Tuple[Tuple[str, str, str, str, st
                         yield (model, section, size, method, ref), stats
 
 
-def compare(baseline: Dict[str, Any], new: Dict[str, Any], *, threshold: float = 0.10,
-            allow_other_gpu: bool = False) -> List[Row]:
+def compare(
+    baseline: Dict[str, Any], new: Dict[str, Any], *, threshold: float = 0.10, allow_other_gpu: bool = False
+) -> List[Row]:
     """One :class:`Row` per ratio of the baseline (and per ratio only the new run has).
 
     Raises:
@@ -143,8 +150,10 @@ def compare(baseline: Dict[str, Any], new: Dict[str, Any], *, threshold: float =
     if benv.get("device", "cuda") != nenv.get("device", "cuda"):
         raise CompareError(f"baseline ran on {benv.get('device')!r}, the new run on {nenv.get('device')!r}")
     if benv.get("gpu") != nenv.get("gpu") and not allow_other_gpu:
-        raise CompareError(f"baseline GPU {benv.get('gpu')!r}, new run GPU {nenv.get('gpu')!r}: ratios to a "
-                           "reference still depend on the GPU; use a baseline of this GPU or --allow-other-gpu")
+        raise CompareError(
+            f"baseline GPU {benv.get('gpu')!r}, new run GPU {nenv.get('gpu')!r}: ratios to a "
+            "reference still depend on the GPU; use a baseline of this GPU or --allow-other-gpu"
+        )
     new_ratios = dict(_ratios(new))
     rows = []
     for key, base in _ratios(baseline):
@@ -158,8 +167,20 @@ def compare(baseline: Dict[str, Any], new: Dict[str, Any], *, threshold: float =
 def table(rows: Sequence[Row]) -> str:
     """Markdown table of the rows (ratio median [lo-hi], change of the median, verdict)."""
     key = lambda r: (r.model, r.section, int(r.size) if r.size.isdigit() else r.size, r.method, r.ref)  # noqa: E731
-    cells = [[r.model, r.section, r.size, r.method, r.ref, format_ratio(r.base), format_ratio(r.new),
-              "-" if r.change is None else f"{r.change * 100:+.1f}%", r.verdict] for r in sorted(rows, key=key)]
+    cells = [
+        [
+            r.model,
+            r.section,
+            r.size,
+            r.method,
+            r.ref,
+            format_ratio(r.base),
+            format_ratio(r.new),
+            "-" if r.change is None else f"{r.change * 100:+.1f}%",
+            r.verdict,
+        ]
+        for r in sorted(rows, key=key)
+    ]
     return markdown_table(["model", "section", "size", "backend", "vs", "baseline", "new", "change", "verdict"], cells)
 
 
@@ -182,9 +203,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     noisy = [r for r in rows if r.verdict == "noisy"]
     print()
     if noisy:
-        print(f"{len(noisy)} ratio(s) more than {args.threshold:.0%} worse but inside the runs' spread: rerun to be sure.")
+        print(
+            f"{len(noisy)} ratio(s) more than {args.threshold:.0%} worse but inside the runs' spread: rerun to be sure."
+        )
     if failed:
-        print(f"FAIL: {len(failed)} ratio(s) regressed by more than {args.threshold:.0%} beyond the spread, or are missing.")
+        print(
+            f"FAIL: {len(failed)} ratio(s) regressed by more than {args.threshold:.0%} beyond the spread, or are missing."
+        )
         return 1
     print(f"OK: no ratio regressed by more than {args.threshold:.0%} beyond the spread ({len(rows)} compared).")
     return 0

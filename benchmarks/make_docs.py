@@ -52,13 +52,20 @@ def _machine_line(m: Dict[str, Any]) -> Optional[str]:
         g = m.get(f"gpu_{when}_timing") or {}
         smi = g.get("nvidia_smi") or {}
         if g.get("clock_rate_mhz") is not None or smi:
-            parts.append(f"{when} timing: SM clock {_num(g.get('clock_rate_mhz'))} MHz"
-                         + (f" (nvidia-smi {smi.get('clocks.sm')} of max {smi.get('clocks.max.sm')} MHz, "
-                            f"throttle reasons {smi.get('clocks_throttle_reasons.active')})" if smi else ""))
+            parts.append(
+                f"{when} timing: SM clock {_num(g.get('clock_rate_mhz'))} MHz"
+                + (
+                    f" (nvidia-smi {smi.get('clocks.sm')} of max {smi.get('clocks.max.sm')} MHz, "
+                    f"throttle reasons {smi.get('clocks_throttle_reasons.active')})"
+                    if smi
+                    else ""
+                )
+            )
     if m.get("python_objects_before_timing") is not None:
         parts.append(f"{m['python_objects_before_timing']} Python objects on the heap")
-    gc_total = sum((c.get("gc_ms") or 0.0) for row in m.get("decode", {}).values() for c in row.values()
-                   if isinstance(c, dict))
+    gc_total = sum(
+        (c.get("gc_ms") or 0.0) for row in m.get("decode", {}).values() for c in row.values() if isinstance(c, dict)
+    )
     if m.get("decode"):
         parts.append(f"garbage collector ran {gc_total:.1f} ms inside timed decode blocks")
     return "Machine: " + "; ".join(parts) + "." if parts else None
@@ -103,29 +110,54 @@ def targets(m: Dict[str, Any]) -> List[str]:
     for bs in ("1", "32"):
         r = ratios.get(bs, {}).get("full", {}).get("hand_graph")
         if r:
-            rows.append([f"full within 5% of the hand-written graph, batch {bs}", _ratio(r),
-                         "met" if r["median"] <= 1.05 else "**missed**"])
+            rows.append(
+                [
+                    f"full within 5% of the hand-written graph, batch {bs}",
+                    _ratio(r),
+                    "met" if r["median"] <= 1.05 else "**missed**",
+                ]
+            )
         r = ratios.get(bs, {}).get("full", {}).get("reduce_overhead")
         if r:
-            rows.append([f"full faster than reduce-overhead, batch {bs}", _ratio(r),
-                         "met" if r["median"] < 1.0 else "**missed**"])
+            rows.append(
+                [
+                    f"full faster than reduce-overhead, batch {bs}",
+                    _ratio(r),
+                    "met" if r["median"] < 1.0 else "**missed**",
+                ]
+            )
         dec = m.get("decode", {}).get(bs, {})
         full = median_ms(dec.get("full"))
         for other in sorted(k for k in dec if k.startswith(("breakable", "tc_piecewise"))):
             o = median_ms(dec.get(other))
             limit = 1.15 if other == "breakable" else 1.3  # breakable: issue 23's target
             if full and o:
-                rows.append([f"{other} within {limit}x of full, batch {bs}", f"{o / full:.3f}",
-                             "met" if o / full <= limit else "**missed**"])
+                rows.append(
+                    [
+                        f"{other} within {limit}x of full, batch {bs}",
+                        f"{o / full:.3f}",
+                        "met" if o / full <= limit else "**missed**",
+                    ]
+                )
     for name, cap in m.get("capture", {}).items():
         if "(prefill)" in name:
             continue
         if cap.get("capture_s") is not None:
-            rows.append([f"{name}: default decode list captured in under 10 s", f"{cap['capture_s']:.2f} s",
-                         "met" if cap["capture_s"] < 10 else "**missed**"])
+            rows.append(
+                [
+                    f"{name}: default decode list captured in under 10 s",
+                    f"{cap['capture_s']:.2f} s",
+                    "met" if cap["capture_s"] < 10 else "**missed**",
+                ]
+            )
         if cap.get("pool_ratio") is not None:
-            rows.append([f"{name}: pool at most 1.5x the largest size alone", f"{cap['pool_ratio']:.2f}x",
-                         "met" if cap["pool_ratio"] <= 1.5 else "**missed**"])
+            rows.append(
+                [
+                    f"{name}: pool at most 1.5x the largest size alone",
+                    f"{cap['pool_ratio']:.2f}x",
+                    "met" if cap["pool_ratio"] <= 1.5 else "**missed**",
+                ]
+            )
     if not rows:
         return []
     return markdown_table(["target", "measured (ratio median [lo-hi])", "result"], rows).split("\n") + [""]
@@ -136,28 +168,64 @@ def render(data: Dict[str, Any]) -> str:
     lines = [_env_line(data), ""]
     for model, m in data.get("models", {}).items():
         if m.get("decode"):
-            lines += _table(f"#### {model}: decode step, ms (median [min-max] over rounds; * warm-up did not settle)",
-                            m["decode"], "batch")
+            lines += _table(
+                f"#### {model}: decode step, ms (median [min-max] over rounds; * warm-up did not settle)",
+                m["decode"],
+                "batch",
+            )
             machine = _machine_line(m)
             if machine:
                 lines += [machine, ""]
         ratios = m.get("ratios") or {}
         if ratios:
             refs = [r for r in REFERENCES if any(r in v for row in ratios.values() for v in row.values())]
-            cells = [[bs, method] + [_ratio(ratios[bs][method].get(r)) for r in refs]
-                     for bs in sorted(ratios, key=int) for method in sorted(ratios[bs])]
-            lines += [f"#### {model}: decode time / reference time, same run (median [per-round min-max])", "",
-                      markdown_table(["batch", "backend"] + refs, cells), ""]
+            cells = [
+                [bs, method] + [_ratio(ratios[bs][method].get(r)) for r in refs]
+                for bs in sorted(ratios, key=int)
+                for method in sorted(ratios[bs])
+            ]
+            lines += [
+                f"#### {model}: decode time / reference time, same run (median [per-round min-max])",
+                "",
+                markdown_table(["batch", "backend"] + refs, cells),
+                "",
+            ]
         if m.get("capture"):
-            cells = [[name, str(c.get("sizes")), _num(c.get("compile_s"), ".2f"), _num(c.get("capture_s"), ".2f"),
-                      _num(c.get("pool_mb"), ".1f"), _num(c.get("largest_alone_mb"), ".1f"),
-                      _num(c.get("pool_ratio"), ".2f"), _num(m.get("replay_prepare_us", {}).get(name), ".1f")]
-                     for name, c in m["capture"].items()]
-            lines += [f"#### {model}: capture", "",
-                      markdown_table(["backend", "sizes", "compile s", "capture s", "graph memory MB",
-                                      "largest size alone MB", "ratio", "replay_prepare µs"], cells), ""]
+            cells = [
+                [
+                    name,
+                    str(c.get("sizes")),
+                    _num(c.get("compile_s"), ".2f"),
+                    _num(c.get("capture_s"), ".2f"),
+                    _num(c.get("pool_mb"), ".1f"),
+                    _num(c.get("largest_alone_mb"), ".1f"),
+                    _num(c.get("pool_ratio"), ".2f"),
+                    _num(m.get("replay_prepare_us", {}).get(name), ".1f"),
+                ]
+                for name, c in m["capture"].items()
+            ]
+            lines += [
+                f"#### {model}: capture",
+                "",
+                markdown_table(
+                    [
+                        "backend",
+                        "sizes",
+                        "compile s",
+                        "capture s",
+                        "graph memory MB",
+                        "largest size alone MB",
+                        "ratio",
+                        "replay_prepare µs",
+                    ],
+                    cells,
+                ),
+                "",
+            ]
         if m.get("prefill"):
-            lines += _table(f"#### {model}: prefill, ms, 4 requests per batch (median [min-max])", m["prefill"], "tokens")
+            lines += _table(
+                f"#### {model}: prefill, ms, 4 requests per batch (median [min-max])", m["prefill"], "tokens"
+            )
         t = targets(m)
         if t:
             lines += [f"#### {model}: targets", ""] + t
@@ -169,16 +237,32 @@ def render(data: Dict[str, Any]) -> str:
 def render_runs(runs: Sequence[Dict[str, Any]], names: Sequence[str]) -> str:
     """Run-to-run table: each run's decode median (ms) and ``max/min - 1`` across runs, and
     the same for the ratio to the hand-written graph."""
-    headers = (["model", "batch", "method"] + [f"run {i + 1} ms" for i in range(len(runs))]
-               + ["spread of ms", "spread of ratio to hand_graph"])
+    headers = (
+        ["model", "batch", "method"]
+        + [f"run {i + 1} ms" for i in range(len(runs))]
+        + ["spread of ms", "spread of ratio to hand_graph"]
+    )
     cells = []
     first = runs[0]
     for model, m in first.get("models", {}).items():
         for bs in sorted(m.get("decode", {}), key=int):
             for method in _order({bs: m["decode"][bs]}):
-                meds = [median_ms(r.get("models", {}).get(model, {}).get("decode", {}).get(bs, {}).get(method)) for r in runs]
-                rat = [(r.get("models", {}).get(model, {}).get("ratios", {}).get(bs, {}).get(method, {})
-                        .get("hand_graph") or {}).get("median") for r in runs]
+                meds = [
+                    median_ms(r.get("models", {}).get(model, {}).get("decode", {}).get(bs, {}).get(method))
+                    for r in runs
+                ]
+                rat = [
+                    (
+                        r.get("models", {})
+                        .get(model, {})
+                        .get("ratios", {})
+                        .get(bs, {})
+                        .get(method, {})
+                        .get("hand_graph")
+                        or {}
+                    ).get("median")
+                    for r in runs
+                ]
                 got = [v for v in meds if v]
                 rgot = [v for v in rat if v]
                 sp = f"{(max(got) / min(got) - 1) * 100:.1f}%" if len(got) > 1 else "-"
@@ -196,13 +280,15 @@ def splice(doc: str, generated: str) -> str:
     b, e = doc.find(BEGIN), doc.find(END)
     if b < 0 or e < 0 or e < b:
         raise ValueError(f"the doc needs the lines {BEGIN!r} and, after it, {END!r}")
-    return doc[:b + len(BEGIN)] + "\n\n" + generated.rstrip() + "\n\n" + doc[e:]
+    return doc[: b + len(BEGIN)] + "\n\n" + generated.rstrip() + "\n\n" + doc[e:]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="benchmarks.json files (the first gives the main tables)")
-    parser.add_argument("--doc", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md"))
+    parser.add_argument(
+        "--doc", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
+    )
     parser.add_argument("--print", action="store_true", help="print the markdown instead of writing the doc")
     args = parser.parse_args(argv)
     runs = []
@@ -215,7 +301,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     text = render(runs[0])
     if len(runs) > 1:
-        text += "\n" + render_runs(runs, [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.runs])
+        text += "\n" + render_runs(
+            runs, [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.runs]
+        )
     if args.print:
         print(text)
         return 0

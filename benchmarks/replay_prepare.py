@@ -53,21 +53,34 @@ class _Model(torch.nn.Module):
 
 def _decode_batch(bs: int, device: str) -> ForwardBatch:
     seq = torch.arange(bs, dtype=torch.int32) + 7
-    return ForwardBatch(forward_mode=ForwardMode.DECODE, input_ids=torch.arange(bs, device=device) + 1,
-                        positions=torch.arange(bs, device=device) + 3, out_cache_loc=torch.arange(bs, device=device) + 9,
-                        req_pool_indices=torch.arange(bs, device=device) + 1, seq_lens=seq.to(device),
-                        seq_lens_cpu=seq.tolist())
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        input_ids=torch.arange(bs, device=device) + 1,
+        positions=torch.arange(bs, device=device) + 3,
+        out_cache_loc=torch.arange(bs, device=device) + 9,
+        req_pool_indices=torch.arange(bs, device=device) + 1,
+        seq_lens=seq.to(device),
+        seq_lens_cpu=seq.tolist(),
+    )
 
 
 def _extend_batch(lengths: List[int], device: str) -> ForwardBatch:
     tokens = sum(lengths)
     n = len(lengths)
     lens = torch.tensor(lengths, dtype=torch.int32)
-    return ForwardBatch(forward_mode=ForwardMode.EXTEND, input_ids=torch.arange(tokens, device=device) + 1,
-                        positions=torch.arange(tokens, device=device), out_cache_loc=torch.arange(tokens, device=device) + 1,
-                        req_pool_indices=torch.arange(n, device=device) + 1, seq_lens=lens.to(device),
-                        extend_seq_lens=lens.to(device), extend_prefix_lens=torch.zeros(n, dtype=torch.int32, device=device),
-                        seq_lens_cpu=list(lengths), extend_seq_lens_cpu=list(lengths), extend_prefix_lens_cpu=[0] * n)
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        input_ids=torch.arange(tokens, device=device) + 1,
+        positions=torch.arange(tokens, device=device),
+        out_cache_loc=torch.arange(tokens, device=device) + 1,
+        req_pool_indices=torch.arange(n, device=device) + 1,
+        seq_lens=lens.to(device),
+        extend_seq_lens=lens.to(device),
+        extend_prefix_lens=torch.zeros(n, dtype=torch.int32, device=device),
+        seq_lens_cpu=list(lengths),
+        extend_seq_lens_cpu=list(lengths),
+        extend_prefix_lens_cpu=[0] * n,
+    )
 
 
 def time_us(fn: Callable[[], Any], *, iters: int, repeats: int, sync: Callable[[], None]) -> Dict[str, float]:
@@ -88,10 +101,15 @@ def time_us(fn: Callable[[], Any], *, iters: int, repeats: int, sync: Callable[[
 def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
     model = _Model(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    decode = DecodeCudaGraphRunner(model, {"decode": {"bs": [1, 2, 4, 8, 16], "max_bs": 16}},
-                                   backend=RecordingBackend(device), show_progress=False)
-    prefill = PrefillCudaGraphRunner(model, {"prefill": {"bs": [64, 128], "max_bs": 128}},
-                                     backend=RecordingBackend(device, phase="prefill"), show_progress=False)
+    decode = DecodeCudaGraphRunner(
+        model, {"decode": {"bs": [1, 2, 4, 8, 16], "max_bs": 16}}, backend=RecordingBackend(device), show_progress=False
+    )
+    prefill = PrefillCudaGraphRunner(
+        model,
+        {"prefill": {"bs": [64, 128], "max_bs": 128}},
+        backend=RecordingBackend(device, phase="prefill"),
+        show_progress=False,
+    )
     b8, b5, b7 = (_decode_batch(n, device) for n in (8, 5, 7))
     p100 = _extend_batch([40, 30, 30], device)
     alternating = iter(())

@@ -79,8 +79,7 @@ from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import (  # noqa: E402
-    GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch)
+from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
 
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -146,8 +145,12 @@ def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatc
     # CUDA-graph trees skip graphs that mutate non-static inputs; the KV cache and the
     # static inputs keep their addresses, so say so (as an engine integrating it would).
     cache = model.kv_cache
-    for t in [*cache.k_buffers, *cache.v_buffers, cache.req_to_token,
-              *(getattr(static, f) for f in HandWrittenGraph.FIELDS)]:
+    for t in [
+        *cache.k_buffers,
+        *cache.v_buffers,
+        cache.req_to_token,
+        *(getattr(static, f) for f in HandWrittenGraph.FIELDS),
+    ]:
         torch._dynamo.mark_static_address(t)
 
     def step(b: ForwardBatch) -> torch.Tensor:
@@ -193,10 +196,13 @@ def phase_options(label: str) -> Dict[str, Any]:
 
 def fresh_backend(phase: str, label: str) -> Any:
     """Backend ``label`` (see :func:`phase_options`) capturing into a pool of its own."""
-    return get_registry().resolve(phase, phase_options(label), device="cuda", memory_pool=torch.cuda.graph_pool_handle())
+    return get_registry().resolve(
+        phase, phase_options(label), device="cuda", memory_pool=torch.cuda.graph_pool_handle()
+    )
 
 
 # -- pinning the causes of run-to-run drift -------------------------------------------------
+
 
 def pin_inductor(mode: str) -> Dict[str, Any]:
     """Make inductor's kernel choices independent of timing (``mode="pinned"``); returns
@@ -215,9 +221,14 @@ def pin_inductor(mode: str) -> Dict[str, Any]:
 
     # force_filter_reduction_configs: the heuristic filter inductor's deterministic mode uses
     # (torch/_inductor/runtime/triton_heuristics.py), without the rest of that mode.
-    wanted = {"max_autotune": False, "max_autotune_pointwise": False, "max_autotune_gemm": False,
-              "coordinate_descent_tuning": False, "triton.autotune_pointwise": False,
-              "test_configs.force_filter_reduction_configs": True}
+    wanted = {
+        "max_autotune": False,
+        "max_autotune_pointwise": False,
+        "max_autotune_gemm": False,
+        "coordinate_descent_tuning": False,
+        "triton.autotune_pointwise": False,
+        "test_configs.force_filter_reduction_configs": True,
+    }
     applied: Dict[str, Any] = {"mode": "pinned"}
     for key, value in wanted.items():
         owner, _, attr = key.rpartition(".")
@@ -248,7 +259,10 @@ def inductor_cache_state() -> Dict[str, Any]:
 
 def gpu_state() -> Dict[str, Any]:
     """SM clock (MHz) and more from NVML/nvidia-smi, each field None where not available."""
-    state: Dict[str, Any] = {"time": time.time(), "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    state: Dict[str, Any] = {
+        "time": time.time(),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
     if not torch.cuda.is_available():
         return state
     try:
@@ -259,9 +273,18 @@ def gpu_state() -> Dict[str, Any]:
     # clocks_throttle_reasons.active: a bit mask, 0 = nothing holds the clock down (power, thermal, ...).
     fields = "clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
     try:
-        proc = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
-                               f"--id={torch.cuda.current_device()}"],
-                              capture_output=True, text=True, timeout=15, check=False)
+        proc = subprocess.run(
+            [
+                "nvidia-smi",
+                f"--query-gpu={fields}",
+                "--format=csv,noheader,nounits",
+                f"--id={torch.cuda.current_device()}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
         out = proc.stdout.strip()
         if proc.returncode == 0 and out:
             state["nvidia_smi"] = dict(zip(fields.split(","), [v.strip() for v in out.split(",")]))
@@ -304,8 +327,9 @@ def parse_sleep(spec: str) -> tuple:
     except ValueError:
         value = -1.0
     if not sep or not name or value < 0:
-        raise argparse.ArgumentTypeError(f"--inject-sleep-ms {spec!r}: expected METHOD=MS with MS >= 0, "
-                                         "e.g. breakable=0.5")
+        raise argparse.ArgumentTypeError(
+            f"--inject-sleep-ms {spec!r}: expected METHOD=MS with MS >= 0, e.g. breakable=0.5"
+        )
     return name, value
 
 
@@ -313,6 +337,7 @@ def with_sleep(fn: Callable[[], Any], ms: float, sync: Callable[[], None]) -> Ca
     """``fn``, a device synchronize, then a host sleep of ``ms`` milliseconds (the
     deliberately slowed backend). The synchronize keeps the sleep from hiding behind
     queued device work, so every batch size slows by at least ``ms`` per step."""
+
     def slowed() -> Any:
         out = fn()
         sync()
@@ -344,17 +369,25 @@ class Pinned:
 
 # -- results ---------------------------------------------------------------------------------
 
+
 class Results:
     def __init__(self, out_dir: str, env: Dict[str, Any], settings: Dict[str, Any]) -> None:
         self.path = os.path.join(out_dir, "benchmarks.json")
         self.md_path = os.path.join(out_dir, "benchmarks.md")
         self.used_sleep: set = set()  # methods that got the test-only --inject-sleep-ms
-        self.data: Dict[str, Any] = {"schema": SCHEMA, "env": env, "settings": settings, "models": {}, "notes": [],
-                                     "host_probe_us": {}}
+        self.data: Dict[str, Any] = {
+            "schema": SCHEMA,
+            "env": env,
+            "settings": settings,
+            "models": {},
+            "notes": [],
+            "host_probe_us": {},
+        }
 
     def model(self, name: str) -> Dict[str, Any]:
-        return self.data["models"].setdefault(name, {"decode": {}, "ratios": {}, "prefill": {}, "capture": {},
-                                                     "replay_prepare_us": {}})
+        return self.data["models"].setdefault(
+            name, {"decode": {}, "ratios": {}, "prefill": {}, "capture": {}, "replay_prepare_us": {}}
+        )
 
     def note(self, text: str) -> None:
         print(f"note: {text}", flush=True)
@@ -423,10 +456,18 @@ class Timer:
             with Pinned(a.pin_cpu), torch.no_grad():
                 # Eager need not settle: it is no reference (bound by the host's launch rate,
                 # it wanders) and waiting for it would run every warm-up to the cap.
-                cells = run_rounds(fns, iters=a.iters, rounds=a.rounds, sync=self.sync, warmup_min=a.warmup_min,
-                                   warmup_max=a.warmup_max, tol=a.warmup_tol, warmup_min_s=a.warmup_min_s,
-                                   between_rounds=between_rounds,
-                                   must_settle=[n for n in fns if n != "eager"])
+                cells = run_rounds(
+                    fns,
+                    iters=a.iters,
+                    rounds=a.rounds,
+                    sync=self.sync,
+                    warmup_min=a.warmup_min,
+                    warmup_max=a.warmup_max,
+                    tol=a.warmup_tol,
+                    warmup_min_s=a.warmup_min_s,
+                    between_rounds=between_rounds,
+                    must_settle=[n for n in fns if n != "eager"],
+                )
         finally:
             if a.gc_freeze:
                 gc.unfreeze()
@@ -436,8 +477,10 @@ class Timer:
         self.results.data["host_probe_us"][label] = [round(x, 1) for x in probes]
         unsteady = [n for n, c in out.items() if not c["steady"] and n != "eager"]
         if unsteady:
-            self.results.note(f"{label}: warm-up hit --warmup-max={a.warmup_max} before {', '.join(unsteady)} settled "
-                              f"(2% rule); their numbers may include a cold start")
+            self.results.note(
+                f"{label}: warm-up hit --warmup-max={a.warmup_max} before {', '.join(unsteady)} settled "
+                f"(2% rule); their numbers may include a cold start"
+            )
         return out
 
 
@@ -473,13 +516,20 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
                     for _ in range(3):
                         fn(batches[bs])
                     methods[bs]["reduce_overhead"] = lambda fn=fn, b=batches[bs]: fn(b)
-                    results.note(f"{name}: torch.compile reduce-overhead at bs={bs} compiled in {time.perf_counter() - start:.1f} s")
+                    results.note(
+                        f"{name}: torch.compile reduce-overhead at bs={bs} compiled in {time.perf_counter() - start:.1f} s"
+                    )
                 except Exception as exc:  # a baseline failing must not stop the suite
-                    results.note(f"{name}: torch.compile reduce-overhead failed at bs={bs}: {type(exc).__name__}: {exc}")
+                    results.note(
+                        f"{name}: torch.compile reduce-overhead failed at bs={bs}: {type(exc).__name__}: {exc}"
+                    )
 
         runners: Dict[str, Any] = {}
-        backends = available("decode", args.backends) if on_cuda else {
-            b: "--device cpu: graph backends are not timed (smoke test)" for b in args.backends}
+        backends = (
+            available("decode", args.backends)
+            if on_cuda
+            else {b: "--device cpu: graph backends are not timed (smoke test)" for b in args.backends}
+        )
         for backend, reason in backends.items():
             if reason:
                 results.note(f"{name}: decode backend {backend} skipped: {reason}")
@@ -488,16 +538,24 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
             try:
                 # A fresh pool per backend, so one backend's leftovers never hide another's memory.
                 runner = DecodeCudaGraphRunner(
-                    model, {"decode": {**phase_options(backend), "max_bs": max(256, max(bs_list))}}, show_progress=False,
-                    backend=fresh_backend("decode", backend))
+                    model,
+                    {"decode": {**phase_options(backend), "max_bs": max(256, max(bs_list))}},
+                    show_progress=False,
+                    backend=fresh_backend("decode", backend),
+                )
                 runner.capture()
-                cap = {"sizes": len(runner.capture_sizes), "capture_s": runner.capture_seconds,
-                       "pool_mb": (runner.capture_memory_bytes or 0) / 2**20,
-                       "warmup": runner.backend.warmup_policy}
+                cap = {
+                    "sizes": len(runner.capture_sizes),
+                    "capture_s": runner.capture_seconds,
+                    "pool_mb": (runner.capture_memory_bytes or 0) / 2**20,
+                    "warmup": runner.backend.warmup_policy,
+                }
                 if getattr(runner.backend, "compile_seconds", None) is not None:
                     cap["compile_s"] = runner.backend.compile_seconds
-                diffs = {str(bs): float((runner.forward(batches[bs]).float() - eager(batches[bs]).float()).abs().max())
-                         for bs in bs_list}
+                diffs = {
+                    str(bs): float((runner.forward(batches[bs]).float() - eager(batches[bs]).float()).abs().max())
+                    for bs in bs_list
+                }
             except Exception as exc:
                 results.note(f"{name}: decode backend {backend} failed: {type(exc).__name__}: {exc}")
                 if runner is not None:
@@ -524,8 +582,14 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         m["python_objects_before_timing"] = len(gc.get_objects())
         for bs in bs_list:
             m["decode"][str(bs)] = timer.time(f"{name} decode bs={bs}", methods[bs])
-            print(f"{name} bs={bs}: " + ", ".join(f"{k} {c['median_ms']:.3f} [{c['min_ms']:.3f}-{c['max_ms']:.3f}]"
-                                                 for k, c in m["decode"][str(bs)].items()), flush=True)
+            print(
+                f"{name} bs={bs}: "
+                + ", ".join(
+                    f"{k} {c['median_ms']:.3f} [{c['min_ms']:.3f}-{c['max_ms']:.3f}]"
+                    for k, c in m["decode"][str(bs)].items()
+                ),
+                flush=True,
+            )
             m["ratios"] = ratios_for(m["decode"])
             results.save()
         m["gpu_after_timing"] = gpu_state()
@@ -552,8 +616,12 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         if not args.quick and on_cuda:
             for backend in [b for b in m["capture"] if b in args.backends]:
                 try:
-                    alone = DecodeCudaGraphRunner(model, {"decode": {**phase_options(backend), "bs": [256], "max_bs": 256}},
-                                                  show_progress=False, backend=fresh_backend("decode", backend))
+                    alone = DecodeCudaGraphRunner(
+                        model,
+                        {"decode": {**phase_options(backend), "bs": [256], "max_bs": 256}},
+                        show_progress=False,
+                        backend=fresh_backend("decode", backend),
+                    )
                     alone.capture()
                     cap = m["capture"][backend]
                     cap["largest_alone_mb"] = (alone.capture_memory_bytes or 0) / 2**20
@@ -562,7 +630,9 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
                     alone.cleanup()
                     del alone
                 except Exception as exc:
-                    results.note(f"{name}: decode backend {backend} (largest size alone) failed: {type(exc).__name__}: {exc}")
+                    results.note(
+                        f"{name}: decode backend {backend} (largest size alone) failed: {type(exc).__name__}: {exc}"
+                    )
                 torch.cuda.empty_cache()
         results.save()
 
@@ -573,15 +643,24 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         torch.cuda.empty_cache()
 
 
-def run_prefill(name: str, model: Any, args: argparse.Namespace, results: Results, timer: Timer,
-                eager: Callable[[ForwardBatch], torch.Tensor], on_cuda: bool) -> None:
+def run_prefill(
+    name: str,
+    model: Any,
+    args: argparse.Namespace,
+    results: Results,
+    timer: Timer,
+    eager: Callable[[ForwardBatch], torch.Tensor],
+    on_cuda: bool,
+) -> None:
     from cuda_graph_runner.runner import PrefillCudaGraphRunner
 
     m = results.model(name)
     max_tokens = max(args.prefill_tokens)
     # 4 requests per batch, every batch alive at once (re-running one rewrites its own slots).
     n = len(args.prefill_tokens)
-    model.create_kv_cache(num_slots=sum(args.prefill_tokens) + 1, max_reqs=4 * n + 1, max_context_len=max_tokens // 4 + 1)
+    model.create_kv_cache(
+        num_slots=sum(args.prefill_tokens) + 1, max_reqs=4 * n + 1, max_context_len=max_tokens // 4 + 1
+    )
     batches = {}
     methods: Dict[int, Dict[str, Callable[[], Any]]] = {}
     for t in args.prefill_tokens:
@@ -595,11 +674,18 @@ def run_prefill(name: str, model: Any, args: argparse.Namespace, results: Result
             results.note(f"{name}: prefill backend {backend} skipped: {reason}")
             continue
         try:
-            runner = PrefillCudaGraphRunner(model, {"prefill": {**phase_options(backend), "max_bs": max_tokens}},
-                                            show_progress=False, backend=fresh_backend("prefill", backend))
+            runner = PrefillCudaGraphRunner(
+                model,
+                {"prefill": {**phase_options(backend), "max_bs": max_tokens}},
+                show_progress=False,
+                backend=fresh_backend("prefill", backend),
+            )
             runner.capture()
-            m["capture"][f"{backend} (prefill)"] = {"sizes": len(runner.capture_sizes), "capture_s": runner.capture_seconds,
-                                                    "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
+            m["capture"][f"{backend} (prefill)"] = {
+                "sizes": len(runner.capture_sizes),
+                "capture_s": runner.capture_seconds,
+                "pool_mb": (runner.capture_memory_bytes or 0) / 2**20,
+            }
             for t, b in batches.items():
                 methods[t][backend] = lambda b=b, runner=runner: runner.forward(b)
             runners.append(runner)
@@ -615,43 +701,92 @@ def run_prefill(name: str, model: Any, args: argparse.Namespace, results: Result
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder (default $OUT or ./out)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu: smoke test of the harness only (no graphs, numbers mean nothing)")
-    parser.add_argument("--models", nargs="+", default=None, help="presets (default llama-3.2-1b qwen2.5-0.5b; "
-                        "tiny with --device cpu)")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: smoke test of the harness only (no graphs, numbers mean nothing)",
+    )
+    parser.add_argument(
+        "--models", nargs="+", default=None, help="presets (default llama-3.2-1b qwen2.5-0.5b; tiny with --device cpu)"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=DECODE_BS)
-    parser.add_argument("--backends", default="full,breakable,tc_piecewise,tc_piecewise:inductor",
-                        help="comma-separated backends (name[:tc_compiler]) to bench where installed and usable")
-    parser.add_argument("--reduce-overhead-bs", type=int, nargs="*", default=[1, 32],
-                        help="batch sizes for the torch.compile reduce-overhead baseline (slow to compile)")
-    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=PREFILL_TOKENS,
-                        help="prefill token counts; none (the flag alone) skips prefill")
+    parser.add_argument(
+        "--backends",
+        default="full,breakable,tc_piecewise,tc_piecewise:inductor",
+        help="comma-separated backends (name[:tc_compiler]) to bench where installed and usable",
+    )
+    parser.add_argument(
+        "--reduce-overhead-bs",
+        type=int,
+        nargs="*",
+        default=[1, 32],
+        help="batch sizes for the torch.compile reduce-overhead baseline (slow to compile)",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        nargs="*",
+        default=PREFILL_TOKENS,
+        help="prefill token counts; none (the flag alone) skips prefill",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--iters", type=int, default=20, help="calls per timed block")
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds (one block per method each)")
     parser.add_argument("--warmup-min", type=int, default=3, help="fewest warm-up rounds")
     parser.add_argument("--warmup-max", type=int, default=40, help="most warm-up rounds (the steady-state cap)")
-    parser.add_argument("--warmup-min-s", type=float, default=4.0,
-                        help="seconds of warm-up per batch size before the steady test may end it "
-                             "(a fresh machine's first seconds were a slow plateau)")
-    parser.add_argument("--warmup-tol", type=float, default=0.02,
-                        help="warm-up ends when each method's median of 3 rounds moves less than this (relative)")
+    parser.add_argument(
+        "--warmup-min-s",
+        type=float,
+        default=4.0,
+        help="seconds of warm-up per batch size before the steady test may end it "
+        "(a fresh machine's first seconds were a slow plateau)",
+    )
+    parser.add_argument(
+        "--warmup-tol",
+        type=float,
+        default=0.02,
+        help="warm-up ends when each method's median of 3 rounds moves less than this (relative)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)  # old name of --rounds
-    parser.add_argument("--quick", action="store_true",
-                        help="skip the torch.compile baseline and the largest-size-alone captures")
-    parser.add_argument("--pin-cpu", type=parse_cpus, default=None, metavar="CPUS",
-                        help="while timing, run on these CPUs: auto, N, N,M or N-M (default: no pinning)")
-    parser.add_argument("--inductor-config", choices=["pinned", "default"], default="pinned",
-                        help="pinned (default): inductor picks kernel configs by heuristics, not by timing")
-    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
-                        help="leave the garbage collector running while timing (default: collect, then freeze)")
-    parser.add_argument("--inject-sleep-ms", type=parse_sleep, action="append", metavar="METHOD=MS",
-                        help="TEST ONLY: sleep MS ms on the host after every call of METHOD (a slowed backend "
-                             "for compare.py's demonstration); repeatable")
-    parser.add_argument("--plot", default=None, metavar="FILE",
-                        help="also draw ms per step against batch size per method, and prefill ms against "
-                             "tokens, of the first model into this PNG (the plotter of cuda-graph-runner bench "
-                             "--plot; needs matplotlib)")
+    parser.add_argument(
+        "--quick", action="store_true", help="skip the torch.compile baseline and the largest-size-alone captures"
+    )
+    parser.add_argument(
+        "--pin-cpu",
+        type=parse_cpus,
+        default=None,
+        metavar="CPUS",
+        help="while timing, run on these CPUs: auto, N, N,M or N-M (default: no pinning)",
+    )
+    parser.add_argument(
+        "--inductor-config",
+        choices=["pinned", "default"],
+        default="pinned",
+        help="pinned (default): inductor picks kernel configs by heuristics, not by timing",
+    )
+    parser.add_argument(
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="leave the garbage collector running while timing (default: collect, then freeze)",
+    )
+    parser.add_argument(
+        "--inject-sleep-ms",
+        type=parse_sleep,
+        action="append",
+        metavar="METHOD=MS",
+        help="TEST ONLY: sleep MS ms on the host after every call of METHOD (a slowed backend "
+        "for compare.py's demonstration); repeatable",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw ms per step against batch size per method, and prefill ms against "
+        "tokens, of the first model into this PNG (the plotter of cuda-graph-runner bench "
+        "--plot; needs matplotlib)",
+    )
     args = parser.parse_args(argv)
     if args.plot:
         from cuda_graph_runner.plot import PlotUnavailableError, check_plot_available
@@ -663,25 +798,45 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.repeats is not None:
         args.rounds = args.repeats
     if args.iters < 1 or args.rounds < 1 or not 0 <= args.warmup_min <= args.warmup_max or args.warmup_min_s < 0:
-        parser.error(f"need --iters >= 1, --rounds >= 1, 0 <= --warmup-min <= --warmup-max and --warmup-min-s >= 0; "
-                     f"got {args.iters}, {args.rounds}, {args.warmup_min}, {args.warmup_max}, {args.warmup_min_s}")
+        parser.error(
+            f"need --iters >= 1, --rounds >= 1, 0 <= --warmup-min <= --warmup-max and --warmup-min-s >= 0; "
+            f"got {args.iters}, {args.rounds}, {args.warmup_min}, {args.warmup_max}, {args.warmup_min_s}"
+        )
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.models is None:
         args.models = ["tiny"] if args.device == "cpu" else ["llama-3.2-1b", "qwen2.5-0.5b"]
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/run.py needs a CUDA device (or --device cpu for a smoke test of the harness)", file=sys.stderr)
+        print(
+            "benchmarks/run.py needs a CUDA device (or --device cpu for a smoke test of the harness)", file=sys.stderr
+        )
         return 2
     os.makedirs(args.out, exist_ok=True)
-    env = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "date": datetime.date.today().isoformat(), "argv": sys.argv[1:] if argv is None else list(argv),
-           "cpus": os.cpu_count(), "pinned_cpus": args.pin_cpu, "gc_freeze": args.gc_freeze,
-           "inductor_cache": inductor_cache_state(), "inductor_config": pin_inductor(args.inductor_config),
-           "inject_sleep_ms": dict(args.inject_sleep_ms or []), "gpu_at_start": gpu_state()}
-    settings = {"iters": args.iters, "rounds": args.rounds, "warmup_min": args.warmup_min,
-                "warmup_max": args.warmup_max, "warmup_tol": args.warmup_tol,
-                "warmup_min_s": args.warmup_min_s, "quick": args.quick,
-                "prompt_len": args.prompt_len}
+    env = {
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "cpus": os.cpu_count(),
+        "pinned_cpus": args.pin_cpu,
+        "gc_freeze": args.gc_freeze,
+        "inductor_cache": inductor_cache_state(),
+        "inductor_config": pin_inductor(args.inductor_config),
+        "inject_sleep_ms": dict(args.inject_sleep_ms or []),
+        "gpu_at_start": gpu_state(),
+    }
+    settings = {
+        "iters": args.iters,
+        "rounds": args.rounds,
+        "warmup_min": args.warmup_min,
+        "warmup_max": args.warmup_max,
+        "warmup_tol": args.warmup_tol,
+        "warmup_min_s": args.warmup_min_s,
+        "quick": args.quick,
+        "prompt_len": args.prompt_len,
+    }
     if env["inject_sleep_ms"]:
         print(f"TEST ONLY: --inject-sleep-ms {env['inject_sleep_ms']} slows these methods on purpose", flush=True)
     results = Results(args.out, env, settings)

@@ -124,28 +124,34 @@ def run(args: argparse.Namespace, tp: Any) -> None:
     results: Dict[str, Any] = {"model": args.model, "dtype": args.dtype, "tp": size, "rows": [], "runners": {}}
     with torch.no_grad():
         for bs in sizes:
-            row = {"batch_size": bs, "eager_ms": time_ms(lambda: eager(batches[bs]), iters=args.iters, warmup=3,
-                                                         sync=sync)}
+            row = {
+                "batch_size": bs,
+                "eager_ms": time_ms(lambda: eager(batches[bs]), iters=args.iters, warmup=3, sync=sync),
+            }
             row["comm_ms"] = _comm_ms(tp, model, bs, args.iters)
             results["rows"].append(row)
         for backend in [b for b in args.backends.split(",") if b]:
-            runner = DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "bs": sizes, "max_bs": max(sizes)}},
-                                           show_progress=False)
+            runner = DecodeCudaGraphRunner(
+                model, {"decode": {"backend": backend, "bs": sizes, "max_bs": max(sizes)}}, show_progress=False
+            )
             report = runner.capture()
             mem = runner.capture_memory_bytes
-            results["runners"][backend] = {"capture_s": report.seconds,
-                                           "graph_memory_mib": None if mem is None else mem / 2**20}
+            results["runners"][backend] = {
+                "capture_s": report.seconds,
+                "graph_memory_mib": None if mem is None else mem / 2**20,
+            }
             for row in results["rows"]:
                 batch = batches[row["batch_size"]]
                 assert runner.can_run(batch), (backend, row["batch_size"])
-                row[f"{backend}_forward_ms"] = time_ms(lambda: runner.forward(batch), iters=args.iters, warmup=3,
-                                                       sync=sync)
-                row[f"{backend}_replay_ms"] = time_ms(lambda: runner.replay(batch), iters=args.iters, warmup=3,
-                                                      sync=sync)
+                row[f"{backend}_forward_ms"] = time_ms(
+                    lambda: runner.forward(batch), iters=args.iters, warmup=3, sync=sync
+                )
+                row[f"{backend}_replay_ms"] = time_ms(
+                    lambda: runner.replay(batch), iters=args.iters, warmup=3, sync=sync
+                )
                 diff = (runner.forward(batch).float() - eager(batch).float()).abs().max().item()
                 row[f"{backend}_max_abs_diff"] = diff
             runner.cleanup()
-            del runner
             torch.cuda.empty_cache()
     for s in sessions.values():
         s.close()

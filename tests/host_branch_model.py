@@ -25,8 +25,9 @@ class HostBranchLlama(ReferenceLlamaForCausalLM):
         return hidden * scale
 
 
-def make_model(cls=HostBranchLlama, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               context: int = 48) -> ReferenceLlamaForCausalLM:
+def make_model(
+    cls=HostBranchLlama, *, device: str = "cpu", dtype: torch.dtype = torch.float32, context: int = 48
+) -> ReferenceLlamaForCausalLM:
     model = cls.from_preset("tiny", dtype=dtype, device=device)
     model.create_kv_cache(num_slots=2048, max_reqs=32, max_context_len=context)
     return model

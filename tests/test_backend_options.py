@@ -23,10 +23,21 @@ class ReaderBackend(DisabledBackend):
 @pytest.fixture()
 def reg():
     r = BackendRegistry(autoload=False)
-    r.register(BackendSpec(name="plain", backend_class=PlainBackend, phases=("decode", "prefill"), devices=("*",),
-                           api_version="1.0"))
-    r.register(BackendSpec(name="reader", backend_class=ReaderBackend, phases=("decode", "prefill"),
-                           devices=("*",), api_version="1.0", options=("tc_compiler",)))
+    r.register(
+        BackendSpec(
+            name="plain", backend_class=PlainBackend, phases=("decode", "prefill"), devices=("*",), api_version="1.0"
+        )
+    )
+    r.register(
+        BackendSpec(
+            name="reader",
+            backend_class=ReaderBackend,
+            phases=("decode", "prefill"),
+            devices=("*",),
+            api_version="1.0",
+            options=("tc_compiler",),
+        )
+    )
     return r
 
 
@@ -52,8 +63,12 @@ def test_a_phase_config_without_sources_is_checked_by_value(reg):
 
 
 def test_a_backend_that_reads_the_option_and_disabled_are_accepted(reg):
-    config = CudaGraphConfig.from_dict({"decode": {"backend": "reader", "tc_compiler": "inductor"},
-                                        "prefill": {"backend": "disabled", "tc_compiler": "inductor"}})
+    config = CudaGraphConfig.from_dict(
+        {
+            "decode": {"backend": "reader", "tc_compiler": "inductor"},
+            "prefill": {"backend": "disabled", "tc_compiler": "inductor"},
+        }
+    )
     assert type(reg.resolve("decode", config, device="cpu")) is ReaderBackend
     assert reg.resolve("prefill", config, device="cpu").name == "disabled"  # no graphs: options ignored
 
@@ -65,14 +80,32 @@ def test_a_both_phase_flag_needs_one_phase_that_reads_it(reg):
 
     parser = argparse.ArgumentParser()
     add_cuda_graph_args(parser)
-    both = CudaGraphConfig.from_args(parser.parse_args([
-        "--cuda-graph-tc-compiler", "inductor", "--cuda-graph-backend-decode", "plain",
-        "--cuda-graph-backend-prefill", "reader"]))
+    both = CudaGraphConfig.from_args(
+        parser.parse_args(
+            [
+                "--cuda-graph-tc-compiler",
+                "inductor",
+                "--cuda-graph-backend-decode",
+                "plain",
+                "--cuda-graph-backend-prefill",
+                "reader",
+            ]
+        )
+    )
     assert type(reg.resolve("decode", both, device="cpu")) is PlainBackend  # the other phase reads it
     backend_options.check_with_registry(both, reg, "cpu")
-    neither = CudaGraphConfig.from_args(parser.parse_args([
-        "--cuda-graph-tc-compiler", "inductor", "--cuda-graph-backend-decode", "plain",
-        "--cuda-graph-backend-prefill", "plain"]))
+    neither = CudaGraphConfig.from_args(
+        parser.parse_args(
+            [
+                "--cuda-graph-tc-compiler",
+                "inductor",
+                "--cuda-graph-backend-decode",
+                "plain",
+                "--cuda-graph-backend-prefill",
+                "plain",
+            ]
+        )
+    )
     with pytest.raises(CudaGraphConfigError) as info:
         backend_options.check_with_registry(neither, reg, "cpu")
     text = str(info.value)
@@ -82,8 +115,11 @@ def test_a_both_phase_flag_needs_one_phase_that_reads_it(reg):
 
 def test_options_must_be_a_tuple_of_strings(reg):
     with pytest.raises(ValueError, match="options 'tc_compiler' must be a tuple"):
-        reg.register(BackendSpec(name="bad", backend_class=PlainBackend, phases=("decode",), devices=("*",),
-                                 options="tc_compiler"))
+        reg.register(
+            BackendSpec(
+                name="bad", backend_class=PlainBackend, phases=("decode",), devices=("*",), options="tc_compiler"
+            )
+        )
 
 
 def test_shipped_plugins_declare_what_they_read():

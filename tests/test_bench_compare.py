@@ -28,16 +28,29 @@ def _cell(ms, noise=0.01, phase=0, rounds=ROUNDS):
     """A timing cell around ``ms`` with a deterministic wobble of +-noise per round; methods
     with another ``phase`` wobble out of step (independent noise)."""
     samples = [ms * (1 + noise * (((i + phase) * 7) % 5 - 2) / 2) for i in range(rounds)]
-    return {"median_ms": sorted(samples)[rounds // 2], "min_ms": min(samples), "max_ms": max(samples),
-            "samples_ms": samples, "warmup_rounds": 4, "steady": True, "gc_ms": 0.0}
+    return {
+        "median_ms": sorted(samples)[rounds // 2],
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "samples_ms": samples,
+        "warmup_rounds": 4,
+        "steady": True,
+        "gc_ms": 0.0,
+    }
 
 
 def _run(scale=None, noise=0.01, gpu="NVIDIA H200"):
     """A synthetic run: llama, bs 1/32/128, eager, hand_graph, reduce_overhead (bs 1, 32) and
     three backends; ``scale`` multiplies one method's times, e.g. ``{"breakable": 1.3}``."""
     scale = scale or {}
-    base = {"eager": 15.0, "hand_graph": 2.14, "reduce_overhead": 1.4, "full": 2.16,
-            "tc_piecewise:inductor": 2.55, "breakable": 2.43}
+    base = {
+        "eager": 15.0,
+        "hand_graph": 2.14,
+        "reduce_overhead": 1.4,
+        "full": 2.16,
+        "tc_piecewise:inductor": 2.55,
+        "breakable": 2.43,
+    }
     decode = {}
     for bs, grow in (("1", 1.0), ("32", 1.23), ("128", 1.56)):
         row = {}
@@ -46,11 +59,17 @@ def _run(scale=None, noise=0.01, gpu="NVIDIA H200"):
                 continue
             row[method] = _cell(ms * grow * scale.get(method, 1.0), noise, phase)
         decode[bs] = row
-    return {"schema": SCHEMA, "env": {"device": "cuda", "gpu": gpu}, "settings": {"rounds": ROUNDS},
-            "models": {"llama-3.2-1b": {"decode": decode, "ratios": ratios_for(decode), "capture": {}}}, "notes": []}
+    return {
+        "schema": SCHEMA,
+        "env": {"device": "cuda", "gpu": gpu},
+        "settings": {"rounds": ROUNDS},
+        "models": {"llama-3.2-1b": {"decode": decode, "ratios": ratios_for(decode), "capture": {}}},
+        "notes": [],
+    }
 
 
 # -- bench_rounds ---------------------------------------------------------------------------
+
 
 class FakeClock:
     """Each method call advances time by its scripted cost; reading the clock is free."""
@@ -75,10 +94,18 @@ def test_rounds_interleave_reach_steady_state_and_report_spread():
                 cold[name] -= 1
                 extra = 10.0
             clock.now += (ms + extra) / 1000.0
+
         return fn
 
-    cells = bench_rounds.run_rounds({"a": make("a", 2.0), "b": make("b", 3.0)}, iters=2, rounds=4,
-                                    sync=lambda: None, warmup_min=2, warmup_max=20, clock=clock)
+    cells = bench_rounds.run_rounds(
+        {"a": make("a", 2.0), "b": make("b", 3.0)},
+        iters=2,
+        rounds=4,
+        sync=lambda: None,
+        warmup_min=2,
+        warmup_max=20,
+        clock=clock,
+    )
     a, b = cells["a"], cells["b"]
     assert a.steady and b.steady
     # a's cold calls all fell into the warm-up; measured rounds see only the steady 2 ms.
@@ -87,7 +114,7 @@ def test_rounds_interleave_reach_steady_state_and_report_spread():
     assert b.summary()["median_ms"] == pytest.approx(3.0)
     assert len(a.samples_ms) == len(b.samples_ms) == 4
     # Round-robin: the method that opens a round alternates.
-    per_round = [calls[i:i + 4] for i in range(0, len(calls), 4)]
+    per_round = [calls[i : i + 4] for i in range(0, len(calls), 4)]
     assert {r[0] for r in per_round} == {"a", "b"}
 
 
@@ -99,8 +126,9 @@ def test_rounds_warmup_cap_reports_unsteady():
         state["ms"] *= 0.9  # never settles
         clock.now += state["ms"] / 1000.0
 
-    cells = bench_rounds.run_rounds({"d": drifting}, iters=1, rounds=2, sync=lambda: None,
-                                    warmup_min=1, warmup_max=7, clock=clock)
+    cells = bench_rounds.run_rounds(
+        {"d": drifting}, iters=1, rounds=2, sync=lambda: None, warmup_min=1, warmup_max=7, clock=clock
+    )
     assert not cells["d"].steady
     assert len(cells["d"].warmup_ms) == 7
     assert cells["d"].summary()["steady"] is False
@@ -117,8 +145,16 @@ def test_rounds_only_must_settle_methods_gate_the_warmup():
     def flat():
         clock.now += 0.002
 
-    cells = bench_rounds.run_rounds({"eager": wandering, "g": flat}, iters=1, rounds=2, sync=lambda: None,
-                                    warmup_min=1, warmup_max=20, clock=clock, must_settle=["g"])
+    cells = bench_rounds.run_rounds(
+        {"eager": wandering, "g": flat},
+        iters=1,
+        rounds=2,
+        sync=lambda: None,
+        warmup_min=1,
+        warmup_max=20,
+        clock=clock,
+        must_settle=["g"],
+    )
     assert len(cells["g"].warmup_ms) == 6  # the first moment two windows of 3 exist
     assert cells["g"].steady and not cells["eager"].steady
 
@@ -130,21 +166,36 @@ def test_rounds_min_warmup_time_outlasts_a_slow_plateau():
 
     def plateau_then_fast():  # 4 ms per call for the first 0.1 s of the run, then 2 ms
         calls["n"] += 1
-        clock.now += (0.004 if clock.now < 0.1 else 0.002)
+        clock.now += 0.004 if clock.now < 0.1 else 0.002
 
-    quick = bench_rounds.run_rounds({"p": plateau_then_fast}, iters=1, rounds=3, sync=lambda: None,
-                                    warmup_min=1, warmup_max=100, clock=clock)
+    quick = bench_rounds.run_rounds(
+        {"p": plateau_then_fast}, iters=1, rounds=3, sync=lambda: None, warmup_min=1, warmup_max=100, clock=clock
+    )
     assert quick["p"].steady and quick["p"].samples_ms == pytest.approx([4.0] * 3)  # fooled by the plateau
     clock.now = 0.0
-    timed = bench_rounds.run_rounds({"p": plateau_then_fast}, iters=1, rounds=3, sync=lambda: None,
-                                    warmup_min=1, warmup_max=100, warmup_min_s=0.15, clock=clock)
+    timed = bench_rounds.run_rounds(
+        {"p": plateau_then_fast},
+        iters=1,
+        rounds=3,
+        sync=lambda: None,
+        warmup_min=1,
+        warmup_max=100,
+        warmup_min_s=0.15,
+        clock=clock,
+    )
     assert timed["p"].steady and timed["p"].samples_ms == pytest.approx([2.0] * 3)
     assert timed["p"].summary()["warmup_ms"][0] == pytest.approx(4.0)
 
 
-@pytest.mark.parametrize("kw", [dict(iters=0, rounds=1), dict(iters=1, rounds=0),
-                                dict(iters=1, rounds=1, warmup_min=3, warmup_max=2),
-                                dict(iters=1, rounds=1, warmup_min_s=-1.0)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(iters=0, rounds=1),
+        dict(iters=1, rounds=0),
+        dict(iters=1, rounds=1, warmup_min=3, warmup_max=2),
+        dict(iters=1, rounds=1, warmup_min_s=-1.0),
+    ],
+)
 def test_rounds_reject_bad_settings(kw):
     with pytest.raises(ValueError, match="must be|need"):
         bench_rounds.run_rounds({"x": lambda: None}, sync=lambda: None, **kw)
@@ -157,6 +208,7 @@ def test_is_steady_rule():
 
 
 # -- ratios ---------------------------------------------------------------------------------
+
 
 def test_ratio_pairs_rounds_so_common_drift_cancels():
     drift = [1.0, 1.2, 0.9, 1.1]  # the machine speeds up and slows down for everyone alike
@@ -178,6 +230,7 @@ def test_ratios_skip_eager_and_need_a_reference():
 
 # -- compare --------------------------------------------------------------------------------
 
+
 def _verdicts(rows):
     return {(r.size, r.method, r.ref): r.verdict for r in rows}
 
@@ -191,8 +244,12 @@ def test_unchanged_run_passes():
 def test_slowed_backend_is_flagged_and_only_it():
     rows = compare.compare(_run(), _run(scale={"breakable": 1.3}))
     flagged = {(s, m, ref) for (s, m, ref), v in _verdicts(rows).items() if v == "REGRESSION"}
-    assert flagged == {(bs, "breakable", ref) for bs in ("1", "32", "128") for ref in ("hand_graph", "reduce_overhead")
-                       if not (bs == "128" and ref == "reduce_overhead")}
+    assert flagged == {
+        (bs, "breakable", ref)
+        for bs in ("1", "32", "128")
+        for ref in ("hand_graph", "reduce_overhead")
+        if not (bs == "128" and ref == "reduce_overhead")
+    }
     assert all(r.verdict == "ok" for r in rows if r.method != "breakable")
 
 
@@ -284,6 +341,7 @@ def test_stored_baseline_is_valid_or_a_clear_placeholder(capsys):
 
 
 # -- make_docs ------------------------------------------------------------------------------
+
 
 def test_make_docs_renders_spread_and_splices_only_the_region(tmp_path):
     run = _run()

@@ -24,10 +24,34 @@ def run_json(tmp_path_factory):
     import run  # benchmarks/run.py (imports torch and the packages)
 
     out = tmp_path_factory.mktemp("bench")
-    rc = run.main(["--out", str(out), "--models", "tiny", "--batch-sizes", "1", "2",
-                   "--backends", "full,breakable,tc_piecewise", "--reduce-overhead-bs", "1", "2",
-                   "--prefill-tokens", "16", "--iters", "2", "--rounds", str(ROUNDS), "--warmup-max", "4",
-                   "--pin-cpu", "auto", "--inject-sleep-ms", "breakable=0"])
+    rc = run.main(
+        [
+            "--out",
+            str(out),
+            "--models",
+            "tiny",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--backends",
+            "full,breakable,tc_piecewise",
+            "--reduce-overhead-bs",
+            "1",
+            "2",
+            "--prefill-tokens",
+            "16",
+            "--iters",
+            "2",
+            "--rounds",
+            str(ROUNDS),
+            "--warmup-max",
+            "4",
+            "--pin-cpu",
+            "auto",
+            "--inject-sleep-ms",
+            "breakable=0",
+        ]
+    )
     assert rc == 0
     with open(out / "benchmarks.json") as f:
         return json.load(f)

@@ -22,7 +22,9 @@ def _cell(ms):
 def _run(breakable_decode, breakable_prefill=10.0):
     def model():
         return {
-            "decode": {str(bs): {"full": _cell(2.0), "breakable": _cell(2.0 * breakable_decode)} for bs in (1, 32, 128)},
+            "decode": {
+                str(bs): {"full": _cell(2.0), "breakable": _cell(2.0 * breakable_decode)} for bs in (1, 32, 128)
+            },
             "prefill": {"512": {"eager": _cell(20.0), "breakable": _cell(breakable_prefill)}},
         }
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 
+from toy_model import ToyModel, decode_batch
+
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
-
-from toy_model import ToyModel, decode_batch
 
 
 class EmptyingFake(FakeGraphDeviceModule):

@@ -9,7 +9,9 @@ import torch
 
 from cuda_graph_runner.cli import main
 
-needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA")
+needs_no_cuda = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA"
+)
 
 
 @needs_no_cuda
@@ -26,8 +28,28 @@ def test_backends_table_shows_full_unavailable_with_reason(capsys):
 @needs_no_cuda
 def test_bench_runs_eagerly_and_says_why(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    code = main(["bench", "--batch-sizes", "1", "2", "--prefill-tokens", "8", "--prefill-requests", "2",
-                 "--iters", "1", "--warmup", "0", "--steps", "2", "--prompt-len", "4", "--json", str(path)])
+    code = main(
+        [
+            "bench",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--prefill-tokens",
+            "8",
+            "--prefill-requests",
+            "2",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--steps",
+            "2",
+            "--prompt-len",
+            "4",
+            "--json",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "running eager only" in out and "full: torch" in out
@@ -43,10 +65,13 @@ def test_bench_rejects_unknown_model_naming_presets(capsys):
     assert "no-such-model" in err and "llama-3.2-1b" in err
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--cuda-graph-config", '{"decode": {"max_bs": 8, "bs": [16]}}'], "decode.max_bs=8"),
-    (["--cuda-graph-max-bs-decode", "zero"], "zero"),
-])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--cuda-graph-config", '{"decode": {"max_bs": 8, "bs": [16]}}'], "decode.max_bs=8"),
+        (["--cuda-graph-max-bs-decode", "zero"], "zero"),
+    ],
+)
 def test_bench_config_errors_exit_2_naming_the_value(flags, named, capsys):
     with pytest.raises(SystemExit) as info:  # argparse rejects the flag before any work
         main(["bench", *flags])

@@ -16,7 +16,9 @@ from cuda_graph_runner import registry
 from cuda_graph_runner.cli import main
 from cuda_graph_runner.hookspecs import BackendSpec
 
-needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA")
+needs_no_cuda = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA"
+)
 
 TINY = ["--batch-sizes", "1", "--iters", "1", "--warmup", "0", "--steps", "1", "--prompt-len", "2", "--no-prefill"]
 
@@ -43,16 +45,25 @@ def test_bench_with_a_named_backend_unavailable_here_exits_1_with_the_reason(cap
 
 @pytest.fixture()
 def broken_contract(tmp_path, monkeypatch):
-    (tmp_path / "brokenmod.py").write_text(textwrap.dedent("""
+    (tmp_path / "brokenmod.py").write_text(
+        textwrap.dedent("""
         from cuda_graph_runner.backend import DisabledBackend
 
         class Broken(DisabledBackend):
             def capture_one(self, key, forward_fn):  # lacks post_warmup_hook
                 pass
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    registry.register(BackendSpec(name="broken_contract", backend_class="brokenmod:Broken", phases=("decode",),
-                                  devices=("*",), api_version="1.0"))
+    registry.register(
+        BackendSpec(
+            name="broken_contract",
+            backend_class="brokenmod:Broken",
+            phases=("decode",),
+            devices=("*",),
+            api_version="1.0",
+        )
+    )
     yield
     registry.get_registry().unregister("broken_contract")
 
@@ -69,8 +80,9 @@ def test_bench_with_an_option_the_named_backend_does_not_read_exits_2(capsys):
     class PlainBackend(DisabledBackend):
         pass
 
-    registry.register(BackendSpec(name="plain_cli", backend_class=PlainBackend, phases=("decode",), devices=("*",),
-                                  api_version="1.0"))
+    registry.register(
+        BackendSpec(name="plain_cli", backend_class=PlainBackend, phases=("decode",), devices=("*",), api_version="1.0")
+    )
     try:
         assert main(["bench", "--decode-backends", "plain_cli:inductor", *TINY]) == 2
     finally:
@@ -105,8 +117,10 @@ def test_argparse_errors_print_the_error_and_see_help_not_the_usage(capsys):
         main(["bench", "--iters", "x"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == ["cuda-graph-runner bench: error: argument --iters: invalid int value: 'x'",
-                                "see 'cuda-graph-runner bench --help'"]
+    assert err.splitlines() == [
+        "cuda-graph-runner bench: error: argument --iters: invalid int value: 'x'",
+        "see 'cuda-graph-runner bench --help'",
+    ]
 
 
 @pytest.mark.parametrize("argv", [[], ["bench"], ["config"], ["backends"]])
@@ -166,8 +180,9 @@ def test_bench_json_into_a_missing_folder_fails_before_the_run(tmp_path, capsys)
 
 def test_output_into_a_closed_pipe_ends_quietly():
     # `cuda-graph-runner config | head -c 0`: the reader has left before the command writes.
-    cli = subprocess.Popen([sys.executable, "-m", "cuda_graph_runner", "config"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "cuda_graph_runner", "config"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     cli.stdout.close()
     err = cli.stderr.read().decode()
     cli.wait(timeout=120)

@@ -14,8 +14,26 @@ from cuda_graph_runner import cli_logging
 from cuda_graph_runner.bench import CSV_COLUMNS, results_csv
 from cuda_graph_runner.cli import build_parser, main
 
-SMALL_BENCH = ["bench", "--batch-sizes", "1", "2", "--prefill-tokens", "8", "--prefill-requests", "2", "--iters", "1",
-               "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--device", "cpu"]
+SMALL_BENCH = [
+    "bench",
+    "--batch-sizes",
+    "1",
+    "2",
+    "--prefill-tokens",
+    "8",
+    "--prefill-requests",
+    "2",
+    "--iters",
+    "1",
+    "--warmup",
+    "0",
+    "--steps",
+    "1",
+    "--prompt-len",
+    "4",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +41,6 @@ def bench_json(tmp_path_factory):
     """One small CPU bench, its stdout in --format json, its --json file and its --plot PNG."""
     folder = tmp_path_factory.mktemp("bench")
     import contextlib
-
     import importlib.util
 
     # The GPU machine's environment may lack the optional matplotlib: then no --plot here.
@@ -79,15 +96,23 @@ def test_bad_format_is_a_usage_error(capsys):
 def test_plot_series_of_both_schemas():
     from cuda_graph_runner.plot import series_from_results
 
-    bench = {"decode": [{"batch_size": 2, "backend": "full", "eager_ms": 3.0, "graph_ms": 1.0},
-                        {"batch_size": 1, "backend": "full", "eager_ms": 2.0, "graph_ms": 0.5}],
-             "prefill": [{"num_tokens": 8, "requests": 4, "backend": "full", "eager_ms": 9.0, "graph_ms": 8.0},
-                         {"num_tokens": 8, "requests": 1, "backend": "full", "eager_ms": 7.0, "graph_ms": 6.0}]}
+    bench = {
+        "decode": [
+            {"batch_size": 2, "backend": "full", "eager_ms": 3.0, "graph_ms": 1.0},
+            {"batch_size": 1, "backend": "full", "eager_ms": 2.0, "graph_ms": 0.5},
+        ],
+        "prefill": [
+            {"num_tokens": 8, "requests": 4, "backend": "full", "eager_ms": 9.0, "graph_ms": 8.0},
+            {"num_tokens": 8, "requests": 1, "backend": "full", "eager_ms": 7.0, "graph_ms": 6.0},
+        ],
+    }
     series = series_from_results(bench)
     assert series["decode"] == {"full": [(1, 0.5), (2, 1.0)], "eager": [(1, 2.0), (2, 3.0)]}
     assert series["prefill"] == {"full": [(8, 6.0)], "eager": [(8, 7.0)]}
-    suite = {"schema": 3, "models": {"tiny": {"decode": {"4": {"eager": {"median_ms": 2.0},
-                                                               "full": {"median_ms": 1.0}}}, "prefill": {}}}}
+    suite = {
+        "schema": 3,
+        "models": {"tiny": {"decode": {"4": {"eager": {"median_ms": 2.0}, "full": {"median_ms": 1.0}}}, "prefill": {}}},
+    }
     assert series_from_results(suite) == {"decode": {"eager": [(4, 2.0)], "full": [(4, 1.0)]}}
     with pytest.raises(ValueError, match="not a bench"):
         series_from_results({"other": 1})
@@ -101,13 +126,16 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path, cap
     assert "pip install 'cuda-graph-runner[plot]'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,level", [
-    ([], logging.WARNING),
-    (["-v"], logging.INFO),
-    (["-vv"], logging.DEBUG),
-    (["--log-level", "error"], logging.ERROR),
-    (["-vv", "--log-level", "WARNING"], logging.WARNING),
-])
+@pytest.mark.parametrize(
+    "argv,level",
+    [
+        ([], logging.WARNING),
+        (["-v"], logging.INFO),
+        (["-vv"], logging.DEBUG),
+        (["--log-level", "error"], logging.ERROR),
+        (["-vv", "--log-level", "WARNING"], logging.WARNING),
+    ],
+)
 def test_verbosity_flags_map_to_levels_before_or_after_the_subcommand(argv, level):
     parser = build_parser()
     assert cli_logging.level_from_args(parser.parse_args([*argv, "backends"])) == level
@@ -156,6 +184,6 @@ def test_torch_numpy_warning_is_hidden_by_the_cli():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli_logging.hide_third_party_noise()
-        warnings.warn("Failed to initialize NumPy: No module named 'numpy'", UserWarning)
-        warnings.warn("another warning", UserWarning)
+        warnings.warn("Failed to initialize NumPy: No module named 'numpy'", UserWarning, stacklevel=1)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["another warning"]

@@ -27,7 +27,12 @@ CORE = pathlib.Path(__file__).resolve().parents[1] / "core"
 def test_constants():
     assert Phase.ALL == ("decode", "prefill")
     assert (Backend.FULL, Backend.BREAKABLE, Backend.TC_PIECEWISE, Backend.NPU, Backend.DISABLED) == (
-        "full", "breakable", "tc_piecewise", "npu", "disabled")
+        "full",
+        "breakable",
+        "tc_piecewise",
+        "npu",
+        "disabled",
+    )
     assert WELL_KNOWN_DISTRIBUTIONS == {
         "full": "cuda-graph-runner-full",
         "breakable": "cuda-graph-runner-breakable",
@@ -140,8 +145,13 @@ def test_sources_are_not_part_of_equality_or_repr():
         ({1: {}}, None, None, 1, ["unknown phase"]),
         ({"decode": "full"}, "decode", None, "full", ["must be an object", "backend, max_bs, bs, tc_compiler"]),
         ({"decode": None}, "decode", None, None, ["must be an object"]),
-        ({"decode": {"max_batch": 8}}, "decode", "max_batch", 8, ["unknown key", "decode.max_batch=8",
-                                                                   "backend, max_bs, bs, tc_compiler"]),
+        (
+            {"decode": {"max_batch": 8}},
+            "decode",
+            "max_batch",
+            8,
+            ["unknown key", "decode.max_batch=8", "backend, max_bs, bs, tc_compiler"],
+        ),
         ({"prefill": {"max_bs": "8"}}, "prefill", "max_bs", "8", ["prefill.max_bs='8'", "integer >= 1"]),
         ({"prefill": {"bs": [64], "max_bs": 32}}, "prefill", "max_bs", 32, ["prefill.max_bs=32", ">= max(bs)"]),
         ({"decode": {"tc_compiler": "aot"}}, "decode", "tc_compiler", "aot", ["'aot'", "eager, inductor"]),
@@ -335,7 +345,6 @@ def test_package_exports_every_public_name():
     """The config is a package (model / flags / loading); its users import from the top."""
     import cuda_graph_runner.config as package
 
-    names = set(package.__all__) | {"source_phases", "SOURCE_DEFAULT", "SOURCE_API", "SOURCE_JSON",
-                                     "SOURCE_JSON_FLAG"}
+    names = set(package.__all__) | {"source_phases", "SOURCE_DEFAULT", "SOURCE_API", "SOURCE_JSON", "SOURCE_JSON_FLAG"}
     assert {name for name in names if not hasattr(package, name)} == set()
     assert package.CudaGraphConfig.__module__ == "cuda_graph_runner.config.model"

@@ -10,8 +10,8 @@ import warnings
 import pytest
 
 from cuda_graph_runner import config as config_module
+from cuda_graph_runner.config import PHASE_KEYS, CudaGraphConfig, CudaGraphConfigError, Phase, add_cuda_graph_args
 from cuda_graph_runner.config import flags as flags_module
-from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, Phase, PHASE_KEYS, add_cuda_graph_args
 
 
 @pytest.fixture(autouse=True)
@@ -50,80 +50,177 @@ L, F, J = "legacy:", "flag:", "json:--cuda-graph-config"
 CASES = [
     ("nothing", [], {}, {}),
     # -- each form alone
-    ("legacy-alone", ["--disable-cuda-graph"],
-     {("decode", "backend"): "disabled", ("prefill", "backend"): "disabled"},
-     {("decode", "backend"): L + "--disable-cuda-graph", ("prefill", "backend"): L + "--disable-cuda-graph"}),
-    ("flag-alone-backend", ["--cuda-graph-backend-decode", "full"],
-     {("decode", "backend"): "full"}, {("decode", "backend"): F + "--cuda-graph-backend-decode"}),
-    ("flag-alone-bs-spaces-and-commas", ["--cuda-graph-bs-prefill", "64,16", "32", "16"],
-     {("prefill", "bs"): [16, 32, 64]}, {("prefill", "bs"): F + "--cuda-graph-bs-prefill"}),
-    ("flag-alone-max-bs", ["--cuda-graph-max-bs-prefill", "2048"],
-     {("prefill", "max_bs"): 2048}, {("prefill", "max_bs"): F + "--cuda-graph-max-bs-prefill"}),
-    ("flag-alone-tc-both", ["--cuda-graph-tc-compiler", "inductor"],
-     {("decode", "tc_compiler"): "inductor", ("prefill", "tc_compiler"): "inductor"},
-     {("decode", "tc_compiler"): F + "--cuda-graph-tc-compiler",
-      ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler"}),
-    ("flag-alone-disable-phase", ["--disable-cuda-graph-prefill"],
-     {("prefill", "backend"): "disabled"}, {("prefill", "backend"): F + "--disable-cuda-graph-prefill"}),
-    ("json-alone", ["--cuda-graph-config", j({"decode": {"backend": "breakable", "bs": [8, 1]}})],
-     {("decode", "backend"): "breakable", ("decode", "bs"): [1, 8]},
-     {("decode", "backend"): J, ("decode", "bs"): J}),
+    (
+        "legacy-alone",
+        ["--disable-cuda-graph"],
+        {("decode", "backend"): "disabled", ("prefill", "backend"): "disabled"},
+        {("decode", "backend"): L + "--disable-cuda-graph", ("prefill", "backend"): L + "--disable-cuda-graph"},
+    ),
+    (
+        "flag-alone-backend",
+        ["--cuda-graph-backend-decode", "full"],
+        {("decode", "backend"): "full"},
+        {("decode", "backend"): F + "--cuda-graph-backend-decode"},
+    ),
+    (
+        "flag-alone-bs-spaces-and-commas",
+        ["--cuda-graph-bs-prefill", "64,16", "32", "16"],
+        {("prefill", "bs"): [16, 32, 64]},
+        {("prefill", "bs"): F + "--cuda-graph-bs-prefill"},
+    ),
+    (
+        "flag-alone-max-bs",
+        ["--cuda-graph-max-bs-prefill", "2048"],
+        {("prefill", "max_bs"): 2048},
+        {("prefill", "max_bs"): F + "--cuda-graph-max-bs-prefill"},
+    ),
+    (
+        "flag-alone-tc-both",
+        ["--cuda-graph-tc-compiler", "inductor"],
+        {("decode", "tc_compiler"): "inductor", ("prefill", "tc_compiler"): "inductor"},
+        {
+            ("decode", "tc_compiler"): F + "--cuda-graph-tc-compiler",
+            ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler",
+        },
+    ),
+    (
+        "flag-alone-disable-phase",
+        ["--disable-cuda-graph-prefill"],
+        {("prefill", "backend"): "disabled"},
+        {("prefill", "backend"): F + "--disable-cuda-graph-prefill"},
+    ),
+    (
+        "json-alone",
+        ["--cuda-graph-config", j({"decode": {"backend": "breakable", "bs": [8, 1]}})],
+        {("decode", "backend"): "breakable", ("decode", "bs"): [1, 8]},
+        {("decode", "backend"): J, ("decode", "bs"): J},
+    ),
     # -- pairs: legacy + flag
-    ("legacy-disable+flag-decode-full", ["--disable-cuda-graph", "--cuda-graph-backend-decode", "full"],
-     {("decode", "backend"): "full", ("prefill", "backend"): "disabled"},
-     {("decode", "backend"): F + "--cuda-graph-backend-decode", ("prefill", "backend"): L + "--disable-cuda-graph"}),
-    ("flag-before-legacy-same-result", ["--cuda-graph-backend-decode", "full", "--disable-cuda-graph"],
-     {("decode", "backend"): "full", ("prefill", "backend"): "disabled"},
-     {("decode", "backend"): F + "--cuda-graph-backend-decode", ("prefill", "backend"): L + "--disable-cuda-graph"}),
-    ("legacy-max-bs+flag-max-bs", ["--cuda-graph-max-bs", "64", "--cuda-graph-max-bs-decode", "128"],
-     {("decode", "max_bs"): 128}, {("decode", "max_bs"): F + "--cuda-graph-max-bs-decode"}),
-    ("legacy-compiler+flag-phase-compiler",
-     ["--piecewise-cuda-graph-compiler", "inductor", "--cuda-graph-tc-compiler-prefill", "eager"],
-     {("decode", "tc_compiler"): "inductor"},
-     {("decode", "tc_compiler"): L + "--piecewise-cuda-graph-compiler",
-      ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler-prefill"}),
+    (
+        "legacy-disable+flag-decode-full",
+        ["--disable-cuda-graph", "--cuda-graph-backend-decode", "full"],
+        {("decode", "backend"): "full", ("prefill", "backend"): "disabled"},
+        {("decode", "backend"): F + "--cuda-graph-backend-decode", ("prefill", "backend"): L + "--disable-cuda-graph"},
+    ),
+    (
+        "flag-before-legacy-same-result",
+        ["--cuda-graph-backend-decode", "full", "--disable-cuda-graph"],
+        {("decode", "backend"): "full", ("prefill", "backend"): "disabled"},
+        {("decode", "backend"): F + "--cuda-graph-backend-decode", ("prefill", "backend"): L + "--disable-cuda-graph"},
+    ),
+    (
+        "legacy-max-bs+flag-max-bs",
+        ["--cuda-graph-max-bs", "64", "--cuda-graph-max-bs-decode", "128"],
+        {("decode", "max_bs"): 128},
+        {("decode", "max_bs"): F + "--cuda-graph-max-bs-decode"},
+    ),
+    (
+        "legacy-compiler+flag-phase-compiler",
+        ["--piecewise-cuda-graph-compiler", "inductor", "--cuda-graph-tc-compiler-prefill", "eager"],
+        {("decode", "tc_compiler"): "inductor"},
+        {
+            ("decode", "tc_compiler"): L + "--piecewise-cuda-graph-compiler",
+            ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler-prefill",
+        },
+    ),
     # -- pairs: legacy + JSON
-    ("legacy-disable+json-prefill", ["--disable-cuda-graph", "--cuda-graph-config", j({"prefill": {"backend": "breakable"}})],
-     {("decode", "backend"): "disabled", ("prefill", "backend"): "breakable"},
-     {("decode", "backend"): L + "--disable-cuda-graph", ("prefill", "backend"): J}),
-    ("legacy-tokens+json-tokens", ["--piecewise-cuda-graph-tokens", "8", "16", "--cuda-graph-config", j({"prefill": {"bs": [4]}})],
-     {("prefill", "bs"): [4]}, {("prefill", "bs"): J}),
+    (
+        "legacy-disable+json-prefill",
+        ["--disable-cuda-graph", "--cuda-graph-config", j({"prefill": {"backend": "breakable"}})],
+        {("decode", "backend"): "disabled", ("prefill", "backend"): "breakable"},
+        {("decode", "backend"): L + "--disable-cuda-graph", ("prefill", "backend"): J},
+    ),
+    (
+        "legacy-tokens+json-tokens",
+        ["--piecewise-cuda-graph-tokens", "8", "16", "--cuda-graph-config", j({"prefill": {"bs": [4]}})],
+        {("prefill", "bs"): [4]},
+        {("prefill", "bs"): J},
+    ),
     # -- pairs: flag + JSON
-    ("flag+json-json-wins-per-key",
-     ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "64",
-      "--cuda-graph-config", j({"decode": {"backend": "breakable"}})],
-     {("decode", "backend"): "breakable", ("decode", "max_bs"): 64},
-     {("decode", "backend"): J, ("decode", "max_bs"): F + "--cuda-graph-max-bs-decode"}),
-    ("json-null-resets-flag-to-auto",
-     ["--cuda-graph-backend-decode", "full", "--cuda-graph-config", j({"decode": {"backend": None}})],
-     {}, {("decode", "backend"): J}),
-    ("json-max-bs-covers-flag-bs",
-     ["--cuda-graph-bs-decode", "1", "2", "--cuda-graph-config", j({"decode": {"max_bs": 8}})],
-     {("decode", "bs"): [1, 2], ("decode", "max_bs"): 8},
-     {("decode", "bs"): F + "--cuda-graph-bs-decode", ("decode", "max_bs"): J}),
+    (
+        "flag+json-json-wins-per-key",
+        [
+            "--cuda-graph-backend-decode",
+            "full",
+            "--cuda-graph-max-bs-decode",
+            "64",
+            "--cuda-graph-config",
+            j({"decode": {"backend": "breakable"}}),
+        ],
+        {("decode", "backend"): "breakable", ("decode", "max_bs"): 64},
+        {("decode", "backend"): J, ("decode", "max_bs"): F + "--cuda-graph-max-bs-decode"},
+    ),
+    (
+        "json-null-resets-flag-to-auto",
+        ["--cuda-graph-backend-decode", "full", "--cuda-graph-config", j({"decode": {"backend": None}})],
+        {},
+        {("decode", "backend"): J},
+    ),
+    (
+        "json-max-bs-covers-flag-bs",
+        ["--cuda-graph-bs-decode", "1", "2", "--cuda-graph-config", j({"decode": {"max_bs": 8}})],
+        {("decode", "bs"): [1, 2], ("decode", "max_bs"): 8},
+        {("decode", "bs"): F + "--cuda-graph-bs-decode", ("decode", "max_bs"): J},
+    ),
     # -- all three
-    ("legacy+flag+json",
-     ["--disable-cuda-graph", "--cuda-graph-backend-prefill", "breakable", "--cuda-graph-max-bs", "32",
-      "--cuda-graph-config", j({"decode": {"backend": "full"}})],
-     {("decode", "backend"): "full", ("prefill", "backend"): "breakable", ("decode", "max_bs"): 32},
-     {("decode", "backend"): J, ("prefill", "backend"): F + "--cuda-graph-backend-prefill",
-      ("decode", "max_bs"): L + "--cuda-graph-max-bs"}),
+    (
+        "legacy+flag+json",
+        [
+            "--disable-cuda-graph",
+            "--cuda-graph-backend-prefill",
+            "breakable",
+            "--cuda-graph-max-bs",
+            "32",
+            "--cuda-graph-config",
+            j({"decode": {"backend": "full"}}),
+        ],
+        {("decode", "backend"): "full", ("prefill", "backend"): "breakable", ("decode", "max_bs"): 32},
+        {
+            ("decode", "backend"): J,
+            ("prefill", "backend"): F + "--cuda-graph-backend-prefill",
+            ("decode", "max_bs"): L + "--cuda-graph-max-bs",
+        },
+    ),
     # -- within one tier: one phase beats both phases, in any order
-    ("phase-compiler-beats-both", ["--cuda-graph-tc-compiler", "inductor", "--cuda-graph-tc-compiler-decode", "eager"],
-     {("prefill", "tc_compiler"): "inductor"},
-     {("decode", "tc_compiler"): F + "--cuda-graph-tc-compiler-decode",
-      ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler"}),
-    ("phase-compiler-beats-both-reversed", ["--cuda-graph-tc-compiler-decode", "eager", "--cuda-graph-tc-compiler", "inductor"],
-     {("prefill", "tc_compiler"): "inductor"},
-     {("decode", "tc_compiler"): F + "--cuda-graph-tc-compiler-decode",
-      ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler"}),
-    ("legacy-breakable-beats-legacy-disable-all", ["--disable-cuda-graph", "--enable-breakable-cuda-graph"],
-     {("decode", "backend"): "disabled", ("prefill", "backend"): "breakable"},
-     {("decode", "backend"): L + "--disable-cuda-graph", ("prefill", "backend"): L + "--enable-breakable-cuda-graph"}),
-    ("same-value-same-tier-is-fine", ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "disabled"],
-     {("decode", "backend"): "disabled"}, {("decode", "backend"): F + "--cuda-graph-backend-decode"}),
-    ("repeated-flag-last-wins", ["--cuda-graph-bs-decode", "1", "--cuda-graph-bs-decode", "2"],
-     {("decode", "bs"): [2]}, {("decode", "bs"): F + "--cuda-graph-bs-decode"}),
+    (
+        "phase-compiler-beats-both",
+        ["--cuda-graph-tc-compiler", "inductor", "--cuda-graph-tc-compiler-decode", "eager"],
+        {("prefill", "tc_compiler"): "inductor"},
+        {
+            ("decode", "tc_compiler"): F + "--cuda-graph-tc-compiler-decode",
+            ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler",
+        },
+    ),
+    (
+        "phase-compiler-beats-both-reversed",
+        ["--cuda-graph-tc-compiler-decode", "eager", "--cuda-graph-tc-compiler", "inductor"],
+        {("prefill", "tc_compiler"): "inductor"},
+        {
+            ("decode", "tc_compiler"): F + "--cuda-graph-tc-compiler-decode",
+            ("prefill", "tc_compiler"): F + "--cuda-graph-tc-compiler",
+        },
+    ),
+    (
+        "legacy-breakable-beats-legacy-disable-all",
+        ["--disable-cuda-graph", "--enable-breakable-cuda-graph"],
+        {("decode", "backend"): "disabled", ("prefill", "backend"): "breakable"},
+        {
+            ("decode", "backend"): L + "--disable-cuda-graph",
+            ("prefill", "backend"): L + "--enable-breakable-cuda-graph",
+        },
+    ),
+    (
+        "same-value-same-tier-is-fine",
+        ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "disabled"],
+        {("decode", "backend"): "disabled"},
+        {("decode", "backend"): F + "--cuda-graph-backend-decode"},
+    ),
+    (
+        "repeated-flag-last-wins",
+        ["--cuda-graph-bs-decode", "1", "--cuda-graph-bs-decode", "2"],
+        {("decode", "bs"): [2]},
+        {("decode", "bs"): F + "--cuda-graph-bs-decode"},
+    ),
 ]
 
 
@@ -152,16 +249,36 @@ def test_json_path_and_sources(tmp_path):
 @pytest.mark.parametrize(
     "argv, phase, key, fragments",
     [
-        (["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "full"], "decode", "backend",
-         ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "'full'"]),
-        (["--enable-breakable-cuda-graph", "--enforce-piecewise-cuda-graph"], "prefill", "backend",
-         ["--enable-breakable-cuda-graph", "--enforce-piecewise-cuda-graph", "'tc_piecewise'"]),
-        (["--cuda-graph-max-bs-decode", "8", "--cuda-graph-config", j({"decode": {"bs": [16]}})], "decode", "max_bs",
-         ["decode.max_bs=8", "from flag:--cuda-graph-max-bs-decode", ">= max(bs) = 16"]),
-        (["--cuda-graph-max-bs", "8", "--cuda-graph-bs-decode", "16"], "decode", "max_bs",
-         ["from legacy:--cuda-graph-max-bs", ">= max(bs) = 16"]),
-        (["--piecewise-cuda-graph-max-tokens", "8", "--piecewise-cuda-graph-tokens", "4", "32"], "prefill", "max_bs",
-         ["prefill.max_bs=8", "legacy:--piecewise-cuda-graph-max-tokens"]),
+        (
+            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "full"],
+            "decode",
+            "backend",
+            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "'full'"],
+        ),
+        (
+            ["--enable-breakable-cuda-graph", "--enforce-piecewise-cuda-graph"],
+            "prefill",
+            "backend",
+            ["--enable-breakable-cuda-graph", "--enforce-piecewise-cuda-graph", "'tc_piecewise'"],
+        ),
+        (
+            ["--cuda-graph-max-bs-decode", "8", "--cuda-graph-config", j({"decode": {"bs": [16]}})],
+            "decode",
+            "max_bs",
+            ["decode.max_bs=8", "from flag:--cuda-graph-max-bs-decode", ">= max(bs) = 16"],
+        ),
+        (
+            ["--cuda-graph-max-bs", "8", "--cuda-graph-bs-decode", "16"],
+            "decode",
+            "max_bs",
+            ["from legacy:--cuda-graph-max-bs", ">= max(bs) = 16"],
+        ),
+        (
+            ["--piecewise-cuda-graph-max-tokens", "8", "--piecewise-cuda-graph-tokens", "4", "32"],
+            "prefill",
+            "max_bs",
+            ["prefill.max_bs=8", "legacy:--piecewise-cuda-graph-max-tokens"],
+        ),
     ],
 )
 def test_from_args_errors_name_flags(argv, phase, key, fragments):
@@ -175,11 +292,16 @@ def test_from_args_errors_name_flags(argv, phase, key, fragments):
 
 def test_from_args_on_hand_built_namespaces():
     assert CudaGraphConfig.from_args(argparse.Namespace()) == CudaGraphConfig()
-    ns = argparse.Namespace(cuda_graph_config=j({"decode": {"backend": "full"}}), cuda_graph_bs_decode=[4, 2],
-                            disable_cuda_graph_prefill=False)
+    ns = argparse.Namespace(
+        cuda_graph_config=j({"decode": {"backend": "full"}}),
+        cuda_graph_bs_decode=[4, 2],
+        disable_cuda_graph_prefill=False,
+    )
     config = CudaGraphConfig.from_args(ns)
     assert (config.decode.backend, config.decode.bs, config.prefill.backend) == ("full", [2, 4], None)
-    assert CudaGraphConfig.from_args(argparse.Namespace(cuda_graph_config={"prefill": {"max_bs": 8}})).prefill.max_bs == 8
+    assert (
+        CudaGraphConfig.from_args(argparse.Namespace(cuda_graph_config={"prefill": {"max_bs": 8}})).prefill.max_bs == 8
+    )
     with pytest.raises(CudaGraphConfigError) as info:
         CudaGraphConfig.from_args(argparse.Namespace(cuda_graph_max_bs_decode="8"))
     assert "flag:--cuda-graph-max-bs-decode" in str(info.value)
@@ -218,20 +340,43 @@ def test_bad_flag_values_stop_parsing_naming_flag_and_value(argv, fragments, cap
 
 DEPRECATED = [
     # argv (flag given twice where it takes values), expected fields, replacement named in the warning
-    (["--disable-cuda-graph"], {("decode", "backend"): "disabled", ("prefill", "backend"): "disabled"},
-     "--disable-cuda-graph-decode --disable-cuda-graph-prefill"),
-    (["--enable-breakable-cuda-graph"], {("prefill", "backend"): "breakable"}, "--cuda-graph-backend-prefill breakable"),
+    (
+        ["--disable-cuda-graph"],
+        {("decode", "backend"): "disabled", ("prefill", "backend"): "disabled"},
+        "--disable-cuda-graph-decode --disable-cuda-graph-prefill",
+    ),
+    (
+        ["--enable-breakable-cuda-graph"],
+        {("prefill", "backend"): "breakable"},
+        "--cuda-graph-backend-prefill breakable",
+    ),
     (["--disable-piecewise-cuda-graph"], {("prefill", "backend"): "disabled"}, "--disable-cuda-graph-prefill"),
-    (["--enforce-piecewise-cuda-graph"], {("prefill", "backend"): "tc_piecewise"},
-     "--cuda-graph-backend-prefill tc_piecewise"),
-    (["--cuda-graph-max-bs", "64", "--cuda-graph-max-bs", "96"], {("decode", "max_bs"): 96}, "--cuda-graph-max-bs-decode"),
+    (
+        ["--enforce-piecewise-cuda-graph"],
+        {("prefill", "backend"): "tc_piecewise"},
+        "--cuda-graph-backend-prefill tc_piecewise",
+    ),
+    (
+        ["--cuda-graph-max-bs", "64", "--cuda-graph-max-bs", "96"],
+        {("decode", "max_bs"): 96},
+        "--cuda-graph-max-bs-decode",
+    ),
     (["--cuda-graph-bs", "1", "2", "--cuda-graph-bs", "8,4"], {("decode", "bs"): [4, 8]}, "--cuda-graph-bs-decode"),
-    (["--piecewise-cuda-graph-tokens", "256,128", "--piecewise-cuda-graph-tokens", "512"], {("prefill", "bs"): [512]},
-     "--cuda-graph-bs-prefill"),
-    (["--piecewise-cuda-graph-max-tokens", "2048", "--piecewise-cuda-graph-max-tokens", "1024"],
-     {("prefill", "max_bs"): 1024}, "--cuda-graph-max-bs-prefill"),
-    (["--piecewise-cuda-graph-compiler", "inductor", "--piecewise-cuda-graph-compiler", "inductor"],
-     {("decode", "tc_compiler"): "inductor", ("prefill", "tc_compiler"): "inductor"}, "--cuda-graph-tc-compiler"),
+    (
+        ["--piecewise-cuda-graph-tokens", "256,128", "--piecewise-cuda-graph-tokens", "512"],
+        {("prefill", "bs"): [512]},
+        "--cuda-graph-bs-prefill",
+    ),
+    (
+        ["--piecewise-cuda-graph-max-tokens", "2048", "--piecewise-cuda-graph-max-tokens", "1024"],
+        {("prefill", "max_bs"): 1024},
+        "--cuda-graph-max-bs-prefill",
+    ),
+    (
+        ["--piecewise-cuda-graph-compiler", "inductor", "--piecewise-cuda-graph-compiler", "inductor"],
+        {("decode", "tc_compiler"): "inductor", ("prefill", "tc_compiler"): "inductor"},
+        "--cuda-graph-tc-compiler",
+    ),
 ]
 
 
@@ -265,11 +410,23 @@ def test_each_deprecated_flag_warns_for_itself():
 
 
 def test_new_flags_do_not_warn():
-    _, caught = parse([
-        "--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "8", "--cuda-graph-bs-decode", "8",
-        "--cuda-graph-tc-compiler-prefill", "inductor", "--cuda-graph-tc-compiler", "eager",
-        "--disable-cuda-graph-prefill", "--cuda-graph-config", "{}",
-    ])
+    _, caught = parse(
+        [
+            "--cuda-graph-backend-decode",
+            "full",
+            "--cuda-graph-max-bs-decode",
+            "8",
+            "--cuda-graph-bs-decode",
+            "8",
+            "--cuda-graph-tc-compiler-prefill",
+            "inductor",
+            "--cuda-graph-tc-compiler",
+            "eager",
+            "--disable-cuda-graph-prefill",
+            "--cuda-graph-config",
+            "{}",
+        ]
+    )
     assert caught == []
 
 

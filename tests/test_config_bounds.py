@@ -19,7 +19,7 @@ from cuda_graph_runner.config import (
     add_cuda_graph_args,
 )
 
-HUGE = 10 ** 5000  # more digits than Python >= 3.11 prints (int_max_str_digits)
+HUGE = 10**5000  # more digits than Python >= 3.11 prints (int_max_str_digits)
 
 
 def test_config_file_with_a_utf8_bom_is_accepted(tmp_path):
@@ -44,15 +44,19 @@ def test_the_maximum_itself_is_accepted():
     assert MAX_CAPTURE_SIZE == 65536
 
 
-@pytest.mark.parametrize("fields,fragment", [
-    ({"max_bs": MAX_CAPTURE_SIZE + 1}, "above the maximum capture size 65536"),
-    ({"max_bs": 10 ** 8}, "above the maximum capture size"),
-    ({"max_bs": 10 ** 12}, "above the maximum capture size"),
-    ({"max_bs": HUGE}, "<integer of"),
-    ({"bs": [1, 10 ** 8]}, "above the maximum capture size"),
-    ({"bs": [HUGE]}, "above the maximum capture size"),
-    ({"bs": [-HUGE]}, "not a positive integer"),
-], ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize(
+    "fields,fragment",
+    [
+        ({"max_bs": MAX_CAPTURE_SIZE + 1}, "above the maximum capture size 65536"),
+        ({"max_bs": 10**8}, "above the maximum capture size"),
+        ({"max_bs": 10**12}, "above the maximum capture size"),
+        ({"max_bs": HUGE}, "<integer of"),
+        ({"bs": [1, 10**8]}, "above the maximum capture size"),
+        ({"bs": [HUGE]}, "above the maximum capture size"),
+        ({"bs": [-HUGE]}, "not a positive integer"),
+    ],
+    ids=lambda v: type(v).__name__,
+)
 def test_sizes_above_the_cap_raise_a_config_error_that_prints(fields, fragment):
     with pytest.raises(CudaGraphConfigError) as info:
         CudaGraphConfig.from_dict({"decode": fields})
@@ -65,12 +69,15 @@ def test_huge_integers_in_json_text_are_config_errors():
         CudaGraphConfig.from_json('{"decode": {"max_bs": ' + "9" * 5000 + "}}")
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--cuda-graph-max-bs-decode", "100000"),
-    ("--cuda-graph-max-bs-prefill", "9" * 5000),
-    ("--cuda-graph-bs-decode", "1,70000"),
-    ("--cuda-graph-max-bs", str(10 ** 12)),
-])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--cuda-graph-max-bs-decode", "100000"),
+        ("--cuda-graph-max-bs-prefill", "9" * 5000),
+        ("--cuda-graph-bs-decode", "1,70000"),
+        ("--cuda-graph-max-bs", str(10**12)),
+    ],
+)
 def test_flags_above_the_cap_are_argparse_errors(flag, value, capsys):
     parser = argparse.ArgumentParser()
     add_cuda_graph_args(parser)
@@ -87,8 +94,32 @@ class _BadRepr:
         raise RuntimeError("no repr")
 
 
-BAD_VALUES = [0, -1, True, False, 1.5, math.nan, math.inf, "8", b"8", [], {}, [[1]], {"a": 1},
-              _BadRepr(), HUGE, -HUGE, 10 ** 8, [HUGE], [0], [True], ["1"], [1.0], (), "x" * 100000]
+BAD_VALUES = [
+    0,
+    -1,
+    True,
+    False,
+    1.5,
+    math.nan,
+    math.inf,
+    "8",
+    b"8",
+    [],
+    {},
+    [[1]],
+    {"a": 1},
+    _BadRepr(),
+    HUGE,
+    -HUGE,
+    10**8,
+    [HUGE],
+    [0],
+    [True],
+    ["1"],
+    [1.0],
+    (),
+    "x" * 100000,
+]
 
 
 @pytest.mark.parametrize("key", ["backend", "max_bs", "bs", "tc_compiler"])
@@ -104,9 +135,18 @@ def test_every_bad_value_is_a_config_error(key, value):
         pytest.fail(f"{key}={type(value).__name__} value accepted")
 
 
-@pytest.mark.parametrize("document", [
-    {HUGE: {}}, {"decode": {HUGE: 1}}, {"decode": HUGE}, HUGE, [HUGE], {"decode": {"bs": {HUGE: 1}}},
-], ids=lambda d: type(d).__name__)
+@pytest.mark.parametrize(
+    "document",
+    [
+        {HUGE: {}},
+        {"decode": {HUGE: 1}},
+        {"decode": HUGE},
+        HUGE,
+        [HUGE],
+        {"decode": {"bs": {HUGE: 1}}},
+    ],
+    ids=lambda d: type(d).__name__,
+)
 def test_bad_documents_with_unprintable_parts_are_config_errors(document):
     with pytest.raises(CudaGraphConfigError) as info:
         CudaGraphConfig.from_dict(document)

@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from cuda_graph_runner.config import flags as flags_module
 from cuda_graph_runner.cli_config import add_config_subcommand, run_config
+from cuda_graph_runner.config import flags as flags_module
 
 INSTALLED = {
     "disabled": frozenset({"decode", "prefill"}),
@@ -47,24 +47,47 @@ def run(argv, capsys):
 
 def test_valid_config_prints_values_and_sources(fake_registry, capsys):
     code, out, err = run(
-        ["--disable-cuda-graph", "--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", "4,1",
-         "--cuda-graph-config", '{"decode": {"max_bs": 8}}'],
+        [
+            "--disable-cuda-graph",
+            "--cuda-graph-backend-decode",
+            "full",
+            "--cuda-graph-bs-decode",
+            "4,1",
+            "--cuda-graph-config",
+            '{"decode": {"max_bs": 8}}',
+        ],
         capsys,
     )
     assert code == 0, err
     report = json.loads(out)
-    checks = {"owned_outputs": False, "host_value_guard": True, "verify": False, "verify_first_n": 3, "verify_every": 0,
-              "warmup": "auto"}
+    checks = {
+        "owned_outputs": False,
+        "host_value_guard": True,
+        "verify": False,
+        "verify_first_n": 3,
+        "verify_every": 0,
+        "warmup": "auto",
+    }
     assert report["config"] == {
         "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", **checks},
         "prefill": {"backend": "disabled", "max_bs": None, "bs": None, "tc_compiler": "eager", **checks},
     }
     default_sources = {key: "default" for key in checks}
     assert report["sources"] == {
-        "decode": {"backend": "flag:--cuda-graph-backend-decode", "max_bs": "json:--cuda-graph-config",
-                   "bs": "flag:--cuda-graph-bs-decode", "tc_compiler": "default", **default_sources},
-        "prefill": {"backend": "legacy:--disable-cuda-graph", "max_bs": "default", "bs": "default",
-                    "tc_compiler": "default", **default_sources},
+        "decode": {
+            "backend": "flag:--cuda-graph-backend-decode",
+            "max_bs": "json:--cuda-graph-config",
+            "bs": "flag:--cuda-graph-bs-decode",
+            "tc_compiler": "default",
+            **default_sources,
+        },
+        "prefill": {
+            "backend": "legacy:--disable-cuda-graph",
+            "max_bs": "default",
+            "bs": "default",
+            "tc_compiler": "default",
+            **default_sources,
+        },
     }
     assert report["backends_checked"] is True
 
@@ -80,11 +103,15 @@ def test_defaults_print_auto(fake_registry, capsys):
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--cuda-graph-backend-prefill", "tc_piecewise"],
-         ["prefill.backend='tc_piecewise'", "pip install cuda-graph-runner-tc-piecewise", "installed: breakable"]),
+        (
+            ["--cuda-graph-backend-prefill", "tc_piecewise"],
+            ["prefill.backend='tc_piecewise'", "pip install cuda-graph-runner-tc-piecewise", "installed: breakable"],
+        ),
         (["--cuda-graph-backend-prefill", "full"], ["does not support phase 'prefill'", "supports: decode"]),
-        (["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "full"],
-         ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode"]),
+        (
+            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "full"],
+            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode"],
+        ),
         (["--cuda-graph-max-bs-decode", "2", "--cuda-graph-bs-decode", "8"], ["decode.max_bs=2", ">= max(bs) = 8"]),
     ],
 )

@@ -19,8 +19,10 @@ from cuda_graph_runner.config import (
     add_cuda_graph_args,
 )
 
-backend_names = st.none() | st.sampled_from(["full", "breakable", "tc_piecewise", "npu", "disabled"]) | st.from_regex(
-    r"[A-Za-z_][A-Za-z0-9_]{0,15}", fullmatch=True
+backend_names = (
+    st.none()
+    | st.sampled_from(["full", "breakable", "tc_piecewise", "npu", "disabled"])
+    | st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,15}", fullmatch=True)
 )
 sizes = st.integers(min_value=1, max_value=MAX_CAPTURE_SIZE)  # the documented cap
 
@@ -116,7 +118,7 @@ def _mangled_json():
     )
     valid = st.builds(json.dumps, json_configs | json_values)
     return valid | st.tuples(valid, st.integers(min_value=0, max_value=40), st.text(max_size=3)).map(
-        lambda t: t[0][: t[1]] + t[2] + t[0][t[1]:]
+        lambda t: t[0][: t[1]] + t[2] + t[0][t[1] :]
     )
 
 

@@ -10,12 +10,13 @@ from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.forward_batch import ForwardMode
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, default_decode_batch_sizes
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
-
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 
 def make_runner(max_bs=None, bs=None, **kwargs):
-    cfg = CudaGraphConfig.from_dict({"decode": {k: v for k, v in {"max_bs": max_bs, "bs": bs}.items() if v is not None}})
+    cfg = CudaGraphConfig.from_dict(
+        {"decode": {k: v for k, v in {"max_bs": max_bs, "bs": bs}.items() if v is not None}}
+    )
     backend = kwargs.pop("backend", None) or RecordingBackend("cpu", phase="decode")
     return DecodeCudaGraphRunner(ToyModel(), cfg, device="cpu", backend=backend, show_progress=False, **kwargs)
 
@@ -30,7 +31,7 @@ def test_default_sizes_follow_sglang_buckets():
 @pytest.mark.parametrize("max_bs,expected_tail", [(12, [8, 12]), (20, [16, 20]), (50, [48, 50]), (1, [1])])
 def test_max_bs_is_captured_even_off_the_stride(max_bs, expected_tail):
     sizes = make_runner(max_bs=max_bs).capture_sizes
-    assert sizes[-len(expected_tail):] == expected_tail and max(sizes) == max_bs
+    assert sizes[-len(expected_tail) :] == expected_tail and max(sizes) == max_bs
 
 
 def test_explicit_sizes_with_larger_max_bs():
@@ -54,11 +55,14 @@ def test_capture_is_largest_first_with_warmups_and_hook_before_each_capture():
 @pytest.mark.parametrize("policy,later", [("every_size", 2), ("first_size", 0), ("auto", 1)])
 def test_warmup_policy_sets_the_warmups_per_size(policy, later):
     cfg = CudaGraphConfig.from_dict({"decode": {"max_bs": 8, "warmup": policy}})
-    runner = DecodeCudaGraphRunner(ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu", phase="decode"),
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu", phase="decode"), show_progress=False
+    )
     runner.capture()
-    counts = [[e[0] for e in runner.backend.events if len(e) > 1 and e[1] == ShapeKey(s, "decode")].count("warmup")
-              for s in (8, 4, 2, 1)]
+    counts = [
+        [e[0] for e in runner.backend.events if len(e) > 1 and e[1] == ShapeKey(s, "decode")].count("warmup")
+        for s in (8, 4, 2, 1)
+    ]
     assert counts == [2, later, later, later]
     # The hook undoes what warm-ups did: it runs only after a size that warmed up.
     assert runner.model.post_warmup_calls == (4 if later else 1)
@@ -180,7 +184,7 @@ def test_full_backend_protocol_with_fake_graph_api():
     assert names[:first] == ["synchronize", "synchronize"]
     # Later shapes (warmup "auto"): one warm-up each, the same two syncs, no more.
     second = names.index("capture_begin", first + 1)
-    assert names[names.index("capture_end") + 1:second] == ["synchronize", "synchronize"]
+    assert names[names.index("capture_end") + 1 : second] == ["synchronize", "synchronize"]
     assert backend.captured_keys == [ShapeKey(s, "decode") for s in (4, 2, 1)]
     out = runner.forward(decode_batch(3))
     assert fake.events[-1][0] == "replay" and out.shape == (3, 16)
@@ -191,7 +195,8 @@ def test_full_backend_protocol_with_fake_graph_api():
 
 
 def test_backend_name_overrides_only_the_backend_of_the_config():
-    runner = DecodeCudaGraphRunner(ToyModel(), {"decode": {"max_bs": 4, "tc_compiler": "inductor"}},
-                                   device="cpu", backend="disabled")
+    runner = DecodeCudaGraphRunner(
+        ToyModel(), {"decode": {"max_bs": 4, "tc_compiler": "inductor"}}, device="cpu", backend="disabled"
+    )
     assert runner.backend.name == "disabled"
     assert runner.backend.phase_config.tc_compiler == "inductor" and runner.capture_sizes[-1] == 4

@@ -14,10 +14,23 @@ from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("1", True), ("true", True), ("TRUE", True), (" Yes ", True), ("on", True), ("On", True),
-    ("0", False), ("false", False), ("False", False), ("no", False), ("OFF", False), (" 0 ", False),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        (" Yes ", True),
+        ("on", True),
+        ("On", True),
+        ("0", False),
+        ("false", False),
+        ("False", False),
+        ("no", False),
+        ("OFF", False),
+        (" 0 ", False),
+    ],
+)
 def test_booleans_accept_the_usual_words_in_any_case(monkeypatch, text, expected):
     monkeypatch.setenv(envs.STRICT_PLUGINS, text)
     assert envs.get(envs.STRICT_PLUGINS) is expected
@@ -36,8 +49,11 @@ def test_unset_or_empty_boolean_means_its_default(monkeypatch, name, default, te
 @pytest.mark.parametrize("text", ["2", "maybe", "enable", "y", "truee"])
 def test_other_boolean_text_is_an_error_naming_variable_value_and_accepted(monkeypatch, text):
     monkeypatch.setenv(envs.TC_PIECEWISE_DEBUG, text)
-    with pytest.raises(envs.EnvVarError, match=rf"CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG='{text}' is not a boolean; "
-                                               r"accepted: 1/0, true/false, yes/no, on/off"):
+    with pytest.raises(
+        envs.EnvVarError,
+        match=rf"CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG='{text}' is not a boolean; "
+        r"accepted: 1/0, true/false, yes/no, on/off",
+    ):
         envs.get(envs.TC_PIECEWISE_DEBUG)
 
 
@@ -63,7 +79,9 @@ def test_unknown_variable_and_bad_definitions():
 
 
 def test_a_plugin_can_define_its_own_variable(monkeypatch):
-    name = envs.define("CUDA_GRAPH_RUNNER_ACME_FAST", "bool", False, "acme: go fast", owner="cuda-graph-runner-acme").name
+    name = envs.define(
+        "CUDA_GRAPH_RUNNER_ACME_FAST", "bool", False, "acme: go fast", owner="cuda-graph-runner-acme"
+    ).name
     try:
         monkeypatch.setenv(name, "yes")
         assert envs.get(name) is True
@@ -74,8 +92,13 @@ def test_a_plugin_can_define_its_own_variable(monkeypatch):
 
 def test_every_variable_the_repository_mentions_is_in_the_table():
     mentioned = set()
-    for path in list((ROOT / "core").rglob("*.py")) + list((ROOT / "plugins").rglob("*.py")) + \
-            list((ROOT / "tests").rglob("*.py")) + list((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]:
+    for path in (
+        list((ROOT / "core").rglob("*.py"))
+        + list((ROOT / "plugins").rglob("*.py"))
+        + list((ROOT / "tests").rglob("*.py"))
+        + list((ROOT / "docs").rglob("*.md"))
+        + [ROOT / "README.md"]
+    ):
         if ".venv" in path.parts:
             continue
         mentioned |= set(re.findall(r"\bCUDA_GRAPH_RUNNER_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")))
@@ -115,8 +138,10 @@ def test_plugins_read_their_variables_from_the_core_table():
 # -- the readers ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,expected", [("false", False), ("no", False), ("off", False), ("0", False),
-                                           ("true", True), ("1", True), ("", True)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [("false", False), ("no", False), ("off", False), ("0", False), ("true", True), ("1", True), ("", True)],
+)
 def test_breakable_weak_ref_args_flag(monkeypatch, text, expected):
     from cuda_graph_runner_breakable.backend import ENV_WEAK_REF_ARGS, BreakableCudaGraphBackend
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from cuda_graph_runner.forward_context import forward_context, forward_scratch, get_forward_batch
-
 from cuda_graph_runner.testing.toy_model import decode_batch
 
 

@@ -31,10 +31,16 @@ def make_model() -> ReferenceLlamaForCausalLM:
     return model
 
 
-def generate(model: Any, prompts: Sequence[Sequence[int]], *, prefill_fn: Optional[Callable] = None,
-             decode_fn: Optional[Callable] = None, chunk_size: Optional[int] = None
-             ) -> Tuple[List[List[int]], List[torch.Tensor]]:
+def generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    prefill_fn: Optional[Callable] = None,
+    decode_fn: Optional[Callable] = None,
+    chunk_size: Optional[int] = None,
+) -> Tuple[List[List[int]], List[torch.Tensor]]:
     """Greedy tokens and the per-step logits they were picked from (copies)."""
+
     def copied(fn: Optional[Callable]) -> Optional[Callable]:
         # Runner outputs may live in graph memory that the next replay overwrites.
         return None if fn is None else (lambda batch: fn(batch).clone())

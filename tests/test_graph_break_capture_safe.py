@@ -39,16 +39,30 @@ def _body() -> object:
 
 def batch(mode: ForwardMode, bs: int = 2) -> ForwardBatch:
     return ForwardBatch(
-        forward_mode=mode, input_ids=torch.zeros(bs, dtype=torch.int64), positions=torch.zeros(bs, dtype=torch.int64),
-        out_cache_loc=torch.zeros(bs, dtype=torch.int64), req_pool_indices=torch.zeros(bs, dtype=torch.int64),
-        seq_lens=torch.ones(bs, dtype=torch.int32), seq_lens_cpu=[1] * bs)
+        forward_mode=mode,
+        input_ids=torch.zeros(bs, dtype=torch.int64),
+        positions=torch.zeros(bs, dtype=torch.int64),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64),
+        req_pool_indices=torch.zeros(bs, dtype=torch.int64),
+        seq_lens=torch.ones(bs, dtype=torch.int32),
+        seq_lens_cpu=[1] * bs,
+    )
 
 
-@pytest.mark.parametrize("value,expected", [
-    (False, False), (True, True), ((), False), ("decode", frozenset({D})), ("EXTEND", frozenset({E})),
-    (D, frozenset({D})), (("decode", V), frozenset({D, V})), (DECODE_LIKE_MODES, frozenset({D, V})),
-    (["extend", "decode", "target_verify"], frozenset({D, V, E})),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (False, False),
+        (True, True),
+        ((), False),
+        ("decode", frozenset({D})),
+        ("EXTEND", frozenset({E})),
+        (D, frozenset({D})),
+        (("decode", V), frozenset({D, V})),
+        (DECODE_LIKE_MODES, frozenset({D, V})),
+        (["extend", "decode", "target_verify"], frozenset({D, V, E})),
+    ],
+)
 def test_accepted_forms(value, expected):
     assert normalize_capture_safe(value) == expected
 
@@ -106,8 +120,11 @@ def test_a_predicate_sees_the_batch_and_its_host_reads_stay_guarded():
         raise KeyError("oops")
 
     bad = eager_op("test_cs_broken_pred", capture_safe=broken)(_body())
-    with pytest.raises(RuntimeError, match=r"capture_safe predicate of marked op 'cuda_graph_runner::test_cs_broken_pred' "
-                                           r"raised KeyError") as info:
+    with pytest.raises(
+        RuntimeError,
+        match=r"capture_safe predicate of marked op 'cuda_graph_runner::test_cs_broken_pred' "
+        r"raised KeyError",
+    ) as info:
         bad.is_capture_safe(batch(D))
     assert isinstance(info.value.__cause__, KeyError)
 

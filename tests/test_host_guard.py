@@ -10,30 +10,31 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_branch_model import HostBranchLlama, make_model
 
 from cuda_graph_runner.errors import CudaGraphHostValueError
-from cuda_graph_runner.forward_batch import ForwardMode, StaticForwardBatch, as_static_batch
+from cuda_graph_runner.forward_batch import StaticForwardBatch, as_static_batch
 from cuda_graph_runner.forward_context import get_forward_batch
 from cuda_graph_runner.graph_break import eager_op
 from cuda_graph_runner.host_guard import GuardedExtra, host_value_guard, is_host_value
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
-from host_branch_model import HostBranchLlama, make_model
-from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
-
 
 def full(phase: str = "decode", dm=None) -> FullCudaGraphBackend:
-    return FullCudaGraphBackend("cpu", phase=phase, device_module=dm or EmulatedGraphDeviceModule(),
-                                memory_pool="pool-0")
+    return FullCudaGraphBackend(
+        "cpu", phase=phase, device_module=dm or EmulatedGraphDeviceModule(), memory_pool="pool-0"
+    )
 
 
 def breakable(phase: str = "decode") -> BreakableCudaGraphBackend:
-    return BreakableCudaGraphBackend("cpu", phase=phase, device_module=EmulatedGraphDeviceModule(),
-                                     memory_pool="pool-0")
+    return BreakableCudaGraphBackend(
+        "cpu", phase=phase, device_module=EmulatedGraphDeviceModule(), memory_pool="pool-0"
+    )
 
 
 def tc_piecewise(phase: str = "decode"):
@@ -66,10 +67,13 @@ def reference():
 # -- the host-branch model is refused at capture -------------------------------------------------
 
 
-@pytest.mark.parametrize("make_backend, where", [
-    (full, "records the whole forward"),
-    (breakable, "outside a marked eager op"),
-])
+@pytest.mark.parametrize(
+    "make_backend, where",
+    [
+        (full, "records the whole forward"),
+        (breakable, "outside a marked eager op"),
+    ],
+)
 def test_host_branch_model_is_refused_at_capture(host_branch, make_backend, where):
     runner = decode_runner(host_branch, make_backend())
     with torch.no_grad(), pytest.raises(CudaGraphHostValueError) as info:
@@ -79,8 +83,15 @@ def test_host_branch_model_is_refused_at_capture(host_branch, make_backend, wher
     label = runner.backend.name or type(runner.backend).__name__
     assert err.field == "seq_lens_cpu" and err.backend == label and err.phase == "decode"
     text = str(err)
-    for fragment in ("ForwardBatch.seq_lens_cpu", where, repr(label), "device tensors",
-                     "eager_op", "breakable", "host_value_guard"):
+    for fragment in (
+        "ForwardBatch.seq_lens_cpu",
+        where,
+        repr(label),
+        "device tensors",
+        "eager_op",
+        "breakable",
+        "host_value_guard",
+    ):
         assert fragment in text, fragment
     runner.cleanup()
 

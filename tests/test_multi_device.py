@@ -76,8 +76,11 @@ def _tc_piecewise(device, module):
     return TcPiecewiseCudaGraphBackend(device, phase="decode", device_module=module, compiler="eager")
 
 
-@pytest.mark.parametrize("make", [_full, _breakable, _breakable_own_stream, _tc_piecewise],
-                         ids=["full", "breakable", "breakable-own-stream", "tc_piecewise"])
+@pytest.mark.parametrize(
+    "make",
+    [_full, _breakable, _breakable_own_stream, _tc_piecewise],
+    ids=["full", "breakable", "breakable-own-stream", "tc_piecewise"],
+)
 def test_every_device_call_names_the_runners_device(make):
     fake = check_device_calls(make, device_index=1, current_device=0)
     kinds = {what for what, _ in fake.device_calls}
@@ -114,8 +117,9 @@ def test_replay_runs_on_the_callers_stream_without_synchronizing():
     """Overlap scheduling: a replay enqueues on the current stream of the runner's device;
     it neither synchronizes nor switches streams."""
     fake = FakeGraphDeviceModule(current_device=0)
-    runner = DecodeCudaGraphRunner(TinyDecodeModel(), {"decode": {"max_bs": 4}}, device="cpu",
-                                   backend=_full("cuda:1", fake), show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        TinyDecodeModel(), {"decode": {"max_bs": 4}}, device="cpu", backend=_full("cuda:1", fake), show_progress=False
+    )
     with torch.no_grad():
         runner.capture()
         fake.device_calls.clear()
@@ -138,8 +142,11 @@ class OOMBackend(RecordingBackend):
 
     def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
         if key.size == self.oom_at:
-            raise self.error if self.error is not None else torch.OutOfMemoryError(
-                "CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise (
+                self.error
+                if self.error is not None
+                else torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            )
         super().capture_one(key, forward_fn, post_warmup_hook=post_warmup_hook)
 
     def graph_memory_bytes(self):
@@ -148,8 +155,9 @@ class OOMBackend(RecordingBackend):
 
 def _oom_runner(oom_at=2, error=None):
     backend = OOMBackend("cpu", oom_at=oom_at, error=error)
-    runner = DecodeCudaGraphRunner(TinyDecodeModel(), {"decode": {"max_bs": 8}}, device="cpu", backend=backend,
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        TinyDecodeModel(), {"decode": {"max_bs": 8}}, device="cpu", backend=backend, show_progress=False
+    )
     return runner, backend
 
 
@@ -165,8 +173,18 @@ def test_out_of_memory_during_capture_names_phase_backend_sizes_pool_and_fixes()
     assert (err.phase, err.backend, err.size) == ("decode", "oomy", 2)
     assert err.captured_sizes == [8, 4] and err.pending_sizes == [2, 1] and err.pool_bytes == 2000
     text = str(err)
-    for part in ("decode", "'oomy'", "at size 2", "[8, 4]", "[2, 1]", "2000 bytes", "max_bs", "size list",
-                 "more device memory free", "Tried to allocate 2.00 GiB"):
+    for part in (
+        "decode",
+        "'oomy'",
+        "at size 2",
+        "[8, 4]",
+        "[2, 1]",
+        "2000 bytes",
+        "max_bs",
+        "size list",
+        "more device memory free",
+        "Tried to allocate 2.00 GiB",
+    ):
         assert part in text, (part, text)
 
 
@@ -221,8 +239,9 @@ def test_a_plain_runtime_out_of_memory_counts_and_other_errors_pass_through():
 def test_capture_out_of_memory_error_pickles():
     import pickle
 
-    err = CaptureOutOfMemoryError(phase="decode", backend="full", size=4, captured_sizes=[8], pending_sizes=[4, 2],
-                                  pool_bytes=None)
+    err = CaptureOutOfMemoryError(
+        phase="decode", backend="full", size=4, captured_sizes=[8], pending_sizes=[4, 2], pool_bytes=None
+    )
     again = pickle.loads(pickle.dumps(err))
     assert isinstance(again, CaptureOutOfMemoryError) and str(again) == str(err)
     assert "unknown on this device" in str(err)

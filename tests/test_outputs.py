@@ -17,7 +17,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import pytest
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, DisabledBackend
 from cuda_graph_runner.buffers import copy_into
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
@@ -31,9 +31,8 @@ from cuda_graph_runner.nested import (
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner.base import freeze_gc, slice_rows
 from cuda_graph_runner.testing.fakes import RecordingBackend
-from cuda_graph_runner.weak_ref import weak_ref_tensors
-
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.weak_ref import weak_ref_tensors
 
 VOCAB = 16
 HIDDEN = 8
@@ -164,14 +163,16 @@ def make_backend(path: str, phase: str) -> BaseCudaGraphBackend:
 
 def decode_runner(model: Any, path: str, *, max_bs: int = 16, **kwargs: Any) -> DecodeCudaGraphRunner:
     backend = DisabledBackend("cpu", phase="decode") if path == "eager" else make_backend(path, "decode")
-    return DecodeCudaGraphRunner(model, {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend,
-                                 show_progress=False, **kwargs)
+    return DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False, **kwargs
+    )
 
 
 def prefill_runner(model: Any, path: str, *, max_bs: int = 16, **kwargs: Any) -> PrefillCudaGraphRunner:
     backend = DisabledBackend("cpu", phase="prefill") if path == "eager" else make_backend(path, "prefill")
-    return PrefillCudaGraphRunner(model, {"prefill": {"max_bs": max_bs}}, device="cpu", backend=backend,
-                                  show_progress=False, **kwargs)
+    return PrefillCudaGraphRunner(
+        model, {"prefill": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False, **kwargs
+    )
 
 
 def assert_same_output(got: Any, expected: Any) -> None:
@@ -204,9 +205,13 @@ def test_owned_outputs_survive_a_replay_of_another_size(how):
     if how == "argument":
         runner = decode_runner(ToyModel(), "recording", owned_outputs=True)
     else:
-        runner = DecodeCudaGraphRunner(ToyModel(), {"decode": {"max_bs": 16, "owned_outputs": True}}, device="cpu",
-                                       backend=RecordingBackend("cpu", phase="decode", share_pool=True),
-                                       show_progress=False)
+        runner = DecodeCudaGraphRunner(
+            ToyModel(),
+            {"decode": {"max_bs": 16, "owned_outputs": True}},
+            device="cpu",
+            backend=RecordingBackend("cpu", phase="decode", share_pool=True),
+            show_progress=False,
+        )
     assert runner.owned_outputs is True
     runner.capture()
     a = runner.forward(decode_batch(3))
@@ -218,8 +223,13 @@ def test_owned_outputs_survive_a_replay_of_another_size(how):
 
 
 def test_constructor_argument_overrides_the_config_key():
-    runner = DecodeCudaGraphRunner(ToyModel(), {"decode": {"max_bs": 4, "owned_outputs": True}}, device="cpu",
-                                   backend=RecordingBackend("cpu", phase="decode"), owned_outputs=False)
+    runner = DecodeCudaGraphRunner(
+        ToyModel(),
+        {"decode": {"max_bs": 4, "owned_outputs": True}},
+        device="cpu",
+        backend=RecordingBackend("cpu", phase="decode"),
+        owned_outputs=False,
+    )
     assert runner.owned_outputs is False
     with pytest.raises(TypeError, match="owned_outputs"):
         DecodeCudaGraphRunner(ToyModel(), None, device="cpu", backend="disabled", owned_outputs="yes")
@@ -272,9 +282,13 @@ def test_greedy_session_keeps_copies_of_zero_copy_logits():
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32)
     cache = model.create_kv_cache(num_slots=1024, max_reqs=16, max_context_len=48)
-    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 4}}, device="cpu",
-                                   backend=RecordingBackend("cpu", phase="decode", share_pool=True),
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model,
+        {"decode": {"max_bs": 4}},
+        device="cpu",
+        backend=RecordingBackend("cpu", phase="decode", share_pool=True),
+        show_progress=False,
+    )
     runner.capture()
     prompts = make_dummy_prompts(3, [4, 7, 2], model.config.vocab_size, seed=3)
     sessions = {}
@@ -454,35 +468,45 @@ def test_freeze_gc_freezes_and_thaws_when_nothing_was_frozen():
         assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
-@pytest.mark.parametrize("bad,expected", [
-    (RecordingBackend, "RecordingBackend is a backend class, not an instance"),
-    (3, r"backend=3 \(int\) is not accepted"),
-    (["full"], r"backend=\['full'\] \(list\) is not accepted"),
-])
+@pytest.mark.parametrize(
+    "bad,expected",
+    [
+        (RecordingBackend, "RecordingBackend is a backend class, not an instance"),
+        (3, r"backend=3 \(int\) is not accepted"),
+        (["full"], r"backend=\['full'\] \(list\) is not accepted"),
+    ],
+)
 def test_backend_argument_of_another_type_is_refused(bad, expected):
     with pytest.raises(TypeError, match=expected) as info:
         DecodeCudaGraphRunner(ToyModel(), {"decode": {"backend": "disabled"}}, device="cpu", backend=bad)
     assert "backend name" in str(info.value) and "instance" in str(info.value)
 
 
-@pytest.mark.parametrize("mode,width,expected", [
-    ("decode", 1, ForwardMode.DECODE),
-    ("DECODE", 1, ForwardMode.DECODE),
-    ("target_verify", 3, ForwardMode.TARGET_VERIFY),
-    (ForwardMode.TARGET_VERIFY, 2, ForwardMode.TARGET_VERIFY),
-])
+@pytest.mark.parametrize(
+    "mode,width,expected",
+    [
+        ("decode", 1, ForwardMode.DECODE),
+        ("DECODE", 1, ForwardMode.DECODE),
+        ("target_verify", 3, ForwardMode.TARGET_VERIFY),
+        (ForwardMode.TARGET_VERIFY, 2, ForwardMode.TARGET_VERIFY),
+    ],
+)
 def test_mode_accepts_strings(mode, width, expected):
-    runner = DecodeCudaGraphRunner(ToyModel(), None, device="cpu", backend="disabled", mode=mode,
-                                   num_tokens_per_req=width)
+    runner = DecodeCudaGraphRunner(
+        ToyModel(), None, device="cpu", backend="disabled", mode=mode, num_tokens_per_req=width
+    )
     assert runner.mode is expected
     assert runner.forward(decode_batch(2, width=width)).shape == (2 * width, VOCAB)
 
 
-@pytest.mark.parametrize("mode,error,match", [
-    ("bogus", ValueError, r"mode='bogus' is not a forward mode; accepted: .*'decode'"),
-    ("extend", ValueError, "DECODE or TARGET_VERIFY"),
-    (1, TypeError, r"mode=1 \(int\) is not accepted"),
-])
+@pytest.mark.parametrize(
+    "mode,error,match",
+    [
+        ("bogus", ValueError, r"mode='bogus' is not a forward mode; accepted: .*'decode'"),
+        ("extend", ValueError, "DECODE or TARGET_VERIFY"),
+        (1, TypeError, r"mode=1 \(int\) is not accepted"),
+    ],
+)
 def test_bad_mode_is_a_clear_error(mode, error, match):
     with pytest.raises(error, match=match):
         DecodeCudaGraphRunner(ToyModel(), None, device="cpu", backend="disabled", mode=mode)
@@ -524,8 +548,12 @@ def test_disabled_backend_builds_no_static_buffers(runner_cls):
     assert not runner.can_run(batch)
     torch.testing.assert_close(runner.forward(batch), runner.eager_forward(batch))
     runner.cleanup()
-    graphs = runner_cls(ToyModel(), {runner_cls.phase: {"max_bs": 8}}, device="cpu",
-                        backend=RecordingBackend("cpu", phase=runner_cls.phase))
+    graphs = runner_cls(
+        ToyModel(),
+        {runner_cls.phase: {"max_bs": 8}},
+        device="cpu",
+        backend=RecordingBackend("cpu", phase=runner_cls.phase),
+    )
     assert graphs.buffers.nbytes() > 0  # the control: a graph backend has them
 
 
@@ -533,8 +561,9 @@ def test_breakable_walks_op_arguments_and_bridge_outputs_with_the_same_walker():
     bk = pytest.importorskip("cuda_graph_runner_breakable.backend")
     from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 
-    backend = bk.BreakableCudaGraphBackend("cpu", phase="decode", device_module=FakeGraphDeviceModule(),
-                                           memory_pool="pool-0", weak_ref_args=True)
+    backend = bk.BreakableCudaGraphBackend(
+        "cpu", phase="decode", device_module=FakeGraphDeviceModule(), memory_pool="pool-0", weak_ref_args=True
+    )
     t = torch.ones(2)
     arg = {"x": Pair(t, t), "r": Result(t, {"s": [t]})}
     frozen = backend.freeze(arg)

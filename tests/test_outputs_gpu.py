@@ -40,16 +40,18 @@ def _decode_batch(model, bs: int, seed: int):
     """A live decode batch of ``bs`` requests (prompts prefilled eagerly) and its session."""
     session = GreedySession(model, model.kv_cache)
     with torch.no_grad():
-        session.prefill(make_dummy_prompts(bs, [3 + (i + seed) % 5 for i in range(bs)], model.config.vocab_size,
-                                           seed=seed))
+        session.prefill(
+            make_dummy_prompts(bs, [3 + (i + seed) % 5 for i in range(bs)], model.config.vocab_size, seed=seed)
+        )
     batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
     return session, batch
 
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_owned_outputs_survive_later_replays(fp32_model, backend):
-    runner = DecodeCudaGraphRunner(fp32_model, {"decode": {"backend": backend, "max_bs": 16}},
-                                   owned_outputs=True, show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        fp32_model, {"decode": {"backend": backend, "max_bs": 16}}, owned_outputs=True, show_progress=False
+    )
     assert runner.backend.name == backend and runner.owned_outputs
     runner.capture()
     eager = eager_logits_fn(fp32_model)
@@ -62,8 +64,8 @@ def test_owned_outputs_survive_later_replays(fp32_model, backend):
     a = runner.forward(b3)
     assert a.grad_fn is None and not a.requires_grad
     snapshot = a.clone()
-    runner.forward(b9)    # graph 12, same pool
-    runner.forward(b3b)   # graph 4, a's own graph
+    runner.forward(b9)  # graph 12, same pool
+    runner.forward(b3b)  # graph 4, a's own graph
     torch.cuda.synchronize()
     assert torch.equal(a, snapshot), f"{backend}: an owned output changed after later replays"
     torch.testing.assert_close(a, expected_a, atol=ATOL, rtol=RTOL)
@@ -101,8 +103,9 @@ def test_greedy_session_logits_equal_eager_with_zero_copy_runner(fp32_model, bac
 
 
 def test_breakable_prefill_owned_outputs_survive_later_replays(fp32_model):
-    runner = PrefillCudaGraphRunner(fp32_model, {"prefill": {"backend": "breakable", "max_bs": 64}},
-                                    owned_outputs=True, show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        fp32_model, {"prefill": {"backend": "breakable", "max_bs": 64}}, owned_outputs=True, show_progress=False
+    )
     runner.capture()
     cache = fp32_model.kv_cache
     eager = eager_logits_fn(fp32_model)

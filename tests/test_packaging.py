@@ -13,10 +13,14 @@ import pytest
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PROJECTS = {".": "core/cuda_graph_runner", "plugins/full": "plugins/full/cuda_graph_runner_full",
-            "plugins/breakable": "plugins/breakable/cuda_graph_runner_breakable",
-            "plugins/tc_piecewise": "plugins/tc_piecewise/cuda_graph_runner_tc_piecewise",
-            "plugins/npu": "plugins/npu/cuda_graph_runner_npu", "examples/acme_backend": "examples/acme_backend/acme_cgr"}
+PROJECTS = {
+    ".": "core/cuda_graph_runner",
+    "plugins/full": "plugins/full/cuda_graph_runner_full",
+    "plugins/breakable": "plugins/breakable/cuda_graph_runner_breakable",
+    "plugins/tc_piecewise": "plugins/tc_piecewise/cuda_graph_runner_tc_piecewise",
+    "plugins/npu": "plugins/npu/cuda_graph_runner_npu",
+    "examples/acme_backend": "examples/acme_backend/acme_cgr",
+}
 
 
 def load(project: str) -> dict:
@@ -37,8 +41,11 @@ def test_version_single_sourced_license_and_py_typed(project):
     assert "version" not in data["project"] and data["project"]["dynamic"] == ["version"]
     assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": f"{package}.__version__"}
     init = ast.parse((package_dir / "__init__.py").read_text())
-    versions = [node.value.value for node in init.body if isinstance(node, ast.Assign)
-                and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["__version__"]]
+    versions = [
+        node.value.value
+        for node in init.body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["__version__"]
+    ]
     assert len(versions) == 1 and re.fullmatch(r"\d+\.\d+\.\d+", versions[0])  # a literal setuptools reads statically
     assert data["project"]["license"] == "Apache-2.0" and data["project"]["license-files"] == ["LICENSE"]
     assert (ROOT / project / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()

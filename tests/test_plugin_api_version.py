@@ -7,15 +7,18 @@ import pytest
 
 import cuda_graph_runner.hookspecs as hookspecs
 from cuda_graph_runner import registry
-from cuda_graph_runner.registry import versions
 from cuda_graph_runner.backend import DisabledBackend
 from cuda_graph_runner.errors import BackendUnavailableError
 from cuda_graph_runner.hookspecs import PLUGIN_API_VERSION, BackendSpec
+from cuda_graph_runner.registry import versions
 
 
 def _register(name, api_version):
-    registry.register(BackendSpec(name=name, backend_class=DisabledBackend, phases=("decode",), devices=("*",),
-                                  api_version=api_version))
+    registry.register(
+        BackendSpec(
+            name=name, backend_class=DisabledBackend, phases=("decode",), devices=("*",), api_version=api_version
+        )
+    )
 
 
 def test_core_exports_its_version():
@@ -23,12 +26,15 @@ def test_core_exports_its_version():
     assert hookspecs.BackendSpec(name="x", backend_class="a:B", phases=("decode",)).api_version is None
 
 
-@pytest.mark.parametrize("declared,expected", [
-    ("0.9", "implements plugin API 0.9, but this core provides plugin API 1.0"),
-    ("2.0", "implements plugin API 2.0, but this core provides plugin API 1.0"),
-    ("1.7", "implements plugin API 1.7, newer than the 1.0 this core provides; upgrade cuda-graph-runner"),
-    ("one", "declares plugin API version 'one', which is not of the form 'major.minor'"),
-])
+@pytest.mark.parametrize(
+    "declared,expected",
+    [
+        ("0.9", "implements plugin API 0.9, but this core provides plugin API 1.0"),
+        ("2.0", "implements plugin API 2.0, but this core provides plugin API 1.0"),
+        ("1.7", "implements plugin API 1.7, newer than the 1.0 this core provides; upgrade cuda-graph-runner"),
+        ("one", "declares plugin API version 'one', which is not of the form 'major.minor'"),
+    ],
+)
 def test_mismatch_is_unavailable_with_both_versions(declared, expected):
     _register("vendor", declared)
     row = {e.name: e for e in registry.list_backends("cpu")}["vendor"]

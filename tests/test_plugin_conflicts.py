@@ -29,10 +29,12 @@ def _dup_module(cls_name: str) -> str:
 @pytest.fixture(scope="module")
 def dup_site(tmp_path_factory):
     root = tmp_path_factory.mktemp("dup")
-    one = write_plugin_source(root / "one", "cgr-dup-one", {"dupone": _dup_module("DupOne")}, {"dup": "dupone"},
-                              version="1.0.0")
-    two = write_plugin_source(root / "two", "Cgr_Dup.Two", {"duptwo": _dup_module("DupTwo")}, {"dup": "duptwo"},
-                              version="2.0.0")
+    one = write_plugin_source(
+        root / "one", "cgr-dup-one", {"dupone": _dup_module("DupOne")}, {"dup": "dupone"}, version="1.0.0"
+    )
+    two = write_plugin_source(
+        root / "two", "Cgr_Dup.Two", {"duptwo": _dup_module("DupTwo")}, {"dup": "duptwo"}, version="2.0.0"
+    )
     return install_plugin_distributions(root / "site", one, two)
 
 
@@ -60,8 +62,11 @@ def test_prefer_chooses_one_distribution(with_dups):
     assert type(registry.resolve_decode_backend("dup", device="cpu")).__name__ == "DupTwo"
     registry.prefer("dup", "cgr-dup-one")
     assert type(registry.resolve_decode_backend("dup", device="cpu")).__name__ == "DupOne"
-    with pytest.raises(UnknownBackendError, match=r"no distribution 'cgr-dup-three' registers backend 'dup' "
-                                                  r"\(found: cgr-dup-one, Cgr_Dup.Two\)"):
+    with pytest.raises(
+        UnknownBackendError,
+        match=r"no distribution 'cgr-dup-three' registers backend 'dup' "
+        r"\(found: cgr-dup-one, Cgr_Dup.Two\)",
+    ):
         registry.prefer("dup", "cgr-dup-three")
 
 
@@ -96,12 +101,16 @@ def test_malformed_prefer_is_warned_and_strict_raises(with_dups, monkeypatch):
 
 
 def test_prefer_in_a_fresh_process(dup_site):
-    out = run_python("""
+    out = run_python(
+        """
         import json
         from cuda_graph_runner import registry
         b = registry.resolve_decode_backend("dup", device="cpu")
         print(json.dumps({"cls": type(b).__name__, "dist": {e.name: e.distribution for e in registry.list_backends()}["dup"]}))
-    """, pythonpath=[dup_site], env={registry.ENV_PREFER: "dup=cgr-dup-two"})
+    """,
+        pythonpath=[dup_site],
+        env={registry.ENV_PREFER: "dup=cgr-dup-two"},
+    )
     assert out == {"cls": "DupTwo", "dist": "Cgr_Dup.Two"}
 
 

@@ -14,7 +14,7 @@ import torch
 
 from cuda_graph_runner.testing import conformance
 
-SUITE = '''
+SUITE = """
 import pytest
 from cuda_graph_runner.testing.conformance import BackendConformanceTests
 
@@ -40,7 +40,7 @@ class TestNoName(BackendConformanceTests):
 
 class TestNotInstalled(BackendConformanceTests):
     backend_name = "acme_not_installed"
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +48,37 @@ def outcomes(tmp_path_factory):
     root = tmp_path_factory.mktemp("kit")
     (root / "pytest.ini").write_text("[pytest]\n")
     (root / "test_kit_suite.py").write_text(textwrap.dedent(SUITE))
-    tests = ["TestFullUnmarked and test_device", "TestSilentOverride and (no_standard or unsupported_phase)",
-             "TestNoName and test_entry_point", "TestNotInstalled and (test_entry_point or test_listed)"]
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={root / 'r.xml'}",
-                    "-k", " or ".join(f"({t})" for t in tests), str(root / "test_kit_suite.py")],
-                   cwd=root, capture_output=True, text=True)
+    tests = [
+        "TestFullUnmarked and test_device",
+        "TestSilentOverride and (no_standard or unsupported_phase)",
+        "TestNoName and test_entry_point",
+        "TestNotInstalled and (test_entry_point or test_listed)",
+    ]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={root / 'r.xml'}",
+            "-k",
+            " or ".join(f"({t})" for t in tests),
+            str(root / "test_kit_suite.py"),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     result = {}
     for case in ET.parse(root / "r.xml").getroot().iter("testcase"):
         name = f"{case.get('classname').split('.')[-1]}::{case.get('name')}"
         verdict = next(iter(case), None)
-        result[name] = (verdict.tag if verdict is not None else "passed",
-                        (verdict.get("message") or "") if verdict is not None else "")
+        result[name] = (
+            verdict.tag if verdict is not None else "passed",
+            (verdict.get("message") or "") if verdict is not None else "",
+        )
     return result
 
 
@@ -88,13 +108,17 @@ def test_missing_backend_name_is_reported(outcomes):
 
 def test_backend_not_installed_fails_discovery_with_guidance(outcomes):
     verdict, message = outcomes["TestNotInstalled::test_entry_point_is_installed"]
-    assert verdict == "failure" and "no entry point 'acme_not_installed' in group 'cuda_graph_runner.backends'" in message
+    assert (
+        verdict == "failure" and "no entry point 'acme_not_installed' in group 'cuda_graph_runner.backends'" in message
+    )
     verdict, message = outcomes["TestNotInstalled::test_listed_with_distribution_and_version"]
     assert verdict == "failure" and "list_backends() lacks 'acme_not_installed'" in message
 
 
 def test_kit_is_opt_in_not_a_pytest11_plugin():
-    ours = [ep for ep in metadata.entry_points(group="pytest11") if ep.dist and ep.dist.name.startswith("cuda-graph-runner")]
+    ours = [
+        ep for ep in metadata.entry_points(group="pytest11") if ep.dist and ep.dist.name.startswith("cuda-graph-runner")
+    ]
     assert ours == []
     import cuda_graph_runner.testing.conformance as kit
 

@@ -9,7 +9,6 @@ the entry, so ``list_backends`` shows it and the other backends keep working.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import pytest
 
@@ -30,24 +29,43 @@ def _variant(**methods):
     return type("Variant", (_Good,), methods)
 
 
-@pytest.mark.parametrize("methods,expected", [
-    ({"capture_one": lambda self, key, forward_fn: None},
-     r"Variant\.capture_one\(self, key, forward_fn\) lacks keyword parameter 'post_warmup_hook', which the runners pass"),
-    ({"capture_one": lambda self, key, forward_fn, *, post_warmup_hook=None, stream_id: None},
-     r"Variant\.capture_one\(.*\) requires extra parameter\(s\) \['stream_id'\] the runners never pass"),
-    ({"replay": lambda self, key, static_batch, graph_id: None},
-     r"Variant\.replay\(self, key, static_batch, graph_id\) requires extra parameter\(s\) \['graph_id'\]"),
-    ({"can_run": lambda self, batch: True},
-     r"Variant\.can_run\(self, batch\) takes 1 positional argument\(s\); the runners pass 2 \(batch, key\)"),
-    ({"capture_one": lambda self, key, forward_fn, post_warmup_hook, /: None},
-     r"Variant\.capture_one\(.*\) lacks keyword parameter 'post_warmup_hook'"),
-    ({"capture_one": lambda self, key, post_warmup_hook, forward_fn=None: None},
-     r"capture_one\(.*\) takes 'post_warmup_hook' as positional argument 2, where the runners pass 'forward_fn'"),
-    ({"cleanup": staticmethod(lambda: None)},
-     r"Variant\.cleanup is a staticmethod; the runners call it on the instance"),
-    ({"__init__": lambda self, device: None},
-     r"Variant\.__init__\(self, device\) lacks keyword parameter 'phase'.*lacks keyword parameter 'phase_config'"),
-])
+@pytest.mark.parametrize(
+    "methods,expected",
+    [
+        (
+            {"capture_one": lambda self, key, forward_fn: None},
+            r"Variant\.capture_one\(self, key, forward_fn\) lacks keyword parameter 'post_warmup_hook', which the runners pass",
+        ),
+        (
+            {"capture_one": lambda self, key, forward_fn, *, post_warmup_hook=None, stream_id: None},
+            r"Variant\.capture_one\(.*\) requires extra parameter\(s\) \['stream_id'\] the runners never pass",
+        ),
+        (
+            {"replay": lambda self, key, static_batch, graph_id: None},
+            r"Variant\.replay\(self, key, static_batch, graph_id\) requires extra parameter\(s\) \['graph_id'\]",
+        ),
+        (
+            {"can_run": lambda self, batch: True},
+            r"Variant\.can_run\(self, batch\) takes 1 positional argument\(s\); the runners pass 2 \(batch, key\)",
+        ),
+        (
+            {"capture_one": lambda self, key, forward_fn, post_warmup_hook, /: None},
+            r"Variant\.capture_one\(.*\) lacks keyword parameter 'post_warmup_hook'",
+        ),
+        (
+            {"capture_one": lambda self, key, post_warmup_hook, forward_fn=None: None},
+            r"capture_one\(.*\) takes 'post_warmup_hook' as positional argument 2, where the runners pass 'forward_fn'",
+        ),
+        (
+            {"cleanup": staticmethod(lambda: None)},
+            r"Variant\.cleanup is a staticmethod; the runners call it on the instance",
+        ),
+        (
+            {"__init__": lambda self, device: None},
+            r"Variant\.__init__\(self, device\) lacks keyword parameter 'phase'.*lacks keyword parameter 'phase_config'",
+        ),
+    ],
+)
 def test_signature_violations_name_class_method_and_parameter(methods, expected):
     with pytest.raises(BackendContractError, match=expected) as info:
         registry.check_backend_class(_variant(**methods), "variant")
@@ -75,16 +93,24 @@ def test_missing_abstract_methods_and_non_subclasses():
         def capture_session(self, stream):
             yield
 
-    with pytest.raises(BackendContractError, match=r"Half does not implement can_run, capture_one, cleanup, replay, replay_session"):
+    with pytest.raises(
+        BackendContractError, match=r"Half does not implement can_run, capture_one, cleanup, replay, replay_session"
+    ):
         registry.check_backend_class(Half, "half")
-    with pytest.raises(BackendContractError, match=r"backend 'dict': builtins.dict is not a subclass of BaseCudaGraphBackend"):
+    with pytest.raises(
+        BackendContractError, match=r"backend 'dict': builtins.dict is not a subclass of BaseCudaGraphBackend"
+    ):
         registry.check_backend_class(dict, "dict")
 
 
 def test_conforming_classes_pass():
-    for cls in (DisabledBackend, RecordingBackend, _Good,
-                _variant(capture_one=lambda self, *a, **k: None),  # catch-alls accept anything
-                _variant(capture_one=lambda self, key, forward_fn, post_warmup_hook=None, extra=1: None)):
+    for cls in (
+        DisabledBackend,
+        RecordingBackend,
+        _Good,
+        _variant(capture_one=lambda self, *a, **k: None),  # catch-alls accept anything
+        _variant(capture_one=lambda self, key, forward_fn, post_warmup_hook=None, extra=1: None),
+    ):
         registry.check_backend_class(cls, "ok")
 
 
@@ -98,10 +124,17 @@ def test_in_process_register_checks_a_class_object_at_once():
 
 
 def test_in_process_lazy_reference_is_checked_by_verify_and_recorded():
-    registry.register(BackendSpec(name="lazy_bad", backend_class="collections:OrderedDict", phases=("decode",),
-                                  devices=("*",)))
-    registry.register(BackendSpec(name="lazy_good", backend_class="cuda_graph_runner.testing.fakes:RecordingBackend",
-                                  phases=("decode",), devices=("*",)))
+    registry.register(
+        BackendSpec(name="lazy_bad", backend_class="collections:OrderedDict", phases=("decode",), devices=("*",))
+    )
+    registry.register(
+        BackendSpec(
+            name="lazy_good",
+            backend_class="cuda_graph_runner.testing.fakes:RecordingBackend",
+            phases=("decode",),
+            devices=("*",),
+        )
+    )
     before = {e.name: e for e in registry.list_backends("cpu")}
     assert before["lazy_bad"].status == "available" and before["lazy_bad"].contract == ""
     row = registry.verify("lazy_bad")
@@ -171,8 +204,13 @@ CONTRACT_MODULES = {
                                 api_version="1.0")]
     """,
 }
-CONTRACT_EPS = {"c_fine": "czoo_plugin", "c_nohook": "czoo_plugin", "c_extra": "czoo_plugin",
-                "c_notsub": "czoo_plugin", "c_eager": "czoo_eager"}
+CONTRACT_EPS = {
+    "c_fine": "czoo_plugin",
+    "c_nohook": "czoo_plugin",
+    "c_extra": "czoo_plugin",
+    "c_notsub": "czoo_plugin",
+    "c_eager": "czoo_eager",
+}
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +221,8 @@ def contract_site(tmp_path_factory):
 
 
 def test_violations_through_entry_points_are_listed_after_verify(contract_site):
-    report = run_python("""
+    report = run_python(
+        """
         import json, sys
         from cuda_graph_runner import registry
         rows = lambda: {e.name: [e.status, e.reason or "", e.contract] for e in registry.list_backends("cpu")}
@@ -198,20 +237,34 @@ def test_violations_through_entry_points_are_listed_after_verify(contract_site):
             resolved = type(exc).__name__ + ": " + str(exc)
         fine = type(registry.resolve_decode_backend("c_fine", device="cpu")).__name__
         print(json.dumps({"before": before, "after": after, "checked": checked, "resolved": resolved, "fine": fine}))
-    """, pythonpath=[contract_site])
+    """,
+        pythonpath=[contract_site],
+    )
     before, after = report["before"], report["after"]
     # Lazy references: not imported, so not judged, until verified.
     for name in ("c_fine", "c_nohook", "c_extra", "c_notsub"):
         assert before[name][0] == "available" and before[name][2] == "", before[name]
     # A class object was judged at registration.
     assert before["c_eager"][0] == "failed" and before["c_eager"][2] == "failed"
-    assert "czoo_backends.NoHook.capture_one(self, key, forward_fn) lacks keyword parameter 'post_warmup_hook'" \
+    assert (
+        "czoo_backends.NoHook.capture_one(self, key, forward_fn) lacks keyword parameter 'post_warmup_hook'"
         in before["c_eager"][1]
+    )
     checked = {k: v for k, v in report["checked"].items() if k.startswith("c_") or k == "disabled"}
-    assert checked == {"c_eager": "failed", "c_extra": "failed", "c_fine": "ok", "c_nohook": "failed",
-                                 "c_notsub": "failed", "disabled": "ok"}
-    assert "NoHook.capture_one(self, key, forward_fn) lacks keyword parameter 'post_warmup_hook'" in after["c_nohook"][1]
-    assert "ExtraArg.replay(self, key, static_batch, stream) requires extra parameter(s) ['stream']" in after["c_extra"][1]
+    assert checked == {
+        "c_eager": "failed",
+        "c_extra": "failed",
+        "c_fine": "ok",
+        "c_nohook": "failed",
+        "c_notsub": "failed",
+        "disabled": "ok",
+    }
+    assert (
+        "NoHook.capture_one(self, key, forward_fn) lacks keyword parameter 'post_warmup_hook'" in after["c_nohook"][1]
+    )
+    assert (
+        "ExtraArg.replay(self, key, static_batch, stream) requires extra parameter(s) ['stream']" in after["c_extra"][1]
+    )
     assert "czoo_backends.NotABackend is not a subclass of BaseCudaGraphBackend" in after["c_notsub"][1]
     assert all(after[n][0] == "failed" for n in ("c_nohook", "c_extra", "c_notsub"))
     assert report["resolved"].startswith("BackendContractError: backend 'c_nohook'")

@@ -9,9 +9,9 @@ from importlib import metadata
 import pytest
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.errors import UnknownBackendError
 from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.testing.conformance import install_plugin_distributions, registry_snapshot, write_plugin_source
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
@@ -53,12 +53,15 @@ def test_unset_means_every_plugin(ctl):
     assert _names() == {"ctl_a", "ctl_b", "disabled"}
 
 
-@pytest.mark.parametrize("value,expected", [
-    ("ctl_a", {"ctl_a", "disabled"}),                  # by backend (entry-point) name
-    ("cgr-ctl-b", {"ctl_b", "disabled"}),              # by distribution name
-    (" CGR_CTL_B , ctl_a ", {"ctl_a", "ctl_b", "disabled"}),  # normalised, spaces ignored
-    ("", {"disabled"}),                                # empty: none
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("ctl_a", {"ctl_a", "disabled"}),  # by backend (entry-point) name
+        ("cgr-ctl-b", {"ctl_b", "disabled"}),  # by distribution name
+        (" CGR_CTL_B , ctl_a ", {"ctl_a", "ctl_b", "disabled"}),  # normalised, spaces ignored
+        ("", {"disabled"}),  # empty: none
+    ],
+)
 def test_plugins_variable_limits_autoload(ctl, value, expected):
     ctl.setenv(registry.ENV_PLUGINS, value)
     assert _names() == expected
@@ -67,16 +70,22 @@ def test_plugins_variable_limits_autoload(ctl, value, expected):
 def test_not_loaded_plugin_is_explained_when_asked_for(ctl):
     ctl.setenv(registry.ENV_PLUGINS, "ctl_a")
     registry.reset_registry()
-    with pytest.raises(UnknownBackendError, match=r"unknown cuda graph backend 'ctl_b'.*cgr-ctl-b provides 'ctl_b' but "
-                                                  r"it was not loaded: CUDA_GRAPH_RUNNER_PLUGINS='ctl_a' does not list it"):
+    with pytest.raises(
+        UnknownBackendError,
+        match=r"unknown cuda graph backend 'ctl_b'.*cgr-ctl-b provides 'ctl_b' but "
+        r"it was not loaded: CUDA_GRAPH_RUNNER_PLUGINS='ctl_a' does not list it",
+    ):
         registry.resolve_decode_backend("ctl_b", device="cpu")
 
 
 def test_autoload_off(ctl):
     ctl.setenv(registry.ENV_DISABLE_AUTOLOAD, "1")
     assert _names() == {"disabled"}
-    with pytest.raises(UnknownBackendError, match=r"'ctl_a'.*not loaded: plugin autoload is off "
-                                                  r"\(CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD=1\)"):
+    with pytest.raises(
+        UnknownBackendError,
+        match=r"'ctl_a'.*not loaded: plugin autoload is off "
+        r"\(CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD=1\)",
+    ):
         registry.resolve_decode_backend("ctl_a", device="cpu")
     # register() still works: the way tests and notebooks add a backend.
     registry.register(BackendSpec(name="nb", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))

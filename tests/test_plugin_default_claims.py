@@ -79,20 +79,45 @@ def sites(tmp_path_factory):
         # usable everywhere, claims the cpu decode default
         "alpha": one("alpha", "cgr-alpha", {"alpha_plugin": _claiming_module("alpha")}, {"alpha": "alpha_plugin"}),
         # claims it too, but its probe says it cannot run here
-        "beta": one("beta", "cgr-beta", {"beta_plugin": _claiming_module("beta", probe="'needs a Beta card'")},
-                    {"beta": "beta_plugin"}),
+        "beta": one(
+            "beta",
+            "cgr-beta",
+            {"beta_plugin": _claiming_module("beta", probe="'needs a Beta card'")},
+            {"beta": "beta_plugin"},
+        ),
         # usable, claims with a priority taken from the environment
-        "zeta": one("zeta", "cgr-zeta", {"zeta_plugin": _claiming_module(
-            "zeta", claim='DefaultClaim("zeta", priority=int(os.environ.get("ZETA_PRIORITY", "0")))')},
-            {"zeta": "zeta_plugin"}),
+        "zeta": one(
+            "zeta",
+            "cgr-zeta",
+            {
+                "zeta_plugin": _claiming_module(
+                    "zeta", claim='DefaultClaim("zeta", priority=int(os.environ.get("ZETA_PRIORITY", "0")))'
+                )
+            },
+            {"zeta": "zeta_plugin"},
+        ),
         # a release and a nightly whose entry points load the same module
-        "release": one("release", "cgr-gamma", {"gamma_plugin": GAMMA.format(build="release")},
-                       {"gamma": "gamma_plugin"}, version="1.0.0"),
-        "nightly": one("nightly", "cgr-gamma-nightly", {"gamma_plugin": GAMMA.format(build="nightly")},
-                       {"gamma": "gamma_plugin"}, version="1.1.0.dev1"),
+        "release": one(
+            "release",
+            "cgr-gamma",
+            {"gamma_plugin": GAMMA.format(build="release")},
+            {"gamma": "gamma_plugin"},
+            version="1.0.0",
+        ),
+        "nightly": one(
+            "nightly",
+            "cgr-gamma-nightly",
+            {"gamma_plugin": GAMMA.format(build="nightly")},
+            {"gamma": "gamma_plugin"},
+            version="1.1.0.dev1",
+        ),
         # installed, but its module fails to import
-        "broken": one("broken", "cgr-broken", {"broken_plugin": "raise ImportError('libbroken.so not found')\n"},
-                      {"broken": "broken_plugin"}),
+        "broken": one(
+            "broken",
+            "cgr-broken",
+            {"broken_plugin": "raise ImportError('libbroken.so not found')\n"},
+            {"broken": "broken_plugin"},
+        ),
     }
 
 

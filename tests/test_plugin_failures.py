@@ -35,7 +35,9 @@ GOOD_BACKENDS = """
 """
 
 
-def _spec_module(name: str, *, extra_spec: str = "", extra: str = "", class_ref: str = "zoo_backends:GoodBackend") -> str:
+def _spec_module(
+    name: str, *, extra_spec: str = "", extra: str = "", class_ref: str = "zoo_backends:GoodBackend"
+) -> str:
     return f"""
         from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
 
@@ -58,15 +60,22 @@ ZOO_MODULES = {
         def cuda_graph_runner_backend_specs():
             raise RuntimeError("device table corrupt")
     """,
-    "zoo_default_raises": _spec_module("default_raises", extra="""
+    "zoo_default_raises": _spec_module(
+        "default_raises",
+        extra="""
         @hookimpl
         def cuda_graph_runner_default_backend(phase, device_type):
             raise LookupError("no default table for " + device_type)
-    """),
-    "zoo_probe_raises": _spec_module("probe_raises", extra_spec=', probe="zoo_probe_raises:probe"', extra="""
+    """,
+    ),
+    "zoo_probe_raises": _spec_module(
+        "probe_raises",
+        extra_spec=', probe="zoo_probe_raises:probe"',
+        extra="""
         def probe(device_type):
             raise ValueError("sensor offline")
-    """),
+    """,
+    ),
     "zoo_unknown_hook": """
         from cuda_graph_runner.hookspecs import hookimpl
 
@@ -141,8 +150,10 @@ def test_default_hook_that_raises_fails_its_plugin_not_the_default(zoo):
     assert registry.get_registry().default_backend("decode", "cpu") == "disabled"  # the others still answer
     row = {e.name: e for e in registry.list_backends("cpu")}["default_raises"]
     assert row.status == "failed"
-    assert ("hook cuda_graph_runner_default_backend(phase='decode', device_type='cpu') raised "
-            "LookupError: no default table for cpu") in row.reason
+    assert (
+        "hook cuda_graph_runner_default_backend(phase='decode', device_type='cpu') raised "
+        "LookupError: no default table for cpu"
+    ) in row.reason
     assert isinstance(row.error, LookupError)
     assert registry.get_registry().default_backend("decode", "cpu") == "disabled"  # not called again
 
@@ -204,17 +215,36 @@ def test_the_others_still_work(zoo):
     assert registry.resolve_decode_backend(None, device="cpu").name == "disabled"
 
 
-@pytest.mark.parametrize("plugin,error,cause", [
-    ("import_fails", "BackendLoadError: entry point import_fails = 'zoo_import_fails'", "ImportError: vendor SDK libzoo.so"),
-    ("attr_missing", "BackendLoadError: entry point attr_missing", "AttributeError"),
-    ("hook_raises", "BackendLoadError: plugin 'hook_raises' of cgr-failure-zoo 0.4.2: hook "
-                    "cuda_graph_runner_backend_specs raised", "RuntimeError: device table corrupt"),
-    ("probe_raises", "BackendUnavailableError: backend 'probe_raises' of cgr-failure-zoo: probe", "ValueError: sensor offline"),
-    ("bad_spec", "BackendLoadError: plugin 'bad_spec' of cgr-failure-zoo 0.4.2: invalid BackendSpec", None),
-])
+@pytest.mark.parametrize(
+    "plugin,error,cause",
+    [
+        (
+            "import_fails",
+            "BackendLoadError: entry point import_fails = 'zoo_import_fails'",
+            "ImportError: vendor SDK libzoo.so",
+        ),
+        ("attr_missing", "BackendLoadError: entry point attr_missing", "AttributeError"),
+        (
+            "hook_raises",
+            "BackendLoadError: plugin 'hook_raises' of cgr-failure-zoo 0.4.2: hook "
+            "cuda_graph_runner_backend_specs raised",
+            "RuntimeError: device table corrupt",
+        ),
+        (
+            "probe_raises",
+            "BackendUnavailableError: backend 'probe_raises' of cgr-failure-zoo: probe",
+            "ValueError: sensor offline",
+        ),
+        ("bad_spec", "BackendLoadError: plugin 'bad_spec' of cgr-failure-zoo 0.4.2: invalid BackendSpec", None),
+    ],
+)
 def test_strict_mode_environment_variable_reraises_with_the_cause(zoo_site, plugin, error, cause):
-    out = run_python("from cuda_graph_runner import registry; registry.list_backends('cpu')", pythonpath=[zoo_site],
-                     env={registry.ENV_STRICT: "1", registry.ENV_PLUGINS: plugin}, expect_ok=False)
+    out = run_python(
+        "from cuda_graph_runner import registry; registry.list_backends('cpu')",
+        pythonpath=[zoo_site],
+        env={registry.ENV_STRICT: "1", registry.ENV_PLUGINS: plugin},
+        expect_ok=False,
+    )
     assert out["returncode"] != 0
     assert error in out["stderr"], out["stderr"]
     if cause:

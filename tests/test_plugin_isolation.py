@@ -16,14 +16,13 @@ import threading
 import pytest
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.backend import DisabledBackend
 from cuda_graph_runner.errors import RegistryReentryError
 from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.conformance import install_plugin_distributions, write_plugin_source
 from cuda_graph_runner.testing.fakes import RecordingBackend
-
 from cuda_graph_runner.testing.toy_model import ToyModel
 
 
@@ -54,18 +53,25 @@ ISO_MODULES = {
         def cuda_graph_runner_backend_specs():
             raise SystemExit("vendor hook gave up")
     """,
-    "iso_reentrant": _spec_module("reentrant", before="from cuda_graph_runner import registry\n"
-                                                      "        registry.list_backends('cpu')"),
-    "iso_peek": _spec_module("peek", before="""
+    "iso_reentrant": _spec_module(
+        "reentrant", before="from cuda_graph_runner import registry\n        registry.list_backends('cpu')"
+    ),
+    "iso_peek": _spec_module(
+        "peek",
+        before="""
         from cuda_graph_runner import registry
         from cuda_graph_runner.errors import RegistryReentryError
         try:
             SEEN = sorted(registry.get_registry().names())
         except RegistryReentryError as err:
             SEEN = str(err)
-    """),
-    "iso_hook_reentrant": _spec_module("hook_reentrant", in_hook="from cuda_graph_runner import registry\n"
-                                                                 "            registry.resolve_decode_backend('iso_good', device='cpu')"),
+    """,
+    ),
+    "iso_hook_reentrant": _spec_module(
+        "hook_reentrant",
+        in_hook="from cuda_graph_runner import registry\n"
+        "            registry.resolve_decode_backend('iso_good', device='cpu')",
+    ),
     "iso_good": _spec_module("iso_good"),
 }
 ISO_ENTRY_POINTS = {
@@ -190,18 +196,23 @@ def nameless_site(tmp_path_factory):
     return site
 
 
-@pytest.mark.parametrize("var,value", [
-    (registry.ENV_PLUGINS, "nameless,iso_good,cgr-iso-a"),
-    (registry.ENV_PREFER, "twin=cgr-iso-a"),
-    (registry.ENV_PREFER, "nameless=cgr-iso"),
-])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        (registry.ENV_PLUGINS, "nameless,iso_good,cgr-iso-a"),
+        (registry.ENV_PREFER, "twin=cgr-iso-a"),
+        (registry.ENV_PREFER, "nameless=cgr-iso"),
+    ],
+)
 def test_distribution_without_a_name_is_listed_under_a_placeholder(iso, nameless_site, var, value):
     iso.syspath_prepend(str(nameless_site))
     iso.setenv(var, value)
     registry.reset_registry()
     rows = _rows()
     row = rows["nameless"]
-    assert row.distribution.startswith("<unnamed distribution at ") and "nameless_thing-0.1.dist-info" in row.distribution
+    assert (
+        row.distribution.startswith("<unnamed distribution at ") and "nameless_thing-0.1.dist-info" in row.distribution
+    )
     assert row.version == "0.1"
     if value.startswith("nameless="):  # the pin names another distribution: honoured, not a TypeError
         assert row.status == "failed" and "asks for nameless=cgr-iso" in row.reason
@@ -248,8 +259,12 @@ def test_resolving_from_a_specs_hook_during_the_scan_fails_that_plugin(iso):
 
 
 def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(wellbehaved, tmp_path):
-    slow = write_plugin_source(tmp_path / "slow", "cgr-iso-slow", {"iso_slow_gate": _spec_module(
-        "slow", before="import builtins\n        builtins._cgr_iso_gate()")}, {"slow": "iso_slow_gate"})
+    slow = write_plugin_source(
+        tmp_path / "slow",
+        "cgr-iso-slow",
+        {"iso_slow_gate": _spec_module("slow", before="import builtins\n        builtins._cgr_iso_gate()")},
+        {"slow": "iso_slow_gate"},
+    )
     wellbehaved.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", slow)))
     wellbehaved.setenv(registry.ENV_PLUGINS, "iso_good,cgr-iso-a,cgr-iso-b,slow")
     registry.reset_registry()
@@ -278,8 +293,9 @@ def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(wellbeh
 
 def test_an_alias_of_disabled_does_not_rename_existing_disabled_runners(wellbehaved):
     before = DecodeCudaGraphRunner(ToyModel(), {"decode": {"backend": "disabled", "max_bs": 2}}, device="cpu")
-    registry.register(BackendSpec(name="off", backend_class=DisabledBackend, phases=("decode", "prefill"),
-                                  devices=("*",)))
+    registry.register(
+        BackendSpec(name="off", backend_class=DisabledBackend, phases=("decode", "prefill"), devices=("*",))
+    )
     alias = DecodeCudaGraphRunner(ToyModel(), {"decode": {"backend": "off", "max_bs": 2}}, device="cpu")
     assert DisabledBackend.name == "disabled"
     assert before.backend.name == "disabled" and before.is_disabled
@@ -308,8 +324,9 @@ def test_listing_while_another_thread_registers(wellbehaved):
     def writer():
         try:
             for i in range(400):
-                registry.register(BackendSpec(name=f"thr_{i}", backend_class=RecordingBackend, phases=("decode",),
-                                              devices=("*",)))
+                registry.register(
+                    BackendSpec(name=f"thr_{i}", backend_class=RecordingBackend, phases=("decode",), devices=("*",))
+                )
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:
@@ -365,12 +382,17 @@ def test_reset_keeps_calls_made_before_the_registry_was_rescanned(wellbehaved):
 
 def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(wellbehaved, tmp_path):
     registry.register(BackendSpec(name="late", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
-    late = write_plugin_source(tmp_path / "late", "cgr-iso-late", {"iso_late": _spec_module("late")}, {"late": "iso_late"})
+    late = write_plugin_source(
+        tmp_path / "late", "cgr-iso-late", {"iso_late": _spec_module("late")}, {"late": "iso_late"}
+    )
     wellbehaved.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", late)))
     wellbehaved.setenv(registry.ENV_PLUGINS, "iso_good,cgr-iso-a,cgr-iso-b,late")
     registry.reset_registry()
-    with pytest.warns(RuntimeWarning, match=r"register\('late'\) made before reset_registry\(\) could not be kept.*"
-                                            r"already registered by cgr-iso-late"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"register\('late'\) made before reset_registry\(\) could not be kept.*"
+        r"already registered by cgr-iso-late",
+    ):
         rows = _rows()
     assert rows["late"].distribution == "cgr-iso-late"
     assert any("could not be kept" in p for p in registry.get_registry().problems)

@@ -13,7 +13,6 @@ from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.runner import PrefillCudaGraphRunner, default_prefill_token_sizes
 from cuda_graph_runner.runner.prefill import MAX_PADDING_RATIO
 from cuda_graph_runner.testing.fakes import RecordingBackend
-
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VOCAB = 16
@@ -66,10 +65,13 @@ def extend_batch(lens, prefix=None, *, offset: int = 1) -> ForwardBatch:
 
 
 def make_runner(max_bs=None, bs=None, model=None, **kwargs):
-    cfg = CudaGraphConfig.from_dict({"prefill": {k: v for k, v in {"max_bs": max_bs, "bs": bs}.items() if v is not None}})
+    cfg = CudaGraphConfig.from_dict(
+        {"prefill": {k: v for k, v in {"max_bs": max_bs, "bs": bs}.items() if v is not None}}
+    )
     backend = kwargs.pop("backend", None) or RecordingBackend("cpu", phase="prefill")
-    return PrefillCudaGraphRunner(model or PerRequestToy(), cfg, device="cpu", backend=backend,
-                                  show_progress=False, **kwargs)
+    return PrefillCudaGraphRunner(
+        model or PerRequestToy(), cfg, device="cpu", backend=backend, show_progress=False, **kwargs
+    )
 
 
 # -- sizes ---------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def test_default_maximum_is_4096_and_captured():
 @pytest.mark.parametrize("max_bs,tail", [(100, [96, 100]), (256, [240, 256]), (2, [2]), (4, [4]), (5000, [4608, 5000])])
 def test_max_is_captured_even_off_the_buckets(max_bs, tail):
     sizes = make_runner(max_bs=max_bs).capture_sizes
-    assert sizes[-len(tail):] == tail and max(sizes) == max_bs
+    assert sizes[-len(tail) :] == tail and max(sizes) == max_bs
 
 
 def test_explicit_token_sizes():
@@ -211,7 +213,7 @@ def test_sparse_buckets_fall_back_to_eager_when_padding_doubles():
     runner = make_runner(max_bs=64, bs=[4, 64])
     runner.capture()
     assert not runner.can_run(extend_batch([20]))  # 64 > 2 * 20
-    assert runner.can_run(extend_batch([32]))      # 64 == 2 * 32
+    assert runner.can_run(extend_batch([32]))  # 64 == 2 * 32
     assert runner.can_run(extend_batch([10, 30]))
 
 

@@ -6,8 +6,11 @@ from cuda_graph_runner import progress
 
 
 def test_bar_leaves_one_summary_line_when_shown(capsys):
-    assert list(progress.bar([3, 2, 1], desc="capture decode (x)", done="captured 3 decode graphs (x)",
-                             show=True)) == [3, 2, 1]
+    assert list(progress.bar([3, 2, 1], desc="capture decode (x)", done="captured 3 decode graphs (x)", show=True)) == [
+        3,
+        2,
+        1,
+    ]
     err = capsys.readouterr().err
     last = err.replace("\r", "\n").strip().splitlines()[-1]
     assert last.startswith("captured 3 decode graphs (x) in ") and last.endswith(" s")

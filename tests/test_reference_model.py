@@ -194,8 +194,14 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path, checkpoints):
 def test_unsupported_config_errors_name_the_value():
     with pytest.raises(ValueError, match=r"'gpt2'.*llama.*qwen2.*mistral"):
         ModelConfig.from_hf_config({"model_type": "gpt2"})
-    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
-            "num_attention_heads": 4, "vocab_size": 10}
+    base = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "vocab_size": 10,
+    }
     with pytest.raises(ValueError, match=r"'yarn'.*default.*llama3"):
         ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match=r"'gelu'"):
@@ -275,7 +281,9 @@ def test_extend_padded_tail_is_ignored(tiny):
     plain = run(batch)
     pad = 4
     z = lambda t: torch.cat([t, torch.zeros(pad, dtype=t.dtype)])
-    padded = batch.replace(input_ids=z(batch.input_ids), positions=z(batch.positions), out_cache_loc=z(batch.out_cache_loc))
+    padded = batch.replace(
+        input_ids=z(batch.input_ids), positions=z(batch.positions), out_cache_loc=z(batch.out_cache_loc)
+    )
     with torch.no_grad(), forward_context(padded):
         hidden = model.forward(padded)
         logits = model.compute_logits(hidden, padded)

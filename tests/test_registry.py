@@ -85,7 +85,9 @@ def test_installed_but_filtered_plugin_says_why(monkeypatch):
 
 
 def test_phase_not_supported_is_named():
-    registry.register(BackendSpec(name="decode_only", backend_class=DisabledBackend, phases=("decode",), devices=("*",)))
+    registry.register(
+        BackendSpec(name="decode_only", backend_class=DisabledBackend, phases=("decode",), devices=("*",))
+    )
     with pytest.raises(BackendUnavailableError, match="does not support phase 'prefill'"):
         registry.resolve_prefill_backend("decode_only", device="cpu")
 
@@ -132,23 +134,37 @@ def _install_plugin(tmp_path: Path, name: str, module_source: str, ep_name: str)
     src = tmp_path / f"src_{name}"
     src.mkdir()
     (src / f"{name}.py").write_text(textwrap.dedent(module_source))
-    (src / "pyproject.toml").write_text(textwrap.dedent(f"""
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(f"""
         [build-system]
         requires = ["setuptools>=68"]
         build-backend = "setuptools.build_meta"
         [project]
-        name = "{name.replace('_', '-')}"
+        name = "{name.replace("_", "-")}"
         version = "0.0.1"
         [project.entry-points."cuda_graph_runner.backends"]
         {ep_name} = "{name}"
         [tool.setuptools]
         py-modules = ["{name}"]
-    """))
+    """)
+    )
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(site), str(src)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
     )
     return site
 
@@ -163,7 +179,9 @@ def _scan_with_site(site: Path, monkeypatch) -> dict:
 def test_broken_plugin_distribution_is_listed_failed_and_others_still_work(tmp_path, monkeypatch):
     from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 
-    site = _install_plugin(tmp_path, "broken_cgr_plugin", "raise ImportError('vendor SDK libacme.so not found')\n", "acme")
+    site = _install_plugin(
+        tmp_path, "broken_cgr_plugin", "raise ImportError('vendor SDK libacme.so not found')\n", "acme"
+    )
     rows = _scan_with_site(site, monkeypatch)
     acme = rows["acme"]
     full_cls = registry.get_registry().load_class(rows["full"])
@@ -176,12 +194,17 @@ def test_broken_plugin_distribution_is_listed_failed_and_others_still_work(tmp_p
 
 
 def test_plugin_whose_hook_raises_is_failed_with_cause(tmp_path, monkeypatch):
-    site = _install_plugin(tmp_path, "raising_cgr_plugin", """
+    site = _install_plugin(
+        tmp_path,
+        "raising_cgr_plugin",
+        """
         from cuda_graph_runner.hookspecs import hookimpl
         @hookimpl
         def cuda_graph_runner_backend_specs():
             raise RuntimeError("device table corrupt")
-    """, "raising")
+    """,
+        "raising",
+    )
     rows = _scan_with_site(site, monkeypatch)
     assert rows["raising"].status == "failed" and "device table corrupt" in rows["raising"].reason
     assert "full" in rows and "disabled" in rows

@@ -34,8 +34,9 @@ def test_all_lists_only_names_that_exist():
     assert set(registry.__all__) == {n for n in _PUBLIC if not n.startswith("_")}
 
 
-@pytest.mark.parametrize("name", ["full", "_x", "a1", "tc_piecewise", "1full", "a-b", "a.b", "", "é", "a b",
-                                  "full\n", "Ω"])
+@pytest.mark.parametrize(
+    "name", ["full", "_x", "a1", "tc_piecewise", "1full", "a-b", "a.b", "", "é", "a b", "full\n", "Ω"]
+)
 def test_spec_names_follow_the_config_rule(name):
     # One rule: a name a plugin may register is exactly a name a config can select.
     try:
@@ -47,8 +48,10 @@ def test_spec_names_follow_the_config_rule(name):
     assert (spec_problem(spec) is None) == config_ok, name
 
 
-@pytest.mark.parametrize("declared", ["1", "1.0.1", "1.0rc1", "1.0.post1", "1.0+local", "v1.0", " 1.0", "1.0 ",
-                                      "1!1.0", "1.", ".0", "1.0.dev0", ""])
+@pytest.mark.parametrize(
+    "declared",
+    ["1", "1.0.1", "1.0rc1", "1.0.post1", "1.0+local", "v1.0", " 1.0", "1.0 ", "1!1.0", "1.", ".0", "1.0.dev0", ""],
+)
 def test_api_version_must_be_major_minor(declared):
     problem = versions.api_version_problem(declared)
     assert problem == f"declares plugin API version {declared!r}, which is not of the form 'major.minor'"
@@ -57,7 +60,8 @@ def test_api_version_must_be_major_minor(declared):
 def test_api_version_minors_compare_as_numbers(monkeypatch):
     monkeypatch.setattr(versions, "PLUGIN_API_VERSION", "1.9")
     assert versions.api_version_problem("1.10") == (
-        "implements plugin API 1.10, newer than the 1.9 this core provides; upgrade cuda-graph-runner")
+        "implements plugin API 1.10, newer than the 1.9 this core provides; upgrade cuda-graph-runner"
+    )
     assert versions.api_version_problem("1.09") is None
     assert versions.api_version_problem("1.0") is None
     assert "but this core provides plugin API 1.9" in versions.api_version_problem("0.9")

@@ -8,6 +8,7 @@ import unittest.mock
 
 import pytest
 import torch
+from toy_model import ToyModel, decode_batch
 
 from cuda_graph_runner.buffers import CudaGraphBufferRegistry, FusedFill
 from cuda_graph_runner.config import CudaGraphConfig
@@ -15,14 +16,18 @@ from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, StaticFor
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
-from toy_model import ToyModel, decode_batch
-
 
 def decode_runner(width: int = 1) -> DecodeCudaGraphRunner:
     mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
-    return DecodeCudaGraphRunner(ToyModel(), CudaGraphConfig.from_dict({"decode": {"bs": [2, 4, 8], "max_bs": 8}}),
-                                 device="cpu", backend=RecordingBackend("cpu"), show_progress=False, mode=mode,
-                                 num_tokens_per_req=width)
+    return DecodeCudaGraphRunner(
+        ToyModel(),
+        CudaGraphConfig.from_dict({"decode": {"bs": [2, 4, 8], "max_bs": 8}}),
+        device="cpu",
+        backend=RecordingBackend("cpu"),
+        show_progress=False,
+        mode=mode,
+        num_tokens_per_req=width,
+    )
 
 
 def expected_buffers(runner: DecodeCudaGraphRunner, batch: ForwardBatch) -> dict:
@@ -72,16 +77,30 @@ def test_a_tensor_with_the_wrong_rows_is_an_error_not_a_broadcast():
 
 
 def test_prefill_static_batch_carries_the_live_request_fields():
-    runner = PrefillCudaGraphRunner(ToyModel(), CudaGraphConfig.from_dict({"prefill": {"bs": [8, 16], "max_bs": 16}}),
-                                    device="cpu", backend=RecordingBackend("cpu", phase="prefill"), show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        ToyModel(),
+        CudaGraphConfig.from_dict({"prefill": {"bs": [8, 16], "max_bs": 16}}),
+        device="cpu",
+        backend=RecordingBackend("cpu", phase="prefill"),
+        show_progress=False,
+    )
     for lens in ([5, 4], [3], [6, 6, 2], [3]):
         t = sum(lens)
         lt = torch.tensor(lens, dtype=torch.int32)
-        batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, input_ids=torch.arange(t) + 1, positions=torch.arange(t),
-                             out_cache_loc=torch.arange(t) + 2, req_pool_indices=torch.arange(len(lens)) + 1,
-                             seq_lens=lt, extend_seq_lens=lt, extend_prefix_lens=torch.zeros_like(lt),
-                             seq_lens_cpu=lens, extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=[0] * len(lens),
-                             extra={"n": len(lens)})
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=torch.arange(t) + 1,
+            positions=torch.arange(t),
+            out_cache_loc=torch.arange(t) + 2,
+            req_pool_indices=torch.arange(len(lens)) + 1,
+            seq_lens=lt,
+            extend_seq_lens=lt,
+            extend_prefix_lens=torch.zeros_like(lt),
+            seq_lens_cpu=lens,
+            extend_seq_lens_cpu=lens,
+            extend_prefix_lens_cpu=[0] * len(lens),
+            extra={"n": len(lens)},
+        )
         key, static = runner.replay_prepare(batch)
         padded = key.size
         assert static.req_pool_indices is batch.req_pool_indices and static.extend_seq_lens_cpu is lens
@@ -95,9 +114,11 @@ def test_prefill_static_batch_carries_the_live_request_fields():
 @contextlib.contextmanager
 def no_host_reads():
     """Every way to read a tensor's values on the host raises."""
+
     def refuse(name):
         def method(*args, **kwargs):
             raise AssertionError(f"replay_prepare called Tensor.{name}: a host sync on a device")
+
         return method
 
     with contextlib.ExitStack() as stack:
@@ -112,12 +133,25 @@ def test_replay_prepare_reads_no_tensor_value_on_the_host():
     with no_host_reads():
         for batch in batches:  # first use of each size builds its plan inside the guard too
             runner.replay_prepare(batch)
-    prefill = PrefillCudaGraphRunner(ToyModel(), CudaGraphConfig.from_dict({"prefill": {"bs": [8], "max_bs": 8}}),
-                                     device="cpu", backend=RecordingBackend("cpu", phase="prefill"), show_progress=False)
+    prefill = PrefillCudaGraphRunner(
+        ToyModel(),
+        CudaGraphConfig.from_dict({"prefill": {"bs": [8], "max_bs": 8}}),
+        device="cpu",
+        backend=RecordingBackend("cpu", phase="prefill"),
+        show_progress=False,
+    )
     lt = torch.tensor([3, 2], dtype=torch.int32)
-    batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, input_ids=torch.arange(5), positions=torch.arange(5),
-                         out_cache_loc=torch.arange(5), req_pool_indices=torch.tensor([1, 2]), seq_lens=lt,
-                         extend_seq_lens=lt, seq_lens_cpu=[3, 2], extend_seq_lens_cpu=[3, 2])
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        input_ids=torch.arange(5),
+        positions=torch.arange(5),
+        out_cache_loc=torch.arange(5),
+        req_pool_indices=torch.tensor([1, 2]),
+        seq_lens=lt,
+        extend_seq_lens=lt,
+        seq_lens_cpu=[3, 2],
+        extend_seq_lens_cpu=[3, 2],
+    )
     with no_host_reads():
         prefill.replay_prepare(batch)
 

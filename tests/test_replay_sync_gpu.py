@@ -27,7 +27,12 @@ import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.batches import (
-    GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts, make_extend_batch)
+    GreedySession,
+    eager_logits_fn,
+    make_decode_batch,
+    make_dummy_prompts,
+    make_extend_batch,
+)
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
@@ -62,9 +67,18 @@ def _replays_without_sync(runner: Any, batches: Dict[str, Any], eager: Any) -> N
 
 @pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
 def test_decode_replay_never_synchronizes(model, backend):
-    runner = DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "bs": [1, 2, 4, 8], "max_bs": 8,
-                                                      **({"tc_compiler": "eager"} if backend == "tc_piecewise" else {})}},
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model,
+        {
+            "decode": {
+                "backend": backend,
+                "bs": [1, 2, 4, 8],
+                "max_bs": 8,
+                **({"tc_compiler": "eager"} if backend == "tc_piecewise" else {}),
+            }
+        },
+        show_progress=False,
+    )
     runner.capture()
     cache = model.kv_cache
     sessions, batches = [], {}
@@ -72,8 +86,9 @@ def test_decode_replay_never_synchronizes(model, backend):
         for bs in (1, 3, 8):  # on a bucket, padded, the maximum
             session = GreedySession(model, cache)
             session.prefill(make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs))
-            batches[f"{backend} decode bs={bs}"] = make_decode_batch(cache, session.rows, None,
-                                                                     [t[-1] for t in session.tokens])
+            batches[f"{backend} decode bs={bs}"] = make_decode_batch(
+                cache, session.rows, None, [t[-1] for t in session.tokens]
+            )
             sessions.append(session)
     try:
         _replays_without_sync(runner, batches, eager_logits_fn(model))
@@ -88,9 +103,18 @@ def test_decode_replay_never_synchronizes(model, backend):
 
 @pytest.mark.parametrize("backend", ["breakable", "tc_piecewise"])
 def test_prefill_replay_never_synchronizes(model, backend):
-    runner = PrefillCudaGraphRunner(model, {"prefill": {"backend": backend, "bs": [16, 32, 64], "max_bs": 64,
-                                                        **({"tc_compiler": "eager"} if backend == "tc_piecewise" else {})}},
-                                    show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        model,
+        {
+            "prefill": {
+                "backend": backend,
+                "bs": [16, 32, 64],
+                "max_bs": 64,
+                **({"tc_compiler": "eager"} if backend == "tc_piecewise" else {}),
+            }
+        },
+        show_progress=False,
+    )
     runner.capture()
     cache = model.kv_cache
     batches, rows = {}, []
@@ -125,13 +149,18 @@ def test_capture_seconds_of_the_default_decode_sizes():
     # The first capture of a process also pays one-time costs (kernel loading, cuBLAS
     # workspaces, the allocator growing): an untimed capture first, so the policies compare.
     for policy in ("untimed", "auto", "first_size", "every_size"):
-        runner = DecodeCudaGraphRunner(m, {"decode": {"backend": "full", "warmup": "auto" if policy == "untimed" else policy}},
-                                       show_progress=False)
+        runner = DecodeCudaGraphRunner(
+            m, {"decode": {"backend": "full", "warmup": "auto" if policy == "untimed" else policy}}, show_progress=False
+        )
         assert len(runner.capture_sizes) == 36
         start = time.perf_counter()
         runner.capture()
-        rows[policy] = {"capture_s": runner.capture_seconds, "wall_s": time.perf_counter() - start,
-                        "sizes": len(runner.capture_sizes), "pool_mb": (runner.capture_memory_bytes or 0) / 2**20}
+        rows[policy] = {
+            "capture_s": runner.capture_seconds,
+            "wall_s": time.perf_counter() - start,
+            "sizes": len(runner.capture_sizes),
+            "pool_mb": (runner.capture_memory_bytes or 0) / 2**20,
+        }
         with torch.no_grad():
             got = greedy_generate(m, m.kv_cache, prompts, 8, decode_fn=runner.forward)
         assert got == expected, policy

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import logging
 
+from toy_model import ToyModel, decode_batch
+
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.runner.stats import (REASON_DISABLED, REASON_NOT_CAPTURED, REASON_TOO_LARGE, REASON_VARIANT,
-                                            RunStats, format_summary)
+from cuda_graph_runner.runner.stats import (
+    REASON_DISABLED,
+    REASON_NOT_CAPTURED,
+    REASON_TOO_LARGE,
+    REASON_VARIANT,
+    RunStats,
+    format_summary,
+)
 from cuda_graph_runner.testing.fakes import RecordingBackend
-
-from toy_model import ToyModel, decode_batch
 
 
 def make_runner(max_bs=4, bs=None):
     cfg = CudaGraphConfig.from_dict({"decode": {"max_bs": max_bs, **({"bs": bs} if bs else {})}})
-    return DecodeCudaGraphRunner(ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu", phase="decode"),
-                                 show_progress=False)
+    return DecodeCudaGraphRunner(
+        ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu", phase="decode"), show_progress=False
+    )
 
 
 def test_replays_and_each_fallback_reason_are_counted():
@@ -67,15 +74,46 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
 
     # A CPU-capturable backend for the bench: the recording fake instead of the registry's choice.
     real = bench._make_runner
-    monkeypatch.setattr(bench, "_make_runner", lambda kind, model, config, device: DecodeCudaGraphRunner(
-        model, config, device=device, backend=RecordingBackend("cpu", phase="decode"), show_progress=False)
-        if kind == "decode" else real(kind, model, config, device))
-    monkeypatch.setattr(bench, "_resolve_or_explain", lambda phase, name, device: ("recording", "")
-                        if phase == "decode" else (None, "eager only"))
+    monkeypatch.setattr(
+        bench,
+        "_make_runner",
+        lambda kind, model, config, device: (
+            DecodeCudaGraphRunner(
+                model, config, device=device, backend=RecordingBackend("cpu", phase="decode"), show_progress=False
+            )
+            if kind == "decode"
+            else real(kind, model, config, device)
+        ),
+    )
+    monkeypatch.setattr(
+        bench,
+        "_resolve_or_explain",
+        lambda phase, name, device: ("recording", "") if phase == "decode" else (None, "eager only"),
+    )
     path = tmp_path / "b.json"
     with caplog.at_level(logging.INFO, logger="cuda_graph_runner"):
-        code = main(["bench", "-v", "--device", "cpu", "--batch-sizes", "1", "3", "--no-prefill", "--iters", "1", "--warmup", "0",
-                     "--steps", "1", "--prompt-len", "2", "--json", str(path)])
+        code = main(
+            [
+                "bench",
+                "-v",
+                "--device",
+                "cpu",
+                "--batch-sizes",
+                "1",
+                "3",
+                "--no-prefill",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--steps",
+                "1",
+                "--prompt-len",
+                "2",
+                "--json",
+                str(path),
+            ]
+        )
     capsys.readouterr()
     assert code == 0
     [runner] = json.loads(path.read_text())["runners"]

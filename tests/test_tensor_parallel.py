@@ -58,14 +58,25 @@ def write_hf_checkpoint(path: str, config: ModelConfig, seed: int) -> None:
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous().clone() for k, v in model._hf_targets().items()},
-              os.path.join(path, "model.safetensors"))
-    hf = {"model_type": config.model_type, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-          "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-          "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-          "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-          "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.qkv_bias,
-          "hidden_act": "silu", "torch_dtype": "float32"}
+    save_file(
+        {k: v.contiguous().clone() for k, v in model._hf_targets().items()}, os.path.join(path, "model.safetensors")
+    )
+    hf = {
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.qkv_bias,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f)
 
@@ -90,8 +101,7 @@ def _rank_checks(tp: TPGroup, ckpt: str):
     model = ReferenceLlamaForCausalLM.from_config(CONFIGS["tiny"], seed=3, tp_group=tp)
     model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=32)
     backend = RecordingBackend("cpu", phase="decode", share_pool=True)
-    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 4}}, device="cpu", backend=backend,
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 4}}, device="cpu", backend=backend, show_progress=False)
     runner.capture()
     out["runner"] = _session_logits(model, decode_fn=runner.forward)
     out["eager"] = _session_logits(model)
@@ -111,8 +121,13 @@ def _rank_checks(tp: TPGroup, ckpt: str):
             if tp.rank == tp.size - 1 and key.size == 2:
                 raise RuntimeError("injected capture failure")
 
-    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 4}}, device="cpu",
-                                   backend=FailingOnLastRank("cpu", phase="decode"), show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model,
+        {"decode": {"max_bs": 4}},
+        device="cpu",
+        backend=FailingOnLastRank("cpu", phase="decode"),
+        show_progress=False,
+    )
     try:
         runner.capture()
         out["capture_error"] = None
@@ -145,8 +160,9 @@ def _check_launch(results, tp_size, checkpoint):
             assert kv_shape[1] == lay.local_kv_heads == max(1, cfg.num_key_value_heads // tp_size)
     ref = _session_logits(ReferenceLlamaForCausalLM.from_pretrained(checkpoint))
     for r in results:
-        torch.testing.assert_close(r["loaded"][0], ref[0], **model_tolerance(CONFIGS["tiny"], torch.float32,
-                                                                             context_len=32))
+        torch.testing.assert_close(
+            r["loaded"][0], ref[0], **model_tolerance(CONFIGS["tiny"], torch.float32, context_len=32)
+        )
         assert r["loaded"][1] == ref[1]
         torch.testing.assert_close(r["runner"][0], r["eager"][0], atol=1e-5, rtol=1e-5)
         assert r["runner"][1] == r["eager"][1]
@@ -183,8 +199,10 @@ def test_layout_rejects_sizes_that_do_not_split():
 def test_vocab_shards_pad_with_zero_rows():
     cfg = dataclasses.replace(PRESETS["tiny"], vocab_size=251)
     full = torch.randn(251, cfg.hidden_size)
-    parts = [shard_hf_tensor("model.embed_tokens.weight", full, TPLayout.of(cfg, TPGroup(r, 4, torch.device("cpu"))))
-             for r in range(4)]
+    parts = [
+        shard_hf_tensor("model.embed_tokens.weight", full, TPLayout.of(cfg, TPGroup(r, 4, torch.device("cpu"))))
+        for r in range(4)
+    ]
     assert all(p.shape == (63, cfg.hidden_size) for p in parts)
     joined = torch.cat(parts)
     torch.testing.assert_close(joined[:251], full)
@@ -197,10 +215,13 @@ def test_size_one_group_runs_no_collective():
     assert TPGroup(0, 1, torch.device("cpu")).agree_step(3, False) is False
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--tp", "0"], "--tp 0: must be a positive int"),
-    (["--tp", "2"], "torchrun --nproc-per-node 2 -m cuda_graph_runner bench --tp 2"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tp", "0"], "--tp 0: must be a positive int"),
+        (["--tp", "2"], "torchrun --nproc-per-node 2 -m cuda_graph_runner bench --tp 2"),
+    ],
+)
 def test_bench_tp_usage_errors(argv, message, capsys, monkeypatch):
     from cuda_graph_runner.cli import main
 

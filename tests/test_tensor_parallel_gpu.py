@@ -32,7 +32,12 @@ def _two_gpus() -> bool:
 def _rank_checks(tp):
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
     from cuda_graph_runner.testing.batches import (
-        GreedySession, eager_logits_fn, greedy_generate, make_decode_batch, make_dummy_prompts)
+        GreedySession,
+        eager_logits_fn,
+        greedy_generate,
+        make_decode_batch,
+        make_dummy_prompts,
+    )
     from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
     out = {"rank": tp.rank, "diffs": {}, "tokens": {}, "bf16": {}}
@@ -41,8 +46,9 @@ def _rank_checks(tp):
     ref.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
     out["tokens"]["tp1-eager"] = greedy_generate(ref, ref.kv_cache, prompts, STEPS)
     for backend in BACKENDS:
-        model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device=tp.device, seed=3,
-                                                      tp_group=tp)
+        model = ReferenceLlamaForCausalLM.from_preset(
+            "tiny", dtype=torch.float32, device=tp.device, seed=3, tp_group=tp
+        )
         cache = model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
         runner = DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "max_bs": 8}}, show_progress=False)
         runner.capture()
@@ -68,8 +74,9 @@ def _rank_checks(tp):
     ref16.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
     want = greedy_generate(ref16, ref16.kv_cache, prompts, STEPS)
     for backend in BACKENDS:
-        model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.bfloat16, device=tp.device, seed=3,
-                                                      tp_group=tp)
+        model = ReferenceLlamaForCausalLM.from_preset(
+            "tiny", dtype=torch.bfloat16, device=tp.device, seed=3, tp_group=tp
+        )
         cache = model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
         runner = DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "max_bs": 8}}, show_progress=False)
         runner.capture()
@@ -90,5 +97,7 @@ def test_tp2_full_and_breakable_replay_equals_eager_and_tp1_tokens():
             assert diff <= 1e-4, f"rank {r['rank']} {backend} bs={bs}: replay differs from eager by {diff}"
         for backend in BACKENDS:
             assert r["tokens"][backend] == r["tokens"]["tp1-eager"], f"rank {r['rank']} {backend}: TP=2 tokens"
-        print(f"rank {r['rank']}: bf16 TP=2 graph vs TP=1 eager token match rate over {STEPS} steps: "
-              + ", ".join(f"{b} {rate:.1%}" for b, rate in r["bf16"].items()))
+        print(
+            f"rank {r['rank']}: bf16 TP=2 graph vs TP=1 eager token match rate over {STEPS} steps: "
+            + ", ".join(f"{b} {rate:.1%}" for b, rate in r["bf16"].items())
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_branch_model import THRESHOLD, make_model
 
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
 from cuda_graph_runner.errors import CudaGraphVerifyError
@@ -19,13 +20,11 @@ from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunn
 from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.verify import VerifyPolicy, compare_outputs, policy_from
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
-
-from host_branch_model import THRESHOLD, make_model
-from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VERIFY_ENV = ("CUDA_GRAPH_RUNNER_VERIFY", "CUDA_GRAPH_RUNNER_VERIFY_FIRST_N", "CUDA_GRAPH_RUNNER_VERIFY_EVERY")
 
@@ -41,13 +40,15 @@ def full(phase="decode"):
 
 
 def breakable(phase="decode"):
-    return BreakableCudaGraphBackend("cpu", phase=phase, device_module=EmulatedGraphDeviceModule(),
-                                     memory_pool="pool-0")
+    return BreakableCudaGraphBackend(
+        "cpu", phase=phase, device_module=EmulatedGraphDeviceModule(), memory_pool="pool-0"
+    )
 
 
 def decode_runner(model, backend, **phase):
-    return DecodeCudaGraphRunner(model, {"decode": {"bs": [1, 2, 4], **phase}}, device="cpu", backend=backend,
-                                 show_progress=False)
+    return DecodeCudaGraphRunner(
+        model, {"decode": {"bs": [1, 2, 4], **phase}}, device="cpu", backend=backend, show_progress=False
+    )
 
 
 def run_session(model, runner, prompt_len, steps):
@@ -105,9 +106,17 @@ def test_verify_every_k_catches_the_branch_that_flips_on_a_later_batch(make_back
     text = str(err)
     label = backend.name or type(backend).__name__  # built directly: named once the registry resolved it
     assert err.backend == label
-    for fragment in ("replay 6", str(key), "'decode'", repr(label), "max abs difference",
-                     "host value", "data-dependent control flow", "allocated outside the static buffers",
-                     "random ops"):
+    for fragment in (
+        "replay 6",
+        str(key),
+        "'decode'",
+        repr(label),
+        "max abs difference",
+        "host value",
+        "data-dependent control flow",
+        "allocated outside the static buffers",
+        "random ops",
+    ):
         assert fragment in text, fragment
 
 
@@ -123,8 +132,13 @@ def test_verify_first_n_alone_misses_a_later_flip():
 
 def test_verify_catches_the_host_branch_in_prefill_with_breakable():
     model = make_model()
-    runner = PrefillCudaGraphRunner(model, {"prefill": {"bs": [16, 32], "host_value_guard": False, "verify": True}},
-                                    device="cpu", backend=breakable("prefill"), show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        model,
+        {"prefill": {"bs": [16, 32], "host_value_guard": False, "verify": True}},
+        device="cpu",
+        backend=breakable("prefill"),
+        show_progress=False,
+    )
     with torch.no_grad():
         runner.capture()  # the dummy requests are 16 and 32 tokens long: the 2.0 branch is frozen
         V = model.config.vocab_size
@@ -150,8 +164,13 @@ def test_reference_model_passes_verify_on_every_replay(make_backend):
 
 def test_reference_model_passes_verify_in_prefill_with_breakable():
     model = make_model(ReferenceLlamaForCausalLM)
-    runner = PrefillCudaGraphRunner(model, {"prefill": {"bs": [16, 32], "verify": True, "verify_every": 1}},
-                                    device="cpu", backend=breakable("prefill"), show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        model,
+        {"prefill": {"bs": [16, 32], "verify": True, "verify_every": 1}},
+        device="cpu",
+        backend=breakable("prefill"),
+        show_progress=False,
+    )
     V = model.config.vocab_size
     with torch.no_grad():
         runner.capture()
@@ -177,8 +196,9 @@ def test_reference_model_passes_verify_with_tc_piecewise(phase):
             run_session(model, runner, 3, 4)
             assert len(runner.verifier.checked) == 4
         else:
-            runner = PrefillCudaGraphRunner(model, {"prefill": {"bs": [16, 32], "verify": True}}, device="cpu",
-                                            backend=backend, show_progress=False)
+            runner = PrefillCudaGraphRunner(
+                model, {"prefill": {"bs": [16, 32], "verify": True}}, device="cpu", backend=backend, show_progress=False
+            )
             with torch.no_grad():
                 runner.capture()
                 batch = make_extend_batch(model.kv_cache, make_dummy_prompts(2, [7, 6], model.config.vocab_size))
@@ -217,14 +237,20 @@ def test_verify_is_off_by_default_and_costs_no_state():
 
 
 def test_config_keys_round_trip_and_are_validated():
-    config = CudaGraphConfig.from_dict({"decode": {"verify": True, "verify_first_n": 5, "verify_every": 100,
-                                                   "host_value_guard": False}})
-    assert config.to_dict() == {"decode": {"verify": True, "verify_first_n": 5, "verify_every": 100,
-                                           "host_value_guard": False}}
+    config = CudaGraphConfig.from_dict(
+        {"decode": {"verify": True, "verify_first_n": 5, "verify_every": 100, "host_value_guard": False}}
+    )
+    assert config.to_dict() == {
+        "decode": {"verify": True, "verify_first_n": 5, "verify_every": 100, "host_value_guard": False}
+    }
     assert CudaGraphConfig.from_dict(config.to_dict()) == config
-    for bad, fragment in (({"verify": "yes"}, "decode.verify='yes'"), ({"verify_first_n": -1}, "integer >= 0"),
-                          ({"verify_every": True}, "not a bool"), ({"host_value_guard": 1}, "true or false"),
-                          ({"verify": True, "verify_first_n": 0}, "no replay would be checked")):
+    for bad, fragment in (
+        ({"verify": "yes"}, "decode.verify='yes'"),
+        ({"verify_first_n": -1}, "integer >= 0"),
+        ({"verify_every": True}, "not a bool"),
+        ({"host_value_guard": 1}, "true or false"),
+        ({"verify": True, "verify_first_n": 0}, "no replay would be checked"),
+    ):
         with pytest.raises(CudaGraphConfigError, match=fragment):
             CudaGraphConfig.from_dict({"decode": bad})
 

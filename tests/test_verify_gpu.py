@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_branch_model import THRESHOLD, make_model
 
 from cuda_graph_runner.errors import CudaGraphHostValueError, CudaGraphVerifyError
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
-
-from host_branch_model import THRESHOLD, make_model
 
 pytestmark = pytest.mark.gpu
 
@@ -46,13 +45,13 @@ def _uninstall(runner) -> None:
 
 
 def decode_runner(model, backend: str, **phase) -> DecodeCudaGraphRunner:
-    return DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "bs": [1, 2, 4], **phase}},
-                                 show_progress=False)
+    return DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "bs": [1, 2, 4], **phase}}, show_progress=False)
 
 
 def prefill_runner(model, backend: str, **phase) -> PrefillCudaGraphRunner:
-    return PrefillCudaGraphRunner(model, {"prefill": {"backend": backend, "bs": [16, 32, 64], **phase}},
-                                  show_progress=False)
+    return PrefillCudaGraphRunner(
+        model, {"prefill": {"backend": backend, "bs": [16, 32, 64], **phase}}, show_progress=False
+    )
 
 
 def run_decode_session(model, runner, prompt_len: int, steps: int) -> None:

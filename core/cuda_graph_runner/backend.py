@@ -45,6 +45,7 @@ import torch
 from .device import resolve_device
 from .forward_batch import ForwardBatch
 
+
 @dataclasses.dataclass(frozen=True, order=True)
 class ShapeKey:
     """The key of one captured graph.
@@ -247,8 +248,13 @@ class BaseCudaGraphBackend(abc.ABC):
             return contextlib.nullcontext()
         return self.device_module.stream(self.capture_stream)
 
-    def warm_up(self, forward_fn: ForwardFn, post_warmup_hook: Optional[Callable[[], None]] = None,
-                *, key: Optional[ShapeKey] = None) -> int:
+    def warm_up(
+        self,
+        forward_fn: ForwardFn,
+        post_warmup_hook: Optional[Callable[[], None]] = None,
+        *,
+        key: Optional[ShapeKey] = None,
+    ) -> int:
         """The warm-ups before a capture: :meth:`warmup_runs` runs of ``forward_fn`` on the
         capture stream (so lazily made workspaces belong to it), after one device
         synchronize (the capture stream must see what the runner wrote on the current
@@ -269,7 +275,7 @@ class BaseCudaGraphBackend(abc.ABC):
         return runs
 
     # -- optional hooks -------------------------------------------------------------
-    def prepare(self, runner: Any) -> None:
+    def prepare(self, runner: Any) -> None:  # noqa: B027 - an optional hook, empty by design
         """Called once by the runner before the capture session. Default: nothing."""
 
     def graph_memory_bytes(self) -> Optional[int]:

@@ -76,19 +76,24 @@ def _set_options(config: Any, phase: str) -> List[Tuple[str, Any, Optional[str]]
     return out
 
 
-def _error(phase: str, key: str, value: Any, source: Optional[str], subject: str,
-           readers: Mapping[str, List[str]]) -> CudaGraphConfigError:
+def _error(
+    phase: str, key: str, value: Any, source: Optional[str], subject: str, readers: Mapping[str, List[str]]
+) -> CudaGraphConfigError:
     who = readers.get(key) or []
     return CudaGraphConfigError(
         f"{subject} option {key!r}; "
         + (f"backends that read it: {', '.join(who)}" if who else "no installed backend reads it"),
-        phase=phase, key=key, value=value, source=source,
-        accepted=f"leave {key} unset, or select a backend that reads it"
-                 + (f" ({', '.join(who)})" if who else ""))
+        phase=phase,
+        key=key,
+        value=value,
+        source=source,
+        accepted=f"leave {key} unset, or select a backend that reads it" + (f" ({', '.join(who)})" if who else ""),
+    )
 
 
-def check_phase(phase: str, config: Any, backend: str, reads: Collection[str],
-                readers: Mapping[str, List[str]]) -> None:
+def check_phase(
+    phase: str, config: Any, backend: str, reads: Collection[str], readers: Mapping[str, List[str]]
+) -> None:
     """Per-phase rule: every option set for ``phase`` is read by ``backend`` (which reads
     ``reads``). Options from a both-phase flag are left to :func:`check_config`.
 
@@ -103,8 +108,9 @@ def check_phase(phase: str, config: Any, backend: str, reads: Collection[str],
         raise _error(phase, key, value, source, f"backend {backend!r} does not read", readers)
 
 
-def check_config(config: CudaGraphConfig, selected: Mapping[str, Tuple[str, Collection[str]]],
-                 readers: Mapping[str, List[str]]) -> None:
+def check_config(
+    config: CudaGraphConfig, selected: Mapping[str, Tuple[str, Collection[str]]], readers: Mapping[str, List[str]]
+) -> None:
     """Both rules over a whole config.
 
     Args:

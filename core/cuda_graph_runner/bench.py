@@ -140,12 +140,27 @@ def _make_runner(kind: str, model: Any, config: CudaGraphConfig, device: torch.d
 def _capture(runner: Any) -> RunnerStats:
     runner.capture()
     mem = runner.capture_memory_bytes
-    return RunnerStats(runner.phase, runner.backend.name, list(runner.capture_sizes), runner.capture_seconds,
-                       None if mem is None else mem / 2**20, getattr(runner.backend, "compile_seconds", None))
+    return RunnerStats(
+        runner.phase,
+        runner.backend.name,
+        list(runner.capture_sizes),
+        runner.capture_seconds,
+        None if mem is None else mem / 2**20,
+        getattr(runner.backend, "compile_seconds", None),
+    )
 
 
-def bench_decode(model: Any, runner: Any, *, batch_sizes: Sequence[int], prompt_len: int, steps: int,
-                 iters: int, warmup: int, seed: int = 0) -> List[Dict[str, Any]]:
+def bench_decode(
+    model: Any,
+    runner: Any,
+    *,
+    batch_sizes: Sequence[int],
+    prompt_len: int,
+    steps: int,
+    iters: int,
+    warmup: int,
+    seed: int = 0,
+) -> List[Dict[str, Any]]:
     """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff}``, plus
     ``replay_prepare_us`` (host µs of ``replay_prepare``, median) where the batch replays.
 
@@ -194,8 +209,16 @@ def _split(total: int, parts: int) -> List[int]:
     return [base + (1 if i < rest else 0) for i in range(parts)]
 
 
-def bench_prefill(model: Any, runner: Any, *, token_counts: Sequence[int], requests: Sequence[int],
-                  iters: int, warmup: int, seed: int = 0) -> List[Dict[str, Any]]:
+def bench_prefill(
+    model: Any,
+    runner: Any,
+    *,
+    token_counts: Sequence[int],
+    requests: Sequence[int],
+    iters: int,
+    warmup: int,
+    seed: int = 0,
+) -> List[Dict[str, Any]]:
     """Rows ``{num_tokens, requests, eager_ms, graph_ms, speedup, replayed, max_abs_diff, argmax_match}``."""
     from .testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 
@@ -230,8 +253,21 @@ def bench_prefill(model: Any, runner: Any, *, token_counts: Sequence[int], reque
 
 #: Columns of ``--format csv``: one row per decode batch size or prefill (tokens,
 #: requests) per backend; a phase leaves the other phase's columns empty.
-CSV_COLUMNS = ("phase", "backend", "batch_size", "num_tokens", "requests", "eager_ms", "graph_ms", "speedup",
-               "replay_prepare_us", "replayed", "tokens_match", "argmax_match", "max_abs_diff")
+CSV_COLUMNS = (
+    "phase",
+    "backend",
+    "batch_size",
+    "num_tokens",
+    "requests",
+    "eager_ms",
+    "graph_ms",
+    "speedup",
+    "replay_prepare_us",
+    "replayed",
+    "tokens_match",
+    "argmax_match",
+    "max_abs_diff",
+)
 
 
 def results_csv(results: Dict[str, Any]) -> str:
@@ -252,40 +288,76 @@ def results_csv(results: Dict[str, Any]) -> str:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` flags (plus every CUDA-graph config flag)."""
-    parser.add_argument("--model", default=None,
-                        help="preset name or Hugging Face checkpoint directory "
-                             "(default: llama-3.2-1b on CUDA, tiny on CPU)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="preset name or Hugging Face checkpoint directory (default: llama-3.2-1b on CUDA, tiny on CPU)",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
-                        help="decode batch sizes to time (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)")
-    parser.add_argument("--decode-backends", default=None,
-                        help="comma-separated decode backends to bench, each name[:tc_compiler], e.g. "
-                             "full,tc_piecewise:inductor (default: the config's decode backend)")
-    parser.add_argument("--prefill-backends", default=None,
-                        help="comma-separated prefill backends to bench, each name[:tc_compiler] "
-                             "(default: the config's prefill backend)")
-    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=None,
-                        help="prefill token counts to time (default: 64 256 1024 on CUDA, 16 48 on CPU)")
-    parser.add_argument("--prefill-requests", type=int, nargs="+", default=[1, 4],
-                        help="requests per prefill batch (default: 1 4)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default: bfloat16 on CUDA, float32 on CPU)"
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decode batch sizes to time (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)",
+    )
+    parser.add_argument(
+        "--decode-backends",
+        default=None,
+        help="comma-separated decode backends to bench, each name[:tc_compiler], e.g. "
+        "full,tc_piecewise:inductor (default: the config's decode backend)",
+    )
+    parser.add_argument(
+        "--prefill-backends",
+        default=None,
+        help="comma-separated prefill backends to bench, each name[:tc_compiler] "
+        "(default: the config's prefill backend)",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="prefill token counts to time (default: 64 256 1024 on CUDA, 16 48 on CPU)",
+    )
+    parser.add_argument(
+        "--prefill-requests", type=int, nargs="+", default=[1, 4], help="requests per prefill batch (default: 1 4)"
+    )
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decoding (default 32)")
     parser.add_argument("--steps", type=int, default=16, help="greedy decode steps compared with eager (default 16)")
-    parser.add_argument("--iters", type=int, default=None,
-                        help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="tensor-parallel size; >1 runs under torchrun --nproc-per-node N, rank 0 prints "
-                             "(default 1)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size; >1 runs under torchrun --nproc-per-node N, rank 0 prints (default 1)",
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
-    parser.add_argument("--format", choices=FORMATS, default="table",
-                        help="stdout format: table (default, for people), json (the --json document) or csv "
-                             "(one row per measurement); with json/csv the progress text goes to stderr")
-    parser.add_argument("--plot", dest="plot_path", default=None, metavar="FILE",
-                        help="also draw ms per step against batch size (and prefill ms against tokens) per "
-                             "backend, eager included, into this PNG (needs cuda-graph-runner[plot])")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="table",
+        help="stdout format: table (default, for people), json (the --json document) or csv "
+        "(one row per measurement); with json/csv the progress text goes to stderr",
+    )
+    parser.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        metavar="FILE",
+        help="also draw ms per step against batch size (and prefill ms against tokens) per "
+        "backend, eager included, into this PNG (needs cuda-graph-runner[plot])",
+    )
     add_cuda_graph_args(parser)
 
 
@@ -326,8 +398,9 @@ def device_problem(device: torch.device) -> Optional[str]:
     return None
 
 
-def check_explicit_backends(phase: str, selection: Optional[str], config: CudaGraphConfig,
-                            device: torch.device) -> None:
+def check_explicit_backends(
+    phase: str, selection: Optional[str], config: CudaGraphConfig, device: torch.device
+) -> None:
     """Fail before any work when a backend named for ``phase`` cannot be benched.
 
     Raises:
@@ -353,13 +426,23 @@ def check_explicit_backends(phase: str, selection: Optional[str], config: CudaGr
         except (UnknownBackendError, CudaGraphConfigError) as exc:
             raise BenchRequestError(f"{phase} backend {name!r} (from {where}): {exc}", 2) from None
         except CudaGraphRunnerError as exc:
-            raise BenchRequestError(f"{phase} backend {name!r} was asked for ({where}) but cannot run: {exc}",
-                                    1) from None
+            raise BenchRequestError(
+                f"{phase} backend {name!r} was asked for ({where}) but cannot run: {exc}", 1
+            ) from None
 
 
-def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, model: Any, device: torch.device,
-                 default_max: int, results: Dict[str, Any], table: Any,
-                 measure: Callable[[Any], List[Dict[str, Any]]], say: Callable[[str], None] = print) -> bool:
+def _bench_phase(
+    phase: str,
+    selection: Optional[str],
+    config: CudaGraphConfig,
+    model: Any,
+    device: torch.device,
+    default_max: int,
+    results: Dict[str, Any],
+    table: Any,
+    measure: Callable[[Any], List[Dict[str, Any]]],
+    say: Callable[[str], None] = print,
+) -> bool:
     """Capture (when a backend is usable), measure, print one table per backend; True if
     a graph result disagreed with eager."""
     headers, cells = table
@@ -369,8 +452,10 @@ def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, 
         backend, note = _resolve_or_explain(phase, name, device)
         runner, stats = None, None
         if backend is not None:
-            fields: Dict[str, Any] = {"backend": backend,
-                                      "max_bs": phase_config.max_bs or (None if phase_config.bs else default_max)}
+            fields: Dict[str, Any] = {
+                "backend": backend,
+                "max_bs": phase_config.max_bs or (None if phase_config.bs else default_max),
+            }
             if compiler:
                 fields["tc_compiler"] = compiler
             try:
@@ -396,9 +481,11 @@ def _bench_phase(phase: str, selection: Optional[str], config: CudaGraphConfig, 
         label = (backend + (f":{compiler}" if compiler else "")) if backend else "disabled"
         header = f"\n{phase}, backend {label}"
         if stats is not None:
-            header += (f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s"
-                       + (f" (compile {stats.compile_s:.2f} s)" if stats.compile_s is not None else "")
-                       + f", graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB")
+            header += (
+                f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s"
+                + (f" (compile {stats.compile_s:.2f} s)" if stats.compile_s is not None else "")
+                + f", graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB"
+            )
         say(header)
         say(format_table(headers, [cells(r) for r in rows]))
         for r in rows:
@@ -418,8 +505,11 @@ def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -
     chosen = name or reg.default_backend(phase, device.type)
     if chosen == "disabled":
         if name is None:
-            blocked = [f"{e.name}: {e.reason}" for e in list_backends()
-                       if phase in e.phases and e.name != "disabled" and not e.ok]
+            blocked = [
+                f"{e.name}: {e.reason}"
+                for e in list_backends()
+                if phase in e.phases and e.name != "disabled" and not e.ok
+            ]
             why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
             return None, f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
         return None, f"{phase} backend 'disabled': running eager only"
@@ -467,8 +557,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             # Checked before minutes of capture and timing, not after.
-            print(f"error: {flag} {path!r}: folder {folder!r} does not exist or is not writable",
-                  file=sys.stderr)
+            print(f"error: {flag} {path!r}: folder {folder!r} does not exist or is not writable", file=sys.stderr)
             return 2
     if getattr(args, "plot_path", None):
         from .plot import PlotUnavailableError, check_plot_available
@@ -484,8 +573,11 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError) as exc:
-        print(f"error: --device {args.device!r} is not a torch device ({str(exc).splitlines()[0]}); "
-              "accepted: cpu, cuda, cuda:N, npu:N, ...", file=sys.stderr)
+        print(
+            f"error: --device {args.device!r} is not a torch device ({str(exc).splitlines()[0]}); "
+            "accepted: cpu, cuda, cuda:N, npu:N, ...",
+            file=sys.stderr,
+        )
         return 2
     problem = device_problem(device)
     if problem:
@@ -528,33 +620,95 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     context = args.prompt_len + args.steps + 8
     max_reqs = max_bs * 3 + 1
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
-    env = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-           "torch": torch.__version__, "model": model_spec, "dtype": str(dtype).replace("torch.", "")}
+    env = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model": model_spec,
+        "dtype": str(dtype).replace("torch.", ""),
+    }
     if tp is not None:
         env["tp"] = tp.size
-    say(f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}"
-        + (f", tensor parallel {tp.size} ranks (rank 0 shown)" if tp is not None else ""))
-    results: Dict[str, Any] = {"schema": BENCH_SCHEMA, "env": env, "runners": [], "decode": [], "prefill": [],
-                               "notes": []}
+    say(
+        f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}"
+        + (f", tensor parallel {tp.size} ranks (rank 0 shown)" if tp is not None else "")
+    )
+    results: Dict[str, Any] = {
+        "schema": BENCH_SCHEMA,
+        "env": env,
+        "runners": [],
+        "decode": [],
+        "prefill": [],
+        "notes": [],
+    }
 
-    decode_table = (["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|"],
-                    lambda r: [r["batch_size"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
-                               r.get("replay_prepare_us"), r.get("tokens_match"), r.get("max_abs_diff")])
+    decode_table = (
+        ["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|"],
+        lambda r: [
+            r["batch_size"],
+            r["eager_ms"],
+            r.get("graph_ms"),
+            r.get("speedup"),
+            r.get("replay_prepare_us"),
+            r.get("tokens_match"),
+            r.get("max_abs_diff"),
+        ],
+    )
     failed = _bench_phase(
-        "decode", args.decode_backends, config, model, device, max_bs, results, decode_table,
-        lambda runner: bench_decode(model, runner, batch_sizes=batch_sizes, prompt_len=args.prompt_len,
-                                    steps=args.steps, iters=iters, warmup=args.warmup), say)
+        "decode",
+        args.decode_backends,
+        config,
+        model,
+        device,
+        max_bs,
+        results,
+        decode_table,
+        lambda runner: bench_decode(
+            model,
+            runner,
+            batch_sizes=batch_sizes,
+            prompt_len=args.prompt_len,
+            steps=args.steps,
+            iters=iters,
+            warmup=args.warmup,
+        ),
+        say,
+    )
     if not args.no_prefill:
         max_reqs = max(args.prefill_requests) + 1
         model.create_kv_cache(num_slots=max_reqs * max_tokens + 1, max_reqs=max_reqs, max_context_len=max_tokens)
-        prefill_table = (["tokens", "requests", "eager ms", "graph ms", "speedup", "replayed", "argmax match",
-                          "max |diff|"],
-                         lambda r: [r["num_tokens"], r["requests"], r["eager_ms"], r.get("graph_ms"), r.get("speedup"),
-                                    r.get("replayed"), r.get("argmax_match"), r.get("max_abs_diff")])
+        prefill_table = (
+            ["tokens", "requests", "eager ms", "graph ms", "speedup", "replayed", "argmax match", "max |diff|"],
+            lambda r: [
+                r["num_tokens"],
+                r["requests"],
+                r["eager_ms"],
+                r.get("graph_ms"),
+                r.get("speedup"),
+                r.get("replayed"),
+                r.get("argmax_match"),
+                r.get("max_abs_diff"),
+            ],
+        )
         failed |= _bench_phase(
-            "prefill", args.prefill_backends, config, model, device, max_tokens, results, prefill_table,
-            lambda runner: bench_prefill(model, runner, token_counts=token_counts, requests=args.prefill_requests,
-                                         iters=iters, warmup=args.warmup), say)
+            "prefill",
+            args.prefill_backends,
+            config,
+            model,
+            device,
+            max_tokens,
+            results,
+            prefill_table,
+            lambda runner: bench_prefill(
+                model,
+                runner,
+                token_counts=token_counts,
+                requests=args.prefill_requests,
+                iters=iters,
+                warmup=args.warmup,
+            ),
+            say,
+        )
 
     if args.json_path and (tp is None or tp.rank == 0):
         with open(args.json_path, "w") as f:

@@ -39,8 +39,10 @@ def setup(args: argparse.Namespace) -> Optional[Any]:
     if tp_size == 1:
         return None
     if not envs.launched_by_torch_distributed():
-        raise ValueError(f"--tp {tp_size} needs one process per rank: run "
-                         f"torchrun --nproc-per-node {tp_size} -m cuda_graph_runner bench --tp {tp_size}")
+        raise ValueError(
+            f"--tp {tp_size} needs one process per rank: run "
+            f"torchrun --nproc-per-node {tp_size} -m cuda_graph_runner bench --tp {tp_size}"
+        )
     from .distributed import init_tensor_parallel
 
     device_type = None
@@ -60,7 +62,8 @@ def finish(tp: Optional[Any], code: int) -> int:
     from .distributed import exit_now, shutdown
 
     if not shutdown(TEARDOWN_TIMEOUT_S):
-        print(f"rank {tp.rank}: process-group teardown passed {TEARDOWN_TIMEOUT_S:.0f} s; exiting anyway",
-              file=sys.stderr)
+        print(
+            f"rank {tp.rank}: process-group teardown passed {TEARDOWN_TIMEOUT_S:.0f} s; exiting anyway", file=sys.stderr
+        )
     exit_now(code)
     return code  # unreachable

@@ -116,7 +116,8 @@ class CudaGraphBufferRegistry:
         n = int(src.shape[0])
         if n > padded_rows or padded_rows > slot.rows:
             raise ValueError(
-                f"buffer {name!r}: cannot place {n} rows padded to {padded_rows} in a buffer of {slot.rows} rows")
+                f"buffer {name!r}: cannot place {n} rows padded to {padded_rows} in a buffer of {slot.rows} rows"
+            )
         slot.tensor[:n].copy_(src, non_blocking=True)
         pad_tail(slot, n, padded_rows)
         return slot.tensor[:padded_rows]
@@ -138,7 +139,7 @@ def pad_tail(slot: BufferSlot, rows: int, padded_rows: int) -> None:
     a steady batch size pads nothing."""
     dirty = slot.dirty
     if dirty > rows and padded_rows > rows:
-        slot.tensor[rows:min(dirty, padded_rows)].fill_(slot.pad_value)
+        slot.tensor[rows : min(dirty, padded_rows)].fill_(slot.pad_value)
     slot.dirty = dirty if dirty > padded_rows else rows
 
 
@@ -163,18 +164,20 @@ class FusedFill:
         ValueError: a size exceeds its slot, or ``rows > padded_rows``.
     """
 
-    def __init__(self, registry: "CudaGraphBufferRegistry", names: Sequence[str], rows: Sequence[int],
-                 padded_rows: Sequence[int]) -> None:
+    def __init__(
+        self, registry: "CudaGraphBufferRegistry", names: Sequence[str], rows: Sequence[int], padded_rows: Sequence[int]
+    ) -> None:
         self.names = tuple(names)
         self.rows = tuple(int(r) for r in rows)
         self.slots = [registry.slot(n) for n in self.names]
         groups: Dict[torch.dtype, List[int]] = {}
         for i, (slot, n, padded) in enumerate(zip(self.slots, self.rows, padded_rows)):
             if n > padded or padded > slot.rows:
-                raise ValueError(f"buffer {slot.name!r}: cannot place {n} rows padded to {padded} in a buffer "
-                                 f"of {slot.rows} rows")
+                raise ValueError(
+                    f"buffer {slot.name!r}: cannot place {n} rows padded to {padded} in a buffer of {slot.rows} rows"
+                )
             groups.setdefault(slot.tensor.dtype, []).append(i)
-        self.groups = [([self.slots[i].tensor[:self.rows[i]] for i in idx], tuple(idx)) for idx in groups.values()]
+        self.groups = [([self.slots[i].tensor[: self.rows[i]] for i in idx], tuple(idx)) for idx in groups.values()]
         self.pads = [(slot, n, int(p)) for slot, n, p in zip(self.slots, self.rows, padded_rows)]
 
     def __call__(self, srcs: Sequence[torch.Tensor]) -> None:
@@ -204,10 +207,12 @@ def copy_into(dst: Any, src: Any) -> None:
         ValueError: ``src`` has another structure than ``dst``, or a non-tensor where
             ``dst`` holds a tensor (naming the path).
     """
+
     def copy(d: torch.Tensor, s: Any) -> None:
         if not isinstance(s, torch.Tensor):
-            raise ValueError(f"copy_into: expected a tensor to copy into a {tuple(d.shape)} tensor, "
-                             f"got a {type(s).__name__}")
+            raise ValueError(
+                f"copy_into: expected a tensor to copy into a {tuple(d.shape)} tensor, got a {type(s).__name__}"
+            )
         d.copy_(s)
 
     map_pairs(copy, dst, src, where="copy_into")

@@ -68,8 +68,14 @@ class CaptureReport:
 
 
 def _oom_types() -> tuple:
-    types = [t for t in (getattr(torch, "OutOfMemoryError", None),
-                         getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)) if isinstance(t, type)]
+    types = [
+        t
+        for t in (
+            getattr(torch, "OutOfMemoryError", None),
+            getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None),
+        )
+        if isinstance(t, type)
+    ]
     return tuple(dict.fromkeys(types))
 
 
@@ -120,9 +126,19 @@ class CaptureOutOfMemoryError(CudaGraphRunnerError, _Base):  # type: ignore[misc
         free_bytes, total_bytes: the device's free/total memory after the error, if known.
     """
 
-    def __init__(self, *, phase: str, backend: str, size: int, captured_sizes: Sequence[int],
-                 pending_sizes: Sequence[int], pool_bytes: Optional[int], free_bytes: Optional[int] = None,
-                 total_bytes: Optional[int] = None, original: Optional[BaseException] = None) -> None:
+    def __init__(
+        self,
+        *,
+        phase: str,
+        backend: str,
+        size: int,
+        captured_sizes: Sequence[int],
+        pending_sizes: Sequence[int],
+        pool_bytes: Optional[int],
+        free_bytes: Optional[int] = None,
+        total_bytes: Optional[int] = None,
+        original: Optional[BaseException] = None,
+    ) -> None:
         self.phase = phase
         self.backend = backend
         self.size = size
@@ -133,8 +149,12 @@ class CaptureOutOfMemoryError(CudaGraphRunnerError, _Base):  # type: ignore[misc
         self.total_bytes = total_bytes
         smaller = [s for s in self.captured_sizes + self.pending_sizes if s < size]
         hint_max = max(smaller) if smaller else None
-        free = "" if free_bytes is None else f"; device memory free now: {_mib(free_bytes)}" + (
-            "" if total_bytes is None else f" of {_mib(total_bytes)}")
+        free = (
+            ""
+            if free_bytes is None
+            else f"; device memory free now: {_mib(free_bytes)}"
+            + ("" if total_bytes is None else f" of {_mib(total_bytes)}")
+        )
         first = str(original).strip().splitlines()[0] if original is not None and str(original).strip() else ""
         message = (
             f"out of memory capturing the {phase} graphs with backend {backend!r} at size {size}; "
@@ -143,7 +163,8 @@ class CaptureOutOfMemoryError(CudaGraphRunnerError, _Base):  # type: ignore[misc
             f"replay, other batches run eagerly. Fixes: capture fewer or smaller graphs — a smaller "
             f"{phase} max_bs" + (f" (e.g. {hint_max})" if hint_max else "") + f" or a shorter size list ({phase} bs) — "
             f"or leave more device memory free before capture (a smaller KV cache / memory fraction, "
-            f"fewer other tensors or processes on the device)." + (f" Original error: {first}" if first else ""))
+            f"fewer other tensors or processes on the device)." + (f" Original error: {first}" if first else "")
+        )
         super().__init__(message)
 
     def __reduce__(self) -> Any:  # keep pickling (multiprocessing) working with keyword-only args

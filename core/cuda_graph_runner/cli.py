@@ -73,8 +73,8 @@ def _device_type_problem(text: str, known: List[str]) -> Optional[str]:
 def run_backends(args: argparse.Namespace) -> int:
     """Print the installed backends (name, distribution, version, phases, status, reason),
     then who set each phase's default on the device type and who else claimed it."""
-    from .tables import format_table
     from .registry import PHASES, default_device_type, get_registry, list_backends, verify_all
+    from .tables import format_table
 
     if args.device_type is not None:
         known = sorted({"cpu", "cuda"} | {d for e in list_backends() for d in e.devices if d != "*"})
@@ -91,15 +91,30 @@ def run_backends(args: argparse.Namespace) -> int:
         for e in entries:
             row = e.as_row()
             row["default_for"] = ",".join(d.phase for d in decisions if d.backend == e.name)
-            row["claims_default_for"] = ",".join(d.phase for d in decisions
-                                                 if any(c.backend == e.name for c in d.claims))
+            row["claims_default_for"] = ",".join(
+                d.phase for d in decisions if any(c.backend == e.name for c in d.claims)
+            )
             rows.append(row)
         print(json.dumps(rows, indent=2))
     else:
-        rows = [[e.name, e.distribution, e.version, ",".join(e.phases), ",".join(e.devices), e.status,
-                 e.contract, e.reason or ""] for e in entries]
-        print(format_table(["backend", "distribution", "version", "phases", "devices", "status", "contract",
-                            "reason"], rows))
+        rows = [
+            [
+                e.name,
+                e.distribution,
+                e.version,
+                ",".join(e.phases),
+                ",".join(e.devices),
+                e.status,
+                e.contract,
+                e.reason or "",
+            ]
+            for e in entries
+        ]
+        print(
+            format_table(
+                ["backend", "distribution", "version", "phases", "devices", "status", "contract", "reason"], rows
+            )
+        )
         print()
         for decision in decisions:
             print(decision.summary())
@@ -121,27 +136,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CliArgumentParser(
         prog="cuda-graph-runner",
         description="Capture an LLM's forward pass as device graphs and replay them per batch.",
-        epilog=EXIT_STATUS_HELP, formatter_class=raw,
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=raw,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_logging_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    backends = sub.add_parser("backends", help="list installed graph backends and whether they can run here",
-                              epilog=EXIT_STATUS_HELP, formatter_class=raw)
-    backends.add_argument("--device-type", default=None,
-                          help="probe every backend for this device type, e.g. cpu, cuda, npu "
-                               "(default: each backend's own device)")
+    backends = sub.add_parser(
+        "backends",
+        help="list installed graph backends and whether they can run here",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=raw,
+    )
+    backends.add_argument(
+        "--device-type",
+        default=None,
+        help="probe every backend for this device type, e.g. cpu, cuda, npu (default: each backend's own device)",
+    )
     backends.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    backends.add_argument("--check", action="store_true",
-                          help="also import every backend class and check it against the contract; "
-                               "exit 1 if any backend is failed or in conflict")
+    backends.add_argument(
+        "--check",
+        action="store_true",
+        help="also import every backend class and check it against the contract; "
+        "exit 1 if any backend is failed or in conflict",
+    )
     backends.set_defaults(func=run_backends)
 
     add_config_subcommand(sub)
 
-    bench = sub.add_parser("bench", help="capture and replay the reference model; compare with eager; time both",
-                           epilog=EXIT_STATUS_HELP, formatter_class=raw)
+    bench = sub.add_parser(
+        "bench",
+        help="capture and replay the reference model; compare with eager; time both",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=raw,
+    )
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench_command)
     for subcommand in sub.choices.values():  # `cuda-graph-runner bench -v` as well as `-v bench`

@@ -36,13 +36,13 @@ EXIT_INVALID = 2
 
 LEGEND = {
     "config": "what was set; backend null = auto (the registry's default for the device), "
-              "max_bs null = the runner's default, bs null = the runner's default buckets",
+    "max_bs null = the runner's default, bs null = the runner's default buckets",
     "sources": "where each key's value came from; 'default' = nothing set it",
     "effective": "what the nulls become on this machine",
     "backends_checked": "true: backend names and backend options were checked against the installed backends; "
-                        "false: the registry could not be imported, so they were not checked",
+    "false: the registry could not be imported, so they were not checked",
     "environment": "CUDA_GRAPH_RUNNER_VERIFY, _VERIFY_FIRST_N and _VERIFY_EVERY, where set, override the verify "
-                   "keys of both phases when a runner is built (not shown in config/sources)",
+    "keys of both phases when a runner is built (not shown in config/sources)",
 }
 
 
@@ -54,9 +54,9 @@ def add_config_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         "config",
         help="validate CUDA-graph flags and print the effective config as JSON",
         description="Validate the CUDA-graph flags and print the config as JSON, with the source of each key "
-                    "and what each null (auto / the runner's default) becomes here ('effective'). "
-                    "'backends_checked' says whether backend names and options were checked against the "
-                    "installed backends.",
+        "and what each null (auto / the runner's default) becomes here ('effective'). "
+        "'backends_checked' says whether backend names and options were checked against the "
+        "installed backends.",
         epilog=EXIT_STATUS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -81,11 +81,14 @@ def _effective(config: CudaGraphConfig, checked: bool) -> Dict[str, Dict[str, An
     if hasattr(registry, "get_registry"):
         device_type = registry.default_device_type()
         defaults = {phase: registry.get_registry().default_backend(phase, device_type) for phase in Phase.ALL}
-    return {phase: {"backend": config[phase].backend or defaults.get(phase, "auto"),
-                    "max_bs": config[phase].max_bs or (max(config[phase].bs) if config[phase].bs
-                                                       else DEFAULT_MAX_BS[phase]),
-                    "bs": config[phase].bs or "the runner's buckets up to max_bs"}
-            for phase in Phase.ALL}
+    return {
+        phase: {
+            "backend": config[phase].backend or defaults.get(phase, "auto"),
+            "max_bs": config[phase].max_bs or (max(config[phase].bs) if config[phase].bs else DEFAULT_MAX_BS[phase]),
+            "bs": config[phase].bs or "the runner's buckets up to max_bs",
+        }
+        for phase in Phase.ALL
+    }
 
 
 def run_config(args: argparse.Namespace) -> int:

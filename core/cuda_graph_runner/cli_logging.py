@@ -41,10 +41,20 @@ def add_logging_arguments(parser: argparse.ArgumentParser, *, in_subcommand: boo
     ``cuda-graph-runner bench -v`` both work and one never resets the other.
     """
     default = argparse.SUPPRESS if in_subcommand else None
-    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS if in_subcommand else 0,
-                        help="more log output on stderr: -v INFO (e.g. capture times), -vv DEBUG")
-    parser.add_argument("--log-level", type=_level_name, default=default, metavar="LEVEL",
-                        help=f"log level by name, one of {', '.join(LEVELS)} (overrides -v; default WARNING)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS if in_subcommand else 0,
+        help="more log output on stderr: -v INFO (e.g. capture times), -vv DEBUG",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=_level_name,
+        default=default,
+        metavar="LEVEL",
+        help=f"log level by name, one of {', '.join(LEVELS)} (overrides -v; default WARNING)",
+    )
 
 
 def level_from_args(args: argparse.Namespace) -> int:

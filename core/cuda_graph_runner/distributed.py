@@ -137,9 +137,9 @@ class TPGroup:
         if lo != hi:
             raise TensorParallelMismatchError(
                 f"TP ranks disagree on {what}: rank {self.rank} has {vals}, min over ranks {lo}, max {hi}; "
-                "every rank must run the same batch")
+                "every rank must run the same batch"
+            )
         return vals
-
 
     def agree_step(self, size: int, replay: bool) -> bool:
         """The decision every rank takes for one batch: replay only if all ranks can.
@@ -161,7 +161,8 @@ class TPGroup:
         if lo != hi:
             raise TensorParallelMismatchError(
                 f"TP ranks run batches of different sizes: rank {self.rank} has {size}, others between {lo} and {hi}; "
-                "every rank of a TP group must run the same batch")
+                "every rank of a TP group must run the same batch"
+            )
         return bool(flag)
 
 
@@ -191,8 +192,8 @@ def tp_capture_step(tp: Optional[TPGroup], what: str) -> Iterator[None]:
         raise
     if not tp.all_true(True):
         raise TensorParallelCaptureError(
-            f"capture of {what} failed on another TP rank (this is rank {tp.rank} of {tp.size}); "
-            "see that rank's error")
+            f"capture of {what} failed on another TP rank (this is rank {tp.rank} of {tp.size}); see that rank's error"
+        )
 
 
 def all_reduce(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
@@ -269,15 +270,18 @@ def init_tensor_parallel(
             # must not use it, and small decode all-reduces gain nothing from it.
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             if local_rank >= torch.cuda.device_count():
-                raise ValueError(f"local rank {local_rank} needs cuda:{local_rank}, "
-                                 f"but {torch.cuda.device_count()} CUDA devices are visible")
+                raise ValueError(
+                    f"local rank {local_rank} needs cuda:{local_rank}, "
+                    f"but {torch.cuda.device_count()} CUDA devices are visible"
+                )
             torch.cuda.set_device(local_rank)
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **kwargs)
     world, me = dist.get_world_size(), dist.get_rank()
     if tp_size is not None and world != tp_size:
-        raise ValueError(f"--tp {tp_size} but the process group has {world} ranks; "
-                         f"start it with torchrun --nproc-per-node {tp_size}")
+        raise ValueError(
+            f"--tp {tp_size} but the process group has {world} ranks; start it with torchrun --nproc-per-node {tp_size}"
+        )
     local_rank = dist.get_node_local_rank(fallback_rank=me)
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)

@@ -88,8 +88,10 @@ def _parse_bool(var: EnvVar, text: Optional[str]) -> bool:
         return True
     if word in _FALSE:
         return False
-    raise EnvVarError(f"{var.name}={text!r} is not a boolean; accepted: {ACCEPTED_BOOLEANS}, "
-                      f"or unset/empty for the default ({'on' if var.default else 'off'})")
+    raise EnvVarError(
+        f"{var.name}={text!r} is not a boolean; accepted: {ACCEPTED_BOOLEANS}, "
+        f"or unset/empty for the default ({'on' if var.default else 'off'})"
+    )
 
 
 def _parse_str(var: EnvVar, text: Optional[str]) -> str:
@@ -121,8 +123,9 @@ def _parse_optional_count(var: EnvVar, text: Optional[str]) -> Optional[int]:
     except ValueError:
         value = -1
     if value < 0:
-        raise EnvVarError(f"{var.name}={text!r} is not accepted; accepted: an integer >= 0, or unset/empty "
-                          f"for the config's value")
+        raise EnvVarError(
+            f"{var.name}={text!r} is not accepted; accepted: an integer >= 0, or unset/empty for the config's value"
+        )
     return value
 
 
@@ -208,61 +211,111 @@ def launched_by_torch_distributed(environ: Optional[Mapping[str, str]] = None) -
 
 def describe() -> List[Dict[str, str]]:
     """The table as rows ``{name, kind, default, owner, help}``, sorted by name (for docs/CLI)."""
-    return [{"name": v.name, "kind": v.kind, "default": repr(v.default), "owner": v.owner, "help": v.help}
-            for v in sorted(VARIABLES.values(), key=lambda v: v.name)]
+    return [
+        {"name": v.name, "kind": v.kind, "default": repr(v.default), "owner": v.owner, "help": v.help}
+        for v in sorted(VARIABLES.values(), key=lambda v: v.name)
+    ]
 
 
 # -- the table ------------------------------------------------------------------------
 # Names are also constants, so readers import them instead of retyping the string.
 PLUGINS = define(
-    "CUDA_GRAPH_RUNNER_PLUGINS", "optional_list", None,
+    "CUDA_GRAPH_RUNNER_PLUGINS",
+    "optional_list",
+    None,
     "Comma-separated backend (entry-point) or distribution names to autoload; unset means all, "
-    "empty means none. Read when the registry scans.").name
+    "empty means none. Read when the registry scans.",
+).name
 DISABLE_PLUGIN_AUTOLOAD = define(
-    "CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD", "bool", False,
-    "Load no entry point (built-ins and register() still work). Read when the registry scans.").name
+    "CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD",
+    "bool",
+    False,
+    "Load no entry point (built-ins and register() still work). Read when the registry scans.",
+).name
 STRICT_PLUGINS = define(
-    "CUDA_GRAPH_RUNNER_STRICT_PLUGINS", "bool", False,
-    "A plugin failure raises instead of being listed as failed. Read when a registry is created.").name
+    "CUDA_GRAPH_RUNNER_STRICT_PLUGINS",
+    "bool",
+    False,
+    "A plugin failure raises instead of being listed as failed. Read when a registry is created.",
+).name
 PREFER = define(
-    "CUDA_GRAPH_RUNNER_PREFER", "str", "",
+    "CUDA_GRAPH_RUNNER_PREFER",
+    "str",
+    "",
     "'name=distribution,...': which distribution's backend to use when several register the same "
-    "name. Read when the registry scans; a malformed item is reported in registry.problems.").name
+    "name. Read when the registry scans; a malformed item is reported in registry.problems.",
+).name
 BREAKABLE_WEAK_REF_ARGS = define(
-    "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS", "bool", True,
+    "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS",
+    "bool",
+    True,
     "breakable: hand eager ops weak references to graph-owned arguments (default on). Read when a "
-    "BreakableBackend is built without weak_ref_args.", owner="cuda-graph-runner-breakable").name
+    "BreakableBackend is built without weak_ref_args.",
+    owner="cuda-graph-runner-breakable",
+).name
 BREAKABLE_INLINE_SAFE_OPS = define(
-    "CUDA_GRAPH_RUNNER_BREAKABLE_INLINE_SAFE_OPS", "bool", True,
+    "CUDA_GRAPH_RUNNER_BREAKABLE_INLINE_SAFE_OPS",
+    "bool",
+    True,
     "breakable: record marked ops declared capture-safe for the batch's mode inside the segments "
     "(default on; off breaks at every marked op). Read when a BreakableBackend is built without "
-    "inline_capture_safe_ops.", owner="cuda-graph-runner-breakable").name
+    "inline_capture_safe_ops.",
+    owner="cuda-graph-runner-breakable",
+).name
 TC_PIECEWISE_DEBUG = define(
-    "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG", "bool", False,
-    "tc_piecewise: check input addresses at every replay. Read when a TcPiecewiseBackend is built "
-    "without debug.", owner="cuda-graph-runner-tc-piecewise").name
+    "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG",
+    "bool",
+    False,
+    "tc_piecewise: check input addresses at every replay. Read when a TcPiecewiseBackend is built without debug.",
+    owner="cuda-graph-runner-tc-piecewise",
+).name
 # The test suite's own switches (one parser for them too).
 TEST_INDUCTOR_CPU = define(
-    "CUDA_GRAPH_RUNNER_TEST_INDUCTOR_CPU", "bool", False,
-    "tests: also run the inductor compiler on CPU (needs a C++ compiler).", owner="tests").name
+    "CUDA_GRAPH_RUNNER_TEST_INDUCTOR_CPU",
+    "bool",
+    False,
+    "tests: also run the inductor compiler on CPU (needs a C++ compiler).",
+    owner="tests",
+).name
 TORCH_NPU_VERSION = define(
-    "CUDA_GRAPH_RUNNER_TORCH_NPU_VERSION", "str", "2.13.0",
-    "tests: torch_npu wheel version whose API the npu plugin is checked against.", owner="tests").name
+    "CUDA_GRAPH_RUNNER_TORCH_NPU_VERSION",
+    "str",
+    "2.13.0",
+    "tests: torch_npu wheel version whose API the npu plugin is checked against.",
+    owner="tests",
+).name
 TORCH_NPU_DOWNLOAD = define(
-    "CUDA_GRAPH_RUNNER_TORCH_NPU_DOWNLOAD", "bool", True,
-    "tests: may download the torch_npu wheel when it is not cached.", owner="tests").name
+    "CUDA_GRAPH_RUNNER_TORCH_NPU_DOWNLOAD",
+    "bool",
+    True,
+    "tests: may download the torch_npu wheel when it is not cached.",
+    owner="tests",
+).name
 WHEEL_CACHE = define(
-    "CUDA_GRAPH_RUNNER_WHEEL_CACHE", "str", "",
-    "tests: folder of cached wheels (empty: ~/.cache/cuda-graph-runner/wheels).", owner="tests").name
+    "CUDA_GRAPH_RUNNER_WHEEL_CACHE",
+    "str",
+    "",
+    "tests: folder of cached wheels (empty: ~/.cache/cuda-graph-runner/wheels).",
+    owner="tests",
+).name
 VERIFY = define(
-    "CUDA_GRAPH_RUNNER_VERIFY", "optional_bool", None,
+    "CUDA_GRAPH_RUNNER_VERIFY",
+    "optional_bool",
+    None,
     "Verify mode for both phases, overriding the config key 'verify' (cuda_graph_runner.verify). "
-    "Read when a runner is built.").name
+    "Read when a runner is built.",
+).name
 VERIFY_FIRST_N = define(
-    "CUDA_GRAPH_RUNNER_VERIFY_FIRST_N", "optional_count", None,
+    "CUDA_GRAPH_RUNNER_VERIFY_FIRST_N",
+    "optional_count",
+    None,
     "Verify mode: how many first replays of each shape are checked, overriding 'verify_first_n'. "
-    "Read when a runner is built.").name
+    "Read when a runner is built.",
+).name
 VERIFY_EVERY = define(
-    "CUDA_GRAPH_RUNNER_VERIFY_EVERY", "optional_count", None,
+    "CUDA_GRAPH_RUNNER_VERIFY_EVERY",
+    "optional_count",
+    None,
     "Verify mode: also check every k-th replay of each shape (0: none), overriding 'verify_every'. "
-    "Read when a runner is built.").name
+    "Read when a runner is built.",
+).name

@@ -72,8 +72,16 @@ class CudaGraphVerifyError(CudaGraphRunnerError, RuntimeError):
         replay_index: which replay of ``key`` it was (1 for the first).
     """
 
-    def __init__(self, message: str, *, phase: str = "", backend: str = "", key: object = None,
-                 max_abs_diff: float = float("inf"), replay_index: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: str = "",
+        backend: str = "",
+        key: object = None,
+        max_abs_diff: float = float("inf"),
+        replay_index: int = 0,
+    ) -> None:
         super().__init__(message)
         self.phase = phase
         self.backend = backend

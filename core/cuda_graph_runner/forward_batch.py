@@ -164,8 +164,11 @@ def _set_extra(self: ForwardBatch, value: Dict[str, Any]) -> None:
 
 for _name in HOST_FIELDS:
     setattr(StaticForwardBatch, _name, _guarded_field(_name))
-StaticForwardBatch.extra = property(_get_extra, _set_extra,  # type: ignore[assignment]
-                                    doc="Engine fields; host values in it are guarded during capture.")
+StaticForwardBatch.extra = property(
+    _get_extra,
+    _set_extra,  # type: ignore[assignment]
+    doc="Engine fields; host values in it are guarded during capture.",
+)
 del _name
 
 
@@ -190,9 +193,14 @@ def _field_keys(cls: type) -> tuple:
         guarded = set(HOST_FIELDS) | {"extra"}
         source_static = issubclass(cls, StaticForwardBatch)
         keys = _FIELD_KEYS[cls] = tuple(
-            (_storage_key(f.name) if source_static and f.name in guarded else f.name,
-             _storage_key(f.name) if f.name in guarded else f.name, f.name)
-            for f in dataclasses.fields(ForwardBatch) if f.init)
+            (
+                _storage_key(f.name) if source_static and f.name in guarded else f.name,
+                _storage_key(f.name) if f.name in guarded else f.name,
+                f.name,
+            )
+            for f in dataclasses.fields(ForwardBatch)
+            if f.init
+        )
     return keys
 
 

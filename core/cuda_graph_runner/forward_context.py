@@ -20,10 +20,7 @@ _current: contextvars.ContextVar[Optional[Tuple[ForwardBatch, Dict[str, Any]]]] 
     "cuda_graph_runner_forward_batch", default=None
 )
 
-_NO_BATCH = (
-    "no forward batch is set: wrap the model call in "
-    "cuda_graph_runner.forward_context.forward_context(batch)"
-)
+_NO_BATCH = "no forward batch is set: wrap the model call in cuda_graph_runner.forward_context.forward_context(batch)"
 
 
 @contextlib.contextmanager

@@ -141,8 +141,9 @@ class EagerOp:
         except CudaGraphHostValueError:
             raise
         except Exception as exc:
-            raise RuntimeError(f"the capture_safe predicate of marked op {self.qualname!r} raised "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(
+                f"the capture_safe predicate of marked op {self.qualname!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 class _State(threading.local):
@@ -199,7 +200,8 @@ def register_eager_op(
             if existing.capture_safe != safe:
                 raise ValueError(
                     f"eager op {name!r} is already registered with capture_safe={existing.capture_safe!r}; "
-                    f"re-registering it with capture_safe={safe!r} would change what backends capture")
+                    f"re-registering it with capture_safe={safe!r} would change what backends capture"
+                )
             return existing
         raise ValueError(
             f"eager op {name!r} is already registered by {existing.fn.__module__}.{existing.fn.__qualname__}; "
@@ -209,8 +211,9 @@ def register_eager_op(
     op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(_lifting_host_guard(fn))
     # Out-ops return nothing, so the fake (meta) implementation has nothing to compute.
     op.register_fake(lambda *args, **kwargs: None)
-    marked = EagerOp(name=name, qualname=qualname, fn=fn, custom_op=getattr(getattr(torch.ops, NAMESPACE), name),
-                     capture_safe=safe)
+    marked = EagerOp(
+        name=name, qualname=qualname, fn=fn, custom_op=getattr(getattr(torch.ops, NAMESPACE), name), capture_safe=safe
+    )
     _registry[name] = marked
     return marked
 
@@ -236,7 +239,8 @@ def normalize_capture_safe(
     except TypeError:
         raise TypeError(
             f"eager op {name!r}: capture_safe={value!r} is not accepted; give a bool, forward modes "
-            f"({', '.join(repr(m.value) for m in ForwardMode)}) or a predicate (batch) -> bool") from None
+            f"({', '.join(repr(m.value) for m in ForwardMode)}) or a predicate (batch) -> bool"
+        ) from None
     modes = set()
     accepted = [m.value for m in ForwardMode]
     for item in items:
@@ -245,8 +249,9 @@ def normalize_capture_safe(
         elif isinstance(item, str) and item.lower() in accepted:
             modes.add(ForwardMode(item.lower()))
         else:
-            raise ValueError(f"eager op {name!r}: capture_safe names the mode {item!r}; accepted: {accepted} "
-                             "or ForwardMode members")
+            raise ValueError(
+                f"eager op {name!r}: capture_safe names the mode {item!r}; accepted: {accepted} or ForwardMode members"
+            )
     return frozenset(modes) if modes else False
 
 

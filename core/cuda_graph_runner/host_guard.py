@@ -106,8 +106,9 @@ def host_value_guard(backend: str, phase: str, scope: str) -> Iterator[None]:
         ValueError: an unknown scope (the message lists the accepted ones).
     """
     if scope not in SCOPES:
-        raise ValueError(f"backend {backend!r}: host_value_guard={scope!r} is not a scope; accepted: "
-                         + ", ".join(SCOPES))
+        raise ValueError(
+            f"backend {backend!r}: host_value_guard={scope!r} is not a scope; accepted: " + ", ".join(SCOPES)
+        )
     previous = _local.guard
     _local.guard = None if scope == SCOPE_OFF else _Guard(backend, phase, scope)
     try:

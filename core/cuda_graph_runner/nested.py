@@ -51,11 +51,11 @@ __all__ = [
 ]
 
 #: For error messages: what a graph output may be made of.
-SUPPORTED_STRUCTURES = ("tensors nested in tuples, NamedTuples, lists, dicts and dataclasses, "
-                        "with None/bool/int/float/str constants")
+SUPPORTED_STRUCTURES = (
+    "tensors nested in tuples, NamedTuples, lists, dicts and dataclasses, with None/bool/int/float/str constants"
+)
 
-_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
-              enum.Enum)
+_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
 
 
 class UnsupportedStructureError(TypeError):
@@ -73,7 +73,8 @@ class UnsupportedStructureError(TypeError):
         super().__init__(
             f"{path} is a {self.type_name}, which cuda-graph-runner cannot slice, alias or copy; "
             f"supported: {SUPPORTED_STRUCTURES}. Return one of those (e.g. turn the object into a "
-            "NamedTuple or a dataclass)")
+            "NamedTuple or a dataclass)"
+        )
 
 
 # -- classification -------------------------------------------------------------------------
@@ -149,8 +150,7 @@ def _rebuild(value: Any, kind: int, items: List[Any]) -> Any:
 # -- walkers ------------------------------------------------------------------------------
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any, *, strict: bool = False,
-                where: str = "output") -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any, *, strict: bool = False, where: str = "output") -> Any:
     """``value`` rebuilt with ``fn(t)`` in place of every tensor ``t``.
 
     Args:
@@ -213,8 +213,9 @@ def map_pairs(fn: Callable[[torch.Tensor, Any], None], dst: Any, src: Any, *, wh
         raise ValueError(f"{where}: expected a {type(dst).__name__}, got a {type(src).__name__}")
     dst_children, src_children = _children(dst, kind), _children(src, kind)
     if [s for s, _ in dst_children] != [s for s, _ in src_children]:
-        raise ValueError(f"{where}: the structure changed: {[s for s, _ in dst_children]} "
-                         f"!= {[s for s, _ in src_children]}")
+        raise ValueError(
+            f"{where}: the structure changed: {[s for s, _ in dst_children]} != {[s for s, _ in src_children]}"
+        )
     for (suffix, d), (_, s) in zip(dst_children, src_children):
         map_pairs(fn, d, s, where=where + suffix)
 

@@ -102,9 +102,11 @@ def plot_series(series: Series, path: str, *, title: str = "") -> str:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import ScalarFormatter
 
-    panels = [(phase, xlabel) for phase, xlabel in (("decode", "batch size (requests)"),
-                                                   ("prefill", "tokens per prefill batch"))
-              if series.get(phase)]
+    panels = [
+        (phase, xlabel)
+        for phase, xlabel in (("decode", "batch size (requests)"), ("prefill", "tokens per prefill batch"))
+        if series.get(phase)
+    ]
     if not panels:
         raise ValueError("nothing to plot: the results have no decode or prefill times")
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
@@ -113,8 +115,11 @@ def plot_series(series: Series, path: str, *, title: str = "") -> str:
         for i, (label, points) in enumerate(ordered):
             xs, ys = zip(*points)
             # Distinct hollow markers: backends within a few % of each other stay visible.
-            style = {"color": "black", "linestyle": "--", "marker": "o"} if label == "eager" else \
-                {"marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none", "markersize": 8}
+            style = (
+                {"color": "black", "linestyle": "--", "marker": "o"}
+                if label == "eager"
+                else {"marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none", "markersize": 8}
+            )
             ax.plot(xs, ys, label=label, **style)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({x for pts in series[phase].values() for x, _ in pts}))
@@ -139,8 +144,10 @@ def plot_results(results: Dict[str, Any], path: str, *, title: Optional[str] = N
     model, device and torch of ``results["env"]``."""
     if title is None:
         env = results.get("env", {})
-        parts = [env.get("model") or ", ".join(results.get("models", {}) or []),
-                 env.get("device_name") or env.get("gpu") or env.get("device"),
-                 f"torch {env['torch']}" if env.get("torch") else None]
+        parts = [
+            env.get("model") or ", ".join(results.get("models", {}) or []),
+            env.get("device_name") or env.get("gpu") or env.get("device"),
+            f"torch {env['torch']}" if env.get("torch") else None,
+        ]
         title = ", ".join(str(p) for p in parts if p)
     return plot_series(series_from_results(results), path, title=title)

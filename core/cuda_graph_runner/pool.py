@@ -78,8 +78,11 @@ def pool_memory_bytes(pool: Any, device: "torch.device | str" = "cuda") -> Optio
         return None
     want = tuple(pool) if isinstance(pool, (tuple, list)) else pool
     index = torch.device(device).index
-    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == want
-               and (index is None or s.get("device", index) == index))
+    return sum(
+        s["total_size"]
+        for s in segments
+        if tuple(s.get("segment_pool_id", ())) == want and (index is None or s.get("device", index) == index)
+    )
 
 
 def reset_global_graph_memory_pools() -> None:

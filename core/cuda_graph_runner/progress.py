@@ -48,8 +48,9 @@ def step(desc: str, done: str, show: Optional[bool]) -> Iterator[None]:
             _summary(f"{done} in {seconds:.2f} s".ljust(len(desc) + 4))
 
 
-def bar(items: Iterable[T], *, desc: str, done: str, total: Optional[int] = None,
-        show: Optional[bool] = None) -> Iterator[T]:
+def bar(
+    items: Iterable[T], *, desc: str, done: str, total: Optional[int] = None, show: Optional[bool] = None
+) -> Iterator[T]:
     """Iterate ``items`` under a tqdm bar that is replaced, when the loop ends, by the
     line ``"{done} in S s"`` (shown only when :func:`progress_enabled`)."""
     if not progress_enabled(show):

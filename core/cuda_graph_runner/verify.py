@@ -49,14 +49,21 @@ CAUSES = (
     "model code branching on a host value of the batch (seq_lens_cpu, extra, ...) during capture "
     "(keep host_value_guard on to find it at capture)",
     "data-dependent control flow (a Python branch on a tensor value, .item(), .tolist())",
-    "tensors allocated outside the static buffers and the graph (a new tensor per step that the "
-    "graph does not read)",
+    "tensors allocated outside the static buffers and the graph (a new tensor per step that the graph does not read)",
     "random ops (dropout, sampling) whose generator state is frozen at capture",
     "a forward whose side effects are not idempotent for a repeated step (verify runs it twice)",
 )
 
-__all__ = ["CAUSES", "ENV_VERIFY", "ENV_VERIFY_EVERY", "ENV_VERIFY_FIRST_N", "VerifyPolicy", "Verifier",
-           "compare_outputs", "policy_from"]
+__all__ = [
+    "CAUSES",
+    "ENV_VERIFY",
+    "ENV_VERIFY_EVERY",
+    "ENV_VERIFY_FIRST_N",
+    "VerifyPolicy",
+    "Verifier",
+    "compare_outputs",
+    "policy_from",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +96,10 @@ def policy_from(phase_config: Any) -> Optional[VerifyPolicy]:
     first_n = int(getattr(phase_config, "verify_first_n", 3)) if first_n is None else first_n
     every = int(getattr(phase_config, "verify_every", 0)) if every is None else every
     if first_n == 0 and every == 0:
-        raise ValueError(f"verify mode is on but first_n=0 and every=0 (from the config or {ENV_VERIFY_FIRST_N}/"
-                         f"{ENV_VERIFY_EVERY}): no replay would be checked; accepted: first_n >= 1 or every >= 1")
+        raise ValueError(
+            f"verify mode is on but first_n=0 and every=0 (from the config or {ENV_VERIFY_FIRST_N}/"
+            f"{ENV_VERIFY_EVERY}): no replay would be checked; accepted: first_n >= 1 or every >= 1"
+        )
     return VerifyPolicy(first_n=first_n, every=every)
 
 
@@ -117,8 +126,11 @@ def compare_outputs(got: Any, want: Any, atol: float, rtol: float) -> Tuple[bool
     got_leaves = list(iter_tensors(got, where=""))
     want_leaves = list(iter_tensors(want, where=""))
     if [p for p, _ in got_leaves] != [p for p, _ in want_leaves]:
-        return False, math.inf, (f"structure: tensors at {[p for p, _ in got_leaves]} vs reference "
-                                 f"{[p for p, _ in want_leaves]}")
+        return (
+            False,
+            math.inf,
+            (f"structure: tensors at {[p for p, _ in got_leaves]} vs reference {[p for p, _ in want_leaves]}"),
+        )
     worst, first_bad = 0.0, ""
     for (path, a), (_, b) in zip(got_leaves, want_leaves):
         if a.shape != b.shape:
@@ -162,8 +174,9 @@ class Verifier:
         #: ``(key, replay index)`` of every check made, in order (tests and logs read it).
         self.checked: List[Tuple[Any, int]] = []
 
-    def after_replay(self, backend: Any, model: Any, key: Any, static_batch: Any, output: Any,
-                     eager_fn: Callable[[], Any]) -> None:
+    def after_replay(
+        self, backend: Any, model: Any, key: Any, static_batch: Any, output: Any, eager_fn: Callable[[], Any]
+    ) -> None:
         """Check ``output`` (the runner's output for the live batch) when this replay is sampled.
 
         Raises:
@@ -173,7 +186,9 @@ class Verifier:
         self.replays[key] = n
         if not self.policy.samples(n):
             return
-        got = map_tensors(lambda t: t.detach().clone(), output)  # the reference may run in the same pool; keep the replay's values
+        got = map_tensors(
+            lambda t: t.detach().clone(), output
+        )  # the reference may run in the same pool; keep the replay's values
         with torch.no_grad():
             want = backend.verify_reference(eager_fn, key, static_batch)
         atol, rtol = backend.verify_tolerance(_compute_dtype(model, want))
@@ -186,4 +201,9 @@ class Verifier:
             f"verify mode: replay {n} of shape {key} (phase {self.phase!r}, backend {self.backend_name!r}) differs "
             f"from the backend's reference on the same batch: {where}; max abs difference {diff:.6g} "
             f"(tolerance atol {atol:g}, rtol {rtol:g}). Usual causes: {causes}.",
-            phase=self.phase, backend=self.backend_name, key=key, max_abs_diff=diff, replay_index=n)
+            phase=self.phase,
+            backend=self.backend_name,
+            key=key,
+            max_abs_diff=diff,
+            replay_index=n,
+        )

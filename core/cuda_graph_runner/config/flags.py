@@ -67,18 +67,44 @@ class _Flag:
 def _phase_flags(p: str) -> List[_Flag]:
     size = "batch size" if p == Phase.DECODE else "token count"
     return [
-        _Flag(f"--cuda-graph-backend-{p}", _TIER_FLAG, (p,), "backend",
-              f"{p} backend: {', '.join(Backend.WELL_KNOWN)} or a plugin's name (default: auto)"),
-        _Flag(f"--cuda-graph-max-bs-{p}", _TIER_FLAG, (p,), "max_bs",
-              f"largest {p} {size} to capture, at most {MAX_CAPTURE_SIZE} "
-              f"(default: null, meaning the runner's default, {DEFAULT_MAX_BS[p]})"),
-        _Flag(f"--cuda-graph-bs-{p}", _TIER_FLAG, (p,), "bs",
-              f"{p} {size}s to capture, space or comma separated (default: the runner's buckets)"),
-        _Flag(f"--cuda-graph-tc-compiler-{p}", _TIER_FLAG, (p,), "tc_compiler",
-              f"compiler of the tc_piecewise pieces for {p} (default: eager); an error with a backend that "
-              "does not read it"),
-        _Flag(f"--disable-cuda-graph-{p}", _TIER_FLAG, (p,), "backend",
-              f"no graphs for {p} (backend disabled)", const=Backend.DISABLED),
+        _Flag(
+            f"--cuda-graph-backend-{p}",
+            _TIER_FLAG,
+            (p,),
+            "backend",
+            f"{p} backend: {', '.join(Backend.WELL_KNOWN)} or a plugin's name (default: auto)",
+        ),
+        _Flag(
+            f"--cuda-graph-max-bs-{p}",
+            _TIER_FLAG,
+            (p,),
+            "max_bs",
+            f"largest {p} {size} to capture, at most {MAX_CAPTURE_SIZE} "
+            f"(default: null, meaning the runner's default, {DEFAULT_MAX_BS[p]})",
+        ),
+        _Flag(
+            f"--cuda-graph-bs-{p}",
+            _TIER_FLAG,
+            (p,),
+            "bs",
+            f"{p} {size}s to capture, space or comma separated (default: the runner's buckets)",
+        ),
+        _Flag(
+            f"--cuda-graph-tc-compiler-{p}",
+            _TIER_FLAG,
+            (p,),
+            "tc_compiler",
+            f"compiler of the tc_piecewise pieces for {p} (default: eager); an error with a backend that "
+            "does not read it",
+        ),
+        _Flag(
+            f"--disable-cuda-graph-{p}",
+            _TIER_FLAG,
+            (p,),
+            "backend",
+            f"no graphs for {p} (backend disabled)",
+            const=Backend.DISABLED,
+        ),
     ]
 
 
@@ -89,16 +115,37 @@ def _legacy(option: str, phases: Tuple[str, ...], key: str, replacement: str, co
 _FLAGS: Tuple[_Flag, ...] = (
     *_phase_flags(Phase.DECODE),
     *_phase_flags(Phase.PREFILL),
-    _Flag("--cuda-graph-tc-compiler", _TIER_FLAG, Phase.ALL, "tc_compiler",
-          "compiler of the tc_piecewise pieces for both phases (default: eager)"),
-    _legacy("--disable-cuda-graph", Phase.ALL, "backend",
-            "--disable-cuda-graph-decode --disable-cuda-graph-prefill", Backend.DISABLED),
-    _legacy("--enable-breakable-cuda-graph", (Phase.PREFILL,), "backend",
-            "--cuda-graph-backend-prefill breakable", Backend.BREAKABLE),
-    _legacy("--disable-piecewise-cuda-graph", (Phase.PREFILL,), "backend",
-            "--disable-cuda-graph-prefill", Backend.DISABLED),
-    _legacy("--enforce-piecewise-cuda-graph", (Phase.PREFILL,), "backend",
-            "--cuda-graph-backend-prefill tc_piecewise", Backend.TC_PIECEWISE),
+    _Flag(
+        "--cuda-graph-tc-compiler",
+        _TIER_FLAG,
+        Phase.ALL,
+        "tc_compiler",
+        "compiler of the tc_piecewise pieces for both phases (default: eager)",
+    ),
+    _legacy(
+        "--disable-cuda-graph",
+        Phase.ALL,
+        "backend",
+        "--disable-cuda-graph-decode --disable-cuda-graph-prefill",
+        Backend.DISABLED,
+    ),
+    _legacy(
+        "--enable-breakable-cuda-graph",
+        (Phase.PREFILL,),
+        "backend",
+        "--cuda-graph-backend-prefill breakable",
+        Backend.BREAKABLE,
+    ),
+    _legacy(
+        "--disable-piecewise-cuda-graph", (Phase.PREFILL,), "backend", "--disable-cuda-graph-prefill", Backend.DISABLED
+    ),
+    _legacy(
+        "--enforce-piecewise-cuda-graph",
+        (Phase.PREFILL,),
+        "backend",
+        "--cuda-graph-backend-prefill tc_piecewise",
+        Backend.TC_PIECEWISE,
+    ),
     _legacy("--cuda-graph-max-bs", (Phase.DECODE,), "max_bs", "--cuda-graph-max-bs-decode"),
     _legacy("--cuda-graph-bs", (Phase.DECODE,), "bs", "--cuda-graph-bs-decode"),
     _legacy("--piecewise-cuda-graph-tokens", (Phase.PREFILL,), "bs", "--cuda-graph-bs-prefill"),
@@ -173,9 +220,7 @@ def _warn_deprecated(option: str, replacement: str) -> None:
     if option in _WARNED_FLAGS:
         return
     _WARNED_FLAGS.add(option)
-    warnings.warn(
-        f"{option} is deprecated and will be removed; use {replacement}", FutureWarning, stacklevel=3
-    )
+    warnings.warn(f"{option} is deprecated and will be removed; use {replacement}", FutureWarning, stacklevel=3)
 
 
 class _DeprecatedAlias(argparse.Action):

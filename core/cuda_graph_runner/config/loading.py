@@ -30,9 +30,7 @@ def _load_json(text_or_path: Any, source: Optional[str]) -> Any:
     if isinstance(text_or_path, os.PathLike):
         path = os.fspath(text_or_path)
     elif not isinstance(text_or_path, str):
-        raise CudaGraphConfigError(
-            "must be JSON text or a path", value=text_or_path, accepted=accepted, source=source
-        )
+        raise CudaGraphConfigError("must be JSON text or a path", value=text_or_path, accepted=accepted, source=source)
     elif not text_or_path.lstrip().startswith(("{", "[")) and os.path.isfile(text_or_path):
         path = text_or_path
     text = text_or_path

@@ -58,8 +58,18 @@ DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 MAX_CAPTURE_SIZE = 65536
 
 #: The keys of one phase, in field order.
-PHASE_KEYS = ("backend", "max_bs", "bs", "tc_compiler", "owned_outputs", "host_value_guard", "verify",
-              "verify_first_n", "verify_every", "warmup")
+PHASE_KEYS = (
+    "backend",
+    "max_bs",
+    "bs",
+    "tc_compiler",
+    "owned_outputs",
+    "host_value_guard",
+    "verify",
+    "verify_first_n",
+    "verify_every",
+    "warmup",
+)
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
@@ -82,8 +92,9 @@ def _positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise CudaGraphConfigError("must be a positive integer", key=key, value=value, accepted=_SIZE_ACCEPTED)
     if value > MAX_CAPTURE_SIZE:
-        raise CudaGraphConfigError(f"is above the maximum capture size {MAX_CAPTURE_SIZE}", key=key, value=value,
-                                   accepted=_SIZE_ACCEPTED)
+        raise CudaGraphConfigError(
+            f"is above the maximum capture size {MAX_CAPTURE_SIZE}", key=key, value=value, accepted=_SIZE_ACCEPTED
+        )
     return int(value)
 
 
@@ -120,11 +131,12 @@ class PhaseConfig:
         self._check()
 
     def _check(self) -> None:
-        if self.backend is not None and not (
-            isinstance(self.backend, str) and _BACKEND_NAME.fullmatch(self.backend)
-        ):
+        if self.backend is not None and not (isinstance(self.backend, str) and _BACKEND_NAME.fullmatch(self.backend)):
             raise CudaGraphConfigError(
-                "must be null or a backend name", key="backend", value=self.backend, accepted="null (auto) or " + _BACKEND_NAME_ACCEPTED
+                "must be null or a backend name",
+                key="backend",
+                value=self.backend,
+                accepted="null (auto) or " + _BACKEND_NAME_ACCEPTED,
             )
         if self.max_bs is not None:
             self.max_bs = _positive_int(self.max_bs, "max_bs")
@@ -169,21 +181,27 @@ class PhaseConfig:
             )
         for key in ("host_value_guard", "verify"):
             if not isinstance(getattr(self, key), bool):
-                raise CudaGraphConfigError("must be a boolean", key=key, value=getattr(self, key),
-                                           accepted="true or false")
+                raise CudaGraphConfigError(
+                    "must be a boolean", key=key, value=getattr(self, key), accepted="true or false"
+                )
         for key in ("verify_first_n", "verify_every"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise CudaGraphConfigError("must be an integer >= 0", key=key, value=value,
-                                           accepted="an integer >= 0 (not a bool)")
+                raise CudaGraphConfigError(
+                    "must be an integer >= 0", key=key, value=value, accepted="an integer >= 0 (not a bool)"
+                )
             setattr(self, key, int(value))
         if not isinstance(self.warmup, str) or self.warmup not in WARMUP_POLICIES:
-            raise CudaGraphConfigError("unknown warm-up policy", key="warmup", value=self.warmup,
-                                       accepted=", ".join(WARMUP_POLICIES))
+            raise CudaGraphConfigError(
+                "unknown warm-up policy", key="warmup", value=self.warmup, accepted=", ".join(WARMUP_POLICIES)
+            )
         if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
-            raise CudaGraphConfigError("verify is on but verify_first_n and verify_every are both 0, so no "
-                                       "replay would be checked", key="verify_first_n", value=0,
-                                       accepted="verify_first_n >= 1 or verify_every >= 1")
+            raise CudaGraphConfigError(
+                "verify is on but verify_first_n and verify_every are both 0, so no replay would be checked",
+                key="verify_first_n",
+                value=0,
+                accepted="verify_first_n >= 1 or verify_every >= 1",
+            )
 
     def to_dict(self) -> Dict[str, Any]:
         """The keys whose values differ from the defaults (``bs`` copied)."""
@@ -263,9 +281,7 @@ class CudaGraphConfig:
         sources: Dict[Tuple[str, str], str] = {}
         for phase, settings in d.items():
             if not isinstance(phase, str) or phase not in Phase.ALL:
-                raise CudaGraphConfigError(
-                    "unknown phase", value=phase, accepted=", ".join(Phase.ALL), source=source
-                )
+                raise CudaGraphConfigError("unknown phase", value=phase, accepted=", ".join(Phase.ALL), source=source)
             if not isinstance(settings, Mapping):
                 raise CudaGraphConfigError(
                     "must be an object of settings",
@@ -346,8 +362,11 @@ class CudaGraphConfig:
         phases[phase] = _build_phase(phase, merged, sources)
         return type(self)(**phases, sources=sources)
 
-    def validate(self, backend_phases: Optional[Mapping[str, Collection[str]]] = None,
-                 unusable: Optional[Mapping[str, str]] = None) -> None:
+    def validate(
+        self,
+        backend_phases: Optional[Mapping[str, Collection[str]]] = None,
+        unusable: Optional[Mapping[str, str]] = None,
+    ) -> None:
         """Check every field again and, given the installed backends, every backend name.
 
         Args:

@@ -89,6 +89,7 @@ from ..hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
 from . import conflicts
 from .contract import RUNNER_CALLS, check_backend_class
 from .discovery import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
+
 # Private helpers the conformance kit and plugin tests call under these names.
 from .discovery import load_ref as _load_ref  # noqa: F401
 from .discovery import normalize_dist as _normalize_dist  # noqa: F401

@@ -36,4 +36,6 @@ def phase_config_of(phase: str, config: Any) -> PhaseConfig:
         return PhaseConfig(backend=config)
     if isinstance(config, Mapping):
         return CudaGraphConfig.from_dict({phase: dict(config)})[phase]
-    raise TypeError(f"config must be a CudaGraphConfig, PhaseConfig, mapping or backend name, got {type(config).__name__}")
+    raise TypeError(
+        f"config must be a CudaGraphConfig, PhaseConfig, mapping or backend name, got {type(config).__name__}"
+    )

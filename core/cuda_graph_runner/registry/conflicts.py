@@ -120,18 +120,20 @@ def choose_default(phase: str, device_type: str, claims: Sequence[Claim]) -> Def
     usable = sorted((c for c in claims if c.usable), key=rank_key)
     unusable = sorted((c for c in claims if not c.usable), key=rank_key)
     winner = usable[0] if usable else None
-    return DefaultDecision(phase, device_type, winner.backend if winner else DISABLED, winner,
-                           tuple(usable + unusable))
+    return DefaultDecision(phase, device_type, winner.backend if winner else DISABLED, winner, tuple(usable + unusable))
 
 
 def contest_warning(decision: DefaultDecision) -> Optional[str]:
     """The warning for a contested default (several claims), naming each claim once; else None."""
     if len(decision.claims) < 2:
         return None
-    return (f"several plugins claim the default {decision.phase} backend on {decision.device_type}: "
-            f"{decision.backend} was chosen (usable claims rank by priority, then backend name, then "
-            f"distribution name); claims: " + "; ".join(c.describe() for c in decision.claims)
-            + ". Name a backend in the config to silence this.")
+    return (
+        f"several plugins claim the default {decision.phase} backend on {decision.device_type}: "
+        f"{decision.backend} was chosen (usable claims rank by priority, then backend name, then "
+        f"distribution name); claims: "
+        + "; ".join(c.describe() for c in decision.claims)
+        + ". Name a backend in the config to silence this."
+    )
 
 
 def loaded_from(plugin: Any) -> str:
@@ -159,8 +161,7 @@ def owning_distribution(path: str, candidates: Sequence[str]) -> Optional[str]:
     return None
 
 
-def shared_module_reason(name: str, module: str, path: str, dists: Sequence[Tuple[str, str]],
-                         prefer_env: str) -> str:
+def shared_module_reason(name: str, module: str, path: str, dists: Sequence[Tuple[str, str]], prefer_env: str) -> str:
     """The reason text of a backend two distributions register through one module.
 
     Args:
@@ -169,11 +170,12 @@ def shared_module_reason(name: str, module: str, path: str, dists: Sequence[Tupl
     listed = ", ".join(f"{d} {v}".strip() for d, v in dists)
     owner = owning_distribution(path, [d for d, _ in dists])
     code = f"module {module!r} was imported from {path}" + (f" (installed by {owner})" if owner else "")
-    return (f"backend name {name!r} is registered by several distributions: {listed}; both entry points load "
-            f"the same module, so only one copy of the code can run: {code}. Uninstall all but one "
-            f"(or choose one with {prefer_env}=\"{name}={dists[0][0]}\"; the code that runs is still the copy "
-            f"first on sys.path)")
-
+    return (
+        f"backend name {name!r} is registered by several distributions: {listed}; both entry points load "
+        f"the same module, so only one copy of the code can run: {code}. Uninstall all but one "
+        f'(or choose one with {prefer_env}="{name}={dists[0][0]}"; the code that runs is still the copy '
+        f"first on sys.path)"
+    )
 
 
 def conflict_entry(name: str, group: Sequence[BackendEntry], prefer_env: str) -> BackendEntry:
@@ -181,11 +183,22 @@ def conflict_entry(name: str, group: Sequence[BackendEntry], prefer_env: str) ->
     order found); its reason names each distribution and how to choose one."""
     dists = ", ".join(f"{e.distribution} {e.version}".strip() for e in group)
     first = group[0].distribution
-    reason = (f"backend name {name!r} is registered by several distributions: {dists}; uninstall all but "
-              f"one, or choose one with {prefer_env}=\"{name}={first}\" or "
-              f"cuda_graph_runner.registry.prefer({name!r}, {first!r})")
-    return BackendEntry(name, dists, "", group[-1].phases, group[-1].devices, status=CONFLICT, reason=reason,
-                        error=BackendConflictError(reason), _fixed=True)
+    reason = (
+        f"backend name {name!r} is registered by several distributions: {dists}; uninstall all but "
+        f'one, or choose one with {prefer_env}="{name}={first}" or '
+        f"cuda_graph_runner.registry.prefer({name!r}, {first!r})"
+    )
+    return BackendEntry(
+        name,
+        dists,
+        "",
+        group[-1].phases,
+        group[-1].devices,
+        status=CONFLICT,
+        reason=reason,
+        error=BackendConflictError(reason),
+        _fixed=True,
+    )
 
 
 def parse_preferences(text: str) -> Tuple[List[Tuple[str, str]], List[str]]:
@@ -203,8 +216,14 @@ def parse_preferences(text: str) -> Tuple[List[Tuple[str, str]], List[str]]:
     return pairs, malformed
 
 
-def collect_default_claims(hook: Any, phase: str, device_type: str, *, skip: Callable[[Any], bool],
-                           on_error: Callable[[Any, BaseException], None]) -> List[Tuple[Any, Tuple[str, int]]]:
+def collect_default_claims(
+    hook: Any,
+    phase: str,
+    device_type: str,
+    *,
+    skip: Callable[[Any], bool],
+    on_error: Callable[[Any, BaseException], None],
+) -> List[Tuple[Any, Tuple[str, int]]]:
     """Every ``(hookimpl, (backend, priority))`` claim of the default-backend ``hook``.
 
     pluggy stops a hook call at the first raising impl (and at the first answer:

@@ -64,8 +64,9 @@ def check_backend_class(cls: Any, name: str = "?") -> None:
         raise err
 
 
-def _method_problems(cls: type, qual: str, method: str, positional: Sequence[str],
-                     keywords: Sequence[str]) -> List[str]:
+def _method_problems(
+    cls: type, qual: str, method: str, positional: Sequence[str], keywords: Sequence[str]
+) -> List[str]:
     where = f"{qual}.{method}"
     raw = inspect.getattr_static(cls, method, None)
     if isinstance(raw, (staticmethod, classmethod)):
@@ -76,7 +77,9 @@ def _method_problems(cls: type, qual: str, method: str, positional: Sequence[str
     if inspect.iscoroutinefunction(func):
         return [f"{where} is async; the runners call it synchronously"]
     if method in _CONTEXT_MANAGER_METHODS and inspect.isgeneratorfunction(func):
-        return [f"{where} is a bare generator; decorate it with @contextlib.contextmanager (the runners use it in 'with')"]
+        return [
+            f"{where} is a bare generator; decorate it with @contextlib.contextmanager (the runners use it in 'with')"
+        ]
     try:
         sig = inspect.signature(func)
     except (TypeError, ValueError):
@@ -90,19 +93,28 @@ def _method_problems(cls: type, qual: str, method: str, positional: Sequence[str
     pos_params = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     problems = []
     if len(pos_params) < len(positional) and not has_var_pos:
-        problems.append(f"{where} takes {len(pos_params)} positional argument(s); the runners pass "
-                        f"{len(positional)} ({', '.join(positional)})")
+        problems.append(
+            f"{where} takes {len(pos_params)} positional argument(s); the runners pass "
+            f"{len(positional)} ({', '.join(positional)})"
+        )
     consumed = pos_params[: len(positional)]
     for kw in keywords:
         p = sig.parameters.get(kw)
         if p is not None and p in consumed:
-            problems.append(f"{where} takes {kw!r} as positional argument {consumed.index(p) + 1}, where the runners "
-                            f"pass {positional[consumed.index(p)]!r}; the runners pass {kw!r} by keyword")
+            problems.append(
+                f"{where} takes {kw!r} as positional argument {consumed.index(p) + 1}, where the runners "
+                f"pass {positional[consumed.index(p)]!r}; the runners pass {kw!r} by keyword"
+            )
         elif (p is None or p.kind is p.POSITIONAL_ONLY) and not has_var_kw:
             problems.append(f"{where} lacks keyword parameter {kw!r}, which the runners pass")
-    extra = [p.name for p in params
-             if p not in consumed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-             and p.default is p.empty and p.name not in keywords]
+    extra = [
+        p.name
+        for p in params
+        if p not in consumed
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.default is p.empty
+        and p.name not in keywords
+    ]
     if extra:
         problems.append(f"{where} requires extra parameter(s) {extra} the runners never pass")
     return problems

@@ -46,8 +46,12 @@ def read_environment() -> Dict[str, Any]:
     Raises:
         envs.EnvVarError: a value does not parse (names variable, value, accepted values).
     """
-    return {"autoload_off": envs.get(ENV_DISABLE_AUTOLOAD), "plugins": envs.get(ENV_PLUGINS),
-            "plugins_text": envs.raw(ENV_PLUGINS), "prefer": envs.get(envs.PREFER)}
+    return {
+        "autoload_off": envs.get(ENV_DISABLE_AUTOLOAD),
+        "plugins": envs.get(ENV_PLUGINS),
+        "plugins_text": envs.raw(ENV_PLUGINS),
+        "prefer": envs.get(envs.PREFER),
+    }
 
 
 def all_entry_points(group: str, problem: Callable[[str], None]) -> List[metadata.EntryPoint]:
@@ -57,8 +61,7 @@ def all_entry_points(group: str, problem: Callable[[str], None]) -> List[metadat
     except Exception as exc:
         # A malformed distribution can break importlib's walk over all of them:
         # read the distributions one by one so it hides no other plugin.
-        problem(f"importlib.metadata.entry_points() raised {one_line(exc)}; "
-                "reading installed distributions one by one")
+        problem(f"importlib.metadata.entry_points() raised {one_line(exc)}; reading installed distributions one by one")
     eps: List[metadata.EntryPoint] = []
     for dist in metadata.distributions():
         try:
@@ -68,13 +71,17 @@ def all_entry_points(group: str, problem: Callable[[str], None]) -> List[metadat
     return eps
 
 
-def select_entry_points(eps: List[metadata.EntryPoint], env: Mapping[str, Any], *, autoload: bool,
-                        skipped: Skipped) -> List[metadata.EntryPoint]:
+def select_entry_points(
+    eps: List[metadata.EntryPoint], env: Mapping[str, Any], *, autoload: bool, skipped: Skipped
+) -> List[metadata.EntryPoint]:
     """The entry points to load under the autoload switches; the others go to ``skipped``
     (so an unknown-name error can say the plugin is installed but was not loaded)."""
     if not autoload or env["autoload_off"]:
-        why = (f"plugin autoload is off ({ENV_DISABLE_AUTOLOAD}=1)" if autoload
-               else "plugin autoload is off (BackendRegistry(autoload=False))")
+        why = (
+            f"plugin autoload is off ({ENV_DISABLE_AUTOLOAD}=1)"
+            if autoload
+            else "plugin autoload is off (BackendRegistry(autoload=False))"
+        )
         for ep in eps:
             skipped.setdefault(ep.name, (ep_dist(ep)[0], why))
         return []
@@ -115,13 +122,13 @@ def load_entry_point(ep: metadata.EntryPoint, dist_name: str, version: str) -> A
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
-            raise BackendLoadError(
-                f"{where}: module {module_name!r} has no attribute {attr_path!r}") from exc
+            raise BackendLoadError(f"{where}: module {module_name!r} has no attribute {attr_path!r}") from exc
         except BaseException as exc:  # a lazy module __getattr__ may raise anything (ImportError)
             if isinstance(exc, KeyboardInterrupt):
                 raise
             raise BackendLoadError(
-                f"{where}: getting attribute {attr_path!r} of module {module_name!r} raised {one_line(exc)}") from exc
+                f"{where}: getting attribute {attr_path!r} of module {module_name!r} raised {one_line(exc)}"
+            ) from exc
     return obj
 
 

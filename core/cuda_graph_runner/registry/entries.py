@@ -103,8 +103,11 @@ def spec_problem(spec: BackendSpec) -> Optional[str]:
         return f"name {spec.name!r} is not an identifier, so no config could select it"
     if not isinstance(spec.phases, (tuple, list)) or not spec.phases or not set(spec.phases) <= set(PHASES):
         return f"phases {spec.phases!r} must be a non-empty tuple drawn from {PHASES}"
-    if not isinstance(spec.devices, (tuple, list)) or not spec.devices or \
-            not all(isinstance(d, str) and d for d in spec.devices):
+    if (
+        not isinstance(spec.devices, (tuple, list))
+        or not spec.devices
+        or not all(isinstance(d, str) and d for d in spec.devices)
+    ):
         return f"devices {spec.devices!r} must be a non-empty tuple of device types such as ('cuda',) or ('*',)"
     cls = spec.backend_class
     if isinstance(cls, str):
@@ -113,7 +116,11 @@ def spec_problem(spec: BackendSpec) -> Optional[str]:
     elif not isinstance(cls, type):
         return f"backend_class must be 'package.module:Class' or a class, got {type(cls).__name__}"
     probe_ref = spec.probe
-    if probe_ref is not None and not callable(probe_ref) and not (isinstance(probe_ref, str) and _REF.fullmatch(probe_ref)):
+    if (
+        probe_ref is not None
+        and not callable(probe_ref)
+        and not (isinstance(probe_ref, str) and _REF.fullmatch(probe_ref))
+    ):
         return f"probe {probe_ref!r} must be 'package.module:function', a callable or None"
     options = getattr(spec, "options", ())
     if not isinstance(options, (tuple, list)) or not all(isinstance(o, str) for o in options):
@@ -128,8 +135,14 @@ def entry_from_spec(spec: object, distribution: str, version: str) -> BackendEnt
     object that breaks the contract, ``unavailable`` for an incompatible API version
     (both fixed: no probe overrides them), else available pending the device probe."""
     if not isinstance(spec, BackendSpec):
-        return BackendEntry(str(getattr(spec, "name", spec)), distribution, version, status=FAILED,
-                            reason=f"hook returned {type(spec).__name__}, expected BackendSpec", _fixed=True)
+        return BackendEntry(
+            str(getattr(spec, "name", spec)),
+            distribution,
+            version,
+            status=FAILED,
+            reason=f"hook returned {type(spec).__name__}, expected BackendSpec",
+            _fixed=True,
+        )
     problem = spec_problem(spec)
     phases = tuple(spec.phases) if isinstance(spec.phases, (tuple, list)) else ()
     devices = tuple(spec.devices) if isinstance(spec.devices, (tuple, list)) else ()
@@ -140,8 +153,10 @@ def entry_from_spec(spec: object, distribution: str, version: str) -> BackendEnt
     api_problem = api_version_problem(spec.api_version)
     if api_problem:
         entry.status, entry._fixed = UNAVAILABLE, True
-        entry.reason = (f"{distribution} {version} {api_problem}: install versions of {distribution} and "
-                        f"{CORE_DISTRIBUTION} that match")
+        entry.reason = (
+            f"{distribution} {version} {api_problem}: install versions of {distribution} and "
+            f"{CORE_DISTRIBUTION} that match"
+        )
         return entry
     if isinstance(spec.backend_class, type):
         # A class object costs nothing more to check now: it is already imported.
@@ -208,8 +223,7 @@ def natural_device(entry: BackendEntry) -> str:
     return devices[0] if devices else default_device_type()
 
 
-def unknown_backend_message(name: str, entries: Iterable[BackendEntry],
-                            skipped: Mapping[str, Tuple[str, str]]) -> str:
+def unknown_backend_message(name: str, entries: Iterable[BackendEntry], skipped: Mapping[str, Tuple[str, str]]) -> str:
     """The error text for a name no plugin registers: what is installed, and the likely fix
     (installed but not loaded, which distribution provides a well-known name, a near miss)."""
     rows = sorted(entries, key=lambda e: e.name)

@@ -102,7 +102,8 @@ class PluginLoading:
                 "the backend registry was used while it is loading plugins (a plugin listed, resolved or "
                 "registered backends while being imported, or from a hook during the scan); the list is "
                 "incomplete until loading ends: do it lazily, at resolve time, and contribute backends "
-                "through the cuda_graph_runner_backend_specs hook")
+                "through the cuda_graph_runner_backend_specs hook"
+            )
         with self._lock:
             if self._scan_error is not None:
                 # Strict mode: the registry is half-built, so every use fails the same way.
@@ -117,7 +118,8 @@ class PluginLoading:
                 if isinstance(exc, KeyboardInterrupt):
                     self._scan_error = BackendLoadError(
                         "the plugin scan was interrupted (KeyboardInterrupt); call "
-                        "cuda_graph_runner.registry.reset_registry() to scan again")
+                        "cuda_graph_runner.registry.reset_registry() to scan again"
+                    )
                 else:
                     self._scan_error = exc
                 raise
@@ -126,8 +128,9 @@ class PluginLoading:
                 self._scanned = True
 
     def _scan_entry_points(self, env: Mapping[str, Any]) -> None:
-        eps = discovery.select_entry_points(discovery.all_entry_points(self.group, self._problem), env,
-                                            autoload=self.autoload, skipped=self._skipped)
+        eps = discovery.select_entry_points(
+            discovery.all_entry_points(self.group, self._problem), env, autoload=self.autoload, skipped=self._skipped
+        )
         seen: set = set()
         for ep in eps:
             dist_name, version = discovery.ep_dist(ep)
@@ -141,11 +144,17 @@ class PluginLoading:
             except BaseException as exc:  # one plugin, whatever it raises, never breaks the others
                 if isinstance(exc, KeyboardInterrupt) or self.strict:
                     raise
-                err = exc if isinstance(exc, BackendLoadError) else BackendLoadError(
-                    f"entry point {ep.name} = {ep.value!r} of {dist_name} {version}: loading raised {one_line(exc)}")
+                err = (
+                    exc
+                    if isinstance(exc, BackendLoadError)
+                    else BackendLoadError(
+                        f"entry point {ep.name} = {ep.value!r} of {dist_name} {version}: loading raised {one_line(exc)}"
+                    )
+                )
                 cause = err.__cause__ or exc
-                self._add_entry(BackendEntry(ep.name, dist_name, version, status=FAILED,
-                                             reason=str(err), error=cause, _fixed=True))
+                self._add_entry(
+                    BackendEntry(ep.name, dist_name, version, status=FAILED, reason=str(err), error=cause, _fixed=True)
+                )
         self._apply_preferences(env["prefer"])
         self._replay_in_process()
 
@@ -158,18 +167,23 @@ class PluginLoading:
                 self._register_now(spec, replace=replace)
                 self._in_process[spec.name] = (spec, replace)
             except Exception as exc:
-                self._problem(f"register({spec.name!r}) made before reset_registry() could not be kept: "
-                              f"{one_line(exc)}", force_warning=True)
+                self._problem(
+                    f"register({spec.name!r}) made before reset_registry() could not be kept: {one_line(exc)}",
+                    force_warning=True,
+                )
         for name, dist in preferred.items():
             try:
                 self._prefer_now(name, dist)
                 self._preferred[name] = dist
             except UnknownBackendError as exc:
-                self._problem(f"prefer({name!r}, {dist!r}) made before reset_registry() could not be kept: "
-                              f"{exc}", force_warning=True)
+                self._problem(
+                    f"prefer({name!r}, {dist!r}) made before reset_registry() could not be kept: {exc}",
+                    force_warning=True,
+                )
 
-    def _register_plugin(self, plugin: Any, *, distribution: str, version: str,
-                         expected_name: Optional[str] = None) -> None:
+    def _register_plugin(
+        self, plugin: Any, *, distribution: str, version: str, expected_name: Optional[str] = None
+    ) -> None:
         label = f"{distribution}:{expected_name or getattr(plugin, '__name__', type(plugin).__name__)}"
         what = f"plugin {expected_name or label!r} of {distribution} {version}"
         try:
@@ -188,21 +202,31 @@ class PluginLoading:
                 if isinstance(exc, BackendLoadError):
                     raise
                 raise BackendLoadError(f"{what}: hook cuda_graph_runner_backend_specs raised {one_line(exc)}") from exc
-            reason = str(exc) if isinstance(exc, BackendLoadError) else (
-                f"hook cuda_graph_runner_backend_specs raised {one_line(exc)}")
-            self._add_entry(BackendEntry(expected_name or label, distribution, version, status=FAILED,
-                                         reason=reason, error=exc, _fixed=True))
+            reason = (
+                str(exc)
+                if isinstance(exc, BackendLoadError)
+                else (f"hook cuda_graph_runner_backend_specs raised {one_line(exc)}")
+            )
+            self._add_entry(
+                BackendEntry(
+                    expected_name or label, distribution, version, status=FAILED, reason=reason, error=exc, _fixed=True
+                )
+            )
             return
         names = [str(getattr(s, "name", s)) for s in specs]
         self._plugin_backends[label] = names
         if expected_name is not None and expected_name not in names:
             reason = f"entry point {expected_name!r} gave no spec of that name (got {names})"
             if isinstance(plugin, type) and any(c.__name__ == "BaseCudaGraphBackend" for c in plugin.__mro__):
-                reason = (f"entry point {expected_name!r} names the backend class {plugin.__qualname__}; it must "
-                          "name a registration module with a @hookimpl cuda_graph_runner_backend_specs")
+                reason = (
+                    f"entry point {expected_name!r} names the backend class {plugin.__qualname__}; it must "
+                    "name a registration module with a @hookimpl cuda_graph_runner_backend_specs"
+                )
             if self.strict:
                 raise BackendLoadError(f"{what}: {reason}")
-            self._add_entry(BackendEntry(expected_name, distribution, version, status=FAILED, reason=reason, _fixed=True))
+            self._add_entry(
+                BackendEntry(expected_name, distribution, version, status=FAILED, reason=reason, _fixed=True)
+            )
         for spec in specs:
             entry = entry_from_spec(spec, distribution, version)
             if self.strict and entry.status == FAILED:
@@ -220,7 +244,8 @@ class PluginLoading:
         if unknown:
             raise BackendLoadError(
                 f"{what} implements unknown hook(s) {sorted(unknown)}; this core "
-                f"(plugin API {PLUGIN_API_VERSION}) defines {list(_HOOK_NAMES)}")
+                f"(plugin API {PLUGIN_API_VERSION}) defines {list(_HOOK_NAMES)}"
+            )
         caller = self.pm.subset_hook_caller(
             "cuda_graph_runner_backend_specs",
             remove_plugins=[p for p in self.pm.get_plugins() if p is not plugin],
@@ -231,7 +256,8 @@ class PluginLoading:
                 continue
             if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
                 raise TypeError(
-                    f"cuda_graph_runner_backend_specs must return a list of BackendSpec, got {type(result).__name__}")
+                    f"cuda_graph_runner_backend_specs must return a list of BackendSpec, got {type(result).__name__}"
+                )
             specs.extend(result)
         return specs
 
@@ -243,17 +269,22 @@ class PluginLoading:
         if normalize_dist(owner.partition(":")[0]) == normalize_dist(distribution):
             return
         names = self._plugin_backends.get(owner, [])
-        for name in ([expected_name] if expected_name in names else names):
+        for name in [expected_name] if expected_name in names else names:
             group = self._conflicts.get(name) or [self._entries.get(name)]
             base = next((e for e in group if e is not None and e.spec is not None), None)
-            if base is None or any(normalize_dist(e.distribution) == normalize_dist(distribution)
-                                   for e in group if e is not None):
+            if base is None or any(
+                normalize_dist(e.distribution) == normalize_dist(distribution) for e in group if e is not None
+            ):
                 continue
             self._add_entry(dataclasses.replace(base, distribution=distribution, version=version, _class=None))
             group = self._conflicts[name]
             reason = conflicts.shared_module_reason(
-                name, getattr(plugin, "__name__", repr(plugin)), conflicts.loaded_from(plugin),
-                [(e.distribution, e.version) for e in group], ENV_PREFER)
+                name,
+                getattr(plugin, "__name__", repr(plugin)),
+                conflicts.loaded_from(plugin),
+                [(e.distribution, e.version) for e in group],
+                ENV_PREFER,
+            )
             conflict = self._entries[name]
             conflict.reason, conflict.error = reason, BackendConflictError(reason)
 
@@ -299,7 +330,8 @@ class PluginLoading:
             if spec.name in self._entries and not replace:
                 raise BackendConflictError(
                     f"backend {spec.name!r} is already registered by {self._entries[spec.name].distribution}; "
-                    "pass replace=True to override it in this process")
+                    "pass replace=True to override it in this process"
+                )
             entry = entry_from_spec(spec, IN_PROCESS, "")
             if isinstance(entry.error, BackendContractError):
                 raise entry.error

@@ -66,8 +66,7 @@ class BackendRegistry(PluginLoading):
             ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS``.
     """
 
-    def __init__(self, group: str = ENTRY_POINT_GROUP, *, autoload: bool = True,
-                 strict: Optional[bool] = None) -> None:
+    def __init__(self, group: str = ENTRY_POINT_GROUP, *, autoload: bool = True, strict: Optional[bool] = None) -> None:
         self.group = group
         self.autoload = autoload
         self.strict = bool(envs.get(ENV_STRICT)) if strict is None else strict
@@ -96,8 +95,9 @@ class BackendRegistry(PluginLoading):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs.BackendHookSpecs)
         live_registries.add(self)
-        self._register_plugin(_BuiltinPlugin(), distribution=CORE_DISTRIBUTION,
-                              version=discovery.dist_version(CORE_DISTRIBUTION))
+        self._register_plugin(
+            _BuiltinPlugin(), distribution=CORE_DISTRIBUTION, version=discovery.dist_version(CORE_DISTRIBUTION)
+        )
 
     # -- registering and preferring ---------------------------------------------------
     def register(self, spec: BackendSpec, *, replace: bool = False) -> None:
@@ -165,9 +165,11 @@ class BackendRegistry(PluginLoading):
     def backend_problems(self) -> Dict[str, str]:
         """``{name: why it cannot be used}`` of backends that are installed but failed or in
         conflict (what ``config`` says instead of "not installed")."""
-        return {e.name: (f"installed but failed: {e.reason}" if e.status == FAILED
-                         else f"installed twice: {e.reason}")
-                for e in self._snapshot() if e.status in (FAILED, CONFLICT)}
+        return {
+            e.name: (f"installed but failed: {e.reason}" if e.status == FAILED else f"installed twice: {e.reason}")
+            for e in self._snapshot()
+            if e.status in (FAILED, CONFLICT)
+        }
 
     def _probe(self, entry: BackendEntry, device_type: str) -> BackendEntry:
         return probe(entry, device_type, strict=self.strict)
@@ -200,21 +202,28 @@ class BackendRegistry(PluginLoading):
         self._scan()
 
         def on_error(impl: Any, exc: BaseException) -> None:
-            message = (f"plugin {impl.plugin_name}: hook cuda_graph_runner_default_backend(phase={phase!r}, "
-                       f"device_type={device_type!r}) raised {one_line(exc)}")
+            message = (
+                f"plugin {impl.plugin_name}: hook cuda_graph_runner_default_backend(phase={phase!r}, "
+                f"device_type={device_type!r}) raised {one_line(exc)}"
+            )
             if self.strict:
                 raise BackendLoadError(message) from exc
             self._blame_plugin(impl.plugin_name, impl.plugin, message, exc)
 
         # The core's "disabled" is the fallback, not a claim.
-        found = conflicts.collect_default_claims(self.pm.hook.cuda_graph_runner_default_backend, phase, device_type,
-                                                 skip=lambda plugin: isinstance(plugin, _BuiltinPlugin),
-                                                 on_error=on_error)
+        found = conflicts.collect_default_claims(
+            self.pm.hook.cuda_graph_runner_default_backend,
+            phase,
+            device_type,
+            skip=lambda plugin: isinstance(plugin, _BuiltinPlugin),
+            on_error=on_error,
+        )
         claims = []
         for impl, (backend, priority) in found:
             usable, why = self._claim_usable(backend, phase, device_type)
-            claims.append(conflicts.Claim(backend, priority, impl.plugin_name,
-                                          impl.plugin_name.partition(":")[0], usable, why))
+            claims.append(
+                conflicts.Claim(backend, priority, impl.plugin_name, impl.plugin_name.partition(":")[0], usable, why)
+            )
         decision = conflicts.choose_default(phase, device_type, claims)
         message = conflicts.contest_warning(decision)
         if message and (phase, device_type, decision.claims) not in self._warned_defaults:
@@ -241,8 +250,9 @@ class BackendRegistry(PluginLoading):
             for name in self._plugin_backends.get(plugin_name, []):
                 entry = self._entries.get(name)
                 if entry is not None and plugin_name.startswith(f"{entry.distribution}:"):
-                    self._entries[name] = dataclasses.replace(entry, status=FAILED, reason=message, error=exc,
-                                                              _fixed=True)
+                    self._entries[name] = dataclasses.replace(
+                        entry, status=FAILED, reason=message, error=exc, _fixed=True
+                    )
 
     # -- resolving --------------------------------------------------------------------
     def get(self, name: str, *, device_type: Optional[str] = None, phase: Optional[str] = None) -> BackendEntry:
@@ -264,15 +274,19 @@ class BackendRegistry(PluginLoading):
         entry = self._probe(entry, device_type or default_device_type())
         if not entry.ok:
             err = entry.error
-            kind = type(err) if isinstance(err, (BackendConflictError, BackendContractError, BackendLoadError)) \
+            kind = (
+                type(err)
+                if isinstance(err, (BackendConflictError, BackendContractError, BackendLoadError))
                 else BackendUnavailableError
+            )
             where = f"{entry.distribution} {entry.version}".strip()
             state = {FAILED: "installed but failed", CONFLICT: "in conflict"}.get(entry.status, entry.status)
             raise kind(f"backend {name!r} ({where}) is {state}: {entry.reason}") from err
         if phase is not None and phase not in entry.phases:
             raise BackendUnavailableError(
                 f"backend {name!r} does not support phase {phase!r}; it supports {list(entry.phases)}; "
-                f"backends for {phase}: {sorted(e.name for e in self._snapshot() if phase in e.phases)}")
+                f"backends for {phase}: {sorted(e.name for e in self._snapshot() if phase in e.phases)}"
+            )
         return entry
 
     def load_class(self, entry: BackendEntry) -> type:
@@ -314,7 +328,8 @@ class BackendRegistry(PluginLoading):
                 raise
             err = BackendLoadError(
                 f"backend {entry.name!r} of {entry.distribution} {entry.version}: cannot import "
-                f"{entry.spec.backend_class!r}: {one_line(exc)}")
+                f"{entry.spec.backend_class!r}: {one_line(exc)}"
+            )
             self._record_failure(entry, err)
             raise err from exc
 
@@ -394,8 +409,9 @@ class BackendRegistry(PluginLoading):
         device_type = device_str.split(":")[0]
         name = phase_config.backend or self.default_backend(phase, device_type)
         entry = self.get(name, device_type=device_type, phase=phase)
-        backend_options.check_resolved(self, phase, config if isinstance(config, CudaGraphConfig) else phase_config,
-                                       entry)
+        backend_options.check_resolved(
+            self, phase, config if isinstance(config, CudaGraphConfig) else phase_config, entry
+        )
         cls = self.load_class(entry)
         backend = cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
         try:

@@ -56,5 +56,7 @@ def api_version_problem(declared: Optional[str]) -> Optional[str]:
         return None
     if plugin.major != core.major:
         return f"implements plugin API {declared}, but this core provides plugin API {PLUGIN_API_VERSION}"
-    return (f"implements plugin API {declared}, newer than the {PLUGIN_API_VERSION} this core provides; "
-            f"upgrade {CORE_DISTRIBUTION}")
+    return (
+        f"implements plugin API {declared}, newer than the {PLUGIN_API_VERSION} this core provides; "
+        f"upgrade {CORE_DISTRIBUTION}"
+    )

@@ -2,8 +2,8 @@
 
 from .base import BaseCudaGraphRunner, freeze_gc, get_batch_sizes_to_capture
 from .decode import DecodeCudaGraphRunner, default_decode_batch_sizes
-from .stats import RunStats
 from .prefill import PrefillCudaGraphRunner, default_prefill_token_sizes
+from .stats import RunStats
 
 __all__ = [
     "BaseCudaGraphRunner",

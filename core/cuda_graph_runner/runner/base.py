@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import abc
 import bisect
-import dataclasses
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -22,14 +22,14 @@ import torch
 
 from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
-from ..config import CudaGraphConfig, PhaseConfig
-from ..forward_batch import ForwardBatch, as_static_batch
-from ..forward_context import forward_context
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
+from ..config import CudaGraphConfig, PhaseConfig
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TPGroup, tp_capture_step
-from ..nested import check_structure, clone_tensors, map_tensors
+from ..forward_batch import ForwardBatch, as_static_batch
+from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
+from ..nested import check_structure, clone_tensors, map_tensors
 from ..pool import get_capture_stream
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
@@ -131,15 +131,18 @@ def _model_device(model: Any, runner: str) -> torch.device:
                 return first.device
     raise ValueError(
         f"{runner}: cannot tell which device to capture on: the model ({type(model).__name__}) has no "
-        "parameters or buffers; pass device=, e.g. device='cuda:0'")
+        "parameters or buffers; pass device=, e.g. device='cuda:0'"
+    )
 
 
 def _check_backend_arg(backend: Any) -> None:
     """Raises TypeError for a ``backend=`` that is not an instance, a name or None."""
     if backend is None or isinstance(backend, (str, BaseCudaGraphBackend)):
         return
-    accepted = ("a backend instance (a BaseCudaGraphBackend subclass, built with its device and phase), "
-                "a backend name (a str such as 'full'), or None for the config's backend")
+    accepted = (
+        "a backend instance (a BaseCudaGraphBackend subclass, built with its device and phase), "
+        "a backend name (a str such as 'full'), or None for the config's backend"
+    )
     if isinstance(backend, type) and issubclass(backend, BaseCudaGraphBackend):
         raise TypeError(f"backend={backend.__name__} is a backend class, not an instance; pass {accepted}")
     raise TypeError(f"backend={backend!r} ({type(backend).__name__}) is not accepted; pass {accepted}")
@@ -217,18 +220,22 @@ class BaseCudaGraphRunner(abc.ABC):
         self.owned_outputs: bool = bool(self.phase_config.owned_outputs) if owned_outputs is None else owned_outputs
         if isinstance(backend, BaseCudaGraphBackend):
             theirs = backend.device
-            if theirs.type == self.device.type and None not in (theirs.index, self.device.index) \
-                    and theirs.index != self.device.index:
-                raise ValueError(f"backend {backend.name!r} is on {theirs} but the runner's device is {self.device}: "
-                                 f"build the backend with device={str(self.device)!r} or pass device={str(theirs)!r}")
+            if (
+                theirs.type == self.device.type
+                and None not in (theirs.index, self.device.index)
+                and theirs.index != self.device.index
+            ):
+                raise ValueError(
+                    f"backend {backend.name!r} is on {theirs} but the runner's device is {self.device}: "
+                    f"build the backend with device={str(self.device)!r} or pass device={str(theirs)!r}"
+                )
             self.backend = backend
         else:
             from ..registry import get_registry
 
             # A name given here overrides the config's backend, not its other options (tc_compiler).
             # The whole config, not the PhaseConfig: option checks at resolve need its sources.
-            selection = self.config.with_phase(self.phase, backend=backend) if isinstance(backend, str) \
-                else self.config
+            selection = self.config.with_phase(self.phase, backend=backend) if isinstance(backend, str) else self.config
             self.backend = get_registry().resolve(self.phase, selection, device=self.device)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
@@ -368,8 +375,11 @@ class BaseCudaGraphRunner(abc.ABC):
             bad = sorted(set(int(s) for s in sizes) - set(self.capture_sizes))
             if bad:
                 raise ValueError(f"sizes {bad} are not among this runner's capture sizes {self.capture_sizes}")
-        todo = sorted(set(self.capture_sizes if sizes is None else (int(s) for s in sizes))
-                      - {k.size for k in self.captured_keys}, reverse=True)
+        todo = sorted(
+            set(self.capture_sizes if sizes is None else (int(s) for s in sizes))
+            - {k.size for k in self.captured_keys},
+            reverse=True,
+        )
         report = CaptureReport(self.phase, self.backend.name, [], self._captured_sizes(), 0.0)
         if self.is_disabled:
             return report
@@ -387,20 +397,30 @@ class BaseCudaGraphRunner(abc.ABC):
         with device_guard(device, module):
             scope = self.host_value_guard_scope()
             # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
-            with host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF), \
-                    progress.step(f"prepare {self.phase} ({self.backend.name}), compile included",
-                                  f"prepared {self.phase} ({self.backend.name})", self.show_progress):
+            with (
+                host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF),
+                progress.step(
+                    f"prepare {self.phase} ({self.backend.name}), compile included",
+                    f"prepared {self.phase} ({self.backend.name})",
+                    self.show_progress,
+                ),
+            ):
                 self.backend.prepare(self)
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
-            before = module.memory_reserved(device) if module is not None and hasattr(module, "memory_reserved") else None
+            before = (
+                module.memory_reserved(device) if module is not None and hasattr(module, "memory_reserved") else None
+            )
             # The first size of this session warms up fully and empties the caches; later
             # sizes follow the ``warmup`` policy and keep the cache (BaseCudaGraphBackend).
             self.backend.new_capture_session(getattr(self.phase_config, "warmup", None))
             with freeze_gc(self.enable_cudagraph_gc), self.backend.capture_session(stream):
-                for size in progress.bar(todo, desc=f"capture {self.phase} ({self.backend.name})",
-                                         done=f"captured {len(todo)} {self.phase} graphs ({self.backend.name})",
-                                         show=self.show_progress):
+                for size in progress.bar(
+                    todo,
+                    desc=f"capture {self.phase} ({self.backend.name})",
+                    done=f"captured {len(todo)} {self.phase} graphs ({self.backend.name})",
+                    show=self.show_progress,
+                ):
                     tp_step = tp_capture_step(self.tp_group, f"{self.phase} size {size}")
                     try:
                         with tp_step:  # ranks warm up together; a failure on one fails all
@@ -424,8 +444,9 @@ class BaseCudaGraphRunner(abc.ABC):
         elif before is not None:
             self.capture_memory_bytes = module.memory_reserved(device) - before
         report.captured_sizes = self._captured_sizes()
-        logger.info("captured %d %s graphs with %s in %.2f s", len(todo), self.phase, self.backend.name,
-                    self.capture_seconds)
+        logger.info(
+            "captured %d %s graphs with %s in %.2f s", len(todo), self.phase, self.backend.name, self.capture_seconds
+        )
         return report
 
     def graph_memory_bytes(self) -> Optional[int]:
@@ -443,8 +464,9 @@ class BaseCudaGraphRunner(abc.ABC):
         device = self.backend.device
         return device, (self.backend.device_module if device.type != "cpu" else None)
 
-    def _raise_if_out_of_memory(self, exc: BaseException, size: int, todo: Sequence[int],
-                                device: torch.device, module: Any) -> None:
+    def _raise_if_out_of_memory(
+        self, exc: BaseException, size: int, todo: Sequence[int], device: torch.device, module: Any
+    ) -> None:
         oom = find_out_of_memory(exc)
         if oom is None:
             return
@@ -455,9 +477,16 @@ class BaseCudaGraphRunner(abc.ABC):
         free, total = device_memory_info(device, module)
         done = self._captured_sizes()
         raise CaptureOutOfMemoryError(
-            phase=self.phase, backend=self.backend.name, size=size, captured_sizes=done,
-            pending_sizes=[s for s in todo if s not in done], pool_bytes=pool_bytes,
-            free_bytes=free, total_bytes=total, original=oom) from exc
+            phase=self.phase,
+            backend=self.backend.name,
+            size=size,
+            captured_sizes=done,
+            pending_sizes=[s for s in todo if s not in done],
+            pool_bytes=pool_bytes,
+            free_bytes=free,
+            total_bytes=total,
+            original=oom,
+        ) from exc
 
     def capture_one_shape(self, size: int) -> None:
         """Capture one size: build the dummy batch, then ``backend.capture_one``."""
@@ -514,8 +543,9 @@ class BaseCudaGraphRunner(abc.ABC):
                 output = self.backend.replay(key, static_batch)
             result = self.finish_output(output, batch, static_batch)
             if self.verifier is not None:
-                self.verifier.after_replay(self.backend, self.model, key, static_batch, result,
-                                           lambda: self.eager_forward(batch))
+                self.verifier.after_replay(
+                    self.backend, self.model, key, static_batch, result, lambda: self.eager_forward(batch)
+                )
             if self.owned_outputs:
                 # Only what shares memory with the graph's output: one copy, none for
                 # results the runner already computed eagerly (prefill logits).

@@ -92,7 +92,8 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             raise ValueError(f"DecodeCudaGraphRunner runs DECODE or TARGET_VERIFY batches, not {mode}")
         if num_tokens_per_req < 1 or (mode is ForwardMode.DECODE and num_tokens_per_req != 1):
             raise ValueError(
-                f"num_tokens_per_req={num_tokens_per_req} is invalid for {mode.name} (DECODE takes 1, TARGET_VERIFY >= 1)")
+                f"num_tokens_per_req={num_tokens_per_req} is invalid for {mode.name} (DECODE takes 1, TARGET_VERIFY >= 1)"
+            )
         self.mode = mode
         self.num_tokens_per_req = num_tokens_per_req
         self.seq_len_fill_value = max(seq_len_fill_value, num_tokens_per_req)

@@ -99,8 +99,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     phase: ClassVar[str] = "prefill"
     default_max_size: ClassVar[int] = 4096
 
-    def __init__(self, model: Any, config: Any = None, *, max_request_tokens: Optional[int] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model: Any, config: Any = None, *, max_request_tokens: Optional[int] = None, **kwargs: Any
+    ) -> None:
         if max_request_tokens is not None and max_request_tokens < 1:
             raise ValueError(f"max_request_tokens={max_request_tokens}: must be >= 1")
         self.max_request_tokens = max_request_tokens
@@ -222,12 +223,18 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             view = self.buffers.view
             names = [name for name, _ in _PREFILL_SLOTS]
             static = StaticForwardBatch(  # request fields: replaced by each live batch's own
-                forward_mode=ForwardMode.EXTEND, req_pool_indices=None, seq_lens=None,  # type: ignore[arg-type]
-                **{name: view(name, padded) for name in names})
+                forward_mode=ForwardMode.EXTEND,
+                req_pool_indices=None,
+                seq_lens=None,  # type: ignore[arg-type]
+                **{name: view(name, padded) for name in names},
+            )
             statics[padded] = StaticBatchUpdater(static, keep=set(names))
         names = [name for name, _ in _PREFILL_SLOTS]
-        plan = (self.make_key(padded), statics[padded],
-                FusedFill(self.buffers, names, [tokens] * len(names), [padded] * len(names)))
+        plan = (
+            self.make_key(padded),
+            statics[padded],
+            FusedFill(self.buffers, names, [tokens] * len(names), [padded] * len(names)),
+        )
         if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
             self._replay_plans.clear()
         self._replay_plans[tokens] = plan

@@ -27,8 +27,15 @@ REASON_VARIANT = "variant not captured"  # another mode/layout, or the backend h
 REASON_EMPTY = "empty batch"  # zero rows
 REASON_PADDING = "padding too large"  # prefill: the padded size exceeds its ratio cap
 REASON_OTHER_RANK = "another rank cannot replay"  # tensor parallel: every rank takes the same path
-REASONS = (REASON_DISABLED, REASON_NOT_CAPTURED, REASON_TOO_LARGE, REASON_VARIANT, REASON_EMPTY, REASON_PADDING,
-           REASON_OTHER_RANK)
+REASONS = (
+    REASON_DISABLED,
+    REASON_NOT_CAPTURED,
+    REASON_TOO_LARGE,
+    REASON_VARIANT,
+    REASON_EMPTY,
+    REASON_PADDING,
+    REASON_OTHER_RANK,
+)
 
 
 class RunStats:
@@ -80,13 +87,22 @@ class RunStats:
             entry[0] += count
             entry[1] += live * count
             entry[2] += (captured - live) * count
-        padding = [{"captured_size": s, "replays": n, "real_rows": real, "padded_rows": pad,
-                    "waste": pad / real if real else 0.0}
-                   for s, (n, real, pad) in sorted(per_size.items())]
-        return {"replays": sum(self.replays_by_size.values()),
-                "eager_fallbacks": dict(sorted(self.fallbacks.items())),
-                "eager_total": sum(self.fallbacks.values()),
-                "padding": padding}
+        padding = [
+            {
+                "captured_size": s,
+                "replays": n,
+                "real_rows": real,
+                "padded_rows": pad,
+                "waste": pad / real if real else 0.0,
+            }
+            for s, (n, real, pad) in sorted(per_size.items())
+        ]
+        return {
+            "replays": sum(self.replays_by_size.values()),
+            "eager_fallbacks": dict(sorted(self.fallbacks.items())),
+            "eager_total": sum(self.fallbacks.values()),
+            "padding": padding,
+        }
 
 
 def fallback_reason(runner: Any, batch: Any) -> str:
@@ -117,5 +133,8 @@ def format_summary(label: str, summary: Dict[str, Any]) -> str:
     real = sum(p["real_rows"] for p in summary["padding"])
     padded = sum(p["padded_rows"] for p in summary["padding"])
     waste = f"{100.0 * padded / real:.1f}%" if real else "-"
-    return (f"{label}: {summary['replays']} replays, {summary['eager_total']} eager"
-            + (f" ({fallbacks})" if fallbacks else "") + f", padding waste {waste}")
+    return (
+        f"{label}: {summary['replays']} replays, {summary['eager_total']} eager"
+        + (f" ({fallbacks})" if fallbacks else "")
+        + f", padding waste {waste}"
+    )

@@ -157,7 +157,8 @@ class BackendConformanceTests:
         names = reg.names()
         assert self.backend_name in names, (
             f"backend {self.backend_name!r} is not registered; registered: {names}. Is its distribution installed "
-            f"(pip install ...; editable installs need a reinstall after changing entry points)?")
+            f"(pip install ...; editable installs need a reinstall after changing entry points)?"
+        )
         return reg._entries[self.backend_name]
 
     def spec(self) -> BackendSpec:
@@ -187,7 +188,9 @@ class BackendConformanceTests:
 
         return getattr(torch, self.dtype)
 
-    def make_model(self, device_type: str, *, num_slots: int = 1024, max_reqs: int = 16, max_context_len: int = 64) -> Any:
+    def make_model(
+        self, device_type: str, *, num_slots: int = 1024, max_reqs: int = 16, max_context_len: int = 64
+    ) -> Any:
         """The reference model with an attached KV cache on ``device_type``."""
         from .model import ReferenceLlamaForCausalLM
 
@@ -202,25 +205,34 @@ class BackendConformanceTests:
         from .tolerances import model_tolerance
 
         derived = model_tolerance(PRESETS[self.model_preset], self.dtype, context_len=64)
-        return {"atol": derived["atol"] if self.atol is None else self.atol,
-                "rtol": derived["rtol"] if self.rtol is None else self.rtol}
+        return {
+            "atol": derived["atol"] if self.atol is None else self.atol,
+            "rtol": derived["rtol"] if self.rtol is None else self.rtol,
+        }
 
     def assert_close(self, got: Any, expected: Any, what: str) -> None:
         import torch
 
-        torch.testing.assert_close(got, expected, **self.tolerance(),
-                                   msg=lambda m: f"backend {self.backend_name!r}, {what}: graph output differs from eager\n{m}")
+        torch.testing.assert_close(
+            got,
+            expected,
+            **self.tolerance(),
+            msg=lambda m: f"backend {self.backend_name!r}, {what}: graph output differs from eager\n{m}",
+        )
 
     # -- discovery ----------------------------------------------------------------------
     def test_entry_point_is_installed(self) -> None:
         eps = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == self.backend_name]
-        assert eps, (f"no entry point {self.backend_name!r} in group {ENTRY_POINT_GROUP!r}; declare it in pyproject.toml "
-                     f'under [project.entry-points."{ENTRY_POINT_GROUP}"] and reinstall the distribution')
+        assert eps, (
+            f"no entry point {self.backend_name!r} in group {ENTRY_POINT_GROUP!r}; declare it in pyproject.toml "
+            f'under [project.entry-points."{ENTRY_POINT_GROUP}"] and reinstall the distribution'
+        )
         dists = sorted({ep.dist.name if ep.dist is not None else "?" for ep in eps})
         assert len(dists) == 1, f"backend name {self.backend_name!r} is registered by several distributions: {dists}"
         if self.distribution is not None:
             assert registry._normalize_dist(dists[0]) == registry._normalize_dist(self.distribution), (
-                f"entry point {self.backend_name!r} comes from {dists[0]}, expected {self.distribution}")
+                f"entry point {self.backend_name!r} comes from {dists[0]}, expected {self.distribution}"
+            )
 
     def test_listed_with_distribution_and_version(self) -> None:
         rows = {e.name: e for e in registry.list_backends()}
@@ -230,7 +242,8 @@ class BackendConformanceTests:
         ep = next(ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == self.backend_name)
         assert ep.dist is not None and row.distribution == ep.dist.name and row.version == ep.dist.version, (
             f"listed as {row.distribution} {row.version}, installed as {ep.dist and ep.dist.name} "
-            f"{ep.dist and ep.dist.version}")
+            f"{ep.dist and ep.dist.version}"
+        )
         if row.status == registry.UNAVAILABLE:
             assert row.reason, f"backend {self.backend_name!r} is unavailable without a reason"
 
@@ -240,16 +253,20 @@ class BackendConformanceTests:
         ref = self.spec().backend_class
         assert isinstance(ref, str), "backend_class must be a 'module:Class' string so discovery stays lazy"
         module = ref.partition(":")[0]
-        report = run_python(f"""
+        report = run_python(
+            f"""
             import json, sys
             from cuda_graph_runner import registry
             rows = {{e.name: e.status for e in registry.list_backends()}}
             print(json.dumps({{"rows": rows, "imported": {module!r} in sys.modules}}))
-        """, pythonpath=sys.path)
+        """,
+            pythonpath=sys.path,
+        )
         assert self.backend_name in report["rows"], f"a fresh process does not list {self.backend_name!r}: {report}"
         assert not report["imported"], (
             f"listing backends imported {module!r}; the entry point must name a light registration module "
-            f"that refers to the class as a string")
+            f"that refers to the class as a string"
+        )
 
     # -- the spec and the contract ---------------------------------------------------------
     def test_spec_is_well_formed_and_declares_api_version(self) -> None:
@@ -258,7 +275,8 @@ class BackendConformanceTests:
         assert registry._spec_problem(spec) is None, registry._spec_problem(spec)
         assert spec.api_version is not None, (
             f"backend {self.backend_name!r} does not declare api_version; write the plugin API version it was "
-            f"written for as a literal, e.g. BackendSpec(..., api_version={PLUGIN_API_VERSION!r})")
+            f"written for as a literal, e.g. BackendSpec(..., api_version={PLUGIN_API_VERSION!r})"
+        )
         problem = registry.api_version_problem(spec.api_version)
         assert problem is None, f"backend {self.backend_name!r} {problem}"
         assert spec.description, "give the spec a one-line description (cuda-graph-runner backends shows it)"
@@ -281,7 +299,8 @@ class BackendConformanceTests:
         for device_type in sorted({d for d in spec.devices if d != "*"} | {"cpu", "cuda", "npu", "xpu"}):
             answer = probe(device_type)  # must not raise
             assert answer is None or (isinstance(answer, str) and answer.strip()), (
-                f"probe {spec.probe}({device_type!r}) returned {answer!r}; return None or a non-empty reason")
+                f"probe {spec.probe}({device_type!r}) returned {answer!r}; return None or a non-empty reason"
+            )
 
     def test_default_backend_hook_names_a_usable_backend(self) -> None:
         reg = registry.get_registry()
@@ -305,7 +324,9 @@ class BackendConformanceTests:
         if not row.ok:
             with pytest.raises(BackendUnavailableError) as info:
                 registry.get_registry().resolve(phase, config, device=device_type)
-            assert str(row.reason) in str(info.value), f"the error does not give the reason {row.reason!r}: {info.value}"
+            assert str(row.reason) in str(info.value), (
+                f"the error does not give the reason {row.reason!r}: {info.value}"
+            )
             return
         backend = registry.get_registry().resolve(phase, config, device=device_type)
         cls = registry.get_registry().load_class(row)
@@ -333,8 +354,10 @@ class BackendConformanceTests:
             marks = [m for m in getattr(fn, "pytestmark", []) if m.name in ("xfail", "skip")]
             if not any(m.kwargs.get("reason") or m.args for m in marks):
                 silent.append(name)
-        assert not silent, (f"{type(self).__name__} overrides standard test(s) {silent} without "
-                            "@pytest.mark.xfail(reason=...) or @pytest.mark.skip(reason=...)")
+        assert not silent, (
+            f"{type(self).__name__} overrides standard test(s) {silent} without "
+            "@pytest.mark.xfail(reason=...) or @pytest.mark.skip(reason=...)"
+        )
 
     def test_fake_device_calls_name_the_runners_device(self) -> None:
         """On the CPU: the backend on fake ``cuda:1`` while device 0 is current acts on 1 only."""
@@ -350,8 +373,13 @@ class BackendConformanceTests:
         phase_config = PhaseConfig(backend=self.backend_name, max_bs=4)
 
         def make(device: str, module: Any) -> Any:
-            return cls(device, phase="decode", phase_config=phase_config, device_module=module,
-                       **self.fake_device_backend_kwargs)
+            return cls(
+                device,
+                phase="decode",
+                phase_config=phase_config,
+                device_module=module,
+                **self.fake_device_backend_kwargs,
+            )
 
         try:
             check_device_calls(make)
@@ -369,8 +397,9 @@ class BackendConformanceTests:
 
         model = self.make_model(device_type)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
-                                       show_progress=False)
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}}, show_progress=False
+        )
         assert runner.backend.name == self.backend_name
         with torch.no_grad():
             runner.capture()
@@ -378,14 +407,18 @@ class BackendConformanceTests:
             eager = eager_logits_fn(model)
             for bs in self.decode_batch_sizes:
                 session = GreedySession(model, cache)
-                session.prefill(make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs))
+                session.prefill(
+                    make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs)
+                )
                 session.decode()  # requests of different lengths
                 batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
                 expected = eager(batch).clone()
                 if bs <= self.decode_max_bs:
                     assert runner.can_run(batch), f"batch size {bs} <= max_bs {self.decode_max_bs} cannot replay"
                 got = runner.forward(batch).clone()
-                assert got.shape == expected.shape, f"batch size {bs}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+                assert got.shape == expected.shape, (
+                    f"batch size {bs}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+                )
                 self.assert_close(got, expected, f"decode batch size {bs}")
                 session.close()
             runner.cleanup()
@@ -404,8 +437,13 @@ class BackendConformanceTests:
         width = 3
         model = self.make_model(device_type)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": self.backend_name, "max_bs": 4}},
-                                       mode=ForwardMode.TARGET_VERIFY, num_tokens_per_req=width, show_progress=False)
+        runner = DecodeCudaGraphRunner(
+            model,
+            {"decode": {"backend": self.backend_name, "max_bs": 4}},
+            mode=ForwardMode.TARGET_VERIFY,
+            num_tokens_per_req=width,
+            show_progress=False,
+        )
         eager = eager_logits_fn(model)
         with torch.no_grad():
             runner.capture()
@@ -413,7 +451,9 @@ class BackendConformanceTests:
                 prefill = make_extend_batch(cache, make_dummy_prompts(bs, 5, model.config.vocab_size, seed=10 + bs))
                 eager(prefill)
                 rows = prefill.req_pool_indices.tolist()
-                batch = make_target_verify_batch(cache, rows, make_dummy_prompts(bs, width, model.config.vocab_size, seed=bs))
+                batch = make_target_verify_batch(
+                    cache, rows, make_dummy_prompts(bs, width, model.config.vocab_size, seed=bs)
+                )
                 expected = eager(batch).clone()
                 assert runner.can_run(batch), f"target-verify batch size {bs} cannot replay"
                 got = runner.forward(batch).clone()
@@ -436,7 +476,8 @@ class BackendConformanceTests:
         model = self.make_model(device_type)
         cache = model.kv_cache
         runner = PrefillCudaGraphRunner(
-            model, {"prefill": {"backend": self.backend_name, "max_bs": self.prefill_max_tokens}}, show_progress=False)
+            model, {"prefill": {"backend": self.backend_name, "max_bs": self.prefill_max_tokens}}, show_progress=False
+        )
         assert runner.backend.name == self.backend_name
         eager = eager_logits_fn(model)
         with torch.no_grad():
@@ -447,7 +488,7 @@ class BackendConformanceTests:
                 first = make_extend_batch(cache, [p[: max(1, len(p) // 2)] for p in prompts])
                 rows = first.req_pool_indices.tolist()
                 # Two chunks: the second has cached prefixes (chunked prefill).
-                second = make_extend_batch(cache, [p[max(1, len(p) // 2):] or [p[-1]] for p in prompts], rows=rows)
+                second = make_extend_batch(cache, [p[max(1, len(p) // 2) :] or [p[-1]] for p in prompts], rows=rows)
                 for which, batch in (("first chunk", first), ("second chunk", second)):
                     expected = eager(batch).clone()
                     replayed += runner.can_run(batch)
@@ -469,7 +510,9 @@ class BackendConformanceTests:
 
         model = self.make_model(device_type)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": self.backend_name, "max_bs": 4}}, show_progress=False)
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": self.backend_name, "max_bs": 4}}, show_progress=False
+        )
         with torch.no_grad():
             for round_ in range(2):
                 runner.capture()
@@ -498,13 +541,16 @@ class BackendConformanceTests:
         module = torch.get_device_module(device_type)
         count = module.device_count() if device_type != "cpu" and hasattr(module, "device_count") else 1
         if count < 2:
-            pytest.skip(f"needs 2 {device_type} devices (a runner on {device_type}:1 while {device_type}:0 is "
-                        f"current); this machine has {count}")
+            pytest.skip(
+                f"needs 2 {device_type} devices (a runner on {device_type}:1 while {device_type}:0 is "
+                f"current); this machine has {count}"
+            )
         module.set_device(0)
         model = self.make_model(f"{device_type}:1")
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
-                                       show_progress=False)
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}}, show_progress=False
+        )
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             runner.capture()
@@ -534,8 +580,12 @@ class BackendConformanceTests:
 
         model = self.make_model(device_type)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
-                                       owned_outputs=True, show_progress=False)
+        runner = DecodeCudaGraphRunner(
+            model,
+            {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
+            owned_outputs=True,
+            show_progress=False,
+        )
         eager = eager_logits_fn(model)
         sizes = (min(3, self.decode_max_bs), self.decode_max_bs)
         with torch.no_grad():
@@ -602,8 +652,14 @@ def registry_snapshot(device_type: Optional[str] = "cpu") -> List[Dict[str, str]
     return [dict(e.as_row(), pid=str(os.getpid())) for e in registry.list_backends(device_type)]
 
 
-def write_plugin_source(directory: Path, dist_name: str, modules: Mapping[str, str],
-                        entry_points: Mapping[str, str], *, version: str = "0.0.1") -> Path:
+def write_plugin_source(
+    directory: Path,
+    dist_name: str,
+    modules: Mapping[str, str],
+    entry_points: Mapping[str, str],
+    *,
+    version: str = "0.0.1",
+) -> Path:
     """Write a minimal plugin distribution (one-file modules) to ``directory``.
 
     Args:
@@ -628,7 +684,8 @@ def write_plugin_source(directory: Path, dist_name: str, modules: Mapping[str, s
         f'[project.entry-points."{ENTRY_POINT_GROUP}"]\n'
         f"{eps}\n"
         "[tool.setuptools]\n"
-        f"py-modules = {json.dumps(sorted(modules))}\n")
+        f"py-modules = {json.dumps(sorted(modules))}\n"
+    )
     return directory
 
 
@@ -640,15 +697,29 @@ def install_plugin_distributions(site: Path, *sources: Path) -> Path:
         subprocess.CalledProcessError: pip failed (its output is in the exception).
     """
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(site), *map(str, sources)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            *map(str, sources),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return site
 
 
-def run_python(code: str, *, pythonpath: Sequence[Any] = (), env: Optional[Mapping[str, str]] = None,
-               expect_ok: bool = True) -> Dict[str, Any]:
+def run_python(
+    code: str, *, pythonpath: Sequence[Any] = (), env: Optional[Mapping[str, str]] = None, expect_ok: bool = True
+) -> Dict[str, Any]:
     """Run ``code`` in a fresh interpreter; return the JSON object on its last stdout line.
 
     Args:
@@ -662,7 +733,9 @@ def run_python(code: str, *, pythonpath: Sequence[Any] = (), env: Optional[Mappi
     full_env.update(env or {})
     paths = [str(p) for p in pythonpath if p]
     if paths:
-        full_env["PYTHONPATH"] = os.pathsep.join(paths + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            paths + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])
+        )
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True, text=True)
     if not expect_ok:
         return {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}

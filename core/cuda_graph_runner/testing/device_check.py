@@ -88,8 +88,9 @@ def check_device_calls(
 
     fake = FakeGraphDeviceModule(current_device=current_device)
     backend = make_backend(f"cuda:{device_index}", fake)
-    runner = DecodeCudaGraphRunner(TinyDecodeModel(), {"decode": {"max_bs": max_bs}}, device="cpu",
-                                   backend=backend, show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        TinyDecodeModel(), {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False
+    )
     with torch.no_grad():
         for _ in range(2):  # capture, replay, cleanup; then once more (recapture)
             runner.capture()
@@ -101,7 +102,9 @@ def check_device_calls(
     assert not foreign, (
         f"backend {type(backend).__name__} on cuda:{device_index} (current device {current_device}) made "
         f"{len(foreign)} call(s) on another device: {foreign[:10]}; create streams with Stream(device=...), "
-        f"synchronize(device), and capture/replay inside the device guard the runner holds")
+        f"synchronize(device), and capture/replay inside the device guard the runner holds"
+    )
     assert fake.current == current_device, (
-        f"the current device is {fake.current} after the run, was {current_device}: a device guard leaked")
+        f"the current device is {fake.current} after the run, was {current_device}: a device guard leaked"
+    )
     return fake

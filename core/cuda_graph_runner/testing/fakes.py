@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
-from ..forward_batch import ForwardBatch
 from ..buffers import copy_into
+from ..forward_batch import ForwardBatch
 from ..nested import map_tensors
 
 Event = Tuple[Any, ...]
@@ -211,8 +211,9 @@ class RecordingBackend(BaseCudaGraphBackend):
             self.in_session = False
             self.events.append(("session_end",))
 
-    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *,
-                    post_warmup_hook: Optional[Callable[[], None]] = None) -> None:
+    def capture_one(
+        self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: Optional[Callable[[], None]] = None
+    ) -> None:
         if not self.in_session:
             raise RuntimeError("capture_one outside capture_session")
         runs = self.warmup_runs(key)  # the ``warmup`` policy, as real backends follow it
@@ -265,4 +266,3 @@ class RecordingBackend(BaseCudaGraphBackend):
     def captured(self) -> List[ShapeKey]:
         """Keys in capture order."""
         return [e[1] for e in self.events if e[0] == "capture"]
-

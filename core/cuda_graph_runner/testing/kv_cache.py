@@ -16,7 +16,7 @@ address is fixed for the cache's lifetime: captured graphs may bake it in.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 
@@ -79,8 +79,12 @@ class PagedKVCache:
 
         shape = (num_slots, num_kv_heads, head_dim)
         # Zeros, not empty: slot 0 is read by padded requests and must hold finite values.
-        self.k_buffers: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffers: List[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_buffers: List[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
         self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=self.device)
 
         # Host-side free lists, popped from the end so allocation hands out ascending ids.
@@ -193,7 +197,9 @@ class PagedKVCache:
         free = set(self._free_slots)
         for s in ids:
             if not 0 < s < self.num_slots or s in free:
-                raise ValueError(f"cannot free slot {s}: reserved, out of range (num_slots={self.num_slots}) or already free")
+                raise ValueError(
+                    f"cannot free slot {s}: reserved, out of range (num_slots={self.num_slots}) or already free"
+                )
             free.add(s)
         self._free_slots.extend(reversed(ids))
 

@@ -120,30 +120,35 @@ def shard_hf_tensor(name: str, src: Any, lay: TPLayout) -> torch.Tensor:
     d = lay.head_dim
     if re.search(r"\.q_proj\.(weight|bias)$", name):
         a = lay.rank * lay.local_heads * d
-        return src[a:a + lay.local_heads * d]
+        return src[a : a + lay.local_heads * d]
     if re.search(r"\.[kv]_proj\.(weight|bias)$", name):
         a = lay.kv_head_start * d
-        return src[a:a + lay.local_kv_heads * d]
+        return src[a : a + lay.local_kv_heads * d]
     if re.search(r"\.(gate_proj|up_proj)\.weight$", name):
         a = lay.rank * lay.local_intermediate
-        return src[a:a + lay.local_intermediate]
+        return src[a : a + lay.local_intermediate]
     if re.search(r"\.o_proj\.weight$", name):
         a = lay.rank * lay.local_heads * d
-        return src[:, a:a + lay.local_heads * d]
+        return src[:, a : a + lay.local_heads * d]
     if re.search(r"\.down_proj\.weight$", name):
         a = lay.rank * lay.local_intermediate
-        return src[:, a:a + lay.local_intermediate]
+        return src[:, a : a + lay.local_intermediate]
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         a = lay.vocab_start
-        part = src[a:min(a + lay.local_vocab, lay.vocab_size)] if a < lay.vocab_size else None
+        part = src[a : min(a + lay.local_vocab, lay.vocab_size)] if a < lay.vocab_size else None
         if part is not None and part.shape[0] == lay.local_vocab:
             return part
-        hidden = part.shape[1] if part is not None else src.get_shape()[1] if not isinstance(src, torch.Tensor) \
+        hidden = (
+            part.shape[1]
+            if part is not None
+            else src.get_shape()[1]
+            if not isinstance(src, torch.Tensor)
             else src.shape[1]
+        )
         dtype = part.dtype if part is not None else torch.float32
         out = torch.zeros(lay.local_vocab, hidden, dtype=dtype)
         if part is not None:
-            out[:part.shape[0]] = part
+            out[: part.shape[0]] = part
         return out
     return src[:]  # norms, o_proj bias: replicated
 
@@ -155,12 +160,17 @@ def shard_fused_param(name: str, full: torch.Tensor, lay: TPLayout) -> torch.Ten
     if ".qkv_proj." in name:
         stem = name.replace(".qkv_proj.", ".{}.")
         parts = full.split([q, kv, kv])
-        return torch.cat([shard_hf_tensor(stem.format(p), t, lay) for p, t in zip(("q_proj", "k_proj", "v_proj"),
-                                                                                   parts)])
+        return torch.cat(
+            [shard_hf_tensor(stem.format(p), t, lay) for p, t in zip(("q_proj", "k_proj", "v_proj"), parts)]
+        )
     if ".gate_up_proj." in name:
         stem = name.replace(".gate_up_proj.", ".{}.")
-        return torch.cat([shard_hf_tensor(stem.format(p), t, lay) for p, t in zip(("gate_proj", "up_proj"),
-                                                                                   full.split([inter, inter]))])
+        return torch.cat(
+            [
+                shard_hf_tensor(stem.format(p), t, lay)
+                for p, t in zip(("gate_proj", "up_proj"), full.split([inter, inter]))
+            ]
+        )
     return shard_hf_tensor(name, full, lay)
 
 
@@ -176,12 +186,20 @@ class RowParallelLinear(nn.Module):
     dtype. Megatron-LM / vLLM ``RowParallelLinear``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
-                 tp: Optional[TPGroup]):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: Optional[TPGroup],
+    ):
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -206,8 +224,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.start, self.local_vocab = lay.vocab_start, lay.local_vocab
-        self.weight = nn.Parameter(torch.empty(lay.local_vocab, hidden, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(lay.local_vocab, hidden, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -217,8 +236,9 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out, self.tp)
 
 
-def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                       tp: Optional[TPGroup]) -> torch.Tensor:
+def parallel_lm_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: Optional[TPGroup]
+) -> torch.Tensor:
     """Full float32 logits ``[tokens, vocab_size]`` from a vocab shard ``weight``
     ``[local_vocab, hidden]``: local logits, gathered over ranks, padding cut."""
     local = F.linear(hidden, weight).float()

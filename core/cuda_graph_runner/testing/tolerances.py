@@ -92,8 +92,9 @@ def model_tolerance(config: Any, dtype: Any, *, context_len: int = 0) -> Dict[st
     return tolerance(dtype, size, depth=int(config.num_hidden_layers) + 1)
 
 
-def assert_close(actual: Any, expected: Any, *, dtype: Optional[Any] = None, reduction_size: int = 1,
-                 depth: int = 1, msg: Any = None) -> None:
+def assert_close(
+    actual: Any, expected: Any, *, dtype: Optional[Any] = None, reduction_size: int = 1, depth: int = 1, msg: Any = None
+) -> None:
     """``torch.testing.assert_close`` with :func:`tolerance` (dtype defaults to ``expected``'s).
 
     Raises:

@@ -31,10 +31,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, device_type: str, args: Sequence[Any],
-           results: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, device_type: str, args: Sequence[Any], results: Any
+) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     code = 0
     try:
         from ..distributed import init_tensor_parallel, shutdown
@@ -57,8 +59,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, device
     exit_now(code)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device_type: str = "cpu",
-              timeout_s: float = 240.0) -> List[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, device_type: str = "cpu", timeout_s: float = 240.0
+) -> List[Any]:
     """Call ``fn(tp_group, *args)`` on ``world_size`` spawned ranks; return their values.
 
     Args:
@@ -79,8 +82,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device_type: 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, device_type, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, device_type, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

@@ -78,7 +78,9 @@ class AcmeDebugBackend(BaseCudaGraphBackend):
             GraphInvariantError: outside ``capture_session``, or ``key`` already captured.
         """
         if not self._in_session:
-            raise GraphInvariantError(f"capture_one({key}) outside capture_session(): a graph needs its stream and pool")
+            raise GraphInvariantError(
+                f"capture_one({key}) outside capture_session(): a graph needs its stream and pool"
+            )
         if key in self._fns:
             raise GraphInvariantError(f"shape {key} is already captured; call cleanup() before capturing it again")
         for _ in range(self.num_warmups):
@@ -107,13 +109,18 @@ class AcmeDebugBackend(BaseCudaGraphBackend):
         """
         if key not in self._fns:
             raise KeyError(f"no graph captured for {key}; captured: {sorted(self._fns)}")
-        addresses = tuple((f, getattr(static_batch, f).data_ptr()) for f in STATIC_FIELDS
-                          if isinstance(getattr(static_batch, f, None), torch.Tensor))
+        addresses = tuple(
+            (f, getattr(static_batch, f).data_ptr())
+            for f in STATIC_FIELDS
+            if isinstance(getattr(static_batch, f, None), torch.Tensor)
+        )
         first = self._addresses.setdefault(key, addresses)
         if addresses != first:
             moved = [f for (f, a), (_, b) in zip(first, addresses) if a != b]
-            raise GraphInvariantError(f"replay of {key}: static input(s) {moved} moved since the first replay; "
-                                      "a device graph would read the old addresses")
+            raise GraphInvariantError(
+                f"replay of {key}: static input(s) {moved} moved since the first replay; "
+                "a device graph would read the old addresses"
+            )
         self.stats["replay", key] += 1
         _copy_into(self._outputs[key], self._fns[key](), f"replay of {key}")
         return self._outputs[key]

@@ -90,7 +90,13 @@ def _static():
     from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 
     t = torch.zeros(1, dtype=torch.int64)
-    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, input_ids=t.clone(), positions=t.clone(),
-                         out_cache_loc=t.clone(), req_pool_indices=t.clone(), seq_lens=t.clone().int())
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        input_ids=t.clone(),
+        positions=t.clone(),
+        out_cache_loc=t.clone(),
+        req_pool_indices=t.clone(),
+        seq_lens=t.clone().int(),
+    )
     _KEEP.append(batch)  # keep the tensors alive so a new batch cannot reuse their addresses
     return batch

@@ -49,16 +49,22 @@ import torch
 
 from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.buffers import copy_into
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly, capture_safe_now
-from cuda_graph_runner.buffers import copy_into
 from cuda_graph_runner.nested import iter_tensors, map_tensors
 from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BreakableCaptureError", "BreakableCudaGraphBackend", "BreakableGraph", "EagerBreak", "ENV_INLINE_SAFE_OPS",
-           "ENV_WEAK_REF_ARGS"]
+__all__ = [
+    "BreakableCaptureError",
+    "BreakableCudaGraphBackend",
+    "BreakableGraph",
+    "EagerBreak",
+    "ENV_INLINE_SAFE_OPS",
+    "ENV_WEAK_REF_ARGS",
+]
 
 #: Sets ``weak_ref_args`` for backends built without the argument (the registry builds
 #: them so), e.g. to compare graph memory in a benchmark; parsed by the core's ``envs``
@@ -194,8 +200,13 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     #: frozen into segments (cuda_graph_runner.host_guard).
     host_value_guard = "outside_marked_ops"
 
-    def __init__(self, *args: Any, weak_ref_args: Optional[bool] = None,
-                 inline_capture_safe_ops: Optional[bool] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        weak_ref_args: Optional[bool] = None,
+        inline_capture_safe_ops: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if weak_ref_args is None:
             weak_ref_args = envs.get(ENV_WEAK_REF_ARGS)
@@ -254,19 +265,26 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         # As in ``full``: aliases let smaller shapes reuse this shape's output blocks.
         weak = self.weak_ref_args and self.device.type == "cuda" and _all_on_cuda(output)
         self._outputs[key] = weak_ref_tensors(output) if weak else output
-        logger.debug("breakable %s: %d segments, eager ops %s, recorded inside %s", key,
-                     len(capture.graph.segments), capture.graph.op_names, capture.graph.inlined)
+        logger.debug(
+            "breakable %s: %d segments, eager ops %s, recorded inside %s",
+            key,
+            len(capture.graph.segments),
+            capture.graph.op_names,
+            capture.graph.inlined,
+        )
 
     def _refuse_nested(self, key: ShapeKey) -> None:
         if is_capturing():
             raise BreakableCaptureError(
                 f"nested capture: capture_one({key}) was called while another breakable capture "
-                f"({_local.capture.graph.key}) is running in this thread; CUDA graphs cannot nest")
+                f"({_local.capture.graph.key}) is running in this thread; CUDA graphs cannot nest"
+            )
         capturing = getattr(self.device_module, "is_current_stream_capturing", None)
         if capturing is not None and capturing():
             raise BreakableCaptureError(
                 f"nested capture: capture_one({key}) was called while the current stream is already "
-                "capturing a graph; CUDA graphs cannot nest")
+                "capturing a graph; CUDA graphs cannot nest"
+            )
 
     def check_op_args(self, op: EagerOp, args: tuple, kwargs: Dict[str, Any]) -> None:
         """Refuse tensor arguments a replay could not reproduce.
@@ -282,7 +300,8 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
                     "the tensors of the capture, and a host tensor holds the values it had then "
                     "(stale metadata). Pass device tensors at stable addresses (static buffers, weights, "
                     "KV cache, tensors computed in the graph) and read host metadata inside the op "
-                    "from cuda_graph_runner.forward_context.get_forward_batch()")
+                    "from cuda_graph_runner.forward_context.get_forward_batch()"
+                )
 
     def freeze(self, value: Any) -> Any:
         """What a replay closure keeps of an op argument: the value, with each CUDA tensor
@@ -378,7 +397,8 @@ class _SegmentCapture:
                 f"segment {index} of {self.graph.key} could not end its capture: {exc}. Common causes: a "
                 "host sync or host-dependent op inside the segment, or a side stream forked from the capture "
                 "stream and joined only through Event.wait (fork/join with Stream.wait_stream so the backend "
-                "can join it)") from exc
+                "can join it)"
+            ) from exc
 
     def abort(self, exc_info: Tuple[Any, Any, Any]) -> None:
         """End the open segment after an error, keeping the original error."""
@@ -411,12 +431,14 @@ class _SegmentCapture:
         finally:
             self._in_op = False
         freeze = self.backend.freeze
-        self.graph.breaks.append(EagerBreak(
-            op=op,
-            args=tuple(freeze(a) for a in args),
-            kwargs={k: freeze(v) for k, v in kwargs.items()},
-            returned=result if _has_tensor(result) else None,
-        ))
+        self.graph.breaks.append(
+            EagerBreak(
+                op=op,
+                args=tuple(freeze(a) for a in args),
+                kwargs={k: freeze(v) for k, v in kwargs.items()},
+                returned=result if _has_tensor(result) else None,
+            )
+        )
         self.begin_segment()
         return result
 
@@ -462,10 +484,10 @@ class _ForkTracker:
 
         patches = {"wait_event": wait_event}
         if wait_stream_0 is not None:
+
             @functools.wraps(wait_stream_0)
             def wait_stream(stream: Any, other: Any) -> None:
-                if (tracker.active and _contains(tracker.joined, other)
-                        and not tracker.is_capturing(other)):
+                if tracker.active and _contains(tracker.joined, other) and not tracker.is_capturing(other):
                     return
                 wait_stream_0(stream, other)
 

@@ -101,7 +101,8 @@ class _Recorder(TorchDispatchMode):
         base = name.split("::")[-1].split(".")[0]
         if func.namespace == "aten" and base in _HOST_SYNC_OPS:
             raise HostSyncInCaptureError(
-                f"{name} reads device values on the host; it is not allowed inside a graph capture")
+                f"{name} reads device values on the host; it is not allowed inside a graph capture"
+            )
         if func.namespace == NAMESPACE:
             # A marked op captured *into* a graph: record the ops its body runs, with
             # the metadata of this moment, as a CUDA capture would.
@@ -110,11 +111,15 @@ class _Recorder(TorchDispatchMode):
                 with self:
                     return op.fn(*args, **kwargs)
         out = func(*args, **kwargs)
-        inputs = {k for k in (_storage_key(t) for t in tree_flatten((args, kwargs))[0]
-                              if isinstance(t, torch.Tensor)) if k is not None}
+        inputs = {
+            k
+            for k in (_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+            if k is not None
+        }
         flat, _ = tree_flatten(out)
-        fresh = [t if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs and t.numel() else None
-                 for t in flat]
+        fresh = [
+            t if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs and t.numel() else None for t in flat
+        ]
         self.graph.ops.append(_Recorded(func, args, kwargs, fresh))
         return out
 
@@ -131,8 +136,7 @@ class EmulatedGraphDeviceModule(FakeGraphDeviceModule):
         return EmulatedGraph(self)
 
     @contextlib.contextmanager
-    def graph(self, cuda_graph: EmulatedGraph, pool: Any = None, stream: Any = None,
-              **kwargs: Any) -> Iterator[None]:
+    def graph(self, cuda_graph: EmulatedGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
         if self.capturing is not None:
             raise RuntimeError("nested graph capture")
         self.record_device("graph", None)
@@ -154,4 +158,4 @@ class EmulatedGraphDeviceModule(FakeGraphDeviceModule):
     def segment_order(self) -> List[Tuple[Any, ...]]:
         """Events after the last capture, i.e. what replays did, in order."""
         last = max((i for i, e in enumerate(self.events) if e[0] == "capture_end"), default=-1)
-        return self.events[last + 1:]
+        return self.events[last + 1 :]

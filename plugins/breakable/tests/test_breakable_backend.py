@@ -25,13 +25,12 @@ from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunn
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS
 from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.toy_model import decode_batch
 from cuda_graph_runner_breakable.backend import (
     BreakableCaptureError,
     BreakableCudaGraphBackend,
 )
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule, HostSyncInCaptureError
-
-from cuda_graph_runner.testing.toy_model import decode_batch
 
 VOCAB = 16
 HIDDEN = 8
@@ -54,7 +53,7 @@ def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
         SINK[0].append(("op", tuple(lens)))
     start = 0
     for i, n in enumerate(lens):
-        output[start:start + n] = x[start:start + n].cumsum(0) * scale + (i + 1)
+        output[start : start + n] = x[start : start + n].cumsum(0) * scale + (i + 1)
         start += n
     output[start:].zero_()  # padding tokens belong to no request
 
@@ -136,8 +135,9 @@ def breakable(dm: Any, phase: str = "prefill", device: str = "cpu", **kwargs: An
 
 
 def prefill_runner(model: Any, backend: Any, max_bs: int = 8, **kwargs: Any) -> PrefillCudaGraphRunner:
-    return PrefillCudaGraphRunner(model, {"prefill": {"max_bs": max_bs}}, device="cpu", backend=backend,
-                                  show_progress=False, **kwargs)
+    return PrefillCudaGraphRunner(
+        model, {"prefill": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False, **kwargs
+    )
 
 
 # -- capture protocol and replay order (recording fake) --------------------------------------
@@ -157,9 +157,17 @@ def test_capture_ends_a_segment_at_each_marked_op(sink):
         assert len(graph.segments) == 3 and graph.op_names == ["test_breakable_cpu_request_mix"] * 2
         ids = [g.id for g in graph.segments]
         first = next(i for i, e in enumerate(fake.events) if e[:2] == ("capture_begin", ids[0]))
-        names = [e[0] if e[0] != "op" else "op" for e in fake.events[first:first + 8]]
-        assert names == ["capture_begin", "capture_end", "op", "capture_begin", "capture_end", "op",
-                         "capture_begin", "capture_end"]
+        names = [e[0] if e[0] != "op" else "op" for e in fake.events[first : first + 8]]
+        assert names == [
+            "capture_begin",
+            "capture_end",
+            "op",
+            "capture_begin",
+            "capture_end",
+            "op",
+            "capture_begin",
+            "capture_end",
+        ]
         # The op ran once at capture, on the capture's dummy requests.
         assert fake.events[first + 2] == ("op", tuple(runner.capture_request_lens(key.size)))
         # Two warm-ups before the capture ran the ops eagerly, outside any capture.
@@ -180,8 +188,13 @@ def test_replay_runs_segment_op_segment_on_the_live_batch(sink):
             SINK[0] = fake.events
             start = len(fake.events)
             runner.forward(extend_batch(lens))
-            assert fake.events[start:] == [("replay", seg[0]), ("op", tuple(lens)), ("replay", seg[1]),
-                                           ("op", tuple(lens)), ("replay", seg[2])]
+            assert fake.events[start:] == [
+                ("replay", seg[0]),
+                ("op", tuple(lens)),
+                ("replay", seg[1]),
+                ("op", tuple(lens)),
+                ("replay", seg[2]),
+            ]
     assert backend.num_replays == 4
 
 
@@ -270,8 +283,13 @@ def test_emulated_full_capture_of_the_op_replays_stale_metadata():
     with pytest.raises(CudaGraphHostValueError, match="extend_seq_lens_cpu"):
         prefill_runner(MixModel(), backend, max_bs=8).capture()
     backend.cleanup()
-    runner = PrefillCudaGraphRunner(MixModel(), {"prefill": {"max_bs": 8, "host_value_guard": False}}, device="cpu",
-                                    backend=backend, show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        MixModel(),
+        {"prefill": {"max_bs": 8, "host_value_guard": False}},
+        device="cpu",
+        backend=backend,
+        show_progress=False,
+    )
     with torch.no_grad():
         runner.capture()
         same = extend_batch([8])  # the capture's own layout: one 8-token request
@@ -286,8 +304,9 @@ def test_emulated_full_capture_of_the_op_replays_stale_metadata():
 def test_emulated_breakable_decode_matches_eager():
     dm = EmulatedGraphDeviceModule()
     backend = breakable(dm, phase="decode")
-    runner = DecodeCudaGraphRunner(MixModel(), {"decode": {"max_bs": 8}}, device="cpu", backend=backend,
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        MixModel(), {"decode": {"max_bs": 8}}, device="cpu", backend=backend, show_progress=False
+    )
     with torch.no_grad():
         runner.capture()
         for bs in (1, 3, 5, 8):
@@ -363,8 +382,9 @@ def test_emulated_reference_decode_matches_eager(reference):
     cache = reference.kv_cache
     dm = EmulatedGraphDeviceModule()
     backend = breakable(dm, phase="decode")
-    runner = DecodeCudaGraphRunner(reference, {"decode": {"max_bs": 4}}, device="cpu", backend=backend,
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        reference, {"decode": {"max_bs": 4}}, device="cpu", backend=backend, show_progress=False
+    )
     with torch.no_grad():
         runner.capture()
         session = GreedySession(reference, cache)
@@ -526,9 +546,9 @@ def test_side_stream_forked_in_a_segment_is_joined_before_it_ends():
 
     def forward_fn():
         current = fake.current or capture_stream
-        side.wait_stream(current)      # fork: side work overlaps the op
+        side.wait_stream(current)  # fork: side work overlaps the op
         inner_op(out, x)
-        current.wait_stream(side)      # join after the op: already joined by the backend
+        current.wait_stream(side)  # join after the op: already joined by the backend
         return out + 1
 
     with backend.capture_session(capture_stream), forward_context(extend_batch([4])):
@@ -536,8 +556,13 @@ def test_side_stream_forked_in_a_segment_is_joined_before_it_ends():
     waits = [e for e in fake.events if e[0] in ("wait", "capture_begin", "capture_end")]
     first = next(i for i, e in enumerate(waits) if e[0] == "capture_begin")
     assert [e[:3] if e[0] == "wait" else e[0] for e in waits[first:]] == [
-        "capture_begin", ("wait", "side", "capture"), ("wait", "capture", "side"), "capture_end",
-        "capture_begin", "capture_end"]
+        "capture_begin",
+        ("wait", "side", "capture"),
+        ("wait", "capture", "side"),
+        "capture_end",
+        "capture_begin",
+        "capture_end",
+    ]
     assert dict(vars(fake.Stream)) == originals  # the wrapped methods are restored
 
 

@@ -48,7 +48,7 @@ def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
     start = 0
     for i, n in enumerate(lens):
         bias = torch.tensor([float(i + 1) + 0.1 * n], device=x.device, dtype=x.dtype)
-        output[start:start + n] = x[start:start + n].cumsum(0) * scale + bias
+        output[start : start + n] = x[start : start + n].cumsum(0) * scale + bias
         start += n
     output[start:].zero_()
 
@@ -143,12 +143,27 @@ def make_backend(phase: str = "prefill", **kwargs: Any):
 
 
 def prefill_runner(model: Any, max_bs: int = 64, **kwargs: Any) -> PrefillCudaGraphRunner:
-    return PrefillCudaGraphRunner(model.to(device()), {"prefill": {"max_bs": max_bs}}, backend=make_backend(**kwargs),
-                                  show_progress=False)
+    return PrefillCudaGraphRunner(
+        model.to(device()), {"prefill": {"max_bs": max_bs}}, backend=make_backend(**kwargs), show_progress=False
+    )
 
 
-LAYOUTS = [[4], [1, 3], [8], [3, 5], [2, 2, 2, 2], [16], [9, 7], [1, 1, 14], [30], [5, 11, 13], [20, 12],
-           [64], [33, 31], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+LAYOUTS = [
+    [4],
+    [1, 3],
+    [8],
+    [3, 5],
+    [2, 2, 2, 2],
+    [16],
+    [9, 7],
+    [1, 1, 14],
+    [30],
+    [5, 11, 13],
+    [20, 12],
+    [64],
+    [33, 31],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+]
 
 
 @pytest.mark.parametrize("returning", [False, True])
@@ -162,8 +177,7 @@ def test_prefill_replays_see_live_metadata_every_time(returning):
                 expected = runner.eager_forward(batch).clone()
                 assert runner.can_run(batch), lens
                 got = runner.forward(batch).clone()
-                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5,
-                                           msg=lambda m: f"layout {lens}: {m}")
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"layout {lens}: {m}")
         assert runner.backend.num_replays == len(LAYOUTS)
         graph = runner.backend.graph(ShapeKey(64, "extend"))
         assert len(graph.segments) == len(graph.breaks) + 1 == (4 if returning else 3)
@@ -208,6 +222,7 @@ def test_backend_alone_replays_the_op_on_the_live_context():
     capture_batch = extend_batch([12])
     try:
         with torch.no_grad(), backend.capture_session(get_capture_stream(backend.device)):
+
             def forward_fn():
                 with forward_context(capture_batch):
                     return forward()
@@ -262,8 +277,9 @@ def test_weak_ref_args_replay_the_same_numbers(weak):
 
 def test_decode_matches_eager():
     model = MixModel().to(device())
-    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 8}}, backend=make_backend("decode"),
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": 8}}, backend=make_backend("decode"), show_progress=False
+    )
     try:
         with torch.no_grad():
             runner.capture()

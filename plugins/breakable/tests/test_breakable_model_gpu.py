@@ -56,8 +56,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def prefill(model):
-    runner = PrefillCudaGraphRunner(model, {"prefill": {"max_bs": MAX_TOKENS}}, backend=make_backend("prefill"),
-                                    show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        model, {"prefill": {"max_bs": MAX_TOKENS}}, backend=make_backend("prefill"), show_progress=False
+    )
     with torch.no_grad():
         runner.capture()
     yield runner
@@ -81,8 +82,10 @@ def check_prefill(runner, model, batch, *, replays: bool = True, atol: float = 1
         kv_expected = kv_at(cache, batch.out_cache_loc)
         clear_kv(cache, batch.out_cache_loc)  # the graph must write them again, at the live slots
         before = runner.backend.num_replays
-        assert runner.can_run(batch) is replays, (batch.extend_seq_lens_cpu, runner.padded_size(batch.num_tokens)
-                                                  if batch.num_tokens <= runner.max_size else None)
+        assert runner.can_run(batch) is replays, (
+            batch.extend_seq_lens_cpu,
+            runner.padded_size(batch.num_tokens) if batch.num_tokens <= runner.max_size else None,
+        )
         got = runner.forward(batch).clone()
         assert runner.backend.num_replays == before + int(replays)
     lens = batch.extend_seq_lens_cpu
@@ -157,8 +160,9 @@ def test_prefill_one_bucket_many_request_layouts(model, prefill):
 def test_decode_matches_eager(model):
     cache = model.kv_cache
     V = model.config.vocab_size
-    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 8}}, backend=make_backend("decode"),
-                                   show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": 8}}, backend=make_backend("decode"), show_progress=False
+    )
     eager = eager_logits_fn(model)
     try:
         with torch.no_grad():
@@ -171,8 +175,9 @@ def test_decode_matches_eager(model):
                     expected = eager(batch).clone()
                     assert runner.can_run(batch)
                     got = runner.forward(batch).clone()
-                    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4,
-                                               msg=lambda m: f"decode bs {bs} step {step}: {m}")
+                    torch.testing.assert_close(
+                        got, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"decode bs {bs} step {step}: {m}"
+                    )
                     session._pick(got[:bs])
                 session.close()
         assert runner.backend.num_replays == 12
@@ -184,15 +189,17 @@ def test_bfloat16_prefill_within_bf16_tolerance():
     model = make_model(torch.bfloat16)
     cache = model.kv_cache
     V = model.config.vocab_size
-    runner = PrefillCudaGraphRunner(model, {"prefill": {"max_bs": 128}}, backend=make_backend("prefill"),
-                                    show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        model, {"prefill": {"max_bs": 128}}, backend=make_backend("prefill"), show_progress=False
+    )
     try:
         with torch.no_grad():
             runner.capture()
         first = make_extend_batch(cache, make_dummy_prompts(3, [30, 7, 19], V, seed=7))  # 56 -> 64
         check_prefill(runner, model, first, atol=2e-2, rtol=2e-2)
-        second = make_extend_batch(cache, make_dummy_prompts(3, [12, 40, 5], V, seed=8),
-                                   rows=first.req_pool_indices.tolist())  # 57 -> 64, with prefixes
+        second = make_extend_batch(
+            cache, make_dummy_prompts(3, [12, 40, 5], V, seed=8), rows=first.req_pool_indices.tolist()
+        )  # 57 -> 64, with prefixes
         check_prefill(runner, model, second, atol=2e-2, rtol=2e-2)
     finally:
         runner.cleanup()

@@ -27,8 +27,10 @@ def test_spec_declares_both_phases_on_cuda():
     registry.check_backend_class(cls, "breakable")
 
 
-@pytest.mark.parametrize("phase,device,expected", [
-    ("prefill", "cuda", "breakable"), ("decode", "cuda", None), ("prefill", "npu", None), ("prefill", "cpu", None)])
+@pytest.mark.parametrize(
+    "phase,device,expected",
+    [("prefill", "cuda", "breakable"), ("decode", "cuda", None), ("prefill", "npu", None), ("prefill", "cpu", None)],
+)
 def test_default_backend_hook(phase, device, expected):
     assert plugin.cuda_graph_runner_default_backend(phase=phase, device_type=device) == expected
 
@@ -57,7 +59,9 @@ def test_listed_and_refused_with_reason_without_cuda():
 
 
 def test_registration_module_does_not_import_torch():
-    code = ("import sys, cuda_graph_runner_breakable.plugin as p; p.cuda_graph_runner_backend_specs(); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, cuda_graph_runner_breakable.plugin as p; p.cuda_graph_runner_backend_specs(); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

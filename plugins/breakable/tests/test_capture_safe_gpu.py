@@ -60,8 +60,14 @@ def test_decode_replay_equals_eager_on_captured_and_padded_sizes(fp32_model, inl
     model, cache = fp32_model, fp32_model.kv_cache
     layers, V = model.config.num_hidden_layers, model.config.vocab_size
     mode = "decode" if width == 1 else "target_verify"
-    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 16}}, mode=mode, num_tokens_per_req=width,
-                                   backend=make_backend("decode", inline_capture_safe_ops=inline), show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model,
+        {"decode": {"max_bs": 16}},
+        mode=mode,
+        num_tokens_per_req=width,
+        backend=make_backend("decode", inline_capture_safe_ops=inline),
+        show_progress=False,
+    )
     eager = eager_logits_fn(model)
     try:
         with torch.no_grad():
@@ -90,8 +96,9 @@ def test_decode_replay_equals_eager_on_captured_and_padded_sizes(fp32_model, inl
                     got = runner.forward(batch).clone()
                     replays += 1
                     assert got.shape == expected.shape == (bs * width, V)
-                    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4,
-                                               msg=lambda m: f"bs {bs} step {step}: {m}")
+                    torch.testing.assert_close(
+                        got, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"bs {bs} step {step}: {m}"
+                    )
                     for i, (g, e) in enumerate(zip(all_kv(cache, batch.out_cache_loc), kv_expected)):
                         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4, msg=lambda m: f"KV {i}, bs {bs}: {m}")
                     last = got.view(bs, width, V)[:, -1].argmax(-1).tolist()
@@ -103,8 +110,9 @@ def test_decode_replay_equals_eager_on_captured_and_padded_sizes(fp32_model, inl
 
 def test_prefill_still_breaks_at_every_attention(fp32_model):
     layers = fp32_model.config.num_hidden_layers
-    runner = PrefillCudaGraphRunner(fp32_model, {"prefill": {"max_bs": 64}}, backend=make_backend("prefill"),
-                                    show_progress=False)
+    runner = PrefillCudaGraphRunner(
+        fp32_model, {"prefill": {"max_bs": 64}}, backend=make_backend("prefill"), show_progress=False
+    )
     try:
         with torch.no_grad():
             runner.capture()
@@ -119,7 +127,9 @@ def test_prefill_still_breaks_at_every_attention(fp32_model):
 def test_bf16_greedy_tokens_equal_eager_over_16_steps(preset):
     model = ReferenceLlamaForCausalLM.from_preset(preset, dtype=torch.bfloat16, device="cuda")
     model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
-    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 8}}, backend=make_backend("decode"), show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": 8}}, backend=make_backend("decode"), show_progress=False
+    )
     try:
         with torch.no_grad():
             runner.capture()

@@ -51,13 +51,15 @@ def breakable(dm: Any, phase: str, **kwargs: Any) -> BreakableCudaGraphBackend:
 
 
 def decode_runner(model: Any, backend: Any, max_bs: int = 4, **kwargs: Any) -> DecodeCudaGraphRunner:
-    return DecodeCudaGraphRunner(model, {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend,
-                                 show_progress=False, **kwargs)
+    return DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False, **kwargs
+    )
 
 
 def prefill_runner(model: Any, backend: Any, max_bs: int = 64) -> PrefillCudaGraphRunner:
-    return PrefillCudaGraphRunner(model, {"prefill": {"max_bs": max_bs}}, device="cpu", backend=backend,
-                                  show_progress=False)
+    return PrefillCudaGraphRunner(
+        model, {"prefill": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +118,10 @@ def test_reference_prefill_still_breaks_at_every_attention(reference):
 
 def test_inlining_off_breaks_decode_at_every_attention(reference, monkeypatch):
     layers = reference.config.num_hidden_layers
-    for make in (lambda fake: breakable(fake, "decode", inline_capture_safe_ops=False),
-                 lambda fake: (monkeypatch.setenv(ENV_INLINE_SAFE_OPS, "0"), breakable(fake, "decode"))[1]):
+    for make in (
+        lambda fake: breakable(fake, "decode", inline_capture_safe_ops=False),
+        lambda fake: (monkeypatch.setenv(ENV_INLINE_SAFE_OPS, "0"), breakable(fake, "decode"))[1],
+    ):
         fake = FakeGraphDeviceModule()
         backend = make(fake)
         assert backend.inline_capture_safe_ops is False
@@ -156,7 +160,7 @@ def seq_scale(output: torch.Tensor, x: torch.Tensor) -> None:
         return
     start = 0
     for n, s in zip(batch.extend_seq_lens_cpu, batch.seq_lens_cpu):
-        output[start:start + n] = x[start:start + n] * (1 + s / 100)
+        output[start : start + n] = x[start : start + n] * (1 + s / 100)
         start += n
     output[start:].zero_()
 
@@ -167,7 +171,7 @@ def request_mix(output: torch.Tensor, x: torch.Tensor) -> None:
     SINK.append(("request_mix", get_forward_batch().forward_mode.value))
     start = 0
     for i, n in enumerate(_lens(get_forward_batch())):
-        output[start:start + n] = x[start:start + n].cumsum(0) + (i + 1)
+        output[start : start + n] = x[start : start + n].cumsum(0) + (i + 1)
         start += n
     output[start:].zero_()
 
@@ -179,10 +183,14 @@ def reads_host_lengths(output: torch.Tensor, x: torch.Tensor) -> None:
     output.copy_(x * float(len(lens)))
 
 
-@eager_op("test_capture_safe_small_batches", capture_safe=lambda b: b.forward_mode.is_decode_like() and b.batch_size <= 2)
+@eager_op(
+    "test_capture_safe_small_batches", capture_safe=lambda b: b.forward_mode.is_decode_like() and b.batch_size <= 2
+)
 def small_batches(output: torch.Tensor, x: torch.Tensor) -> None:
-    output.copy_(x * 2 + get_forward_batch().seq_lens.to(x.dtype).repeat_interleave(
-        get_forward_batch().num_tokens_per_req)[:, None])
+    output.copy_(
+        x * 2
+        + get_forward_batch().seq_lens.to(x.dtype).repeat_interleave(get_forward_batch().num_tokens_per_req)[:, None]
+    )
 
 
 class ToyModel(torch.nn.Module):
@@ -289,8 +297,10 @@ def test_a_predicate_decides_per_captured_shape():
     with torch.no_grad():
         runner.capture()
         variant = runner.make_key(1).variant
-        assert backend.graph(ShapeKey(4, variant)).op_names == ["test_capture_safe_small_batches",
-                                                                 "test_capture_safe_request_mix"]
+        assert backend.graph(ShapeKey(4, variant)).op_names == [
+            "test_capture_safe_small_batches",
+            "test_capture_safe_request_mix",
+        ]
         for size in (1, 2):
             assert backend.graph(ShapeKey(size, variant)).inlined == ["test_capture_safe_small_batches"]
         for bs in (1, 2, 3, 4):
@@ -329,8 +339,9 @@ def test_emulated_toy_decode_matches_eager_on_captured_and_padded_sizes(width):
         for step, bs in enumerate((1, 2, 3, 4, 5, 7, 8, 3)):
             batch = toy_decode(bs, width=width, offset=step)
             assert runner.can_run(batch)
-            torch.testing.assert_close(runner.forward(batch), runner.eager_forward(batch),
-                                       msg=lambda m: f"bs {bs}: {m}")
+            torch.testing.assert_close(
+                runner.forward(batch), runner.eager_forward(batch), msg=lambda m: f"bs {bs}: {m}"
+            )
     assert backend.num_replays == 8
     runner.cleanup()
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
-import torch
-
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.nested import iter_tensors

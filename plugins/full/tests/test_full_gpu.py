@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, greedy_generate, make_decode_batch, make_dummy_prompts
+from cuda_graph_runner.testing.batches import (
+    GreedySession,
+    eager_logits_fn,
+    greedy_generate,
+    make_decode_batch,
+    make_dummy_prompts,
+)
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +41,9 @@ def test_every_size_on_and_off_the_buckets_equals_eager_fp32(fp32_model):
     for bs in sorted(set(runner.capture_sizes + [3, 5, 13, 16])):
         session = GreedySession(fp32_model, cache)
         with torch.no_grad():
-            session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], fp32_model.config.vocab_size, seed=bs))
+            session.prefill(
+                make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], fp32_model.config.vocab_size, seed=bs)
+            )
             for _ in range(2):  # a couple of steps so requests have different lengths
                 session.decode()
             batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
@@ -84,7 +92,10 @@ def test_shapes_share_the_pool_largest_alone_bounds_the_total():
     model = ReferenceLlamaForCausalLM.from_preset("qwen2.5-0.5b", dtype=torch.bfloat16, device="cuda")
     model.create_kv_cache(num_slots=65 * 64 + 1, max_reqs=65, max_context_len=64)
     sizes = {}
-    for label, cfg in (("all", {"backend": "full", "max_bs": 64}), ("alone", {"backend": "full", "bs": [64], "max_bs": 64})):
+    for label, cfg in (
+        ("all", {"backend": "full", "max_bs": 64}),
+        ("alone", {"backend": "full", "bs": [64], "max_bs": 64}),
+    ):
         backend = resolve_decode_backend(cfg, device="cuda", memory_pool=torch.cuda.graph_pool_handle())
         runner = DecodeCudaGraphRunner(model, {"decode": cfg}, backend=backend, show_progress=False)
         runner.capture()

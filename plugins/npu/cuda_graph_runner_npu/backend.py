@@ -115,8 +115,9 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         if device_module is None and _is_npu(device):
             # torch.device("npu") parses only once torch_npu has renamed privateuse1.
             _require_torch_npu()
-        super().__init__(device, phase=phase, phase_config=phase_config, memory_pool=memory_pool,
-                         device_module=device_module)
+        super().__init__(
+            device, phase=phase, phase_config=phase_config, memory_pool=memory_pool, device_module=device_module
+        )
         self.update_input_name = update_input_name
         self.cpu_update_input_fn = cpu_update_input_fn
         self.capture_error_mode = capture_error_mode
@@ -140,12 +141,14 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
             self._device_module = torch.get_device_module(self.device)
         module = self._device_module
         if self._checked_module is not module:
-            problems = graph_api_problems(module, update=self.updates_host_inputs,
-                                          capture_error_mode=self.capture_error_mode is not None)
+            problems = graph_api_problems(
+                module, update=self.updates_host_inputs, capture_error_mode=self.capture_error_mode is not None
+            )
             if problems:
                 name = getattr(module, "__name__", type(module).__name__)
                 raise BackendUnavailableError(
-                    f"backend 'npu': device module {name} lacks the graph API it calls: {'; '.join(problems)}")
+                    f"backend 'npu': device module {name} lacks the graph API it calls: {'; '.join(problems)}"
+                )
             self._checked_module = module
         return module
 
@@ -226,10 +229,12 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         if seq_lens is None:
             raise NPUGraphUpdateError(
                 "NPU graph update needs the host sequence lengths, but ForwardBatch.seq_lens_cpu is None; "
-                "fill it, or build the backend with update_input_name=None if the model reads none")
+                "fill it, or build the backend with update_input_name=None if the model reads none"
+            )
         if len(seq_lens) != static_batch.batch_size:
             raise NPUGraphUpdateError(
-                f"seq_lens_cpu has {len(seq_lens)} entries for a graph of {static_batch.batch_size} requests")
+                f"seq_lens_cpu has {len(seq_lens)} entries for a graph of {static_batch.batch_size} requests"
+            )
         return [{self.update_input_name: [int(s) for s in seq_lens]}]
 
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
@@ -254,7 +259,8 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
             except Exception as exc:
                 raise NPUGraphUpdateError(
                     f"NPU graph update before replaying {key} failed ({type(exc).__name__}: {exc}); "
-                    "the graph was not replayed") from exc
+                    "the graph was not replayed"
+                ) from exc
         graph.replay()
         return self._outputs[key]
 

@@ -29,8 +29,10 @@ import torch
 
 Event = Tuple[Any, ...]
 
-_NOT_UPDATABLE = ("The current graph configuration does not support update, "
-                  "Try to capture by setting auto_dispatch_capture=True during capture")
+_NOT_UPDATABLE = (
+    "The current graph configuration does not support update, "
+    "Try to capture by setting auto_dispatch_capture=True during capture"
+)
 
 
 # ------------------------------------------------------------------------ recording fake
@@ -106,8 +108,14 @@ class RecordingNPUModule:
         return self.pool_handle
 
     @contextlib.contextmanager
-    def graph(self, npu_graph: RecordingNPUGraph, pool: Any = None, stream: Any = None,
-              auto_dispatch_capture: bool = False, capture_error_mode: str = "global") -> Iterator[None]:
+    def graph(
+        self,
+        npu_graph: RecordingNPUGraph,
+        pool: Any = None,
+        stream: Any = None,
+        auto_dispatch_capture: bool = False,
+        capture_error_mode: str = "global",
+    ) -> Iterator[None]:
         if self.capturing is not None:
             raise RuntimeError("nested graph capture")
         npu_graph.auto_dispatch_capture = auto_dispatch_capture
@@ -177,8 +185,9 @@ class CudaBackedNPUGraph:
             for name, values in entry.items():
                 buf = self.module.bindings.get(name)
                 if buf is None:
-                    raise RuntimeError(f"no device buffer bound to update input {name!r}; "
-                                       f"bound: {sorted(self.module.bindings)}")
+                    raise RuntimeError(
+                        f"no device buffer bound to update input {name!r}; bound: {sorted(self.module.bindings)}"
+                    )
                 host = torch.as_tensor(values, dtype=buf.dtype)
                 if host.numel() > buf.numel():
                     raise RuntimeError(f"update input {name!r} has {host.numel()} values for a buffer of {buf.numel()}")
@@ -224,8 +233,14 @@ class CudaBackedNPUModule:
         """Make ``update`` inputs called ``name`` write into ``buffer`` (a 1-D device tensor)."""
         self.bindings[name] = buffer
 
-    def graph(self, npu_graph: CudaBackedNPUGraph, pool: Any = None, stream: Any = None,
-              auto_dispatch_capture: bool = False, capture_error_mode: str = "global") -> Any:
+    def graph(
+        self,
+        npu_graph: CudaBackedNPUGraph,
+        pool: Any = None,
+        stream: Any = None,
+        auto_dispatch_capture: bool = False,
+        capture_error_mode: str = "global",
+    ) -> Any:
         npu_graph.auto_dispatch_capture = auto_dispatch_capture
         return torch.cuda.graph(npu_graph.cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
 

@@ -187,6 +187,8 @@ def unavailable_reason(require_update: bool = True) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - a driver error is a reason, not a crash
         return f"torch_npu {version} imported but querying NPU devices failed: {_one_line(exc)}"
     if not available or count == 0:
-        return (f"torch_npu {version} imported but no NPU device is visible (torch_npu.npu.is_available() is "
-                f"{available}, device_count() is {count}); check the Ascend driver and ASCEND_RT_VISIBLE_DEVICES")
+        return (
+            f"torch_npu {version} imported but no NPU device is visible (torch_npu.npu.is_available() is "
+            f"{available}, device_count() is {count}); check the Ascend driver and ASCEND_RT_VISIBLE_DEVICES"
+        )
     return None

@@ -21,11 +21,10 @@ from cuda_graph_runner.pool import reset_global_graph_memory_pools
 from cuda_graph_runner.registry import check_backend_class
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner_npu import torch_npu_api
 from cuda_graph_runner_npu.backend import NPUCudaGraphBackend, NPUGraphUpdateError
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule, RecordingNPUModule
-
-from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 KEY = "actual_seq_lengths_kv"
 
@@ -68,11 +67,17 @@ def test_capture_one_warms_up_runs_the_hook_then_records_on_the_stream():
         backend.capture_one(key, forward, post_warmup_hook=lambda: fake.events.append(("hook",)))
     names = fake.names("synchronize", "stream", "forward", "hook", "capture_begin", "capture_end", "graph_pool_handle")
     assert names == [
-        "synchronize", "stream", "forward",      # warm-up 1 on the capture stream
-        "stream", "forward",                      # warm-up 2, same stream: no sync between
-        "hook",                                   # post_warmup_hook after the warm-ups ...
-        "synchronize", "graph_pool_handle",      # ... and before the capture
-        "capture_begin", "forward", "capture_end",
+        "synchronize",
+        "stream",
+        "forward",  # warm-up 1 on the capture stream
+        "stream",
+        "forward",  # warm-up 2, same stream: no sync between
+        "hook",  # post_warmup_hook after the warm-ups ...
+        "synchronize",
+        "graph_pool_handle",  # ... and before the capture
+        "capture_begin",
+        "forward",
+        "capture_end",
     ]
     forwards = [e for e in fake.events if e[0] == "forward"]
     assert [f[1] for f in forwards] == [False, False, True]  # only the third run is recorded
@@ -233,8 +238,10 @@ def test_cpu_update_input_fn_builds_the_whole_update():
 
     def build(static_batch):
         seen.append(static_batch.batch_size)
-        return [{"actual_seq_lengths_kv": torch.tensor(static_batch.seq_lens_cpu, dtype=torch.int32)},
-                {"actual_seq_lengths": [1] * static_batch.batch_size}]
+        return [
+            {"actual_seq_lengths_kv": torch.tensor(static_batch.seq_lens_cpu, dtype=torch.int32)},
+            {"actual_seq_lengths": [1] * static_batch.batch_size},
+        ]
 
     fake, backend = make(update_input_name=None, cpu_update_input_fn=build)
     assert backend.updates_host_inputs

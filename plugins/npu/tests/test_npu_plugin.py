@@ -80,8 +80,9 @@ def no_torch_npu(monkeypatch):
 def run_python(code: str, extra_path: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_GRAPH_RUNNER_")}
     env["PYTHONPATH"] = os.pathsep.join([str(extra_path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -110,21 +111,28 @@ def test_torch_npu_is_an_optional_extra_not_a_dependency():
 
 
 def test_plugin_module_imports_neither_torch_nor_torch_npu(tmp_path):
-    out = run_python("""
+    out = run_python(
+        """
         import json, sys
         import cuda_graph_runner_npu.plugin, cuda_graph_runner_npu.torch_npu_api
         print(json.dumps({m: m in sys.modules for m in ("torch", "torch_npu", "cuda_graph_runner_npu.backend")}))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert out == {"torch": False, "torch_npu": False, "cuda_graph_runner_npu.backend": False}
 
 
 def test_discovery_never_imports_torch_npu_but_the_probe_does_and_quotes_its_failure(tmp_path):
     marker = tmp_path / "imported"
-    write_fake_torch_npu(tmp_path / "site", f"""
+    write_fake_torch_npu(
+        tmp_path / "site",
+        f"""
         open({str(marker)!r}, "w").close()
         raise ImportError("libascend_hal.so: cannot open shared object file: No such file or directory")
-    """)
-    out = run_python("""
+    """,
+    )
+    out = run_python(
+        """
         import json, os, sys
         from cuda_graph_runner import registry
         reg = registry.get_registry()
@@ -136,12 +144,17 @@ def test_discovery_never_imports_torch_npu_but_the_probe_does_and_quotes_its_fai
         others = {e.name: e.status for e in registry.list_backends() if e.name != "npu"}
         print(json.dumps({"scan": after_scan, "status": row.status, "reason": row.reason,
                           "marker": os.path.exists(%r), "others_failed": [n for n, s in others.items() if s == "failed"]}))
-    """ % (str(marker), str(marker)), tmp_path / "site")
+    """
+        % (str(marker), str(marker)),
+        tmp_path / "site",
+    )
     assert "npu" in out["scan"]["names"]
     assert out["scan"]["torch_npu"] is False and out["scan"]["backend"] is False and out["scan"]["marker"] is False
     assert out["marker"] is True  # probing imported it
     assert out["status"] == "unavailable"
-    assert out["reason"].startswith("torch_npu 2.13.0 is installed but importing it failed: ImportError: libascend_hal.so")
+    assert out["reason"].startswith(
+        "torch_npu 2.13.0 is installed but importing it failed: ImportError: libascend_hal.so"
+    )
     assert out["others_failed"] == []  # one broken vendor stack breaks no other backend
 
 
@@ -160,8 +173,10 @@ def test_probe_without_torch_npu(no_torch_npu):
 def test_probe_when_torch_npu_fails_to_import(fake_torch_npu):
     fake_torch_npu('raise RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and cuda.")')
     reason = plugin.probe("npu")
-    assert reason == ("torch_npu 2.13.0 is installed but importing it failed: RuntimeError: "
-                      "Two accelerators cannot be used at the same time in PyTorch: npu and cuda.")
+    assert reason == (
+        "torch_npu 2.13.0 is installed but importing it failed: RuntimeError: "
+        "Two accelerators cannot be used at the same time in PyTorch: npu and cuda."
+    )
     _, _, error = torch_npu_api.load_torch_npu()
     assert isinstance(error, RuntimeError)
 
@@ -174,13 +189,16 @@ def test_probe_without_an_npu_device(fake_torch_npu):
 
 
 def test_probe_when_torch_npu_lacks_the_update_api(fake_torch_npu):
-    fake_torch_npu(_GOOD_NPU.format(available=True, count=1) + textwrap.dedent("""
+    fake_torch_npu(
+        _GOOD_NPU.format(available=True, count=1)
+        + textwrap.dedent("""
         class NPUGraph:
             def replay(self): pass
             def reset(self): pass
         def graph(npu_graph, pool=None, stream=None, capture_error_mode="global"): pass
         npu.NPUGraph, npu.graph = NPUGraph, graph
-    """))
+    """)
+    )
     reason = plugin.probe("npu")
     assert reason.startswith("torch_npu 2.13.0 lacks the graph API this backend calls:")
     assert "graph has no parameter 'auto_dispatch_capture'" in reason and "no NPUGraph.update" in reason
@@ -222,12 +240,17 @@ def test_list_and_resolve_say_why_npu_is_unavailable(no_torch_npu):
 def test_found_by_name_and_default_on_an_npu_device_with_torch_npu(tmp_path):
     # The fake registers an 'npu' device type and torch.npu module, as torch_npu does;
     # in a subprocess, since torch's device registry cannot be undone.
-    write_fake_torch_npu(tmp_path, _GOOD_NPU.format(available=True, count=1) + textwrap.dedent("""
+    write_fake_torch_npu(
+        tmp_path,
+        _GOOD_NPU.format(available=True, count=1)
+        + textwrap.dedent("""
         import torch
         torch.utils.rename_privateuse1_backend("npu")
         torch._register_device_module("npu", npu)
-    """))
-    out = run_python("""
+    """),
+    )
+    out = run_python(
+        """
         import json, sys, torch
         from cuda_graph_runner import registry
         from cuda_graph_runner.backend import ShapeKey
@@ -242,6 +265,14 @@ def test_found_by_name_and_default_on_an_npu_device_with_torch_npu(tmp_path):
                           "by_default": type(by_default).__name__, "device": str(by_name.device),
                           "module_is_torch_npu": by_name.device_module is torch.npu,
                           "events": torch_npu.recorder.names("capture_begin", "capture_end")}))
-    """, tmp_path)
-    assert out == {"default": "npu", "by_name": "NPUCudaGraphBackend", "by_default": "NPUCudaGraphBackend",
-                   "device": "npu:0", "module_is_torch_npu": True, "events": ["capture_begin", "capture_end"]}
+    """,
+        tmp_path,
+    )
+    assert out == {
+        "default": "npu",
+        "by_name": "NPUCudaGraphBackend",
+        "by_default": "NPUCudaGraphBackend",
+        "device": "npu:0",
+        "module_is_torch_npu": True,
+        "events": ["capture_begin", "capture_end"],
+    }

@@ -26,7 +26,6 @@ from typing import Dict, List
 import pytest
 
 from cuda_graph_runner import envs
-
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule, RecordingNPUModule
 from cuda_graph_runner_npu.torch_npu_api import DEFAULT_UPDATE_INPUT_NAME, GRAPH_API, NPUGRAPH_API
 
@@ -45,10 +44,29 @@ def _download() -> str:
     if not envs.get(envs.TORCH_NPU_DOWNLOAD):
         return "downloading is off (CUDA_GRAPH_RUNNER_TORCH_NPU_DOWNLOAD=0)"
     CACHE.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
-           "--retries", "1", "--timeout", "20", "--disable-pip-version-check", "-q",
-           f"torch-npu=={VERSION}", "-d", str(CACHE)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.11",
+        "--implementation",
+        "cp",
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--retries",
+        "1",
+        "--timeout",
+        "20",
+        "--disable-pip-version-check",
+        "-q",
+        f"torch-npu=={VERSION}",
+        "-d",
+        str(CACHE),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -104,8 +122,11 @@ def graphs(wheel):
 
 def test_torch_npu_npu_exports_every_name_the_backend_calls(wheel):
     tree = parse(wheel, "torch_npu/npu/__init__.py")
-    (exported,) = [ast.literal_eval(n.value) for n in tree.body
-                   if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)]
+    (exported,) = [
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+    ]
     missing = sorted(set(GRAPH_API) - set(exported))
     assert not missing, f"torch_npu.npu does not export {missing}"
 
@@ -136,8 +157,13 @@ def test_update_needs_auto_dispatch_capture_which_graph_sets_on_the_graph(graphs
     raises = [n for n in ast.walk(update) if isinstance(n, ast.Raise)]
     assert reads and raises
     init = methods(graphs["graph"])["__init__"]
-    sets = [t for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets
-            if isinstance(t, ast.Attribute) and t.attr == "auto_dispatch_capture"]
+    sets = [
+        t
+        for n in ast.walk(init)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute) and t.attr == "auto_dispatch_capture"
+    ]
     assert sets, "graph.__init__ no longer sets npu_graph.auto_dispatch_capture"
 
 
@@ -154,11 +180,16 @@ def test_one_update_dict_is_applied_to_every_recorded_op(wheel):
 
 
 def test_default_update_input_name_is_one_torch_npu_rebinds(wheel):
-    handler_files = [n for n in wheel.namelist()
-                     if n.startswith("torch_npu/npu/_npugraph_handlers/") and n.endswith(".py")]
+    handler_files = [
+        n for n in wheel.namelist() if n.startswith("torch_npu/npu/_npugraph_handlers/") and n.endswith(".py")
+    ]
     files = handler_files or ["torch_npu/npu/graphs.py"]
-    strings = {n.value for f in files for n in ast.walk(parse(wheel, f))
-               if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    strings = {
+        n.value
+        for f in files
+        for n in ast.walk(parse(wheel, f))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
     assert DEFAULT_UPDATE_INPUT_NAME in strings, f"no graph handler in {files} names {DEFAULT_UPDATE_INPUT_NAME!r}"
 
 

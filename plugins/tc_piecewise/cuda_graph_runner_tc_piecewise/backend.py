@@ -156,8 +156,9 @@ def _entry_function(original: Callable[..., Any], tag: str) -> Callable[..., Any
     changes: Dict[str, Any] = {"co_name": name}
     if hasattr(code, "co_qualname"):
         changes["co_qualname"] = name
-    return types.FunctionType(code.replace(**changes), tc_piecewise_forward.__globals__, name, None,
-                              tc_piecewise_forward.__closure__)
+    return types.FunctionType(
+        code.replace(**changes), tc_piecewise_forward.__globals__, name, None, tc_piecewise_forward.__closure__
+    )
 
 
 def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:
@@ -176,7 +177,6 @@ def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:
 
     for value in list(args) + list(kwargs.values()):
         mark(value)
-
 
 
 class _NotDirect(Exception):
@@ -321,8 +321,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         debug: Optional[bool] = None,
         direct_replay: Optional[bool] = None,
     ) -> None:
-        super().__init__(device, phase=phase, phase_config=phase_config, memory_pool=memory_pool,
-                         device_module=device_module)
+        super().__init__(
+            device, phase=phase, phase_config=phase_config, memory_pool=memory_pool, device_module=device_module
+        )
         self.compiler = compiler or getattr(phase_config, "tc_compiler", None) or "eager"
         if self.compiler not in PIECE_COMPILERS:
             raise ValueError(f"unknown tc_compiler {self.compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
@@ -332,11 +333,15 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             if not has_triton():
                 raise BackendUnavailableError(
                     "tc_piecewise: tc_compiler 'inductor' on CUDA needs Triton (pip install triton); "
-                    "or use tc_compiler 'eager'")
+                    "or use tc_compiler 'eager'"
+                )
         self.capture_enabled = self.device.type != "cpu" if enable_capture is None else bool(enable_capture)
         if weak_ref_outputs is None:
-            weak_ref_outputs = (self.capture_enabled and self.device.type == "cuda"
-                                and device_module in (None, getattr(torch, "cuda", None)))
+            weak_ref_outputs = (
+                self.capture_enabled
+                and self.device.type == "cuda"
+                and device_module in (None, getattr(torch, "cuda", None))
+            )
         self.weak_ref_outputs = bool(weak_ref_outputs)
         self.debug = envs.get(ENV_DEBUG) if debug is None else bool(debug)
         self.direct_replay = (not self.debug) if direct_replay is None else bool(direct_replay)
@@ -402,8 +407,14 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             self.note_kernels_ran(key)  # the ``auto`` warm-up policy need not warm it up again
         self._synchronize()
         self.compile_seconds = time.perf_counter() - start
-        logger.info("tc_piecewise (%s, %s): %d Dynamo graph(s), %d pieces, compile pass %.2f s",
-                    self.phase, self.compiler, self.dynamo_compiles, len(self.pieces), self.compile_seconds)
+        logger.info(
+            "tc_piecewise (%s, %s): %d Dynamo graph(s), %d pieces, compile pass %.2f s",
+            self.phase,
+            self.compiler,
+            self.dynamo_compiles,
+            len(self.pieces),
+            self.compile_seconds,
+        )
 
     def _bind(self, model: Any) -> None:
         if self._model is model:
@@ -449,8 +460,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self._installation = self._model = self._compiled = self._runner = None
 
     def _make_piece(self, split: SplitGraph, item: SplitItem, compiled: Any) -> GraphPiece:
-        return GraphPiece(self, compiled, name=item.name, description=split.describe(item),
-                          is_first=item.piece_index == 0)
+        return GraphPiece(
+            self, compiled, name=item.name, description=split.describe(item), is_first=item.piece_index == 0
+        )
 
     def _on_compiled(self, graph: CompiledGraph) -> None:
         self.compiled_graphs.append(graph)
@@ -461,7 +473,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             warnings.warn(
                 f"tc_piecewise: torch.compile recompiled the {self.phase} forward during replay of {act.key} "
                 "(a Dynamo guard failed); it runs without CUDA graphs. Set TORCH_LOGS=recompiles to see why.",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # -- the compiled forward ------------------------------------------------------------
     def _run(self, *args: Any, **kwargs: Any) -> Any:
@@ -477,8 +491,13 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         # Dynamo traced the runner's StaticForwardBatch; a plain ForwardBatch (eager
         # fallback, forward_compiled) would fail its type guard and recompile the model.
         args = tuple(as_static_batch(a) if type(a) is ForwardBatch else a for a in args)
-        record = (act is not None and act.mode is Mode.CAPTURE and self.direct_replay and self.capture_enabled
-                  and self._graph_calls is None)
+        record = (
+            act is not None
+            and act.mode is Mode.CAPTURE
+            and self.direct_replay
+            and self.capture_enabled
+            and self._graph_calls is None
+        )
         if record:
             self._graph_calls = []
         try:
@@ -494,8 +513,14 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             if record:
                 self._graph_calls = None
 
-    def _record_direct(self, key: Optional[ShapeKey], args: tuple, kwargs: Dict[str, Any], result: Any,
-                       calls: List[Tuple[CompiledGraph, tuple, Any]]) -> None:
+    def _record_direct(
+        self,
+        key: Optional[ShapeKey],
+        args: tuple,
+        kwargs: Dict[str, Any],
+        result: Any,
+        calls: List[Tuple[CompiledGraph, tuple, Any]],
+    ) -> None:
         """Keep what a replay of ``key`` needs to call the split module without Dynamo."""
         if key is None:
             return
@@ -503,8 +528,12 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         if key not in self._direct and len(calls) == 1:  # a second forward per capture: no direct replay
             graph, graph_args, outputs = calls[0]
             try:
-                direct = _DirectReplay(graph.forward, graph_args, _output_spec(result, outputs),  # type: ignore[arg-type]
-                                       _batch_signature(args, kwargs))
+                direct = _DirectReplay(
+                    graph.forward,
+                    graph_args,
+                    _output_spec(result, outputs),  # type: ignore[arg-type]
+                    _batch_signature(args, kwargs),
+                )
             except _NotDirect as exc:
                 logger.info("tc_piecewise (%s): %s replays through Dynamo: %s", self.phase, key, exc)
         self._direct[key] = direct
@@ -527,7 +556,8 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         return TcPiecewiseCompileError(
             f"tc_piecewise: torch.compile could not turn {model}.forward into one graph to split at the marked ops "
             f"({marked}); the model code must be traceable by Dynamo with fullgraph=True (mark eager-only code "
-            f"with cuda_graph_runner.graph_break.eager_op). Dynamo says: {type(exc).__name__}: {detail}")
+            f"with cuda_graph_runner.graph_break.eager_op). Dynamo says: {type(exc).__name__}: {detail}"
+        )
 
     def verify_tolerance(self, dtype: torch.dtype) -> Tuple[float, float]:
         """Verify mode compares with eager (the base reference). ``eager`` pieces run the same
@@ -643,5 +673,10 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         return total
 
 
-__all__ = ["TcPiecewiseCudaGraphBackend", "install_trampoline", "uninstall_trampoline", "mark_dynamic_tokens",
-           "Activity"]
+__all__ = [
+    "TcPiecewiseCudaGraphBackend",
+    "install_trampoline",
+    "uninstall_trampoline",
+    "mark_dynamic_tokens",
+    "Activity",
+]

@@ -124,9 +124,13 @@ class PiecewiseDynamoBackend:
             ops around it, its ops and, when inductor says so, the failing op.
     """
 
-    def __init__(self, compiler: str, make_piece: Callable[[SplitGraph, SplitItem, Any], Any],
-                 on_compiled: Callable[[CompiledGraph], None],
-                 on_graph_call: Optional[Callable[[CompiledGraph, tuple, Any], None]] = None) -> None:
+    def __init__(
+        self,
+        compiler: str,
+        make_piece: Callable[[SplitGraph, SplitItem, Any], Any],
+        on_compiled: Callable[[CompiledGraph], None],
+        on_graph_call: Optional[Callable[[CompiledGraph, tuple, Any], None]] = None,
+    ) -> None:
         if compiler not in PIECE_COMPILERS:
             raise ValueError(f"unknown tc_compiler {compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
         self.compiler = compiler
@@ -147,15 +151,18 @@ class PiecewiseDynamoBackend:
                 op = failing_op(exc)
                 raise TcPiecewiseCompileError(
                     f"tc_piecewise: compiler {self.compiler!r} failed on {split.describe(item)}"
-                    + (f"; failing op: {op}" if op else "") + f": {one_line(exc)}"
+                    + (f"; failing op: {op}" if op else "")
+                    + f": {one_line(exc)}"
                 ) from exc
             wrapped[item.name] = self.make_piece(split, item, compiled)
 
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         if fake_mode is not None:
             # Dynamo's fakes (memoized per real tensor) carry the symbolic token count.
-            inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not _is_fake(x) else x
-                      for x in example_inputs]
+            inputs = [
+                fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not _is_fake(x) else x
+                for x in example_inputs
+            ]
             from torch._dispatch.python import enable_python_dispatcher
 
             with fake_mode, enable_python_dispatcher():
@@ -172,10 +179,20 @@ class PiecewiseDynamoBackend:
                 # The marked op's FX code itself: no nn.Module call (hooks, wrapped call) per op.
                 split.module.__dict__[item.name] = getattr(split.module, item.name).forward
         forward = split.module.forward  # see compile_eager: no module-call overhead per replay
-        result = CompiledGraph(split=split, pieces=[wrapped[i.name] for i in split.pieces], compiler=self.compiler,
-                               seconds=time.perf_counter() - start, forward=forward)
-        logger.info("tc_piecewise: split into %d pieces around %d marked ops, compiled with %s in %.2f s",
-                    len(result.pieces), len(split.eager_ops), self.compiler, result.seconds)
+        result = CompiledGraph(
+            split=split,
+            pieces=[wrapped[i.name] for i in split.pieces],
+            compiler=self.compiler,
+            seconds=time.perf_counter() - start,
+            forward=forward,
+        )
+        logger.info(
+            "tc_piecewise: split into %d pieces around %d marked ops, compiled with %s in %.2f s",
+            len(result.pieces),
+            len(split.eager_ops),
+            self.compiler,
+            result.seconds,
+        )
         self.on_compiled(result)
         hook = self.on_graph_call
         if hook is None:

@@ -204,4 +204,3 @@ class GraphPiece:
 
     def __repr__(self) -> str:
         return f"GraphPiece({self.name}, sizes={sorted(k.size for k in self.entries)})"
-

@@ -101,7 +101,7 @@ class SplitGraph:
     def neighbours(self, item: SplitItem) -> Tuple[Optional[str], Optional[str]]:
         """The marked ops just before and just after ``item`` (None at either end)."""
         before = next((i.ops[0] for i in reversed(self.items[: item.index]) if i.is_eager), None)
-        after = next((i.ops[0] for i in self.items[item.index + 1:] if i.is_eager), None)
+        after = next((i.ops[0] for i in self.items[item.index + 1 :] if i.is_eager), None)
         return before, after
 
     def describe(self, item: SplitItem, max_ops: int = 12) -> str:
@@ -155,8 +155,10 @@ def split_graph(gm: fx.GraphModule, is_split: Callable[[fx.Node], bool] = is_spl
         sub = getattr(module, node.target)
         ops = tuple(op_name(n) for n in sub.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
         eager = int(str(node.target).rsplit("_", 1)[-1]) in split_ids
-        items.append(SplitItem(name=str(node.target), is_eager=eager, ops=ops, index=len(items),
-                               piece_index=-1 if eager else pieces))
+        items.append(
+            SplitItem(
+                name=str(node.target), is_eager=eager, ops=ops, index=len(items), piece_index=-1 if eager else pieces
+            )
+        )
         pieces += 0 if eager else 1
     return SplitGraph(module=module, items=items)
-

@@ -9,7 +9,6 @@ record calls but compute nothing.
 
 from __future__ import annotations
 
-from cuda_graph_runner import envs
 import shutil
 from typing import List, Sequence
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from cuda_graph_runner import envs
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.forward_context import forward_context, get_forward_batch
@@ -33,14 +33,12 @@ from cuda_graph_runner.testing.batches import (
 from cuda_graph_runner.testing.fakes import FakeGraph, FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
-
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.weak_ref import weak_ref_tensor
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 from cuda_graph_runner_tc_piecewise.errors import TcPiecewiseCompileError, TcPiecewiseRuntimeError
-from cuda_graph_runner.weak_ref import weak_ref_tensor
 from cuda_graph_runner_tc_piecewise.split import split_graph
-
-from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VOCAB = 16
 
@@ -64,7 +62,7 @@ def scale_rows_op(output: torch.Tensor, x: torch.Tensor) -> None:
         per_req = batch.extend_seq_lens_cpu
     start = 0
     for n, length in zip(per_req, batch.seq_lens_cpu):
-        output[start:start + n] = x[start:start + n] * (1.0 + 0.01 * length)
+        output[start : start + n] = x[start : start + n] * (1.0 + 0.01 * length)
         start += n
 
 
@@ -77,8 +75,11 @@ class MarkedToy(torch.nn.Module):
         g = torch.Generator().manual_seed(1)
         self.embed = torch.nn.Parameter(torch.randn(VOCAB, hidden, generator=g), requires_grad=False)
         self.weights = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.5, requires_grad=False)
-             for _ in range(layers)])
+            [
+                torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.5, requires_grad=False)
+                for _ in range(layers)
+            ]
+        )
         self.head = torch.nn.Parameter(torch.randn(hidden, VOCAB, generator=g), requires_grad=False)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -170,9 +171,11 @@ def test_split_gives_marked_ops_plus_one_pieces_in_original_order():
     gm, inputs = dynamo_graph(model, batch)
     split = split_graph(gm)
     assert len(split.pieces) == 3 + 1
-    assert split.eager_ops == ["cuda_graph_runner::tc_piecewise_test_mix",
-                               "cuda_graph_runner::tc_piecewise_test_scale_rows",
-                               "cuda_graph_runner::tc_piecewise_test_mix"]
+    assert split.eager_ops == [
+        "cuda_graph_runner::tc_piecewise_test_mix",
+        "cuda_graph_runner::tc_piecewise_test_scale_rows",
+        "cuda_graph_runner::tc_piecewise_test_mix",
+    ]
     # piece, op, piece, op, piece, op, piece
     assert [item.is_eager for item in split.items] == [False, True] * 3 + [False]
     assert [p.piece_index for p in split.pieces] == [0, 1, 2, 3]
@@ -182,8 +185,10 @@ def test_split_gives_marked_ops_plus_one_pieces_in_original_order():
     for piece in split.pieces[1:]:
         assert piece.ops[0] == "torch.sin"
     assert split.pieces[-1].ops[-1] == "operator.mul" and "torch.tanh" not in split.pieces[-1].ops
-    assert "between cuda_graph_runner::tc_piecewise_test_mix and cuda_graph_runner::tc_piecewise_test_scale_rows" \
+    assert (
+        "between cuda_graph_runner::tc_piecewise_test_mix and cuda_graph_runner::tc_piecewise_test_scale_rows"
         in split.describe(split.pieces[1])
+    )
     # The split module computes what the traced graph computes (order kept across the
     # in-place writes of the marked ops).
     with torch.no_grad(), forward_context(batch):
@@ -230,8 +235,9 @@ def test_prefill_compiled_equals_eager_with_capture_off():
     for i, lens in enumerate([[3], [4], [2, 5], [7, 1, 8], [16, 16], [20, 20]]):
         batch = extend_batch(lens, seed=i)
         assert runner.can_run(batch) == (sum(lens) <= 32)
-        torch.testing.assert_close(runner.forward(batch), eager(model, batch), rtol=1e-5, atol=1e-5,
-                                   msg=f"prefill lens {lens}")
+        torch.testing.assert_close(
+            runner.forward(batch), eager(model, batch), rtol=1e-5, atol=1e-5, msg=f"prefill lens {lens}"
+        )
 
 
 # Graph (padded shape) against eager (live shape): the same math in another summation order.
@@ -275,11 +281,12 @@ def test_reference_prefill_equals_eager_with_chunked_prefixes(reference):
         with torch.no_grad():
             first = make_extend_batch(cache, [p[: len(p) // 2] for p in prompts])
             rows = first.req_pool_indices.tolist()
-            second = make_extend_batch(cache, [p[len(p) // 2:] for p in prompts], rows=rows)
+            second = make_extend_batch(cache, [p[len(p) // 2 :] for p in prompts], rows=rows)
             for batch in (first, second):
                 expected = eager_logits_fn(model)(batch).clone()
-                torch.testing.assert_close(runner.forward(batch), expected, **REF_TOL,
-                                           msg=f"lens {lens}, {batch.num_tokens} tokens")
+                torch.testing.assert_close(
+                    runner.forward(batch), expected, **REF_TOL, msg=f"lens {lens}, {batch.num_tokens} tokens"
+                )
         for r in rows:
             cache.free_request(r)
 
@@ -557,8 +564,9 @@ def test_emulated_replay_of_the_reference_model_equals_eager_in_both_phases(emul
     model.create_kv_cache(num_slots=24 * 64 + 1, max_reqs=25, max_context_len=64)
     cache = model.kv_cache
     decode = decode_runner(model, [1, 2, 4, 8], backend=backend("decode", device_module=emulated, enable_capture=True))
-    prefill = prefill_runner(model, [8, 16, 32, 64],
-                             backend=backend("prefill", device_module=emulated, enable_capture=True))
+    prefill = prefill_runner(
+        model, [8, 16, 32, 64], backend=backend("prefill", device_module=emulated, enable_capture=True)
+    )
     with torch.no_grad():
         decode.capture()
         prefill.capture()
@@ -579,8 +587,9 @@ def test_emulated_replay_of_the_reference_model_equals_eager_in_both_phases(emul
         before = emulated.replays
         got = greedy_generate(model, cache, prompts, 6, prefill_fn=prefill.forward, decode_fn=decode.forward)
         assert got == expected and emulated.replays > before
-        chunked = greedy_generate(model, cache, prompts, 4, prefill_fn=prefill.forward, decode_fn=decode.forward,
-                                  chunk_size=4)
+        chunked = greedy_generate(
+            model, cache, prompts, 4, prefill_fn=prefill.forward, decode_fn=decode.forward, chunk_size=4
+        )
         assert chunked == greedy_generate(model, cache, prompts, 4, chunk_size=4)
 
 
@@ -629,8 +638,9 @@ def test_piece_compile_failure_names_the_piece_and_the_op(monkeypatch):
         runner.capture()
     message = str(info.value)
     assert "compiler 'eager' failed on piece 2/4 (submod_2" in message
-    assert ("between cuda_graph_runner::tc_piecewise_test_mix and "
-            "cuda_graph_runner::tc_piecewise_test_scale_rows") in message
+    assert (
+        "between cuda_graph_runner::tc_piecewise_test_mix and cuda_graph_runner::tc_piecewise_test_scale_rows"
+    ) in message
     assert "failing op: aten.mm.default" in message
     assert isinstance(info.value.__cause__, Exception)
 
@@ -669,9 +679,11 @@ def test_uninstall_gives_the_model_its_forward_back():
 INDUCTOR_CPU = envs.TEST_INDUCTOR_CPU
 
 
-@pytest.mark.skipif(not envs.get(INDUCTOR_CPU),
-                    reason=f"inductor on the CPU builds C++ (about 1 min with a cold cache); set {INDUCTOR_CPU}=1 "
-                           "to run it (the GPU tests cover inductor on CUDA)")
+@pytest.mark.skipif(
+    not envs.get(INDUCTOR_CPU),
+    reason=f"inductor on the CPU builds C++ (about 1 min with a cold cache); set {INDUCTOR_CPU}=1 "
+    "to run it (the GPU tests cover inductor on CUDA)",
+)
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
 def test_inductor_on_cpu_equals_eager_in_both_phases():
     model = ReferenceLlamaForCausalLM.from_config(ModelConfig(num_hidden_layers=1))

@@ -33,8 +33,12 @@ def _has_triton() -> bool:
 COMPILERS = [
     "eager",
     # Only a CUDA machine can lack Triton meaningfully; elsewhere the gpu mark says why it skips.
-    pytest.param("inductor", marks=pytest.mark.skipif(torch.cuda.is_available() and not _has_triton(),
-                                                      reason="inductor on CUDA needs Triton")),
+    pytest.param(
+        "inductor",
+        marks=pytest.mark.skipif(
+            torch.cuda.is_available() and not _has_triton(), reason="inductor on CUDA needs Triton"
+        ),
+    ),
 ]
 
 
@@ -59,7 +63,8 @@ def _replays(backend) -> int:
 def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
     model = fp32_model
     runner = DecodeCudaGraphRunner(
-        model, {"decode": {"backend": "tc_piecewise", "max_bs": 16, "tc_compiler": compiler}}, show_progress=False)
+        model, {"decode": {"backend": "tc_piecewise", "max_bs": 16, "tc_compiler": compiler}}, show_progress=False
+    )
     be = runner.backend
     assert isinstance(be, _backend_type()) and be.compiler == compiler
     with torch.no_grad():
@@ -100,7 +105,8 @@ def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
 def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
     model = fp32_model
     runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"backend": "tc_piecewise", "max_bs": 64, "tc_compiler": compiler}}, show_progress=False)
+        model, {"prefill": {"backend": "tc_piecewise", "max_bs": 64, "tc_compiler": compiler}}, show_progress=False
+    )
     be = runner.backend
     assert isinstance(be, _backend_type()) and be.compiler == compiler
     with torch.no_grad():
@@ -110,8 +116,15 @@ def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
     cache = model.kv_cache
     # (prompt lengths, whole prompt replays a graph): 8 and 32 tokens are captured sizes;
     # 13 -> 16, 5 -> 8, 63 -> 64 are padded; 81 > 64 runs eagerly.
-    cases = [((8,), True), ((5, 3), True), ((13,), True), ((3, 2), True), ((20, 10, 2), True),
-             ((30, 33), True), ((40, 41), False)]
+    cases = [
+        ((8,), True),
+        ((5, 3), True),
+        ((13,), True),
+        ((3, 2), True),
+        ((20, 10, 2), True),
+        ((30, 33), True),
+        ((40, 41), False),
+    ]
 
     def check(batch, what):
         expected = eager(batch).clone()
@@ -119,8 +132,9 @@ def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
         graphed = runner.can_run(batch)
         got = runner.forward(batch).clone()
         assert _replays(be) - before == (len(be.pieces) if graphed else 0), what
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4,
-                                   msg=f"{compiler} prefill {what} ({batch.num_tokens} tokens)")
+        torch.testing.assert_close(
+            got, expected, rtol=1e-4, atol=1e-4, msg=f"{compiler} prefill {what} ({batch.num_tokens} tokens)"
+        )
         return graphed
 
     for i, (lens, graphed) in enumerate(cases):
@@ -133,7 +147,7 @@ def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
             # Two chunks of the same requests: the second has cached prefixes (chunked prefill).
             first = make_extend_batch(cache, [p[: max(1, len(p) // 2)] for p in prompts])
             rows = first.req_pool_indices.tolist()
-            second = make_extend_batch(cache, [p[max(1, len(p) // 2):] for p in prompts], rows=rows)
+            second = make_extend_batch(cache, [p[max(1, len(p) // 2) :] for p in prompts], rows=rows)
             check(first, f"first chunks of {list(lens)}")
             check(second, f"second chunks of {list(lens)}")
             for r in rows:
@@ -146,8 +160,10 @@ def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_greedy_generation_with_tc_piecewise_prefill_and_decode_gives_eager_tokens(fp32_model, compiler):
     model = fp32_model
-    cfg = {"decode": {"backend": "tc_piecewise", "max_bs": 8, "tc_compiler": compiler},
-           "prefill": {"backend": "tc_piecewise", "max_bs": 128, "tc_compiler": compiler}}
+    cfg = {
+        "decode": {"backend": "tc_piecewise", "max_bs": 8, "tc_compiler": compiler},
+        "prefill": {"backend": "tc_piecewise", "max_bs": 128, "tc_compiler": compiler},
+    }
     decode = DecodeCudaGraphRunner(model, cfg, show_progress=False)
     prefill = PrefillCudaGraphRunner(model, cfg, show_progress=False)
     with torch.no_grad():
@@ -156,13 +172,16 @@ def test_greedy_generation_with_tc_piecewise_prefill_and_decode_gives_eager_toke
         for bs in (1, 3, 8):
             prompts = make_dummy_prompts(bs, [5 + (3 * i) % 12 for i in range(bs)], model.config.vocab_size, seed=bs)
             expected = greedy_generate(model, model.kv_cache, prompts, 12)
-            got = greedy_generate(model, model.kv_cache, prompts, 12, prefill_fn=prefill.forward,
-                                  decode_fn=decode.forward)
+            got = greedy_generate(
+                model, model.kv_cache, prompts, 12, prefill_fn=prefill.forward, decode_fn=decode.forward
+            )
             assert got == expected, f"{compiler} bs={bs}"
-            chunked = greedy_generate(model, model.kv_cache, prompts, 6, prefill_fn=prefill.forward,
-                                      decode_fn=decode.forward, chunk_size=4)
-            assert chunked == greedy_generate(model, model.kv_cache, prompts, 6, chunk_size=4), \
+            chunked = greedy_generate(
+                model, model.kv_cache, prompts, 6, prefill_fn=prefill.forward, decode_fn=decode.forward, chunk_size=4
+            )
+            assert chunked == greedy_generate(model, model.kv_cache, prompts, 6, chunk_size=4), (
                 f"{compiler} chunked bs={bs}"
+            )
     assert _replays(decode.backend) > 0 and _replays(prefill.backend) > 0
     decode.cleanup()
     prefill.cleanup()
@@ -174,13 +193,21 @@ def test_replay_inputs_stay_at_their_capture_addresses(fp32_model, weak_ref_outp
     model = fp32_model
     backend_cls = _backend_type()
     decode = DecodeCudaGraphRunner(
-        model, {"decode": {"max_bs": 4}}, show_progress=False,
-        backend=backend_cls("cuda", phase="decode", phase_config=PhaseConfig(max_bs=4), debug=True,
-                            weak_ref_outputs=weak_ref_outputs))
+        model,
+        {"decode": {"max_bs": 4}},
+        show_progress=False,
+        backend=backend_cls(
+            "cuda", phase="decode", phase_config=PhaseConfig(max_bs=4), debug=True, weak_ref_outputs=weak_ref_outputs
+        ),
+    )
     prefill = PrefillCudaGraphRunner(
-        model, {"prefill": {"max_bs": 32}}, show_progress=False,
-        backend=backend_cls("cuda", phase="prefill", phase_config=PhaseConfig(max_bs=32), debug=True,
-                            weak_ref_outputs=weak_ref_outputs))
+        model,
+        {"prefill": {"max_bs": 32}},
+        show_progress=False,
+        backend=backend_cls(
+            "cuda", phase="prefill", phase_config=PhaseConfig(max_bs=32), debug=True, weak_ref_outputs=weak_ref_outputs
+        ),
+    )
     with torch.no_grad():
         decode.capture()
         prefill.capture()
@@ -196,8 +223,10 @@ def test_replay_inputs_stay_at_their_capture_addresses(fp32_model, weak_ref_outp
 def test_bf16_greedy_tokens_equal_eager_with_the_eager_compiler():
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.bfloat16, device="cuda")
     model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
-    cfg = {"decode": {"backend": "tc_piecewise", "max_bs": 8},
-           "prefill": {"backend": "tc_piecewise", "bs": [12, 48], "max_bs": 48}}
+    cfg = {
+        "decode": {"backend": "tc_piecewise", "max_bs": 8},
+        "prefill": {"backend": "tc_piecewise", "bs": [12, 48], "max_bs": 48},
+    }
     decode = DecodeCudaGraphRunner(model, cfg, show_progress=False)
     prefill = PrefillCudaGraphRunner(model, cfg, show_progress=False)
     with torch.no_grad():
@@ -206,8 +235,9 @@ def test_bf16_greedy_tokens_equal_eager_with_the_eager_compiler():
         for bs in (1, 4):  # captured sizes in both phases (12 and 48 prompt tokens)
             prompts = make_dummy_prompts(bs, 12, model.config.vocab_size, seed=bs)
             expected = greedy_generate(model, model.kv_cache, prompts, 16)
-            got = greedy_generate(model, model.kv_cache, prompts, 16, prefill_fn=prefill.forward,
-                                  decode_fn=decode.forward)
+            got = greedy_generate(
+                model, model.kv_cache, prompts, 16, prefill_fn=prefill.forward, decode_fn=decode.forward
+            )
             assert got == expected, f"bf16 bs={bs}"
     decode.cleanup()
     prefill.cleanup()

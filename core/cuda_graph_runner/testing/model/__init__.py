@@ -37,7 +37,7 @@ checkpoints), :mod:`.causal_lm` (the model).
 from .attention import reference_llama_attention
 from .causal_lm import ReferenceLlamaForCausalLM
 from .config import PRESETS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelConfig
-from .rope import compute_inv_freq
+from .rope import compute_inv_freq  # noqa: F401 - exported as before, outside __all__
 
 __all__ = [
     "ModelConfig",

@@ -9,11 +9,11 @@ from torch import nn
 
 from ...forward_batch import ForwardBatch, ForwardMode
 from ..kv_cache import PagedKVCache
+from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
 from .config import PRESETS, ModelConfig
 from .layers import _Backbone, _Linear
 from .loading import HFCheckpointMixin
 from .rope import compute_inv_freq
-from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
 
 
 class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
@@ -36,8 +36,14 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         kv_cache: the attached :class:`PagedKVCache`, or ``None``.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
-                 tp_group: Any = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cpu",
+        tp_group: Any = None,
+    ):
         super().__init__()
         device = torch.device(device)
         self.config = config
@@ -45,7 +51,8 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         self.tp_layout = TPLayout.of(config, tp_group)  # raises ValueError when the heads do not split
         self.model = _Backbone(config, dtype, device, tp_group)
         self.lm_head = (
-            None if config.tie_word_embeddings
+            None
+            if config.tie_word_embeddings
             else _Linear(config.hidden_size, self.tp_layout.local_vocab, False, dtype, device)
         )
         self.register_buffer("inv_freq", compute_inv_freq(config).to(device), persistent=False)
@@ -106,13 +113,18 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         # TP: draw the full (TP=1) tensors in TP=1 order and keep this rank's shard.
-        full = dict(type(self)(self.config, dtype=self.dtype, device="meta").named_parameters()) \
-            if self.tp_group is not None else None
+        full = (
+            dict(type(self)(self.config, dtype=self.dtype, device="meta").named_parameters())
+            if self.tp_group is not None
+            else None
+        )
         for name, param in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 param.fill_(1.0)
             elif full is not None:
-                whole = torch.empty(full[name].shape, dtype=self.dtype, device=self.device).normal_(0.0, std, generator=gen)
+                whole = torch.empty(full[name].shape, dtype=self.dtype, device=self.device).normal_(
+                    0.0, std, generator=gen
+                )
                 param.copy_(shard_fused_param(name, whole, self.tp_layout))
             else:
                 param.normal_(0.0, std, generator=gen)

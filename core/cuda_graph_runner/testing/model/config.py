@@ -88,9 +88,7 @@ class ModelConfig:
         """
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; accepted: {list(SUPPORTED_MODEL_TYPES)}"
-            )
+            raise ValueError(f"unsupported model_type {model_type!r}; accepted: {list(SUPPORTED_MODEL_TYPES)}")
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} for {model_type}; accepted: ['silu']")
@@ -127,9 +125,7 @@ class ModelConfig:
         if model_type == "mistral":
             sliding_window = config.get("sliding_window")
         elif model_type == "qwen2" and config.get("use_sliding_window"):
-            raise ValueError(
-                "qwen2 use_sliding_window=True is not supported (per-layer windows); accepted: false"
-            )
+            raise ValueError("qwen2 use_sliding_window=True is not supported (per-layer windows); accepted: false")
 
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases
@@ -162,9 +158,7 @@ PRESETS: Dict[str, ModelConfig] = {
     # CPU-friendly; untied, no bias.
     "tiny": ModelConfig(),
     # CPU-friendly Qwen2 flavour: tied embeddings and q/k/v bias.
-    "tiny-qwen2": ModelConfig(
-        model_type="qwen2", tie_word_embeddings=True, qkv_bias=True, rope_theta=1e6
-    ),
+    "tiny-qwen2": ModelConfig(model_type="qwen2", tie_word_embeddings=True, qkv_bias=True, rope_theta=1e6),
     "llama-3.2-1b": ModelConfig(
         model_type="llama",
         vocab_size=128256,

@@ -8,10 +8,10 @@ from torch import nn
 
 from ...forward_batch import ForwardBatch
 from ..kv_cache import PagedKVCache
+from ..tensor_parallel import RowParallelLinear, TPLayout, VocabParallelEmbedding
 from .attention import reference_llama_attention
 from .config import ModelConfig
 from .rope import _rotate_half
-from ..tensor_parallel import RowParallelLinear, TPLayout, VocabParallelEmbedding
 
 
 class _Linear(nn.Module):
@@ -19,7 +19,9 @@ class _Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -51,12 +53,15 @@ class _Attention(nn.Module):
         self.num_kv_heads = lay.local_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.sliding_window = config.sliding_window or 0
         self.last_layer = layer_id == config.num_hidden_layers - 1
         self.qkv_proj = _Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
-        self.o_proj = (_Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device) if tp is None
-                       else RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, dtype, device, tp))
+        self.o_proj = (
+            _Linear(self.q_size, config.hidden_size, config.o_bias, dtype, device)
+            if tp is None
+            else RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, dtype, device, tp)
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
@@ -74,7 +79,13 @@ class _Attention(nn.Module):
         v_cache[batch.out_cache_loc] = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = torch.empty(t, self.q_size, dtype=x.dtype, device=x.device)
         reference_llama_attention(
-            out, q.reshape(t, self.q_size), k_cache, v_cache, cache.req_to_token, self.scaling, self.sliding_window,
+            out,
+            q.reshape(t, self.q_size),
+            k_cache,
+            v_cache,
+            cache.req_to_token,
+            self.scaling,
+            self.sliding_window,
             self.last_layer,
         )
         return self.o_proj(out)
@@ -85,8 +96,11 @@ class _MLP(nn.Module):
         super().__init__()
         self.intermediate_size = TPLayout.of(config, tp).local_intermediate
         self.gate_up_proj = _Linear(config.hidden_size, 2 * self.intermediate_size, False, dtype, device)
-        self.down_proj = (_Linear(self.intermediate_size, config.hidden_size, False, dtype, device) if tp is None
-                          else RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp))
+        self.down_proj = (
+            _Linear(self.intermediate_size, config.hidden_size, False, dtype, device)
+            if tp is None
+            else RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -110,7 +124,11 @@ class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
         self.embed_tokens = (
-            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True) if tp is None
-            else VocabParallelEmbedding(TPLayout.of(config, tp), config.hidden_size, dtype, device, tp))
-        self.layers = nn.ModuleList(_DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers))
+            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True)
+            if tp is None
+            else VocabParallelEmbedding(TPLayout.of(config, tp), config.hidden_size, dtype, device, tp)
+        )
+        self.layers = nn.ModuleList(
+            _DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers)
+        )
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Union
 
 import torch
 
-from .config import ModelConfig
 from ..tensor_parallel import shard_hf_tensor
+from .config import ModelConfig
 
 if TYPE_CHECKING:  # the mixin's subclass; imported for the annotation only (no cycle at run time)
     from .causal_lm import ReferenceLlamaForCausalLM
@@ -85,8 +85,11 @@ class HFCheckpointMixin:
             with safe_open(os.path.join(path, fname), framework="pt") as f:
                 for name in names:
                     dest = targets[name]
-                    src = f.get_tensor(name) if tp_group is None else shard_hf_tensor(name, f.get_slice(name),
-                                                                                       model.tp_layout)
+                    src = (
+                        f.get_tensor(name)
+                        if tp_group is None
+                        else shard_hf_tensor(name, f.get_slice(name), model.tp_layout)
+                    )
                     if tuple(src.shape) != tuple(dest.shape):
                         raise ValueError(
                             f"tensor {name} in {fname} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}"
