@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+from cuda_graph_runner.probes import cuda_graphs as probe  # noqa: F401 - the spec names it here; torch loads lazily
 
 
 @hookimpl
