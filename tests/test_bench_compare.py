@@ -367,3 +367,33 @@ def test_make_docs_main_writes_doc(tmp_path):
     assert make_docs.main([a, b, "--doc", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith("intro\n") and "Run to run: 2 runs" in text
+
+
+def test_make_docs_extra_renders_the_stored_folder_and_splices(tmp_path):
+    import make_docs_extra
+
+    folder = tmp_path / "res"
+    folder.mkdir()
+    (folder / "capture_seconds.json").write_text(
+        json.dumps({"device": "GPU X", "rows": {"auto": {"capture_s": 1.234, "sizes": 36, "pool_mb": 226.0}}})
+    )
+    (folder / "tp2.json").write_text(
+        json.dumps(
+            {
+                "model": "m",
+                "dtype": "bfloat16",
+                "tp": 2,
+                "rows": [{"batch_size": 8, "eager_ms": 20.0, "comm_ms": 0.5, "full_forward_ms": 2.5}],
+                "runners": {"full": {"capture_s": 0.5, "graph_memory_mib": 186.0}},
+            }
+        )
+    )
+    text = make_docs_extra.render(str(folder))
+    assert "| auto | 36 | 1.23 | 226 |" in text
+    assert "| 2 | 8 | 20.000 | 0.500 | 2.500 | nan |" in text
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{make_docs_extra.BEGIN}\nold\n{make_docs_extra.END}\noutro\n")
+    assert make_docs_extra.main([str(folder), "--doc", str(doc)]) == 0
+    new = doc.read_text()
+    assert "old" not in new and "| auto | 36 |" in new and new.startswith("intro") and new.endswith("outro\n")
+    assert make_docs_extra.main([str(tmp_path / "missing")]) == 2
