@@ -570,6 +570,8 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     fmt = getattr(args, "format", "table")
     # With a machine-readable stdout the words for people go to stderr.
     say: Callable[[str], None] = print if fmt == "table" else (lambda text: print(text, file=sys.stderr))
+    if tp is not None and tp.rank != 0:  # rank 0 speaks for all ranks (stdout is closed on the others)
+        say = lambda text: None  # noqa: E731
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError) as exc:
@@ -714,7 +716,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
         say(f"\nwrote {args.json_path}")
-    if getattr(args, "plot_path", None):
+    if getattr(args, "plot_path", None) and (tp is None or tp.rank == 0):
         from .plot import plot_results
 
         plot_results(results, args.plot_path)
