@@ -128,17 +128,22 @@ class BaseCudaGraphBackend(abc.ABC):
 
     @property
     def memory_pool(self) -> Any:
-        """The graph memory-pool handle captures go into (created on first use)."""
-        if self._memory_pool is None:
-            from .pool import get_global_graph_memory_pool
+        """The graph memory-pool handle captures go into: the one given at construction,
+        else the device's shared pool (looked up each time, not kept: the runner gives the
+        shared pool back when no graph uses it, and the next capture gets a new one)."""
+        if self._memory_pool is not None:
+            return self._memory_pool
+        from .pool import get_global_graph_memory_pool
 
-            self._memory_pool = get_global_graph_memory_pool(self.device, self.device_module)
-        return self._memory_pool
+        self._pool_in_use = get_global_graph_memory_pool(self.device, self.device_module)
+        return self._pool_in_use
 
     # -- helpers for subclasses -------------------------------------------------------
     #: The stream of the capture session in progress (None outside one, or on a device
     #: without streams); set by :meth:`bind_capture_stream`.
     capture_stream: Any = None
+    #: The shared pool handle :attr:`memory_pool` last gave out (for graph_memory_bytes).
+    _pool_in_use: Any = None
     # Per capture session (new_capture_session): sizes warmed up, graphs begun.
     _session_sizes: int = 0
     _session_graphs: int = 0
@@ -281,11 +286,12 @@ class BaseCudaGraphBackend(abc.ABC):
     def graph_memory_bytes(self) -> Optional[int]:
         """Bytes of the graph memory pool this backend captures into (shared with every
         backend using the same pool), or None where the device cannot tell."""
-        if self._memory_pool is None:
+        pool = self._memory_pool if self._memory_pool is not None else self._pool_in_use
+        if pool is None:
             return None
         from .pool import pool_memory_bytes
 
-        return pool_memory_bytes(self._memory_pool, self.device)
+        return pool_memory_bytes(pool, self.device)
 
     # -- verify mode (cuda_graph_runner.verify) -------------------------------------------
     def verify_reference(self, eager_fn: Callable[[], Any], key: ShapeKey, static_batch: ForwardBatch) -> Any:

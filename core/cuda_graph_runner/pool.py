@@ -3,6 +3,13 @@
 Decode and prefill never replay at the same time, so sharing one pool reserves only
 the larger phase's footprint (sglang stage C, ``runner_utils/pool.py``); capturing the
 largest size first lets each smaller graph reuse the blocks of the larger ones.
+
+On CUDA the pool is a ``torch.cuda.MemPool`` held here, not a bare
+``graph_pool_handle()``: the caching allocator forgets a bare handle's pool when its last
+graph is destroyed, and a capture into that handle while a tensor of the pool is still
+alive (an output a caller kept, a runner cleaned up and captured again) fails with
+``INTERNAL ASSERT FAILED ... use_count > 0``. The ``MemPool`` keeps one reference, so the
+pool lives until :func:`release_unused_graph_memory_pool` finds no graph using it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import torch
 from .device import new_stream, resolve_device
 
 _pools: Dict[Any, Any] = {}
+#: The ``torch.cuda.MemPool`` behind each CUDA pool handle in ``_pools`` (keeps it alive).
+_mem_pools: Dict[Any, Any] = {}
 _streams: Dict[Any, Any] = {}
 
 
@@ -41,8 +50,34 @@ def get_global_graph_memory_pool(device: "torch.device | str", device_module: Op
         module = device_module or torch.get_device_module(torch.device(device))
         if not hasattr(module, "graph_pool_handle"):
             raise RuntimeError(f"device {key!r} has no graph memory pool ({module.__name__} lacks graph_pool_handle)")
-        _pools[key] = module.graph_pool_handle()
+        mem_pool_cls = getattr(module, "MemPool", None) if module is getattr(torch, "cuda", None) else None
+        if mem_pool_cls is not None:
+            # MemPool() makes its pool on the *current* device: make it on this one.
+            with module.device(resolve_device(device, module)):
+                mem_pool = mem_pool_cls()
+            _mem_pools[key] = mem_pool
+            _pools[key] = mem_pool.id
+        else:
+            _pools[key] = module.graph_pool_handle()
     return _pools[key]
+
+
+def release_unused_graph_memory_pool(device: "torch.device | str", device_module: Optional[Any] = None) -> bool:
+    """Give the pool of ``device`` back when no graph uses it any more (after every runner
+    using it was cleaned up): its cached blocks go back to the allocator and the next
+    capture gets a fresh pool. Tensors of the old pool that are still referenced stay valid.
+
+    Returns:
+        True if the pool was released; False if a graph still uses it, there is none, or
+        the device cannot tell (no ``MemPool.use_count``).
+    """
+    key = _device_key(device, device_module)
+    mem_pool = _mem_pools.get(key)
+    use_count = getattr(mem_pool, "use_count", None)
+    if use_count is None or use_count() > 1:  # 1: only our own reference is left
+        return False
+    del _mem_pools[key], _pools[key]
+    return True
 
 
 def get_capture_stream(device: "torch.device | str", device_module: Optional[Any] = None) -> Any:
@@ -88,4 +123,5 @@ def pool_memory_bytes(pool: Any, device: "torch.device | str" = "cuda") -> Optio
 def reset_global_graph_memory_pools() -> None:
     """Forget every pool and stream (after every graph using them was cleaned up)."""
     _pools.clear()
+    _mem_pools.clear()
     _streams.clear()

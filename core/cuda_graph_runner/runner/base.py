@@ -30,7 +30,7 @@ from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..nested import check_structure, clone_tensors, map_tensors
-from ..pool import get_capture_stream
+from ..pool import get_capture_stream, release_unused_graph_memory_pool
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
 logger = logging.getLogger(__name__)
@@ -594,6 +594,8 @@ class BaseCudaGraphRunner(abc.ABC):
         device, module = self._graph_device()
         with device_guard(device, module):
             self.backend.cleanup()
+            if device.type != "cpu":
+                release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
         self.buffers.reset()
 
