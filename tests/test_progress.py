@@ -32,3 +32,27 @@ def test_a_quick_step_leaves_no_line_a_slow_one_its_time(capsys, monkeypatch):
     with progress.step("prepare decode (x)", "prepared decode (x)", True):
         pass
     assert "prepared decode (x) in " in capsys.readouterr().err
+
+
+def test_a_failing_step_clears_its_line_and_never_says_done(capsys):
+    import pytest
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with progress.step("prepare decode (x)", "prepared decode (x)", True):
+            raise RuntimeError("boom")
+    err = capsys.readouterr().err
+    assert "prepared" not in err
+    # The last thing drawn blanks "prepare decode (x) ..." and returns to column 0.
+    assert err.endswith(" " * len("prepare decode (x) ...") + "\r")
+
+
+def test_a_failing_bar_never_says_done(capsys):
+    import pytest
+
+    def items():
+        yield 1
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        list(progress.bar(items(), desc="capture decode (x)", done="captured decode (x)", show=True))
+    assert "captured decode (x) in" not in capsys.readouterr().err

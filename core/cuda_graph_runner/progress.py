@@ -39,7 +39,12 @@ def step(desc: str, done: str, show: Optional[bool]) -> Iterator[None]:
     if enabled:
         print(f"{desc} ...", end="\r", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    yield
+    try:
+        yield
+    except BaseException:
+        if enabled:  # the error's message starts on a clean line, not after "desc ..."
+            print(" " * (len(desc) + 4), end="\r", file=sys.stderr, flush=True)
+        raise
     if enabled:
         seconds = time.perf_counter() - start
         if seconds < QUIET_BELOW_S:  # a no-op prepare leaves no line behind
