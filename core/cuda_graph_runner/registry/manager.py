@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pluggy
 
 from .. import backend_options, envs, hookspecs
-from ..config import CudaGraphConfig
+from ..config import as_config
 from ..errors import (
     BackendConflictError,
     BackendContractError,
@@ -33,7 +33,6 @@ from ..errors import (
 )
 from ..hookspecs import ENTRY_POINT_GROUP, BackendSpec
 from . import conflicts, discovery
-from .config_input import phase_config_of
 from .contract import check_backend_class
 from .discovery import one_line
 from .entries import (
@@ -404,14 +403,13 @@ class BackendRegistry(PluginLoading):
             cuda_graph_runner.config.CudaGraphConfigError: the config sets a backend option
                 (``tc_compiler``) the selected backend does not read; names who reads it.
         """
-        phase_config = phase_config_of(phase, config)
+        config = as_config(config, phase)  # a runner's CudaGraphConfig passes through unconverted
+        phase_config = config[phase]
         device_str = str(device) if device is not None else default_device_type()
         device_type = device_str.split(":")[0]
         name = phase_config.backend or self.default_backend(phase, device_type)
         entry = self.get(name, device_type=device_type, phase=phase)
-        backend_options.check_resolved(
-            self, phase, config if isinstance(config, CudaGraphConfig) else phase_config, entry
-        )
+        backend_options.check_resolved(self, phase, config, entry)
         cls = self.load_class(entry)
         backend = cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
         try:
