@@ -31,6 +31,7 @@ from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream
 from .arguments import check_backend_arg, model_device
 from .capture_gc import freeze_gc
+from .decision import ReplayDecision
 from .sizes import get_batch_sizes_to_capture, pad_list, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
@@ -38,6 +39,7 @@ from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 __all__ = [
     "MAX_REPLAY_PLANS",
     "BaseCudaGraphRunner",
+    "ReplayDecision",
     "freeze_gc",
     "get_batch_sizes_to_capture",
     "pad_list",
@@ -189,10 +191,13 @@ class BaseCudaGraphRunner(abc.ABC):
         """The static dummy batch of ``size`` that capture runs on (views of the buffers)."""
 
     @abc.abstractmethod
-    def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
+    def replay_prepare(
+        self, batch: ForwardBatch, decision: Optional[ReplayDecision] = None
+    ) -> Tuple[ShapeKey, ForwardBatch]:
         """Copy ``batch`` into the static buffers padded to a captured size.
 
-        Returns ``(key, static_batch)``.
+        ``decision`` (from :meth:`decide`, for this batch) gives the padded size and key;
+        None computes them. Returns ``(key, static_batch)``.
         """
 
     @abc.abstractmethod
@@ -227,18 +232,26 @@ class BaseCudaGraphRunner(abc.ABC):
             raise ValueError(f"size {size} exceeds the largest captured size {self.max_size}")
         return self.capture_sizes[bisect.bisect_left(self.capture_sizes, size)]
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
+    def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
+        """How ``batch`` replays (its padded size and graph key), or None when it runs
+        eagerly. ``forward`` hands the decision on to ``replay``, so each batch computes
+        its padded size and key once."""
         if not self.captured_keys or not self.batch_matches(batch):
-            return False
+            return None
         size = self.size_of(batch)
         if size <= 0 or size > self.max_size:
-            return False
+            return None
         padded = self.padded_size(size)
         key = self._keys.get(padded)
         if key is None:
             key = self._keys[padded] = self.make_key(padded)
-        return self.backend.can_run(batch, key)
+        if not self.backend.can_run(batch, key):
+            return None
+        return ReplayDecision(size, padded, key)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
+        return self.decide(batch) is not None
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
@@ -414,8 +427,11 @@ class BaseCudaGraphRunner(abc.ABC):
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
         self.captured_keys.append(key)
 
-    def replay(self, batch: ForwardBatch) -> Any:
+    def replay(self, batch: ForwardBatch, decision: Optional[ReplayDecision] = None) -> Any:
         """Run ``batch`` through its captured graph (under ``torch.no_grad()``).
+
+        ``decision``: what :meth:`decide` returned for this batch (``forward`` passes it),
+        so the padded size and key are not computed again; None computes them.
 
         Returns:
             The model's output for the live batch (padding sliced off). Zero-copy by
@@ -442,7 +458,7 @@ class BaseCudaGraphRunner(abc.ABC):
         # forward() already entered no_grad; entering it again costs microseconds per step.
         grad_off = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
         with device_guard(device, module), grad_off:
-            key, static_batch = self.replay_prepare(batch)
+            key, static_batch = self.replay_prepare(batch, decision)
             with forward_context(static_batch), self.backend.replay_session():
                 output = self.backend.replay(key, static_batch)
             result = self.finish_output(output, batch, static_batch)
@@ -476,12 +492,13 @@ class BaseCudaGraphRunner(abc.ABC):
             ``owned_outputs=True`` (see :meth:`replay`); an eager one is the model's own.
         """
         with torch.no_grad():
-            run = local = self.can_run(batch)
+            decision = self.decide(batch)
+            run = local = decision is not None
             if self.tp_group is not None:  # one rank replaying while another runs eagerly deadlocks
-                run = self.tp_group.agree_step(self.size_of(batch), run)
-            if run:
-                self.stats.record_replay(self.size_of(batch))
-                return self.replay(batch)
+                run = self.tp_group.agree_step(decision.size if decision else self.size_of(batch), run)
+            if run and decision is not None:  # all ranks replay only if every rank can
+                self.stats.record_replay(decision.size)
+                return self.replay(batch, decision)
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
             return self.eager_forward(batch)
 

@@ -25,6 +25,7 @@ from ..buffers import TOKEN_AXIS, FusedFill
 from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
 from ..forward_context import forward_context
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
+from .decision import ReplayDecision
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
@@ -125,13 +126,13 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def batch_matches(self, batch: ForwardBatch) -> bool:
         return batch.forward_mode is ForwardMode.EXTEND
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` replays a graph: EXTEND, captured, within the maximum, and padded
+    def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
+        """How ``batch`` replays, or None: EXTEND, captured, within the maximum, and padded
         to at most ``MAX_PADDING_RATIO`` times its token count."""
-        if not super().can_run(batch):
-            return False
-        tokens = self.size_of(batch)
-        return self.padded_size(tokens) <= MAX_PADDING_RATIO * tokens
+        decision = super().decide(batch)
+        if decision is None or decision.padded > MAX_PADDING_RATIO * decision.size:
+            return None
+        return decision
 
     # -- capture -----------------------------------------------------------------------
     def _request_len_limit(self) -> Optional[int]:
@@ -188,7 +189,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         )
 
     # -- replay ------------------------------------------------------------------------
-    def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
+    def replay_prepare(
+        self, batch: ForwardBatch, decision: Optional[ReplayDecision] = None
+    ) -> Tuple[ShapeKey, ForwardBatch]:
         """Copy the token axis into the static buffers padded to a captured size.
 
         Returns ``(key, static_batch)``: token fields are ``[P]`` views of the static
@@ -206,7 +209,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         tokens = batch.input_ids.shape[0]
         plan = self._replay_plans.get(tokens)
         if plan is None:
-            plan = self._replay_plan(tokens)
+            plan = self._replay_plan(tokens, decision)
         key, update, fill = plan
         fill((batch.input_ids, batch.positions, batch.out_cache_loc))
         static = update(batch)
@@ -215,9 +218,12 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             init(static)
         return key, static
 
-    def _replay_plan(self, tokens: int) -> tuple:
-        """``(key, static batch updater, fill)`` for live batches of ``tokens`` tokens."""
-        padded = self.padded_size(tokens)
+    def _replay_plan(self, tokens: int, decision: Optional[ReplayDecision] = None) -> tuple:
+        """``(key, static batch updater, fill)`` for live batches of ``tokens`` tokens
+        (padded size and key from ``decision`` when given: computed once per batch)."""
+        if decision is not None and decision.size != tokens:  # another batch's: not trusted
+            decision = None
+        padded = decision.padded if decision is not None else self.padded_size(tokens)
         statics = self._replay_statics
         if padded not in statics:
             view = self.buffers.view
@@ -231,7 +237,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             statics[padded] = StaticBatchUpdater(static, keep=set(names))
         names = [name for name, _ in _PREFILL_SLOTS]
         plan = (
-            self.make_key(padded),
+            decision.key if decision is not None else self.make_key(padded),
             statics[padded],
             FusedFill(self.buffers, names, [tokens] * len(names), [padded] * len(names)),
         )
