@@ -101,6 +101,7 @@ from .entries import (
     PHASES,
     UNAVAILABLE,
     BackendEntry,
+    EntryStatus,
     default_device_type,
 )
 from .entries import spec_problem as _spec_problem  # noqa: F401
@@ -144,6 +145,7 @@ __all__ = [
     "BackendRegistry",
     "BackendSpec",
     "BackendUnavailableError",
+    "EntryStatus",
     "RegistryReentryError",
     "UnknownBackendError",
     "api_version_problem",

@@ -18,12 +18,12 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pluggy
 
 from .. import backend_options, envs, hookspecs
-from ..config import as_config
+from ..config import ConfigInput, as_config
 from ..errors import (
     BackendConflictError,
     BackendContractError,
@@ -48,6 +48,11 @@ from .entries import (
 )
 from .loading import PluginLoading, _BuiltinPlugin
 from .versions import CORE_DISTRIBUTION
+
+if TYPE_CHECKING:  # torch and the backend module: not imported to list or discover backends
+    import torch
+
+    from ..backend import BaseCudaGraphBackend
 
 ENV_STRICT = envs.STRICT_PLUGINS
 
@@ -157,7 +162,7 @@ class BackendRegistry(PluginLoading):
     def names(self) -> List[str]:
         return sorted(e.name for e in self._snapshot())
 
-    def backend_phases(self) -> Dict[str, frozenset]:
+    def backend_phases(self) -> Dict[str, frozenset[str]]:
         """``{name: phases}`` of every backend that registered (for config validation)."""
         return {e.name: frozenset(e.phases) for e in self._snapshot() if e.status not in (FAILED, CONFLICT)}
 
@@ -383,7 +388,14 @@ class BackendRegistry(PluginLoading):
         """:meth:`verify` every registered backend; the checked rows, sorted by name."""
         return [self.verify(name) for name in self.names()]
 
-    def resolve(self, phase: str, config: Any = None, *, device: Any = None, **backend_kwargs: Any) -> Any:
+    def resolve(
+        self,
+        phase: str,
+        config: ConfigInput = None,
+        *,
+        device: torch.device | str | None = None,
+        **backend_kwargs: Any,
+    ) -> BaseCudaGraphBackend:
         """Build the backend the config selects for ``phase`` on ``device``.
 
         Args:

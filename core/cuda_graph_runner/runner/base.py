@@ -21,12 +21,13 @@ import torch
 from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
-from ..config import PhaseConfig, as_config
+from ..config import ConfigInput, PhaseConfig, as_config
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TPGroup, tp_capture_step
 from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
+from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream
 from .arguments import check_backend_arg, model_device
@@ -56,7 +57,8 @@ class BaseCudaGraphRunner(abc.ABC):
     """Captures a model per size with one backend and replays it per batch.
 
     Args:
-        model: an object with ``forward(batch) -> hidden [num_tokens, hidden]`` and
+        model: a :class:`~cuda_graph_runner.model_protocol.GraphModel`:
+            ``forward(batch) -> hidden [num_tokens, hidden]`` and
             ``compute_logits(hidden, batch) -> logits`` (float32), plus optional
             ``init_forward_metadata_capture(batch)``,
             ``init_forward_metadata_replay(batch)`` and ``post_warmup_hook()``.
@@ -101,11 +103,11 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def __init__(
         self,
-        model: Any,
-        config: Any = None,
+        model: GraphModel,
+        config: ConfigInput = None,
         *,
-        device: Any = None,
-        backend: Any = None,
+        device: torch.device | str | None = None,
+        backend: BaseCudaGraphBackend | str | None = None,
         owned_outputs: Optional[bool] = None,
         enable_cudagraph_gc: bool = False,
         show_progress: Optional[bool] = None,
@@ -113,7 +115,7 @@ class BaseCudaGraphRunner(abc.ABC):
         check_backend_arg(backend)
         if owned_outputs is not None and not isinstance(owned_outputs, bool):
             raise TypeError(f"owned_outputs={owned_outputs!r}: must be True, False or None (the config's value)")
-        self.model = model
+        self.model: GraphModel = model
         #: The model's TP group (``model.tp_group``, :mod:`cuda_graph_runner.distributed`):
         #: ranks capture in step and agree on every batch's replay-or-eager decision.
         tp = getattr(model, "tp_group", None)

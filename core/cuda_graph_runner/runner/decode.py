@@ -8,8 +8,10 @@ import torch
 
 from ..backend import ShapeKey
 from ..buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
+from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
+from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
 from .decision import ReplayDecision
 
@@ -80,8 +82,8 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
 
     def __init__(
         self,
-        model: Any,
-        config: Any = None,
+        model: GraphModel,
+        config: ConfigInput = None,
         *,
         mode: "ForwardMode | str" = ForwardMode.DECODE,
         num_tokens_per_req: int = 1,

@@ -16,14 +16,16 @@ freeze them into the graph (``full``).
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
 from ..backend import ShapeKey
 from ..buffers import TOKEN_AXIS, FusedFill
+from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
 from ..forward_context import forward_context
+from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
 from .decision import ReplayDecision
 
@@ -101,7 +103,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     default_max_size: ClassVar[int] = 4096
 
     def __init__(
-        self, model: Any, config: Any = None, *, max_request_tokens: Optional[int] = None, **kwargs: Any
+        self, model: GraphModel, config: ConfigInput = None, *, max_request_tokens: Optional[int] = None, **kwargs: Any
     ) -> None:
         if max_request_tokens is not None and max_request_tokens < 1:
             raise ValueError(f"max_request_tokens={max_request_tokens}: must be >= 1")
@@ -228,12 +230,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         if padded not in statics:
             view = self.buffers.view
             names = [name for name, _ in _PREFILL_SLOTS]
-            static = StaticForwardBatch(  # request fields: replaced by each live batch's own
-                forward_mode=ForwardMode.EXTEND,
-                req_pool_indices=None,
-                seq_lens=None,  # type: ignore[arg-type]
-                **{name: view(name, padded) for name in names},
-            )
+            fields: Dict[str, Any] = {name: view(name, padded) for name in names}
+            # Request fields None: replaced by each live batch's own.
+            static = StaticForwardBatch(forward_mode=ForwardMode.EXTEND, req_pool_indices=None, seq_lens=None, **fields)  # type: ignore[arg-type]  # request fields: each live batch's own
             statics[padded] = StaticBatchUpdater(static, keep=set(names))
         names = [name for name, _ in _PREFILL_SLOTS]
         plan = (
