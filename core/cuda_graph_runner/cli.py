@@ -87,7 +87,7 @@ def run_backends(args: argparse.Namespace) -> int:
     device_type = args.device_type or default_device_type()
     decisions = [get_registry().default_decision(phase, device_type) for phase in PHASES]
     if args.json:
-        rows: List[Any] = []
+        rows: list[Any] = []
         for e in entries:
             row = e.as_row()
             row["default_for"] = ",".join(d.phase for d in decisions if d.backend == e.name)

@@ -71,7 +71,7 @@ def series_from_results(results: Dict[str, Any], model: Optional[str] = None) ->
             if not any(x == row["batch_size"] for x, _ in series.get("decode", {}).get("eager", [])):
                 _add(series, "decode", "eager", row["batch_size"], row.get("eager_ms"))
         prefill = results.get("prefill", [])
-        fewest: Dict[int, int] = {}
+        fewest: dict[int, int] = {}
         for row in prefill:
             fewest[row["num_tokens"]] = min(fewest.get(row["num_tokens"], row["requests"]), row["requests"])
         for row in prefill:

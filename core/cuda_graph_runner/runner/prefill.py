@@ -16,7 +16,7 @@ freeze them into the graph (``full``).
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 
@@ -230,7 +230,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         if padded not in statics:
             view = self.buffers.view
             names = [name for name, _ in _PREFILL_SLOTS]
-            fields: Dict[str, Any] = {name: view(name, padded) for name in names}
+            fields: dict[str, Any] = {name: view(name, padded) for name in names}
             # Request fields None: replaced by each live batch's own.
             static = StaticForwardBatch(forward_mode=ForwardMode.EXTEND, req_pool_indices=None, seq_lens=None, **fields)  # type: ignore[arg-type]  # request fields: each live batch's own
             statics[padded] = StaticBatchUpdater(static, keep=set(names))
