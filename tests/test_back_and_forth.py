@@ -1,6 +1,6 @@
 """Issue 18, back-and-forth: a runner converts its config once and hands the result to the
-registry (which converts nothing more), and a batch's padded size and graph key are
-computed once, in ``decide``, then carried to ``replay_prepare``."""
+registry (which converts nothing more), and a live size's padded size and graph key are
+computed once (``replay_target``), shared by ``decide``/``can_run`` and ``replay_prepare``."""
 
 from __future__ import annotations
 
@@ -145,7 +145,8 @@ def test_decode_forward_computes_padded_size_and_key_once_per_batch(monkeypatch)
     assert runner.backend.events[-1] == ("replay", ShapeKey(4, "decode")) and out.shape[0] == 3
     assert counts == {"padded_size": 1, "make_key": 1}  # before: 2 and 2 (can_run, then replay_prepare)
     runner.forward(decode_batch(3))
-    assert counts == {"padded_size": 2, "make_key": 1}  # a key per captured size is made once
+    runner.forward(decode_batch(4))  # pads to the same size: its key is reused
+    assert counts == {"padded_size": 2, "make_key": 1}  # once per live size, not per call
 
 
 def test_prefill_forward_computes_padded_size_once_per_batch(monkeypatch):
@@ -174,6 +175,6 @@ def test_decide_says_what_replay_uses():
     decision = runner.decide(decode_batch(3))
     assert decision == ReplayDecision(size=3, padded=4, key=ShapeKey(4, "decode"))
     assert runner.decide(decode_batch(5)) is None
-    # A decision made for another batch size is not trusted by the plan it would build.
-    key, static = runner.replay_prepare(decode_batch(1), decision)
-    assert key == ShapeKey(2, "decode") and static.batch_size == 2
+    key, static = runner.replay_prepare(decode_batch(3))  # the same target as the decision
+    assert key == decision.key and static.batch_size == decision.padded
+    assert runner.replay_target(1) == (2, ShapeKey(2, "decode"))

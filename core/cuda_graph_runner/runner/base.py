@@ -164,6 +164,7 @@ class BaseCudaGraphRunner(abc.ABC):
         self._replay_plans: Dict[int, Any] = {}
         self._replay_statics: Dict[int, Any] = {}
         self._keys: Dict[int, ShapeKey] = {}
+        self._targets: Dict[int, Tuple[int, ShapeKey]] = {}  # live size -> (padded, key)
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
         self.stats = RunStats()
         self.capture_seconds: Optional[float] = None
@@ -193,13 +194,11 @@ class BaseCudaGraphRunner(abc.ABC):
         """The static dummy batch of ``size`` that capture runs on (views of the buffers)."""
 
     @abc.abstractmethod
-    def replay_prepare(
-        self, batch: ForwardBatch, decision: Optional[ReplayDecision] = None
-    ) -> Tuple[ShapeKey, ForwardBatch]:
+    def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
         """Copy ``batch`` into the static buffers padded to a captured size.
 
-        ``decision`` (from :meth:`decide`, for this batch) gives the padded size and key;
-        None computes them. Returns ``(key, static_batch)``.
+        Returns ``(key, static_batch)``; the padded size and key come from
+        :meth:`replay_target` (computed once per live size).
         """
 
     @abc.abstractmethod
@@ -235,21 +234,36 @@ class BaseCudaGraphRunner(abc.ABC):
         return self.capture_sizes[bisect.bisect_left(self.capture_sizes, size)]
 
     def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
-        """How ``batch`` replays (its padded size and graph key), or None when it runs
-        eagerly. ``forward`` hands the decision on to ``replay``, so each batch computes
-        its padded size and key once."""
+        """How ``batch`` replays (its size, padded size and graph key), or None when it
+        runs eagerly; ``forward`` decides once per batch. The padded size and key come
+        from :meth:`replay_target`, which ``replay_prepare`` reads too."""
         if not self.captured_keys or not self.batch_matches(batch):
             return None
         size = self.size_of(batch)
         if size <= 0 or size > self.max_size:
             return None
-        padded = self.padded_size(size)
-        key = self._keys.get(padded)
-        if key is None:
-            key = self._keys[padded] = self.make_key(padded)
+        padded, key = self.replay_target(size)
         if not self.backend.can_run(batch, key):
             return None
         return ReplayDecision(size, padded, key)
+
+    def replay_target(self, size: int) -> Tuple[int, ShapeKey]:
+        """``(padded size, key)`` of live size ``size``: computed on its first batch, then
+        looked up (``decide`` and ``replay_prepare`` share it: once per size, not per call).
+
+        Raises:
+            ValueError: ``size`` exceeds the largest captured size.
+        """
+        target = self._targets.get(size)
+        if target is None:
+            padded = self.padded_size(size)
+            key = self._keys.get(padded)
+            if key is None:
+                key = self._keys[padded] = self.make_key(padded)
+            if len(self._targets) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
+                self._targets.clear()
+            target = self._targets[size] = (padded, key)
+        return target
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
@@ -429,11 +443,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
         self.captured_keys.append(key)
 
-    def replay(self, batch: ForwardBatch, decision: Optional[ReplayDecision] = None) -> Any:
+    def replay(self, batch: ForwardBatch) -> Any:
         """Run ``batch`` through its captured graph (under ``torch.no_grad()``).
-
-        ``decision``: what :meth:`decide` returned for this batch (``forward`` passes it),
-        so the padded size and key are not computed again; None computes them.
 
         Returns:
             The model's output for the live batch (padding sliced off). Zero-copy by
@@ -460,7 +471,7 @@ class BaseCudaGraphRunner(abc.ABC):
         # forward() already entered no_grad; entering it again costs microseconds per step.
         grad_off = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
         with device_guard(device, module), grad_off:
-            key, static_batch = self.replay_prepare(batch, decision)
+            key, static_batch = self.replay_prepare(batch)
             with forward_context(static_batch), self.backend.replay_session():
                 output = self.backend.replay(key, static_batch)
             result = self.finish_output(output, batch, static_batch)
@@ -500,7 +511,7 @@ class BaseCudaGraphRunner(abc.ABC):
                 run = self.tp_group.agree_step(decision.size if decision else self.size_of(batch), run)
             if run and decision is not None:  # all ranks replay only if every rank can
                 self.stats.record_replay(decision.size)
-                return self.replay(batch, decision)
+                return self.replay(batch)
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
             return self.eager_forward(batch)
 

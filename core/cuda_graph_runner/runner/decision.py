@@ -1,5 +1,5 @@
-"""``ReplayDecision``: what a runner found for one live batch, carried from ``can_run`` to
-``replay`` so the padded size and the graph's key are computed once per batch."""
+"""``ReplayDecision``: how one live batch replays (or None: it runs eagerly), decided once
+per batch by :meth:`BaseCudaGraphRunner.decide` (``can_run`` and ``forward`` read it)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from ..backend import ShapeKey
 class ReplayDecision:
     """A live batch replays the graph of ``key``, padded from ``size`` to ``padded``.
 
-    Made by :meth:`BaseCudaGraphRunner.decide` (None there means "run eagerly"), handed to
-    :meth:`~BaseCudaGraphRunner.replay` and ``replay_prepare`` by ``forward``; valid for
-    that one batch only.
+    The padded size and key come from :meth:`BaseCudaGraphRunner.replay_target`, computed
+    on the first batch of each live size and shared with ``replay_prepare``'s plans, so a
+    batch never computes them twice. Valid for that one batch.
 
     Attributes:
         size: the batch's size along the runner's axis (requests for decode, tokens for

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, List, Optional, Tuple
+from typing import Any, ClassVar, List, Tuple
 
 import torch
 
@@ -13,7 +13,6 @@ from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
 from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
-from .decision import ReplayDecision
 
 #: Buffers copied from the live batch at every replay: (field, axis, dtype).
 _DECODE_SLOTS = (
@@ -143,9 +142,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         self.buffers.reset()
         return self._static_batch(size, [self.seq_len_fill_value] * size)
 
-    def replay_prepare(
-        self, batch: ForwardBatch, decision: Optional[ReplayDecision] = None
-    ) -> Tuple[ShapeKey, ForwardBatch]:
+    def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
         """Copy ``batch`` into the static buffers padded to the captured batch size.
 
         Per step: one ``_foreach_copy_`` per dtype group, pad fills only for rows a larger
@@ -161,7 +158,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         raw_bs = batch.req_pool_indices.shape[0]
         plan = self._replay_plans.get(raw_bs)
         if plan is None:
-            plan = self._replay_plan(raw_bs, decision)
+            plan = self._replay_plan(raw_bs)
         key, static, fill, bs = plan
         fill((batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
         seq_lens_cpu = batch.seq_lens_cpu
@@ -174,12 +171,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             init(static)
         return key, static
 
-    def _replay_plan(self, raw_bs: int, decision: Optional[ReplayDecision] = None) -> tuple:
-        """``(key, static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests
-        (padded size and key from ``decision`` when given: computed once per batch)."""
-        if decision is not None and decision.size != raw_bs:  # another batch's: not trusted
-            decision = None
-        bs = decision.padded if decision is not None else self.padded_size(raw_bs)
+    def _replay_plan(self, raw_bs: int) -> tuple:
+        """``(key, static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
+        bs, key = self.replay_target(raw_bs)
         width = self.num_tokens_per_req
         statics = self._replay_statics
         if bs not in statics:
@@ -187,7 +181,6 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         names = [name for name, _, _ in _DECODE_SLOTS]
         rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
         padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
-        key = decision.key if decision is not None else self.make_key(bs)
         plan = (key, statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
         if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
             self._replay_plans.clear()

@@ -191,9 +191,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         )
 
     # -- replay ------------------------------------------------------------------------
-    def replay_prepare(
-        self, batch: ForwardBatch, decision: Optional[ReplayDecision] = None
-    ) -> Tuple[ShapeKey, ForwardBatch]:
+    def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
         """Copy the token axis into the static buffers padded to a captured size.
 
         Returns ``(key, static_batch)``: token fields are ``[P]`` views of the static
@@ -211,7 +209,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         tokens = batch.input_ids.shape[0]
         plan = self._replay_plans.get(tokens)
         if plan is None:
-            plan = self._replay_plan(tokens, decision)
+            plan = self._replay_plan(tokens)
         key, update, fill = plan
         fill((batch.input_ids, batch.positions, batch.out_cache_loc))
         static = update(batch)
@@ -220,12 +218,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             init(static)
         return key, static
 
-    def _replay_plan(self, tokens: int, decision: Optional[ReplayDecision] = None) -> tuple:
-        """``(key, static batch updater, fill)`` for live batches of ``tokens`` tokens
-        (padded size and key from ``decision`` when given: computed once per batch)."""
-        if decision is not None and decision.size != tokens:  # another batch's: not trusted
-            decision = None
-        padded = decision.padded if decision is not None else self.padded_size(tokens)
+    def _replay_plan(self, tokens: int) -> tuple:
+        """``(key, static batch updater, fill)`` for live batches of ``tokens`` tokens."""
+        padded, key = self.replay_target(tokens)
         statics = self._replay_statics
         if padded not in statics:
             view = self.buffers.view
@@ -236,7 +231,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             statics[padded] = StaticBatchUpdater(static, keep=set(names))
         names = [name for name, _ in _PREFILL_SLOTS]
         plan = (
-            decision.key if decision is not None else self.make_key(padded),
+            key,
             statics[padded],
             FusedFill(self.buffers, names, [tokens] * len(names), [padded] * len(names)),
         )
