@@ -471,7 +471,7 @@ def _bench_phase(
             say(f"note: {note}")
             results["notes"].append(note)
         rows = measure(runner)
-        if stats is not None:
+        if stats is not None and runner is not None:  # a capture needs a runner
             stats.run_stats = runner.run_stats()
             results["runners"].append(dataclasses.asdict(stats))
             from .runner.stats import format_summary

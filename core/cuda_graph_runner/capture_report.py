@@ -79,7 +79,7 @@ def _oom_types() -> tuple:
     return tuple(dict.fromkeys(types))
 
 
-def find_out_of_memory(exc: BaseException) -> Optional[BaseException]:
+def find_out_of_memory(exc: Optional[BaseException]) -> Optional[BaseException]:
     """The out-of-memory error in ``exc``'s chain (``__cause__``/``__context__``), or None.
 
     Recognised: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``), and, for

@@ -87,7 +87,7 @@ def run_backends(args: argparse.Namespace) -> int:
     device_type = args.device_type or default_device_type()
     decisions = [get_registry().default_decision(phase, device_type) for phase in PHASES]
     if args.json:
-        rows = []
+        rows: list[Any] = []
         for e in entries:
             row = e.as_row()
             row["default_for"] = ",".join(d.phase for d in decisions if d.backend == e.name)
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the console script; returns the exit status (see module docstring)."""
     previous = warnings.formatwarning
-    warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
+    warnings.formatwarning = _one_line_warning
     hide_third_party_noise()
     try:
         args = build_parser().parse_args(argv)

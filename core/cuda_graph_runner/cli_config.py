@@ -28,7 +28,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, Collection, Dict, Optional
+from typing import Any, Collection, Dict, Mapping, Optional
 
 from .config import DEFAULT_MAX_BS, PHASE_KEYS, CudaGraphConfig, CudaGraphConfigError, Phase, add_cuda_graph_args
 
@@ -65,7 +65,7 @@ def add_config_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _installed_backend_phases() -> Optional[Dict[str, Collection[str]]]:
+def _installed_backend_phases() -> Optional[Mapping[str, Collection[str]]]:
     """The registry's ``{backend: phases}``, or None when the registry cannot be imported."""
     try:  # lazy: the registry loads plugin metadata, not needed to parse flags
         from .registry import backend_phases
@@ -77,14 +77,14 @@ def _installed_backend_phases() -> Optional[Dict[str, Collection[str]]]:
 
 def _effective(config: CudaGraphConfig, checked: bool) -> Dict[str, Dict[str, Any]]:
     defaults: Dict[str, Any] = {}
-    registry = sys.modules.get(__package__ + ".registry") if checked else None
+    registry: Any = sys.modules.get(__package__ + ".registry") if checked else None
     if hasattr(registry, "get_registry"):
         device_type = registry.default_device_type()
         defaults = {phase: registry.get_registry().default_backend(phase, device_type) for phase in Phase.ALL}
     return {
         phase: {
             "backend": config[phase].backend or defaults.get(phase, "auto"),
-            "max_bs": config[phase].max_bs or (max(config[phase].bs) if config[phase].bs else DEFAULT_MAX_BS[phase]),
+            "max_bs": config[phase].max_bs or max(config[phase].bs or [DEFAULT_MAX_BS[phase]]),
             "bs": config[phase].bs or "the runner's buckets up to max_bs",
         }
         for phase in Phase.ALL
@@ -96,7 +96,7 @@ def run_config(args: argparse.Namespace) -> int:
     try:
         config = CudaGraphConfig.from_args(args)
         installed = _installed_backend_phases()
-        registry = sys.modules.get(__package__ + ".registry") if installed is not None else None
+        registry: Any = sys.modules.get(__package__ + ".registry") if installed is not None else None
         problems = getattr(registry, "backend_problems", None)
         config.validate(installed, problems() if problems else None)
         if hasattr(registry, "get_registry"):

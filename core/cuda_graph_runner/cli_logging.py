@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 import warnings
-from typing import Iterable, Optional, Set
+from typing import Iterable, Optional, Set, TextIO
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
@@ -104,7 +104,7 @@ class _CurrentStderrHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def configure_logging(level: int, *, stream: Optional[object] = None, roots: Optional[Iterable[str]] = None) -> None:
+def configure_logging(level: int, *, stream: Optional[TextIO] = None, roots: Optional[Iterable[str]] = None) -> None:
     """Send log records to ``stream`` (default stderr) at ``level`` for our loggers.
 
     Idempotent: a second call replaces the handler this function installed (tests call

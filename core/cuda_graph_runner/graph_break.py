@@ -235,7 +235,7 @@ def normalize_capture_safe(
     elif callable(value):
         return value
     try:
-        items = list(value)  # type: ignore[arg-type]
+        items = list(value)
     except TypeError:
         raise TypeError(
             f"eager op {name!r}: capture_safe={value!r} is not accepted; give a bool, forward modes "

@@ -104,6 +104,7 @@ class BackendHookSpecs:
     @hookspec
     def cuda_graph_runner_backend_specs(self) -> List[BackendSpec]:
         """Return the backends this plugin provides."""
+        raise NotImplementedError  # a specification: pluggy calls the plugins' implementations
 
     @hookspec(firstresult=True)
     def cuda_graph_runner_default_backend(self, phase: str, device_type: str) -> Optional[str]:

@@ -164,7 +164,7 @@ def check_host_read(field: str) -> None:
         CudaGraphHostValueError: names the field, the backend, the phase and the fixes.
     """
     guard = _local.guard
-    if not _armed(guard):
+    if guard is None or not _armed(guard):
         return
     raise CudaGraphHostValueError(_message(field, guard), field=field, backend=guard.backend, phase=guard.phase)
 

@@ -71,7 +71,7 @@ def series_from_results(results: Dict[str, Any], model: Optional[str] = None) ->
             if not any(x == row["batch_size"] for x, _ in series.get("decode", {}).get("eager", [])):
                 _add(series, "decode", "eager", row["batch_size"], row.get("eager_ms"))
         prefill = results.get("prefill", [])
-        fewest = {}
+        fewest: dict[int, int] = {}
         for row in prefill:
             fewest[row["num_tokens"]] = min(fewest.get(row["num_tokens"], row["requests"]), row["requests"])
         for row in prefill:
@@ -82,8 +82,8 @@ def series_from_results(results: Dict[str, Any], model: Optional[str] = None) ->
                 _add(series, "prefill", "eager", row["num_tokens"], row.get("eager_ms"))
     else:
         raise ValueError(f"not a bench or benchmarks/run.py result: keys {sorted(results)}")
-    for phase in series.values():
-        for points in phase.values():
+    for by_backend in series.values():
+        for points in by_backend.values():
             points.sort()
     return series
 

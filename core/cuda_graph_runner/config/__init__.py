@@ -113,12 +113,13 @@ second parse in the same process, or the flag repeated, does not warn again.
 The package
 -----------
 ``exceptions`` (:class:`CudaGraphConfigError`), ``model`` (the keys, :class:`PhaseConfig`,
-:class:`CudaGraphConfig`), ``loading`` (JSON given as text or as a file) and ``flags``
+:class:`CudaGraphConfig`), ``convert`` (:func:`as_config`: every accepted config form, converted once), ``loading`` (JSON given as text or as a file) and ``flags``
 (argparse, tiers, deprecated aliases); every public name is importable from here.
 """
 
 from __future__ import annotations
 
+from .convert import ConfigInput, as_config
 from .exceptions import CudaGraphConfigError
 from .flags import add_cuda_graph_args, source_phases  # noqa: F401 - source_phases: backend_options
 from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all__
@@ -153,5 +154,7 @@ __all__ = [
     "CudaGraphConfigError",
     "PhaseConfig",
     "CudaGraphConfig",
+    "ConfigInput",
+    "as_config",
     "add_cuda_graph_args",
 ]

@@ -89,9 +89,9 @@ _SIZES_ACCEPTED = f"a non-empty list of integers >= 1 and <= {MAX_CAPTURE_SIZE} 
 
 def _positive_int(value: Any, key: str) -> int:
     """``value`` as an int from 1 to ``MAX_CAPTURE_SIZE``; bools are refused. Raises CudaGraphConfigError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise CudaGraphConfigError("must be a positive integer", key=key, value=value, accepted=_SIZE_ACCEPTED)
-    if value > MAX_CAPTURE_SIZE:
+    if int(value) > MAX_CAPTURE_SIZE:
         raise CudaGraphConfigError(
             f"is above the maximum capture size {MAX_CAPTURE_SIZE}", key=key, value=value, accepted=_SIZE_ACCEPTED
         )
@@ -219,7 +219,7 @@ def _build_phase(phase: str, values: Mapping[str, Any], sources: Mapping[Tuple[s
     try:
         return PhaseConfig(**values)
     except CudaGraphConfigError as err:
-        raise err.with_context(phase=phase, source=sources.get((phase, err.key))) from None
+        raise err.with_context(phase=phase, source=sources.get((phase, err.key or ""))) from None
 
 
 @dataclass
@@ -388,7 +388,7 @@ class CudaGraphConfig:
             try:
                 self[phase]._check()
             except CudaGraphConfigError as err:
-                raise err.with_context(phase=phase, source=self.sources.get((phase, err.key))) from None
+                raise err.with_context(phase=phase, source=self.sources.get((phase, err.key or ""))) from None
         if backend_phases is None:
             return
         for phase in Phase.ALL:

@@ -18,13 +18,13 @@ One concept per module, as in pluggy's ``_manager.py`` / ``_hooks.py`` and conda
 * :mod:`.conflicts`: contested names and defaults, preferences;
 * :mod:`.contract`: the backend contract checker (``check_backend_class``);
 * :mod:`.versions`: the plugin API version handshake;
-* :mod:`.config_input`: what ``resolve`` accepts as a config;
 * :mod:`.manager`: ``BackendRegistry``, which ties them together;
 * :mod:`.process`: the process-wide registry, fork handling, module-level functions.
 
 What this package does not do: hold backend code (the ``disabled`` backend lives in
 :mod:`cuda_graph_runner.backend`), import any plugin when it is imported (the scan runs
-on first use), or decide runner policy (sizes, padding, fallbacks).
+on first use), or decide runner policy (sizes, padding, fallbacks). What ``resolve`` accepts as a
+config is converted by :func:`cuda_graph_runner.config.as_config`, the runners' one conversion.
 
 Contract checks (when a backend class is checked against ``BaseCudaGraphBackend``):
 
@@ -101,6 +101,7 @@ from .entries import (
     PHASES,
     UNAVAILABLE,
     BackendEntry,
+    EntryStatus,
     default_device_type,
 )
 from .entries import spec_problem as _spec_problem  # noqa: F401
@@ -144,6 +145,7 @@ __all__ = [
     "BackendRegistry",
     "BackendSpec",
     "BackendUnavailableError",
+    "EntryStatus",
     "RegistryReentryError",
     "UnknownBackendError",
     "api_version_problem",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import re
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
@@ -27,11 +28,28 @@ from .versions import CORE_DISTRIBUTION, api_version_problem
 
 IN_PROCESS = "<in-process>"
 
-AVAILABLE = "available"
-UNAVAILABLE = "unavailable"
-FAILED = "failed"
-#: Several distributions register the name and none is preferred (CUDA_GRAPH_RUNNER_PREFER).
-CONFLICT = "conflict"
+
+class EntryStatus(str, enum.Enum):
+    """The status of a registry entry. A ``str`` subclass whose values are the strings
+    tables and JSON show (``entry.status == "available"`` holds, ``json.dumps`` writes
+    ``"available"``, ``str()`` and f-strings give the value on every Python version)."""
+
+    AVAILABLE = "available"
+    #: Installed, cannot run on this device.
+    UNAVAILABLE = "unavailable"
+    #: The plugin is broken (import, spec, API version or contract).
+    FAILED = "failed"
+    #: Several distributions register the name and none is preferred (CUDA_GRAPH_RUNNER_PREFER).
+    CONFLICT = "conflict"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AVAILABLE = EntryStatus.AVAILABLE
+UNAVAILABLE = EntryStatus.UNAVAILABLE
+FAILED = EntryStatus.FAILED
+CONFLICT = EntryStatus.CONFLICT
 
 PHASES = ("decode", "prefill")
 # A "package.module:attribute" reference, checked for form only (nothing is imported).
@@ -47,9 +65,10 @@ class BackendEntry:
         distribution, version: the distribution that registered it (``"<in-process>"``
             for ``register()``).
         phases, devices: from its spec (empty when the plugin failed before giving one).
-        status: ``"available"``, ``"unavailable"`` (installed, cannot run here) or
-            ``"failed"`` (the plugin is broken) or ``"conflict"`` (several distributions
-            register the name; ``distribution`` lists them all).
+        status: an :class:`EntryStatus` (a ``str``): ``"available"``, ``"unavailable"``
+            (installed, cannot run here) or ``"failed"`` (the plugin is broken) or
+            ``"conflict"`` (several distributions register the name; ``distribution``
+            lists them all).
         reason: why it is not available, one line; None when available.
         error: the original exception, when there was one.
         spec: the ``BackendSpec``, when the plugin gave one.
@@ -63,7 +82,7 @@ class BackendEntry:
     version: str
     phases: Tuple[str, ...] = ()
     devices: Tuple[str, ...] = ()
-    status: str = AVAILABLE
+    status: EntryStatus = EntryStatus.AVAILABLE
     reason: Optional[str] = None
     error: Optional[BaseException] = None
     spec: Optional[BackendSpec] = None
@@ -90,7 +109,7 @@ class BackendEntry:
             "version": self.version,
             "phases": ",".join(self.phases),
             "devices": ",".join(self.devices),
-            "status": self.status,
+            "status": str(self.status),  # the plain string, whatever was assigned
             "reason": self.reason or "",
             "api_version": self.api_version or "",
             "contract": self.contract,

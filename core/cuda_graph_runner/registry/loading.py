@@ -270,7 +270,7 @@ class PluginLoading:
             return
         names = self._plugin_backends.get(owner, [])
         for name in [expected_name] if expected_name in names else names:
-            group = self._conflicts.get(name) or [self._entries.get(name)]
+            group = self._conflicts.get(name) or [e for e in (self._entries.get(name),) if e is not None]
             base = next((e for e in group if e is not None and e.spec is not None), None)
             if base is None or any(
                 normalize_dist(e.distribution) == normalize_dist(distribution) for e in group if e is not None

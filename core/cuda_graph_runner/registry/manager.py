@@ -18,12 +18,12 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pluggy
 
 from .. import backend_options, envs, hookspecs
-from ..config import CudaGraphConfig
+from ..config import ConfigInput, as_config
 from ..errors import (
     BackendConflictError,
     BackendContractError,
@@ -33,7 +33,6 @@ from ..errors import (
 )
 from ..hookspecs import ENTRY_POINT_GROUP, BackendSpec
 from . import conflicts, discovery
-from .config_input import phase_config_of
 from .contract import check_backend_class
 from .discovery import one_line
 from .entries import (
@@ -49,6 +48,11 @@ from .entries import (
 )
 from .loading import PluginLoading, _BuiltinPlugin
 from .versions import CORE_DISTRIBUTION
+
+if TYPE_CHECKING:  # torch and the backend module: not imported to list or discover backends
+    import torch
+
+    from ..backend import BaseCudaGraphBackend
 
 ENV_STRICT = envs.STRICT_PLUGINS
 
@@ -158,7 +162,7 @@ class BackendRegistry(PluginLoading):
     def names(self) -> List[str]:
         return sorted(e.name for e in self._snapshot())
 
-    def backend_phases(self) -> Dict[str, frozenset]:
+    def backend_phases(self) -> Dict[str, frozenset[str]]:
         """``{name: phases}`` of every backend that registered (for config validation)."""
         return {e.name: frozenset(e.phases) for e in self._snapshot() if e.status not in (FAILED, CONFLICT)}
 
@@ -384,7 +388,14 @@ class BackendRegistry(PluginLoading):
         """:meth:`verify` every registered backend; the checked rows, sorted by name."""
         return [self.verify(name) for name in self.names()]
 
-    def resolve(self, phase: str, config: Any = None, *, device: Any = None, **backend_kwargs: Any) -> Any:
+    def resolve(
+        self,
+        phase: str,
+        config: ConfigInput = None,
+        *,
+        device: torch.device | str | None = None,
+        **backend_kwargs: Any,
+    ) -> BaseCudaGraphBackend:
         """Build the backend the config selects for ``phase`` on ``device``.
 
         Args:
@@ -404,14 +415,13 @@ class BackendRegistry(PluginLoading):
             cuda_graph_runner.config.CudaGraphConfigError: the config sets a backend option
                 (``tc_compiler``) the selected backend does not read; names who reads it.
         """
-        phase_config = phase_config_of(phase, config)
+        config = as_config(config, phase)  # a runner's CudaGraphConfig passes through unconverted
+        phase_config = config[phase]
         device_str = str(device) if device is not None else default_device_type()
         device_type = device_str.split(":")[0]
         name = phase_config.backend or self.default_backend(phase, device_type)
         entry = self.get(name, device_type=device_type, phase=phase)
-        backend_options.check_resolved(
-            self, phase, config if isinstance(config, CudaGraphConfig) else phase_config, entry
-        )
+        backend_options.check_resolved(self, phase, config, entry)
         cls = self.load_class(entry)
         backend = cls(device_str, phase=phase, phase_config=phase_config, **backend_kwargs)
         try:

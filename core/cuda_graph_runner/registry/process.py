@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from ..config import ConfigInput
 from ..hookspecs import BackendSpec
 from .entries import BackendEntry
 from .manager import BackendRegistry, live_registries
+
+if TYPE_CHECKING:  # torch and the backend module: not imported to list or discover backends
+    import torch
+
+    from ..backend import BaseCudaGraphBackend
 
 _default: Optional[BackendRegistry] = None
 _default_lock = threading.Lock()
@@ -81,7 +87,7 @@ def list_backends(device_type: Optional[str] = None) -> List[BackendEntry]:
     return get_registry().entries(device_type)
 
 
-def backend_phases() -> Dict[str, frozenset]:
+def backend_phases() -> Dict[str, frozenset[str]]:
     """``{name: phases}`` of the installed backends (what config validation accepts)."""
     return get_registry().backend_phases()
 
@@ -123,11 +129,15 @@ def verify_all() -> List[BackendEntry]:
     return get_registry().verify_all()
 
 
-def resolve_decode_backend(config: Any = None, *, device: Any = None, **backend_kwargs: Any) -> Any:
+def resolve_decode_backend(
+    config: ConfigInput = None, *, device: torch.device | str | None = None, **backend_kwargs: Any
+) -> BaseCudaGraphBackend:
     """The decode backend the config selects, built for ``device``. See ``BackendRegistry.resolve``."""
     return get_registry().resolve("decode", config, device=device, **backend_kwargs)
 
 
-def resolve_prefill_backend(config: Any = None, *, device: Any = None, **backend_kwargs: Any) -> Any:
+def resolve_prefill_backend(
+    config: ConfigInput = None, *, device: torch.device | str | None = None, **backend_kwargs: Any
+) -> BaseCudaGraphBackend:
     """The prefill backend the config selects, built for ``device``. See ``BackendRegistry.resolve``."""
     return get_registry().resolve("prefill", config, device=device, **backend_kwargs)

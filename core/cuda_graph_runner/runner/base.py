@@ -12,26 +12,40 @@ from __future__ import annotations
 import abc
 import bisect
 import contextlib
-import dataclasses
-import gc
 import logging
 import time
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
-from ..config import CudaGraphConfig, PhaseConfig
+from ..config import ConfigInput, PhaseConfig, as_config
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TPGroup, tp_capture_step
 from ..forward_batch import ForwardBatch, as_static_batch
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
-from ..nested import check_structure, clone_tensors, map_tensors
+from ..model_protocol import GraphModel
+from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
+from .arguments import check_backend_arg, model_device
+from .capture_gc import freeze_gc
+from .decision import ReplayDecision
+from .sizes import get_batch_sizes_to_capture, pad_list, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
+
+# Re-exported: the subclasses and callers import these from here.
+__all__ = [
+    "MAX_REPLAY_PLANS",
+    "BaseCudaGraphRunner",
+    "ReplayDecision",
+    "freeze_gc",
+    "get_batch_sizes_to_capture",
+    "pad_list",
+    "slice_rows",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,125 +53,19 @@ logger = logging.getLogger(__name__)
 MAX_REPLAY_PLANS = 4096
 
 
-@contextlib.contextmanager
-def freeze_gc(enable_cudagraph_gc: bool = False) -> Iterator[None]:
-    """Collect once, then keep the collector off the heap for the capture (sglang's ``freeze_gc``).
-
-    A collection during capture walks every live object between kernel launches and
-    can free tensors whose memory a graph is recording; freezing moves the survivors
-    out of the collector's reach. ``enable_cudagraph_gc=True`` opts out.
-
-    What the caller froze stays frozen: ``gc.unfreeze()`` thaws *every* frozen object
-    and Python cannot thaw only some, so when objects are already frozen on entry
-    (``gc.get_freeze_count() > 0``, e.g. an application's pre-fork ``gc.freeze()``)
-    automatic collection is switched off for the block instead (``gc.disable()``, then
-    the previous ``gc.isenabled()`` state is restored) and nothing is frozen or thawed:
-    ``gc.get_freeze_count()`` never grows and falls only as frozen objects are freed.
-    """
-    gc.collect()
-    if enable_cudagraph_gc:
-        yield
-        return
-    frozen_before = gc.get_freeze_count()
-    was_enabled = gc.isenabled()
-    if frozen_before:
-        gc.disable()
-    else:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if frozen_before:
-            if was_enabled:
-                gc.enable()
-        else:
-            gc.unfreeze()  # only what this block froze: nothing was frozen before it
-        gc.collect()
-
-
-def get_batch_sizes_to_capture(
-    phase_config: PhaseConfig,
-    default_max: int,
-    default_sizes: Callable[[int], List[int]],
-) -> List[int]:
-    """The sizes to capture, ascending.
-
-    Explicit ``phase_config.bs`` wins over ``default_sizes(max)``; the list is cut at
-    ``phase_config.max_bs`` and ``max_bs`` itself is always captured, even off the
-    stride (12, 20, 50), so the largest batch the user allowed never runs eagerly.
-
-    Raises:
-        ValueError: no size is left (e.g. every listed size exceeds ``max_bs``).
-    """
-    max_bs = phase_config.max_bs
-    if phase_config.bs:
-        sizes = sorted(set(int(s) for s in phase_config.bs))
-    else:
-        sizes = default_sizes(max_bs if max_bs is not None else default_max)
-    if max_bs is not None:
-        sizes = [s for s in sizes if s <= max_bs]
-        if not phase_config.bs or max_bs not in sizes:
-            sizes.append(max_bs)
-    sizes = sorted(set(sizes))
-    if not sizes or sizes[0] <= 0:
-        raise ValueError(f"no positive size to capture (bs={phase_config.bs}, max_bs={max_bs})")
-    return sizes
-
-
-def slice_rows(output: Any, rows: int) -> Any:
-    """``t[:rows]`` for every tensor of ``output`` with at least one dimension (views, no
-    copy), through tuples, NamedTuples, lists, dicts and dataclasses, rebuilt with the
-    same types (:mod:`cuda_graph_runner.nested`); constants and 0-d tensors pass through."""
-    if isinstance(output, torch.Tensor):  # the common case (logits), without the walker
-        return output[:rows] if output.dim() > 0 else output
-    return map_tensors(lambda t: t[:rows] if t.dim() > 0 else t, output)
-
-
-def _model_device(model: Any, runner: str) -> torch.device:
-    """The device of ``model``'s first parameter, else of its first buffer.
-
-    Raises:
-        ValueError: the model has neither (no silent CPU fallback: a CUDA model without
-            parameters would otherwise be captured on the CPU).
-    """
-    for attr in ("parameters", "buffers"):
-        tensors = getattr(model, attr, None)
-        if callable(tensors):
-            try:
-                first = next(iter(tensors()), None)
-            except TypeError:
-                first = None
-            if isinstance(first, torch.Tensor):
-                return first.device
-    raise ValueError(
-        f"{runner}: cannot tell which device to capture on: the model ({type(model).__name__}) has no "
-        "parameters or buffers; pass device=, e.g. device='cuda:0'"
-    )
-
-
-def _check_backend_arg(backend: Any) -> None:
-    """Raises TypeError for a ``backend=`` that is not an instance, a name or None."""
-    if backend is None or isinstance(backend, (str, BaseCudaGraphBackend)):
-        return
-    accepted = (
-        "a backend instance (a BaseCudaGraphBackend subclass, built with its device and phase), "
-        "a backend name (a str such as 'full'), or None for the config's backend"
-    )
-    if isinstance(backend, type) and issubclass(backend, BaseCudaGraphBackend):
-        raise TypeError(f"backend={backend.__name__} is a backend class, not an instance; pass {accepted}")
-    raise TypeError(f"backend={backend!r} ({type(backend).__name__}) is not accepted; pass {accepted}")
-
-
 class BaseCudaGraphRunner(abc.ABC):
     """Captures a model per size with one backend and replays it per batch.
 
     Args:
-        model: an object with ``forward(batch) -> hidden [num_tokens, hidden]`` and
+        model: a :class:`~cuda_graph_runner.model_protocol.GraphModel`:
+            ``forward(batch) -> hidden [num_tokens, hidden]`` and
             ``compute_logits(hidden, batch) -> logits`` (float32), plus optional
             ``init_forward_metadata_capture(batch)``,
             ``init_forward_metadata_replay(batch)`` and ``post_warmup_hook()``.
         config: a ``CudaGraphConfig``, this phase's ``PhaseConfig``, a dict in
-            ``CudaGraphConfig.from_dict`` form, or None (defaults).
+            ``CudaGraphConfig.from_dict`` form or in one phase's form (``{"backend":
+            "full"}``), a backend name, or None (defaults); converted once by
+            :func:`cuda_graph_runner.config.as_config`, the same conversion ``resolve`` uses.
         device: where graphs are captured; None means the device of the model's first
             parameter (else first buffer); a model with neither needs it.
         backend: a backend instance, a backend name, or None to resolve the one the
@@ -195,26 +103,26 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def __init__(
         self,
-        model: Any,
-        config: Any = None,
+        model: GraphModel,
+        config: ConfigInput = None,
         *,
-        device: Any = None,
-        backend: Any = None,
+        device: torch.device | str | None = None,
+        backend: BaseCudaGraphBackend | str | None = None,
         owned_outputs: Optional[bool] = None,
         enable_cudagraph_gc: bool = False,
         show_progress: Optional[bool] = None,
     ) -> None:
-        _check_backend_arg(backend)
+        check_backend_arg(backend)
         if owned_outputs is not None and not isinstance(owned_outputs, bool):
             raise TypeError(f"owned_outputs={owned_outputs!r}: must be True, False or None (the config's value)")
-        self.model = model
+        self.model: GraphModel = model
         #: The model's TP group (``model.tp_group``, :mod:`cuda_graph_runner.distributed`):
         #: ranks capture in step and agree on every batch's replay-or-eager decision.
         tp = getattr(model, "tp_group", None)
         self.tp_group: Optional[TPGroup] = tp if isinstance(tp, TPGroup) else None
         # An index-less "cuda" is resolved once: buffers, graphs and replays stay on one device.
-        self.device = resolve_device(device) if device is not None else _model_device(model, type(self).__name__)
-        self.config = _as_config(config, self.phase)
+        self.device = resolve_device(device) if device is not None else model_device(model, type(self).__name__)
+        self.config = as_config(config, self.phase)  # once: resolve gets this object, unconverted
         self.phase_config: PhaseConfig = self.config[self.phase]
         #: Whether replayed outputs are cloned for the caller (see the class docstring).
         self.owned_outputs: bool = bool(self.phase_config.owned_outputs) if owned_outputs is None else owned_outputs
@@ -256,6 +164,7 @@ class BaseCudaGraphRunner(abc.ABC):
         self._replay_plans: Dict[int, Any] = {}
         self._replay_statics: Dict[int, Any] = {}
         self._keys: Dict[int, ShapeKey] = {}
+        self._targets: Dict[int, Tuple[int, ShapeKey]] = {}  # live size -> (padded, key)
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
         self.stats = RunStats()
         self.capture_seconds: Optional[float] = None
@@ -288,7 +197,8 @@ class BaseCudaGraphRunner(abc.ABC):
     def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
         """Copy ``batch`` into the static buffers padded to a captured size.
 
-        Returns ``(key, static_batch)``.
+        Returns ``(key, static_batch)``; the padded size and key come from
+        :meth:`replay_target` (computed once per live size).
         """
 
     @abc.abstractmethod
@@ -323,18 +233,41 @@ class BaseCudaGraphRunner(abc.ABC):
             raise ValueError(f"size {size} exceeds the largest captured size {self.max_size}")
         return self.capture_sizes[bisect.bisect_left(self.capture_sizes, size)]
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
+    def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
+        """How ``batch`` replays (its size, padded size and graph key), or None when it
+        runs eagerly; ``forward`` decides once per batch. The padded size and key come
+        from :meth:`replay_target`, which ``replay_prepare`` reads too."""
         if not self.captured_keys or not self.batch_matches(batch):
-            return False
+            return None
         size = self.size_of(batch)
         if size <= 0 or size > self.max_size:
-            return False
-        padded = self.padded_size(size)
-        key = self._keys.get(padded)
-        if key is None:
-            key = self._keys[padded] = self.make_key(padded)
-        return self.backend.can_run(batch, key)
+            return None
+        padded, key = self.replay_target(size)
+        if not self.backend.can_run(batch, key):
+            return None
+        return ReplayDecision(size, padded, key)
+
+    def replay_target(self, size: int) -> Tuple[int, ShapeKey]:
+        """``(padded size, key)`` of live size ``size``: computed on its first batch, then
+        looked up (``decide`` and ``replay_prepare`` share it: once per size, not per call).
+
+        Raises:
+            ValueError: ``size`` exceeds the largest captured size.
+        """
+        target = self._targets.get(size)
+        if target is None:
+            padded = self.padded_size(size)
+            key = self._keys.get(padded)
+            if key is None:
+                key = self._keys[padded] = self.make_key(padded)
+            if len(self._targets) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
+                self._targets.clear()
+            target = self._targets[size] = (padded, key)
+        return target
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
+        return self.decide(batch) is not None
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
@@ -572,11 +505,12 @@ class BaseCudaGraphRunner(abc.ABC):
             ``owned_outputs=True`` (see :meth:`replay`); an eager one is the model's own.
         """
         with torch.no_grad():
-            run = local = self.can_run(batch)
+            decision = self.decide(batch)
+            run = local = decision is not None
             if self.tp_group is not None:  # one rank replaying while another runs eagerly deadlocks
-                run = self.tp_group.agree_step(self.size_of(batch), run)
-            if run:
-                self.stats.record_replay(self.size_of(batch))
+                run = self.tp_group.agree_step(decision.size if decision else self.size_of(batch), run)
+            if run and decision is not None:  # all ranks replay only if every rank can
+                self.stats.record_replay(decision.size)
                 return self.replay(batch)
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
             return self.eager_forward(batch)
@@ -603,27 +537,3 @@ class BaseCudaGraphRunner(abc.ABC):
         device, module = self._graph_device()
         if device.type != "cpu":
             synchronize(device, module)  # this device only, never the current one
-
-
-def _as_config(config: Any, phase: str) -> CudaGraphConfig:
-    if config is None:
-        return CudaGraphConfig()
-    if isinstance(config, CudaGraphConfig):
-        return config
-    if isinstance(config, PhaseConfig):
-        return CudaGraphConfig().with_phase(phase, **_phase_fields(config))
-    if isinstance(config, dict):
-        return CudaGraphConfig.from_dict(config)
-    raise TypeError(f"config must be a CudaGraphConfig, PhaseConfig or dict, got {type(config).__name__}")
-
-
-def _phase_fields(pc: PhaseConfig) -> dict:
-    return {f.name: getattr(pc, f.name) for f in dataclasses.fields(pc)}
-
-
-def pad_list(values: Optional[Sequence[int]], rows: int, fill: int) -> Optional[List[int]]:
-    """A host list padded with ``fill`` up to ``rows`` entries (None stays None)."""
-    if values is None:
-        return None
-    values = list(values)
-    return values + [fill] * (rows - len(values))

@@ -8,8 +8,10 @@ import torch
 
 from ..backend import ShapeKey
 from ..buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
+from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
+from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
 
 #: Buffers copied from the live batch at every replay: (field, axis, dtype).
@@ -79,8 +81,8 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
 
     def __init__(
         self,
-        model: Any,
-        config: Any = None,
+        model: GraphModel,
+        config: ConfigInput = None,
         *,
         mode: "ForwardMode | str" = ForwardMode.DECODE,
         num_tokens_per_req: int = 1,
@@ -171,7 +173,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
 
     def _replay_plan(self, raw_bs: int) -> tuple:
         """``(key, static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
-        bs = self.padded_size(raw_bs)
+        bs, key = self.replay_target(raw_bs)
         width = self.num_tokens_per_req
         statics = self._replay_statics
         if bs not in statics:
@@ -179,7 +181,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         names = [name for name, _, _ in _DECODE_SLOTS]
         rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
         padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
-        plan = (self.make_key(bs), statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
+        plan = (key, statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
         if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
             self._replay_plans.clear()
         self._replay_plans[raw_bs] = plan

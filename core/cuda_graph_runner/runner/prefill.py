@@ -22,9 +22,12 @@ import torch
 
 from ..backend import ShapeKey
 from ..buffers import TOKEN_AXIS, FusedFill
+from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
 from ..forward_context import forward_context
+from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
+from .decision import ReplayDecision
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
@@ -100,7 +103,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     default_max_size: ClassVar[int] = 4096
 
     def __init__(
-        self, model: Any, config: Any = None, *, max_request_tokens: Optional[int] = None, **kwargs: Any
+        self, model: GraphModel, config: ConfigInput = None, *, max_request_tokens: Optional[int] = None, **kwargs: Any
     ) -> None:
         if max_request_tokens is not None and max_request_tokens < 1:
             raise ValueError(f"max_request_tokens={max_request_tokens}: must be >= 1")
@@ -125,13 +128,13 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def batch_matches(self, batch: ForwardBatch) -> bool:
         return batch.forward_mode is ForwardMode.EXTEND
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` replays a graph: EXTEND, captured, within the maximum, and padded
+    def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
+        """How ``batch`` replays, or None: EXTEND, captured, within the maximum, and padded
         to at most ``MAX_PADDING_RATIO`` times its token count."""
-        if not super().can_run(batch):
-            return False
-        tokens = self.size_of(batch)
-        return self.padded_size(tokens) <= MAX_PADDING_RATIO * tokens
+        decision = super().decide(batch)
+        if decision is None or decision.padded > MAX_PADDING_RATIO * decision.size:
+            return None
+        return decision
 
     # -- capture -----------------------------------------------------------------------
     def _request_len_limit(self) -> Optional[int]:
@@ -217,21 +220,18 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
 
     def _replay_plan(self, tokens: int) -> tuple:
         """``(key, static batch updater, fill)`` for live batches of ``tokens`` tokens."""
-        padded = self.padded_size(tokens)
+        padded, key = self.replay_target(tokens)
         statics = self._replay_statics
         if padded not in statics:
             view = self.buffers.view
             names = [name for name, _ in _PREFILL_SLOTS]
-            static = StaticForwardBatch(  # request fields: replaced by each live batch's own
-                forward_mode=ForwardMode.EXTEND,
-                req_pool_indices=None,
-                seq_lens=None,  # type: ignore[arg-type]
-                **{name: view(name, padded) for name in names},
-            )
+            fields: dict[str, Any] = {name: view(name, padded) for name in names}
+            # Request fields None: replaced by each live batch's own.
+            static = StaticForwardBatch(forward_mode=ForwardMode.EXTEND, req_pool_indices=None, seq_lens=None, **fields)  # type: ignore[arg-type]  # request fields: each live batch's own
             statics[padded] = StaticBatchUpdater(static, keep=set(names))
         names = [name for name, _ in _PREFILL_SLOTS]
         plan = (
-            self.make_key(padded),
+            key,
             statics[padded],
             FusedFill(self.buffers, names, [tokens] * len(names), [padded] * len(names)),
         )

@@ -15,6 +15,7 @@ import torch
 
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
+from ..model_protocol import GraphModel
 from .kv_cache import PagedKVCache
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
 LogitsFn = Callable[[ForwardBatch], torch.Tensor]
 
 
-def eager_logits_fn(model: torch.nn.Module) -> LogitsFn:
+def eager_logits_fn(model: GraphModel) -> LogitsFn:
     """``batch -> model.compute_logits(model.forward(batch), batch)`` inside ``forward_context``."""
 
     def run(batch: ForwardBatch) -> torch.Tensor:
@@ -132,7 +133,7 @@ def make_decode_batch(
         ValueError: lengths disagree (rows, tokens, widths, ``seq_lens`` vs the cache).
         CacheFullError: out of slots or context.
     """
-    nested = [list(t) if isinstance(t, (list, tuple)) else [int(t)] for t in next_tokens]
+    nested = [list(t) if isinstance(t, (list, tuple)) else [int(t)] for t in next_tokens]  # type: ignore[arg-type]  # an int here
     if len(nested) != len(rows):
         raise ValueError(f"make_decode_batch: {len(rows)} rows but {len(nested)} token entries")
     widths = {len(t) for t in nested}
@@ -234,7 +235,7 @@ class GreedySession:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: GraphModel,
         cache: PagedKVCache,
         *,
         prefill_fn: Optional[LogitsFn] = None,
@@ -305,7 +306,7 @@ class GreedySession:
 
 
 def greedy_generate(
-    model: torch.nn.Module,
+    model: GraphModel,
     cache: PagedKVCache,
     prompts: Sequence[Sequence[int]],
     steps: int,

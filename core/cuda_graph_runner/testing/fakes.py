@@ -86,11 +86,11 @@ class FakeGraphDeviceModule:
     def __init__(self, current_device: int = 0) -> None:
         self.events: List[Event] = []
         self.pool_handle = ("fake-pool", id(self))
-        self.capturing: Optional[FakeGraph] = None
+        self.capturing: Optional[Any] = None  # a FakeGraph, or a subclass module's own graph type
         self.current = current_device
         self.device_calls: List[Tuple[str, Optional[int]]] = []
         # A class per module, as torch.cuda.Stream is a class (``Stream(device=...)``).
-        self.Stream = type("Stream", (FakeStream,), {"module": self})
+        self.Stream = type("Stream", (FakeStream,), {"module": self})  # type: ignore[assignment]  # a FakeStream subclass
 
     # devices
     def index_of(self, device: Any) -> int:

@@ -102,5 +102,5 @@ def assert_close(
     """
     import torch
 
-    kwargs = tolerance(dtype if dtype is not None else expected.dtype, reduction_size, depth=depth)
+    kwargs: dict[str, Any] = tolerance(dtype if dtype is not None else expected.dtype, reduction_size, depth=depth)
     torch.testing.assert_close(actual, expected, msg=msg, **kwargs)

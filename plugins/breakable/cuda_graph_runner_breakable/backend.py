@@ -482,7 +482,7 @@ class _ForkTracker:
             if tracker.active and not _same_stream(stream, tracker.capture_stream):
                 tracker.forked.append(stream)
 
-        patches = {"wait_event": wait_event}
+        patches: dict[str, Any] = {"wait_event": wait_event}
         if wait_stream_0 is not None:
 
             @functools.wraps(wait_stream_0)

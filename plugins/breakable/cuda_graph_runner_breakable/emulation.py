@@ -132,11 +132,13 @@ class EmulatedGraphDeviceModule(FakeGraphDeviceModule):
     check the order of segments and eager ops.
     """
 
-    def CUDAGraph(self) -> EmulatedGraph:  # noqa: N802 - mirrors torch.cuda
+    def CUDAGraph(self) -> EmulatedGraph:  # type: ignore[override]  # noqa: N802 - mirrors torch.cuda; its own graph type
         return EmulatedGraph(self)
 
     @contextlib.contextmanager
-    def graph(self, cuda_graph: EmulatedGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
+    def graph(  # type: ignore[override]  # takes its own graph type, not the core fake's
+        self, cuda_graph: EmulatedGraph, pool: Any = None, stream: Any = None, **kwargs: Any
+    ) -> Iterator[None]:
         if self.capturing is not None:
             raise RuntimeError("nested graph capture")
         self.record_device("graph", None)

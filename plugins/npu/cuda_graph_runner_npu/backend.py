@@ -235,7 +235,9 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
             raise NPUGraphUpdateError(
                 f"seq_lens_cpu has {len(seq_lens)} entries for a graph of {static_batch.batch_size} requests"
             )
-        return [{self.update_input_name: [int(s) for s in seq_lens]}]
+        name = self.update_input_name
+        assert name is not None  # replay calls this only while an update is on (the name or the function)
+        return [{name: [int(s) for s in seq_lens]}]
 
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
         """Update the host-side inputs (when on), then replay ``key``'s graph.

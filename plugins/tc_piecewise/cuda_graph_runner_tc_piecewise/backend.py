@@ -529,9 +529,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             graph, graph_args, outputs = calls[0]
             try:
                 direct = _DirectReplay(
-                    graph.forward,
+                    graph.forward,  # type: ignore[arg-type]  # set: the graph ran in this capture
                     graph_args,
-                    _output_spec(result, outputs),  # type: ignore[arg-type]
+                    _output_spec(result, outputs),
                     _batch_signature(args, kwargs),
                 )
             except _NotDirect as exc:

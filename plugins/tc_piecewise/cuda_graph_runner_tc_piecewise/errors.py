@@ -30,7 +30,7 @@ class TcPiecewiseRuntimeError(CudaGraphRunnerError, RuntimeError):
 def exception_chain(exc: BaseException) -> Iterator[BaseException]:
     """``exc`` and its causes/contexts (and Dynamo's ``inner_exception``), each once."""
     seen = set()
-    todo = [exc]
+    todo: list[Optional[BaseException]] = [exc]
     while todo:
         e = todo.pop(0)
         if e is None or id(e) in seen:

@@ -145,7 +145,7 @@ def split_graph(gm: fx.GraphModule, is_split: Callable[[fx.Node], bool] = is_spl
             subgraph_id += 1
         else:
             ids[node] = subgraph_id
-    module = split_module(gm, None, lambda node: ids[node], keep_original_order=True)
+    module = split_module(gm, None, lambda node: ids[node], keep_original_order=True)  # type: ignore[arg-type]  # root_m=None is accepted at run time
 
     items: List[SplitItem] = []
     pieces = 0

@@ -1,7 +1,7 @@
 """The marked eager op ``cuda_graph_runner::reference_llama_attention``: paged attention
 over the live forward batch (capture-safe decode / target-verify, per-request extend)."""
 
-from typing import Tuple
+from typing import Any, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ def _decode_metadata(
     through :func:`forward_scratch` (every layer has the same lengths and window): one
     set of index kernels per step instead of one per layer. ``release`` (the last
     layer) drops them from the scratch."""
-    scratch = forward_scratch()
+    scratch: dict[Any, Any] = forward_scratch()
     key = ("reference_llama_decode_metadata", group, sliding_window, req_to_token.data_ptr())
     cached = scratch.pop(key, None) if release else scratch.get(key)
     if cached is not None:

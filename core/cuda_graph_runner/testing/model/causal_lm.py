@@ -36,6 +36,8 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         kv_cache: the attached :class:`PagedKVCache`, or ``None``.
     """
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer in __init__)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -208,6 +210,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             EXTEND: ``[batch_size, vocab_size]``, each request's last new token.
         """
         if batch.forward_mode == ForwardMode.EXTEND:
+            assert batch.extend_seq_lens is not None  # EXTEND batches carry it
             last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1
             hidden = hidden[last]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -19,6 +19,12 @@ class HFCheckpointMixin:
     model; the class it is mixed into provides ``__init__(config, dtype=, device=)``,
     ``config``, ``model`` (the backbone) and ``lm_head``."""
 
+    # Provided by the class this is mixed into (annotations only, for the type checker).
+    config: Any
+    model: Any
+    lm_head: Any
+    tp_layout: Any
+
     @classmethod
     @torch.no_grad()
     def from_pretrained(
@@ -62,7 +68,7 @@ class HFCheckpointMixin:
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
-        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
+        model: Any = cls(config, dtype=dtype, device=device, tp_group=tp_group)  # type: ignore[call-arg]  # the class mixed into provides __init__
         targets = model._hf_targets()
         ignored = {k for k in weight_map if k.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:
