@@ -26,11 +26,12 @@ from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memo
 from ..config import CudaGraphConfig, PhaseConfig
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TPGroup, tp_capture_step
-from ..forward_batch import ForwardBatch, as_static_batch
+from ..forward_batch import ForwardBatch
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..nested import check_structure, clone_tensors, map_tensors
 from ..pool import get_capture_stream
+from .capture_plan import build_capture_plan, capture_static_batch
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
 logger = logging.getLogger(__name__)
@@ -405,7 +406,9 @@ class BaseCudaGraphRunner(abc.ABC):
                     self.show_progress,
                 ),
             ):
-                self.backend.prepare(self)
+                plan = build_capture_plan(self)
+                self.backend.set_capture_plan(plan)
+                self.backend.prepare(plan)
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
             before = (
@@ -490,11 +493,8 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def capture_one_shape(self, size: int) -> None:
         """Capture one size: build the dummy batch, then ``backend.capture_one``."""
-        batch = as_static_batch(self.capture_prepare(size))
+        batch = capture_static_batch(self, size)
         key = self.make_key(size)
-        init = getattr(self.model, "init_forward_metadata_capture", None)
-        if init is not None:
-            init(batch)
         scope = self.host_value_guard_scope()
 
         where = f"{self.phase} graph output"
