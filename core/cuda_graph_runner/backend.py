@@ -82,6 +82,8 @@ class ShapeKey:
 
 
 ForwardFn = Callable[[], Any]
+#: ``capture_one``'s ``post_warmup_hook``: undoes state the warm-ups mutated (or None).
+WarmupHook = Optional[Callable[[], None]]
 
 
 class BaseCudaGraphBackend(abc.ABC):

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.nested import iter_tensors, map_pairs
 
@@ -81,18 +81,11 @@ class AcmeDebugBackend(BaseCudaGraphBackend):
             finally:
                 self._in_session = False
 
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up (the base loop, counted), run ``forward_fn`` once and keep its output.
 
         Raises:
             GraphInvariantError: outside ``capture_session``.
-            ValueError: ``key`` already captured (``cleanup()`` first).
         """
         if not self._in_session:
             raise GraphInvariantError(

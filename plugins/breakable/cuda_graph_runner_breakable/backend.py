@@ -43,12 +43,12 @@ import logging
 import sys
 import threading
 import warnings
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.buffers import copy_into
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly, capture_safe_now
@@ -225,17 +225,10 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             stream = self.new_stream()
         return self.bind_capture_stream(stream)
 
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up, then record ``forward_fn`` for ``key`` as segments and eager breaks.
 
         Raises:
-            ValueError: ``key`` was already captured (``cleanup()`` first).
             BreakableCaptureError: see the class docstring.
         """
         self.graph_table.check_new(key)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.forward_batch import ForwardBatch
 
 
@@ -38,18 +38,8 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         super().__init__(*args, **kwargs)
         self.weak_ref_outputs = weak_ref_outputs
 
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
-        """Warm up, then record ``forward_fn`` for ``key``.
-
-        Raises:
-            ValueError: ``key`` was already captured (``cleanup()`` first).
-        """
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
+        """Warm up, then record ``forward_fn`` for ``key`` (``record_graph``)."""
         self.record_graph(
             key, forward_fn, self.device_module.CUDAGraph, post_warmup_hook, weak_ref_outputs=self.weak_ref_outputs
         )

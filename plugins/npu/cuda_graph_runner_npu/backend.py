@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphRunnerError
 from cuda_graph_runner.forward_batch import ForwardBatch
 
@@ -102,21 +102,16 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         self,
         device: "torch.device | str" = "npu",
         *,
-        phase: str = "decode",
-        phase_config: Any = None,
-        memory_pool: Any = None,
-        device_module: Any = None,
         update_input_name: Optional[str] = DEFAULT_UPDATE_INPUT_NAME,
         cpu_update_input_fn: Optional[CpuUpdateInputFn] = None,
         capture_error_mode: Optional[str] = None,
         synchronize_before_update: bool = False,
+        **kwargs: Any,  # phase, phase_config, memory_pool, device_module: the base class's
     ) -> None:
-        if device_module is None and _is_npu(device):
+        if kwargs.get("device_module") is None and _is_npu(device):
             # torch.device("npu") parses only once torch_npu has renamed privateuse1.
             _require_torch_npu()
-        super().__init__(
-            device, phase=phase, phase_config=phase_config, memory_pool=memory_pool, device_module=device_module
-        )
+        super().__init__(device, **kwargs)
         self.update_input_name = update_input_name
         self.cpu_update_input_fn = cpu_update_input_fn
         self.capture_error_mode = capture_error_mode
@@ -163,17 +158,10 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         return self.update_input_name is not None or self.cpu_update_input_fn is not None
 
     # -- capture (sessions, cleanup and captured_keys: the base class's) ---------------------
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up, run ``post_warmup_hook``, then record ``forward_fn`` for ``key``.
 
         Raises:
-            ValueError: ``key`` was already captured (``cleanup()`` first).
             BackendUnavailableError: see :attr:`device_module`.
         """
         dm = self.device_module  # BackendUnavailableError before any warm-up

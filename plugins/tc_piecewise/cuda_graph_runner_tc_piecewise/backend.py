@@ -77,7 +77,7 @@ import torch
 import torch._dynamo
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
 from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch
@@ -266,20 +266,16 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self,
         device: "torch.device | str" = "cuda",
         *,
-        phase: str = "decode",
-        phase_config: Any = None,
-        memory_pool: Any = None,
-        device_module: Any = None,
         compiler: Optional[str] = None,
         enable_capture: Optional[bool] = None,
         weak_ref_outputs: Optional[bool] = None,
         debug: Optional[bool] = None,
         direct_replay: Optional[bool] = None,
+        **kwargs: Any,  # phase, phase_config, memory_pool, device_module: the base class's
     ) -> None:
-        super().__init__(
-            device, phase=phase, phase_config=phase_config, memory_pool=memory_pool, device_module=device_module
-        )
-        self.compiler = compiler or getattr(phase_config, "tc_compiler", None) or "eager"
+        super().__init__(device, **kwargs)
+        device_module = kwargs.get("device_module")
+        self.compiler = compiler or getattr(self.phase_config, "tc_compiler", None) or "eager"
         if self.compiler not in PIECE_COMPILERS:
             raise ValueError(f"unknown tc_compiler {self.compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
         if self.compiler == "inductor" and self.device.type == "cuda":
@@ -538,18 +534,11 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         if self._plan is None or self._compiled is None:
             raise RuntimeError("tc_piecewise: call prepare(runner) first (the runner's capture() does)")
 
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up every piece for ``key`` (call 1), then capture each (call 2).
 
         Raises:
             RuntimeError: ``prepare`` was not called.
-            ValueError: ``key`` is already captured.
             TcPiecewiseRuntimeError: a piece failed (names the piece and the op).
         """
         self._require_prepared()
