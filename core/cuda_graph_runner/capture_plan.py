@@ -29,7 +29,7 @@ the plan answers those names too, with a ``DeprecationWarning`` naming the repla
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 from .backend import ShapeKey
 from .forward_batch import ForwardBatch
@@ -135,8 +135,3 @@ class CapturePlan:
 
     def __repr__(self) -> str:
         return f"CapturePlan(phase={self.phase!r}, keys={list(self.keys)})"
-
-
-def plan_of(backend: Any) -> Optional[CapturePlan]:
-    """The plan the runner gave ``backend`` (None outside a runner)."""
-    return getattr(backend, "capture_plan", None)

@@ -532,7 +532,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
 
     def _require_prepared(self) -> None:
         if self._plan is None or self._compiled is None:
-            raise RuntimeError("tc_piecewise: call prepare(runner) first (the runner's capture() does)")
+            raise RuntimeError("tc_piecewise: call prepare(plan) first (the runner's capture() does)")
 
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up every piece for ``key`` (call 1), then capture each (call 2).
