@@ -33,8 +33,13 @@ from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey,
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.nested import iter_tensors, map_pairs
 
-#: Static-batch fields whose addresses must not change between replays of one key.
-STATIC_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+#: Static-batch fields whose addresses must not change between replays of one key, per
+#: phase: decode keys by batch size, so the per-request tensors live in static buffers
+#: too; prefill keys by token count, and its per-request tensors vary with the batch.
+STATIC_FIELDS = {
+    "decode": ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"),
+    "prefill": ("input_ids", "positions", "out_cache_loc"),
+}
 
 
 class GraphInvariantError(RuntimeError):
@@ -116,7 +121,7 @@ class AcmeDebugBackend(BaseCudaGraphBackend):
         captured_fn, output = self.graph_table.get(key)
         addresses = tuple(
             (f, getattr(static_batch, f).data_ptr())
-            for f in STATIC_FIELDS
+            for f in STATIC_FIELDS.get(self.phase, STATIC_FIELDS["decode"])
             if isinstance(getattr(static_batch, f, None), torch.Tensor)
         )
         first = self._addresses.setdefault(key, addresses)
