@@ -78,7 +78,7 @@ step "cuda-graph-runner backends (no numpy here: torch's NumPy warning must not 
 "$PY" -c "import importlib.util as u; assert u.find_spec('numpy') is None, 'numpy is installed'"
 "$WORK/venv/bin/cuda-graph-runner" backends 2>stderr.txt | tee backends.txt
 if [ -s stderr.txt ]; then cat stderr.txt; echo "FAIL: cuda-graph-runner backends wrote to stderr" >&2; exit 1; fi
-grep -Eq '^ *acme +cuda-graph-runner-acme +0\.1\.0 +decode +[*] +available' backends.txt \
+grep -Eq '^ *acme +cuda-graph-runner-acme +0\.1\.0 +decode,prefill +[*] +available' backends.txt \
   || { echo "FAIL: acme is not listed as available from cuda-graph-runner-acme" >&2; exit 1; }
 "$WORK/venv/bin/cuda-graph-runner" backends --json >backends.json
 

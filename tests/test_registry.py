@@ -20,6 +20,7 @@ from cuda_graph_runner.errors import (
     UnknownBackendError,
 )
 from cuda_graph_runner.hookspecs import ENTRY_POINT_GROUP, BackendSpec
+from cuda_graph_runner.testing.conformance import install_plugin_distributions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,25 +149,7 @@ def _install_plugin(tmp_path: Path, name: str, module_source: str, ep_name: str)
         py-modules = ["{name}"]
     """)
     )
-    site = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(site),
-            str(src),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return site
+    return install_plugin_distributions(tmp_path / "site", src)
 
 
 def _scan_with_site(site: Path, monkeypatch) -> dict:

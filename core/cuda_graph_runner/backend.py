@@ -6,7 +6,8 @@ slicing and eager fallback are the runner's policy, never the backend's.
 
 Call order, from the runner::
 
-    backend.prepare(runner)                      # once, optional (tc_piecewise compiles here)
+    backend.set_capture_plan(plan)               # what the runner captures (capture_plan.py)
+    backend.prepare(plan)                        # once, optional (tc_piecewise compiles here)
     with backend.capture_session(stream):
         for key in sizes, largest first:
             backend.capture_one(key, forward_fn, post_warmup_hook=hook)
@@ -15,6 +16,17 @@ Call order, from the runner::
         with backend.replay_session():
             out = backend.replay(key, static_batch)
     backend.cleanup()                            # before recapture or teardown
+
+What the base class already does, so a backend writes only what is its own: both
+sessions (``capture_session`` binds the capture stream, ``replay_session`` does
+nothing), the table of captured graphs and outputs (:attr:`~BaseCudaGraphBackend.graph_table`:
+the "already captured" ``ValueError`` and the ``KeyError`` naming the missing key and the
+captured ones), ``can_run`` (the key is in the table), ``cleanup`` (reset and forget every
+graph), ``captured_keys``, the warm-up loop (:meth:`~BaseCudaGraphBackend.warm_up`) and,
+for a backend whose graph is recorded by ``device_module.graph``, the whole capture
+(:meth:`~BaseCudaGraphBackend.record_graph`) and replay (:meth:`~BaseCudaGraphBackend.replay_graph`).
+A backend must implement ``capture_one`` and ``replay``; it overrides the rest where its
+mechanism differs.
 
 Device and streams: a backend learns its device from ``self.device`` (the runner's
 device, given at construction) and reaches it through ``self.device_module``. The
@@ -38,12 +50,16 @@ import contextlib
 import dataclasses
 import sys
 import unittest.mock
-from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator, List, Optional, Set, Tuple
 
 import torch
 
 from .device import resolve_device
 from .forward_batch import ForwardBatch
+from .graph_table import CapturedGraphs
+
+if TYPE_CHECKING:
+    from .capture_plan import CapturePlan
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -66,12 +82,16 @@ class ShapeKey:
 
 
 ForwardFn = Callable[[], Any]
+#: ``capture_one``'s ``post_warmup_hook``: undoes state the warm-ups mutated (or None).
+WarmupHook = Optional[Callable[[], None]]
 
 
 class BaseCudaGraphBackend(abc.ABC):
     """Base class of every capture mechanism (the seed's ``BaseCudaGraphBackend``).
 
-    Subclasses implement the six abstract methods. Constructor arguments are passed by
+    Subclasses implement ``capture_one`` and ``replay`` (the two abstract methods) and
+    override any of the other four contract methods (``capture_session``, ``can_run``,
+    ``replay_session``, ``cleanup``) whose default does not fit. Constructor arguments are passed by
     keyword by the registry's ``resolve_*_backend``; a subclass that needs more takes
     them as keyword arguments with defaults.
 
@@ -280,8 +300,22 @@ class BaseCudaGraphBackend(abc.ABC):
         return runs
 
     # -- optional hooks -------------------------------------------------------------
-    def prepare(self, runner: Any) -> None:  # noqa: B027 - an optional hook, empty by design
-        """Called once by the runner before the capture session. Default: nothing."""
+    #: The runner's :class:`~cuda_graph_runner.capture_plan.CapturePlan` (set before
+    #: ``prepare``; kept for replays), None outside a runner.
+    capture_plan: "Optional[CapturePlan]" = None
+
+    def set_capture_plan(self, plan: "CapturePlan") -> None:
+        """Called by the runner before :meth:`prepare`: keep ``plan`` as :attr:`capture_plan`."""
+        self.capture_plan = plan
+
+    def prepare(self, plan: "CapturePlan") -> None:  # noqa: B027 - an optional hook, empty by design
+        """Called once by the runner before each capture session, with its capture plan
+        (keys, static batches, the forward; :mod:`cuda_graph_runner.capture_plan`).
+        Default: nothing. A backend that must run the forward over every size before
+        capture (a compile pass) or replace the model's forward
+        (``plan.wrap_model_forward``) does it here; it never patches the model itself.
+        Plugin API 1.0 passed the runner: the plan still answers the runner attributes
+        those backends read, with a ``DeprecationWarning``."""
 
     def graph_memory_bytes(self) -> Optional[int]:
         """Bytes of the graph memory pool this backend captures into (shared with every
@@ -315,9 +349,10 @@ class BaseCudaGraphBackend(abc.ABC):
         return default_verify_tolerance(dtype)
 
     # -- the contract -----------------------------------------------------------------
-    @abc.abstractmethod
     def capture_session(self, stream: Any) -> ContextManager[None]:
-        """Context wrapping the runner's whole capture loop; binds ``stream`` and the pool.
+        """Context wrapping the runner's whole capture loop. Default:
+        :meth:`bind_capture_stream` (``self.capture_stream`` is ``stream`` inside it, and
+        the session's warm-up state starts afresh).
 
         Args:
             stream: the side stream captures run on, made on ``self.device``
@@ -325,6 +360,7 @@ class BaseCudaGraphBackend(abc.ABC):
                 device has no streams (a backend that needs one makes it with
                 :meth:`new_stream`, never a bare ``Stream()`` on the current device).
         """
+        return self.bind_capture_stream(stream)
 
     @abc.abstractmethod
     def capture_one(
@@ -336,22 +372,36 @@ class BaseCudaGraphBackend(abc.ABC):
     ) -> None:
         """Record one shape.
 
-        Runs ``forward_fn`` ``num_warmups`` times, then ``post_warmup_hook`` (if given:
-        it undoes state the warm-ups mutated), then records ``forward_fn`` once.
-        ``forward_fn`` takes no argument, reads the runner's static buffers and returns
+        Runs ``forward_fn`` as often as :meth:`warmup_runs` says (:meth:`warm_up`), then
+        ``post_warmup_hook`` (if given: it undoes state the warm-ups mutated), then records
+        ``forward_fn`` once (:meth:`record_graph` does all of it for a
+        ``device_module.graph`` backend). ``forward_fn`` takes no argument, reads the
+        runner's static buffers and returns
         the model output: a tensor, or tensors nested in tuples, NamedTuples, lists,
         dicts and dataclasses (the runner rejects anything else on the first run; walk
         it with :mod:`cuda_graph_runner.nested`, never with a container check of your
         own). The backend keeps that output's storage so later replays write into it.
+
+        ``forward_fn`` is bound to the *capture* batch (``plan.static_batch(key)``, pad
+        values): a backend that does not record a graph must not call it at replay, or
+        every replay computes the dummy batch again (right by accident for decode, whose
+        live batch lands in the same buffers, wrong for prefill, whose per-request
+        metadata lives in the batch object). At replay, run
+        ``self.capture_plan.forward(static_batch)`` instead.
+
+        Raises:
+            ValueError: ``key`` was already captured (``graph_table.check_new``).
         """
 
-    @abc.abstractmethod
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
-        """Whether ``key`` has a graph this backend can replay for ``batch``."""
+        """Whether ``key`` has a graph this backend can replay for ``batch``. Default:
+        ``key in self.graph_table``."""
+        return key in self.graph_table
 
-    @abc.abstractmethod
     def replay_session(self) -> ContextManager[None]:
-        """Context wrapping replay-time model code (backends set their flags here)."""
+        """Context wrapping replay-time model code (backends set their flags here).
+        Default: nothing."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
@@ -376,9 +426,79 @@ class BaseCudaGraphBackend(abc.ABC):
             KeyError: no graph was captured for ``key``.
         """
 
-    @abc.abstractmethod
     def cleanup(self) -> None:
-        """Drop every graph and output (``graph.reset()``); the backend can capture again."""
+        """Drop every graph and output (``graph.reset()``); the backend can capture again.
+        Default: ``self.graph_table.clear()``."""
+        self.graph_table.clear()
+
+    # -- the shared mechanics on the graph table ------------------------------------------
+    @property
+    def graph_table(self) -> CapturedGraphs:
+        """This backend's :class:`~cuda_graph_runner.graph_table.CapturedGraphs`."""
+        table = self.__dict__.get("_graph_table")
+        if table is None:  # made on first use: a subclass may skip __init__
+            table = self.__dict__["_graph_table"] = CapturedGraphs()
+        return table
+
+    @property
+    def captured_keys(self) -> List[ShapeKey]:
+        """Captured keys, in capture order."""
+        return self.graph_table.keys()
+
+    def record_graph(
+        self,
+        key: ShapeKey,
+        forward_fn: ForwardFn,
+        make_graph: Callable[[], Any],
+        post_warmup_hook: Optional[Callable[[], None]] = None,
+        *,
+        weak_ref_outputs: bool = False,
+        **options: Any,
+    ) -> Any:
+        """The whole ``capture_one`` of a backend recording one ``device_module.graph``:
+        refuse a key captured twice, :meth:`warm_up`, record ``forward_fn`` into a new
+        ``make_graph()`` (``device_module.CUDAGraph``, ...) inside :meth:`graph_capture`
+        (``options`` go to ``device_module.graph``), keep ``(graph, output)`` in
+        :attr:`graph_table`. Returns the output.
+
+        Args:
+            weak_ref_outputs: keep non-owning aliases of the output when it all lives in
+                CUDA graph memory (:meth:`output_to_keep`).
+
+        Raises:
+            ValueError: ``key`` was already captured.
+        """
+        self.graph_table.check_new(key)
+        self.warm_up(forward_fn, post_warmup_hook, key=key)
+        graph = make_graph()
+        with self.graph_capture(graph, **options):
+            output = forward_fn()
+        self.graph_table.add(key, graph, self.output_to_keep(output, weak_ref_outputs))
+        return output
+
+    def output_to_keep(self, output: Any, weak_ref: bool) -> Any:
+        """``output``, or with ``weak_ref`` non-owning aliases of its tensors
+        (:mod:`cuda_graph_runner.weak_ref`) when every tensor is in CUDA memory: the
+        shape's output blocks go back to the pool, so smaller shapes captured next reuse
+        them and the pool stays near the largest shape's size (sglang's
+        ``weak_ref_tensors``). Never for another device's plain tensors (a fake device
+        module in CPU tests), which would be freed under the aliases."""
+        from .nested import iter_tensors
+        from .weak_ref import weak_ref_tensors
+
+        if weak_ref and self.device.type == "cuda" and all(t.device.type == "cuda" for _, t in iter_tensors(output)):
+            return weak_ref_tensors(output)
+        return output
+
+    def replay_graph(self, key: ShapeKey) -> Any:
+        """Replay ``key``'s graph (``graph.replay()``) and return its kept output.
+
+        Raises:
+            KeyError: no graph was captured for ``key`` (names the captured keys).
+        """
+        graph, output = self.graph_table.get(key)
+        graph.replay()
+        return output
 
 
 @contextlib.contextmanager
@@ -422,22 +542,8 @@ class DisabledBackend(BaseCudaGraphBackend):
     num_warmups = 0
     host_value_guard = "off"
 
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        yield
-
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook=None) -> None:
         return None
 
-    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
-        return False
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
-
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
         raise KeyError(f"backend 'disabled' holds no graph (asked for {key})")
-
-    def cleanup(self) -> None:
-        return None

@@ -12,7 +12,7 @@ A plugin module looks like::
     def cuda_graph_runner_backend_specs():
         return [BackendSpec(name="acme", backend_class="acme_cgr.backend:AcmeBackend",
                             phases=("decode",), devices=("cuda",),
-                            probe="acme_cgr.plugin:probe", api_version="1.0")]
+                            probe="acme_cgr.plugin:probe", api_version="1.1")]
 
     @hookimpl
     def cuda_graph_runner_default_backend(phase, device_type):
@@ -38,7 +38,10 @@ ENTRY_POINT_GROUP = "cuda_graph_runner.backends"
 #: version it was written for in ``BackendSpec.api_version``. Compatible means: same
 #: major, and the plugin's minor <= the core's (minor versions only add hooks or
 #: optional arguments). Anything else is listed ``unavailable`` with both versions.
-PLUGIN_API_VERSION = "1.0"
+#: 1.1: the capture plan (``set_capture_plan``/``prepare(plan)``, the replay forward
+#: ``capture_plan.forward``, ``plan.wrap_model_forward``) and the base class's defaults
+#: (both sessions, ``can_run``, ``cleanup``, ``captured_keys``, the graph table).
+PLUGIN_API_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

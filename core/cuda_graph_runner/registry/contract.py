@@ -20,7 +20,8 @@ from ..errors import BackendContractError
 #: keyword arguments passed). ``__init__`` is called by ``resolve``.
 RUNNER_CALLS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
     "__init__": (("device",), ("phase", "phase_config")),
-    "prepare": (("runner",), ()),
+    "set_capture_plan": (("plan",), ()),
+    "prepare": (("plan",), ()),
     "capture_session": (("stream",), ()),
     "capture_one": (("key", "forward_fn"), ("post_warmup_hook",)),
     "can_run": (("batch", "key"), ()),

@@ -24,7 +24,7 @@ from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memo
 from ..config import ConfigInput, PhaseConfig, as_config
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TPGroup, tp_capture_step
-from ..forward_batch import ForwardBatch, as_static_batch
+from ..forward_batch import ForwardBatch
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..model_protocol import GraphModel
@@ -34,6 +34,7 @@ from .arguments import check_backend_arg, model_device
 from .capture_gc import freeze_gc
 from .decision import ReplayDecision
 from .sizes import get_batch_sizes_to_capture, pad_list, slice_rows
+from .capture_plan import build_capture_plan, capture_static_batch
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
 # Re-exported: the subclasses and callers import these from here.
@@ -338,7 +339,9 @@ class BaseCudaGraphRunner(abc.ABC):
                     self.show_progress,
                 ),
             ):
-                self.backend.prepare(self)
+                plan = build_capture_plan(self)
+                self.backend.set_capture_plan(plan)
+                self.backend.prepare(plan)
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
             before = (
@@ -423,11 +426,8 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def capture_one_shape(self, size: int) -> None:
         """Capture one size: build the dummy batch, then ``backend.capture_one``."""
-        batch = as_static_batch(self.capture_prepare(size))
+        batch = capture_static_batch(self, size)
         key = self.make_key(size)
-        init = getattr(self.model, "init_forward_metadata_capture", None)
-        if init is not None:
-            init(batch)
         scope = self.host_value_guard_scope()
 
         where = f"{self.phase} graph output"

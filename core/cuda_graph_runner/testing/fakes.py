@@ -253,8 +253,13 @@ class RecordingBackend(BaseCudaGraphBackend):
         if key not in self._fns:
             raise KeyError(f"no graph captured for {key}")
         self.events.append(("replay", key))
+        # Inside a runner, the forward on the live static batch (the capture plan's): the
+        # captured ``forward_fn`` is bound to the capture-time batch. Outside one (tests
+        # driving the backend by hand), the captured closure.
+        plan = self.capture_plan
         with torch.no_grad():  # a graph replay records no autograd history
-            copy_into(self._outputs[key], self._fns[key]())
+            fresh = plan.forward(static_batch) if plan is not None else self._fns[key]()
+            copy_into(self._outputs[key], fresh)
         return self._outputs[key]
 
     def cleanup(self) -> None:

@@ -2,7 +2,8 @@
 
 ``capture_one`` does what a graph backend does before recording (warm-ups, the
 post-warm-up hook) and then runs the forward once, keeping its output tensors;
-``replay`` re-runs the captured forward and copies the result into those same tensors,
+``replay`` runs the forward on the live static batch and copies the result into those
+same tensors,
 so callers see the aliasing a real graph gives them (every replay overwrites the
 previous output). Along the way it checks the invariants a real device graph silently
 depends on, and raises where a graph would have produced garbage:
@@ -16,25 +17,29 @@ It also counts warm-ups, captures and replays per shape (:attr:`stats`), which i
 a runner's policy (sizes, padding, eager fallback) can be checked on any device,
 including the CPU.
 
-Re-running the captured closure is exact only when every input lives in the runner's
-static buffers, which holds for the decode runner; the spec therefore declares the
-decode phase only.
+A replay runs the runner's forward (the capture plan's) on the live static batch, so
+``acme`` serves decode and prefill alike.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.nested import iter_tensors, map_pairs
 
-#: Static-batch fields whose addresses must not change between replays of one key.
-STATIC_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+#: Static-batch fields whose addresses must not change between replays of one key, per
+#: phase: decode keys by batch size, so the per-request tensors live in static buffers
+#: too; prefill keys by token count, and its per-request tensors vary with the batch.
+STATIC_FIELDS = {
+    "decode": ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"),
+    "prefill": ("input_ids", "positions", "out_cache_loc"),
+}
 
 
 class GraphInvariantError(RuntimeError):
@@ -44,74 +49,79 @@ class GraphInvariantError(RuntimeError):
 class AcmeDebugBackend(BaseCudaGraphBackend):
     """Eager "replay" that counts calls and checks graph invariants.
 
+    What it writes itself is only what is its own (plugin API 1.1): the base class keeps
+    the table of captured keys and outputs (``graph_table``: the "already captured"
+    ``ValueError``, the ``KeyError`` of an unknown key), ``can_run``, ``cleanup``,
+    ``captured_keys``, the warm-up loop and the replay session.
+
+    What a replay runs: inside a runner, the runner's forward on the live static batch,
+    ``self.capture_plan.forward(static_batch)`` (the runner enters the forward context).
+    Never the ``forward_fn`` given to ``capture_one``: that closure is bound to the
+    capture-time dummy batch, so re-running it would compute the dummy batch again
+    (invisible in decode, whose inputs all live in the static buffers; wrong in prefill,
+    whose per-request lengths live in the batch). Only outside a runner (no capture plan:
+    unit tests driving the backend by hand) does a replay re-run ``forward_fn``.
+
     Attributes:
         stats: ``Counter`` of ``("warmup" | "capture" | "replay", key)`` and
             ``("post_warmup_hook", key)``; ``stats_total(kind)`` sums one kind.
     """
 
+    #: Every replay re-runs the forward's Python on the live batch: nothing is frozen, so
+    #: host reads (prefill's per-request lengths) are free (cuda_graph_runner.host_guard).
+    host_value_guard = "off"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fns: Dict[ShapeKey, ForwardFn] = {}
-        self._outputs: Dict[ShapeKey, Any] = {}
         self._addresses: Dict[ShapeKey, Tuple[Tuple[str, int], ...]] = {}
         self._in_session = False
         self.stats: collections.Counter = collections.Counter()
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
-        self._in_session = True
-        try:
-            yield
-        finally:
-            self._in_session = False
+        with self.bind_capture_stream(stream):
+            self._in_session = True
+            try:
+                yield
+            finally:
+                self._in_session = False
 
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
-        """Warm up, run the hook, run ``forward_fn`` once and keep its output.
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
+        """Warm up (the base loop, counted), run ``forward_fn`` once and keep its output.
 
         Raises:
-            GraphInvariantError: outside ``capture_session``, or ``key`` already captured.
+            GraphInvariantError: outside ``capture_session``.
         """
         if not self._in_session:
             raise GraphInvariantError(
                 f"capture_one({key}) outside capture_session(): a graph needs its stream and pool"
             )
-        if key in self._fns:
-            raise GraphInvariantError(f"shape {key} is already captured; call cleanup() before capturing it again")
-        for _ in range(self.num_warmups):
+        self.graph_table.check_new(key)
+
+        def counted_warmup() -> Any:
             self.stats["warmup", key] += 1
-            forward_fn()
-        if post_warmup_hook is not None:
+            return forward_fn()
+
+        def counted_hook() -> None:
             self.stats["post_warmup_hook", key] += 1
-            post_warmup_hook()
+            post_warmup_hook()  # type: ignore[misc]
+
+        self.warm_up(counted_warmup, counted_hook if post_warmup_hook is not None else None, key=key)
         self.stats["capture", key] += 1
-        self._outputs[key] = forward_fn()
-        self._fns[key] = forward_fn
-
-    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
-        return key in self._fns
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
+        # Kept as the "graph" only for replays outside a runner (see the class docstring).
+        self.graph_table.add(key, forward_fn, forward_fn())
 
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
-        """Re-run the captured forward of ``key`` into its captured output tensors.
+        """Run the forward on ``static_batch`` into ``key``'s captured output tensors.
 
         Raises:
             KeyError: ``key`` was not captured.
             GraphInvariantError: the static inputs moved, or the output changed shape.
         """
-        if key not in self._fns:
-            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._fns)}")
+        captured_fn, output = self.graph_table.get(key)
         addresses = tuple(
             (f, getattr(static_batch, f).data_ptr())
-            for f in STATIC_FIELDS
+            for f in STATIC_FIELDS.get(self.phase, STATIC_FIELDS["decode"])
             if isinstance(getattr(static_batch, f, None), torch.Tensor)
         )
         first = self._addresses.setdefault(key, addresses)
@@ -122,25 +132,22 @@ class AcmeDebugBackend(BaseCudaGraphBackend):
                 "a device graph would read the old addresses"
             )
         self.stats["replay", key] += 1
-        _copy_into(self._outputs[key], self._fns[key](), f"replay of {key}")
-        return self._outputs[key]
+        plan = self.capture_plan
+        fresh = plan.forward(static_batch) if plan is not None else captured_fn()
+        _copy_into(output, fresh, f"replay of {key}")
+        return output
 
     def cleanup(self) -> None:
-        self._fns.clear()
-        self._outputs.clear()
+        super().cleanup()
         self._addresses.clear()
 
     def graph_memory_bytes(self) -> Optional[int]:
         """Bytes held by the kept outputs (what a graph pool would at least hold)."""
-        return sum(t.numel() * t.element_size() for t in _tensors(self._outputs))
+        return sum(t.numel() * t.element_size() for t in _tensors(list(self.graph_table.outputs())))
 
     def stats_total(self, kind: str) -> int:
         """Sum of one kind of count over every key."""
         return sum(n for (k, _), n in self.stats.items() if k == kind)
-
-    @property
-    def captured_keys(self) -> List[ShapeKey]:
-        return list(self._fns)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

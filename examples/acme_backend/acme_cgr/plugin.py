@@ -12,7 +12,7 @@ from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
 
 #: The plugin API version this plugin was written for, as a literal: importing the
 #: core's PLUGIN_API_VERSION here would always match and defeat the handshake.
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 
 
 @hookimpl
@@ -21,9 +21,8 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
         BackendSpec(
             name="acme",
             backend_class="acme_cgr.backend:AcmeDebugBackend",
-            # Decode only: replay re-runs the captured closure, which is right only when
-            # the runner's static buffers hold every input (see AcmeDebugBackend).
-            phases=("decode",),
+            # Both phases: replay runs the capture plan's forward on the live static batch.
+            phases=("decode", "prefill"),
             devices=("*",),
             probe="acme_cgr.plugin:probe",
             api_version=API_VERSION,

@@ -32,7 +32,8 @@ def test_counts_follow_the_runner_policy(model):
         runner.capture()
         backend = runner.backend
         assert backend.captured_keys == [ShapeKey(s, "decode") for s in (4, 2, 1)]  # largest first
-        assert backend.stats_total("warmup") == 3 * backend.num_warmups
+        # The base warm-up loop (policy ``auto``): the first size fully, later sizes once.
+        assert backend.stats_total("warmup") == backend.num_warmups + 2
         session = GreedySession(model, model.kv_cache)
         session.prefill(make_dummy_prompts(3, 5, model.config.vocab_size))
         runner.forward(make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens]))
@@ -77,7 +78,7 @@ def test_capture_outside_session_and_double_capture_are_refused():
         backend.capture_one(ShapeKey(1), lambda: torch.zeros(1))
     with backend.capture_session(None):
         backend.capture_one(ShapeKey(1), lambda: torch.zeros(1))
-        with pytest.raises(GraphInvariantError, match="already captured"):
+        with pytest.raises(ValueError, match="already captured"):  # the base table's error
             backend.capture_one(ShapeKey(1), lambda: torch.zeros(1))
     with pytest.raises(KeyError, match="no graph captured"):
         backend.replay(ShapeKey(2), _static())

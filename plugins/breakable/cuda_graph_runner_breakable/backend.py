@@ -43,17 +43,17 @@ import logging
 import sys
 import threading
 import warnings
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.buffers import copy_into
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly, capture_safe_now
 from cuda_graph_runner.nested import iter_tensors, map_tensors
-from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
+from cuda_graph_runner.weak_ref import weak_ref_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +214,6 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         if inline_capture_safe_ops is None:
             inline_capture_safe_ops = envs.get(ENV_INLINE_SAFE_OPS)
         self.inline_capture_safe_ops = bool(inline_capture_safe_ops)
-        self._graphs: Dict[ShapeKey, BreakableGraph] = {}
-        self._outputs: Dict[ShapeKey, Any] = {}
         #: Replays since construction (tests and the bench read it).
         self.num_replays = 0
 
@@ -227,21 +225,13 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             stream = self.new_stream()
         return self.bind_capture_stream(stream)
 
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up, then record ``forward_fn`` for ``key`` as segments and eager breaks.
 
         Raises:
-            ValueError: ``key`` was already captured (``cleanup()`` first).
             BreakableCaptureError: see the class docstring.
         """
-        if key in self._graphs:
-            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
+        self.graph_table.check_new(key)
         self._refuse_nested(key)
         self.warm_up(forward_fn, post_warmup_hook, key=key)
 
@@ -261,10 +251,8 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             raise
         finally:
             _local.capture = None
-        self._graphs[key] = capture.graph
         # As in ``full``: aliases let smaller shapes reuse this shape's output blocks.
-        weak = self.weak_ref_args and self.device.type == "cuda" and _all_on_cuda(output)
-        self._outputs[key] = weak_ref_tensors(output) if weak else output
+        self.graph_table.add(key, capture.graph, self.output_to_keep(output, self.weak_ref_args))
         logger.debug(
             "breakable %s: %d segments, eager ops %s, recorded inside %s",
             key,
@@ -313,13 +301,6 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         return map_tensors(lambda t: weak_ref_tensor(t) if weak and t.device.type == "cuda" else t, value)
 
     # -- replay ------------------------------------------------------------------------
-    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
-        return key in self._graphs
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
-
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
         """Replay ``key``'s segments and eager ops; returns the capture's output tensors.
 
@@ -330,34 +311,20 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             KeyError: no graph for ``key``.
             BreakableCaptureError: called during a capture.
         """
-        graph = self._graphs.get(key)
-        if graph is None:
-            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._graphs)}")
-        if is_capturing():
+        if key in self.graph_table and is_capturing():
             raise BreakableCaptureError(f"replay({key}) during a capture; replay after capture() returns")
-        graph.replay()
+        output = self.replay_graph(key)
         self.num_replays += 1
-        return self._outputs[key]
-
-    def cleanup(self) -> None:
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
-        self._outputs.clear()
+        return output
 
     # -- introspection -----------------------------------------------------------------
-    @property
-    def captured_keys(self) -> List[ShapeKey]:
-        """Captured keys, in capture order."""
-        return list(self._graphs)
-
     def graph(self, key: ShapeKey) -> BreakableGraph:
         """The segments and eager ops of ``key``.
 
         Raises:
             KeyError: not captured.
         """
-        return self._graphs[key]
+        return self.graph_table.graph(key)
 
 
 class _SegmentCapture:
@@ -544,12 +511,6 @@ def _same_stream(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
-
-
-def _all_on_cuda(value: Any) -> bool:
-    # Weak aliases are only safe for memory a CUDA graph pool keeps alive (a fake device
-    # module in CPU tests captures plain host tensors, which would be freed under them).
-    return all(t.device.type == "cuda" for _, t in iter_tensors(value))
 
 
 def _has_tensor(value: Any) -> bool:

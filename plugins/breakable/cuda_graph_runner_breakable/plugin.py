@@ -17,7 +17,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             phases=("decode", "prefill"),
             devices=("cuda",),
             probe="cuda_graph_runner_breakable.plugin:probe",
-            api_version="1.0",
+            api_version="1.1",
             options=(),  # reads no backend option (tc_compiler is tc_piecewise's)
             description="CUDA graph segments split at marked eager ops (attention runs live); no torch.compile",
         )

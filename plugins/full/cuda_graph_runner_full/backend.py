@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
+from typing import Any
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.nested import iter_tensors
-from cuda_graph_runner.weak_ref import weak_ref_tensors
 
 
 class FullCudaGraphBackend(BaseCudaGraphBackend):
     """One ``CUDAGraph`` per ``ShapeKey``, all captured into the runner's shared pool.
 
-    Capture (per shape): the warm-up runs of ``forward_fn`` on the capture stream that
-    the ``warmup`` policy asks for (``BaseCudaGraphBackend.warmup_runs``),
-    ``post_warmup_hook()``, a synchronize, then one recorded run inside
-    ``device_module.graph(g, pool=pool, stream=stream)`` (caches emptied only before the
-    session's first graph, ``BaseCudaGraphBackend.graph_capture``), all on ``self.device`` (explicit
-    synchronize, capture stream made on it; the runner holds its device guard). Replay
-    runs on the caller's current stream of that device. The tensors that recorded run
-    returned are kept as the shape's output: every replay rewrites them in place, so a
-    caller must consume (or copy) an output before the next replay of any graph in the
-    pool (sglang ``FullCudaGraphBackend``; PyTorch "CUDA Graphs" notes).
+    Capture (per shape, ``BaseCudaGraphBackend.record_graph``): the warm-up runs of
+    ``forward_fn`` on the capture stream that the ``warmup`` policy asks for
+    (``BaseCudaGraphBackend.warmup_runs``), ``post_warmup_hook()``, a synchronize, then
+    one recorded run inside ``device_module.graph(g, pool=pool, stream=stream)`` (caches
+    emptied only before the session's first graph, ``BaseCudaGraphBackend.graph_capture``),
+    all on ``self.device`` (explicit synchronize, capture stream made on it; the runner
+    holds its device guard). Replay runs on the caller's current stream of that device.
+    The tensors that recorded run returned are kept as the shape's output: every replay
+    rewrites them in place, so a caller must consume (or copy) an output before the next
+    replay of any graph in the pool (sglang ``FullCudaGraphBackend``; PyTorch "CUDA
+    Graphs" notes). Sessions, ``can_run``, ``cleanup`` and ``captured_keys`` are the base
+    class's.
 
     Args (beyond ``BaseCudaGraphBackend``'s):
         weak_ref_outputs: keep non-owning aliases of each shape's outputs (CUDA only),
@@ -38,65 +37,17 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
     def __init__(self, *args: Any, weak_ref_outputs: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.weak_ref_outputs = weak_ref_outputs
-        self._graphs: Dict[ShapeKey, Any] = {}
-        self._outputs: Dict[ShapeKey, Any] = {}
 
-    def capture_session(self, stream: Any) -> ContextManager[None]:
-        return self.bind_capture_stream(stream)
-
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
-        """Warm up, then record ``forward_fn`` for ``key``.
-
-        Raises:
-            ValueError: ``key`` was already captured (``cleanup()`` first).
-        """
-        if key in self._graphs:
-            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
-        self.warm_up(forward_fn, post_warmup_hook, key=key)
-        graph = self.device_module.CUDAGraph()
-        with self.graph_capture(graph):
-            output = forward_fn()
-        self._graphs[key] = graph
-        # Keeping only aliases returns this shape's output blocks to the pool, so smaller
-        # shapes captured next reuse them: the pool stays near the largest shape's size
-        # instead of the sum of every shape's outputs. Only for memory that really lives
-        # in a graph pool (CUDA), never for a fake device's plain tensors.
-        keep_weak = self.weak_ref_outputs and self.device.type == "cuda" and _all_on_cuda(output)
-        self._outputs[key] = weak_ref_tensors(output) if keep_weak else output
-
-    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
-        return key in self._graphs
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
+        """Warm up, then record ``forward_fn`` for ``key`` (``record_graph``)."""
+        self.record_graph(
+            key, forward_fn, self.device_module.CUDAGraph, post_warmup_hook, weak_ref_outputs=self.weak_ref_outputs
+        )
 
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
-        graph = self._graphs.get(key)
-        if graph is None:
-            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._graphs)}")
-        graph.replay()
-        return self._outputs[key]
+        """Replay ``key``'s graph; returns the capture's output tensors.
 
-    def cleanup(self) -> None:
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
-        self._outputs.clear()
-
-    @property
-    def captured_keys(self) -> list:
-        """Captured keys, in capture order."""
-        return list(self._graphs)
-
-
-def _all_on_cuda(value: Any) -> bool:
-    # Weak aliases are only safe for memory a CUDA graph pool keeps alive (a fake device
-    # module in CPU tests captures plain host tensors, which would be freed under them).
-    return all(t.device.type == "cuda" for _, t in iter_tensors(value))
+        Raises:
+            KeyError: no graph captured for ``key``.
+        """
+        return self.replay_graph(key)

@@ -17,7 +17,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             phases=("decode",),
             devices=("cuda",),
             probe="cuda_graph_runner_full.plugin:probe",
-            api_version="1.0",
+            api_version="1.1",
             options=(),  # reads no backend option (tc_compiler is tc_piecewise's)
             description="one CUDA graph per batch size, shared memory pool",
         )

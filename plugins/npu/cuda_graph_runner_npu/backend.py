@@ -17,12 +17,11 @@ literal, and torch_npu is imported only when a backend for an ``npu`` device is 
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphRunnerError
 from cuda_graph_runner.forward_batch import ForwardBatch
 
@@ -103,27 +102,20 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         self,
         device: "torch.device | str" = "npu",
         *,
-        phase: str = "decode",
-        phase_config: Any = None,
-        memory_pool: Any = None,
-        device_module: Any = None,
         update_input_name: Optional[str] = DEFAULT_UPDATE_INPUT_NAME,
         cpu_update_input_fn: Optional[CpuUpdateInputFn] = None,
         capture_error_mode: Optional[str] = None,
         synchronize_before_update: bool = False,
+        **kwargs: Any,  # phase, phase_config, memory_pool, device_module: the base class's
     ) -> None:
-        if device_module is None and _is_npu(device):
+        if kwargs.get("device_module") is None and _is_npu(device):
             # torch.device("npu") parses only once torch_npu has renamed privateuse1.
             _require_torch_npu()
-        super().__init__(
-            device, phase=phase, phase_config=phase_config, memory_pool=memory_pool, device_module=device_module
-        )
+        super().__init__(device, **kwargs)
         self.update_input_name = update_input_name
         self.cpu_update_input_fn = cpu_update_input_fn
         self.capture_error_mode = capture_error_mode
         self.synchronize_before_update = synchronize_before_update
-        self._graphs: Dict[ShapeKey, Any] = {}
-        self._outputs: Dict[ShapeKey, Any] = {}
         self._checked_module: Any = None
 
     # -- device module ------------------------------------------------------------------
@@ -165,37 +157,20 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         """Whether replays run the update-then-replay path."""
         return self.update_input_name is not None or self.cpu_update_input_fn is not None
 
-    # -- capture ------------------------------------------------------------------------
-    def capture_session(self, stream: Any) -> ContextManager[None]:
-        return self.bind_capture_stream(stream)
-
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    # -- capture (sessions, cleanup and captured_keys: the base class's) ---------------------
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up, run ``post_warmup_hook``, then record ``forward_fn`` for ``key``.
 
         Raises:
-            ValueError: ``key`` was already captured (``cleanup()`` first).
             BackendUnavailableError: see :attr:`device_module`.
         """
-        if key in self._graphs:
-            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
-        dm = self.device_module
-        self.warm_up(forward_fn, post_warmup_hook, key=key)
-        graph = dm.NPUGraph()
+        dm = self.device_module  # BackendUnavailableError before any warm-up
         options: Dict[str, Any] = {}
         if self.updates_host_inputs:
             options["auto_dispatch_capture"] = True
         if self.capture_error_mode is not None:
             options["capture_error_mode"] = self.capture_error_mode
-        with self.graph_capture(graph, **options):
-            output = forward_fn()
-        self._graphs[key] = graph
-        self._outputs[key] = output
+        self.record_graph(key, forward_fn, dm.NPUGraph, post_warmup_hook, **options)
 
     # -- replay -------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
@@ -204,15 +179,11 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         Without ``seq_lens_cpu`` the graph could only replay the lengths frozen at
         capture, so the runner runs such a batch eagerly instead.
         """
-        if key not in self._graphs:
+        if key not in self.graph_table:
             return False
         if self.cpu_update_input_fn is None and self.update_input_name is not None:
             return batch.seq_lens_cpu is not None
         return True
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
 
     def cpu_update_input(self, static_batch: ForwardBatch) -> List[Dict[str, Any]]:
         """The ``cpu_update_input`` for ``static_batch`` (padded to the graph's size).
@@ -247,9 +218,7 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
             NPUGraphUpdateError: building the update or ``graph.update`` failed; the
                 graph was not replayed (the cause is chained).
         """
-        graph = self._graphs.get(key)
-        if graph is None:
-            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._graphs)}")
+        graph = self.graph_table.graph(key)
         if self.updates_host_inputs:
             cpu_update_input = self.cpu_update_input(static_batch)
             if self.synchronize_before_update:
@@ -263,16 +232,4 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
                     f"NPU graph update before replaying {key} failed ({type(exc).__name__}: {exc}); "
                     "the graph was not replayed"
                 ) from exc
-        graph.replay()
-        return self._outputs[key]
-
-    def cleanup(self) -> None:
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
-        self._outputs.clear()
-
-    @property
-    def captured_keys(self) -> List[ShapeKey]:
-        """Captured keys, in capture order."""
-        return list(self._graphs)
+        return self.replay_graph(key)

@@ -26,7 +26,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             devices=(DEVICE_TYPE,),
             probe="cuda_graph_runner_npu.plugin:probe",
             # A literal: the plugin API this plugin was written for (not the core's constant).
-            api_version="1.0",
+            api_version="1.1",
             options=(),  # reads no backend option (tc_compiler is tc_piecewise's)
             description="torch_npu NPUGraph per batch size, shared pool, update-then-replay of host seq lens",
         )

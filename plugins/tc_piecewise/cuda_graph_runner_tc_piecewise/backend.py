@@ -3,15 +3,16 @@
 The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
 ``compilation/``) and vLLM's piecewise mode, as a plugin. How it runs:
 
-``prepare(runner)`` (once, before the capture session)
-    Installs a trampoline as ``runner.model.forward`` (sglang ``install_torch_compiled``):
-    while this backend is at work (an *activity* is set: compile pass, warm-up, capture,
-    replay) the model's forward is ``torch.compile(original_forward, backend=
-    PiecewiseDynamoBackend, fullgraph=True)``; otherwise it is the original forward,
-    untouched (so the runner's eager fallback, and any other backend on the same model,
-    run the model as written). Then the *compile pass*: one forward per capture size,
-    largest first, that compiles and captures nothing. Its duration is
-    ``compile_seconds``.
+``prepare(plan)`` (once, before the capture session; the runner's
+:class:`~cuda_graph_runner.capture_plan.CapturePlan`)
+    Wraps the model's forward through the contract (``plan.wrap_model_forward``; sglang
+    ``install_torch_compiled``): while this backend is at work (an *activity* is set:
+    compile pass, warm-up, capture, replay) the model's forward is
+    ``torch.compile(original_forward, backend=PiecewiseDynamoBackend, fullgraph=True)``;
+    otherwise it is the original forward, untouched (so the runner's eager fallback, and
+    any other backend on the same model, run the model as written). Then the *compile
+    pass*: ``plan.forward`` on ``plan.static_batch(key)`` for every ``plan.keys`` (largest
+    first), which compiles and captures nothing. Its duration is ``compile_seconds``.
 ``capture_one(key, forward_fn)``
     Warms every piece up for ``key`` as often as the ``warmup`` policy says (``auto``:
     once for the session's first size, then never, as the compile pass already ran every
@@ -20,7 +21,7 @@ The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
     the session's first graph). The
     marked ops (attention) run eagerly between the pieces during both.
 ``replay(key, static_batch)``
-    Runs ``runner.graph_forward(static_batch)`` through the compiled forward: each piece
+    Runs ``plan.forward(static_batch)`` through the compiled forward: each piece
     replays its graph for ``key`` and returns its capture-time outputs (stable
     addresses), the marked ops run eagerly in between on the live batch
     (``get_forward_batch()``), the last piece's output is the model's output.
@@ -63,7 +64,6 @@ CPU
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -71,13 +71,14 @@ import time
 import types
 import warnings
 import weakref
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch._dynamo
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
+from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
 from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch
 from cuda_graph_runner.forward_context import forward_context
@@ -92,52 +93,6 @@ logger = logging.getLogger(__name__)
 #: Set to 1 to check, at every replay, that each piece's inputs sit where they sat at capture
 #: (parsed by the core's ``envs``: 1/0/true/false/yes/no/on/off).
 ENV_DEBUG = envs.TC_PIECEWISE_DEBUG
-
-_INSTALL_ATTR = "_cuda_graph_runner_tc_piecewise"
-
-
-class _Installation:
-    """The trampoline installed on one model, shared by every tc_piecewise backend on it."""
-
-    def __init__(self, model: Any) -> None:
-        self.had_instance_forward = "forward" in getattr(model, "__dict__", {})
-        self.original: Callable[..., Any] = model.forward
-        self.owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def install_trampoline(model: Any) -> _Installation:
-    """Make ``model.forward`` dispatch to the active tc_piecewise backend (idempotent).
-
-    The trampoline calls ``backend._run`` while a backend whose model this is has an
-    activity set, and the original forward otherwise.
-    """
-    inst = model.__dict__.get(_INSTALL_ATTR)
-    if inst is not None:
-        return inst
-    inst = _Installation(model)
-    original = inst.original
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        act = current_activity()
-        if act is not None and act.owner._installation is inst:
-            return act.owner._run(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    forward.__wrapped__ = original  # type: ignore[attr-defined]
-    model.__dict__[_INSTALL_ATTR] = inst
-    model.__dict__["forward"] = forward
-    return inst
-
-
-def uninstall_trampoline(model: Any) -> None:
-    """Give ``model`` its original forward back."""
-    inst = model.__dict__.pop(_INSTALL_ATTR, None)
-    if inst is None:
-        return
-    if inst.had_instance_forward:
-        model.__dict__["forward"] = inst.original
-    else:
-        model.__dict__.pop("forward", None)
 
 
 def _entry_function(original: Callable[..., Any], tag: str) -> Callable[..., Any]:
@@ -311,20 +266,16 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self,
         device: "torch.device | str" = "cuda",
         *,
-        phase: str = "decode",
-        phase_config: Any = None,
-        memory_pool: Any = None,
-        device_module: Any = None,
         compiler: Optional[str] = None,
         enable_capture: Optional[bool] = None,
         weak_ref_outputs: Optional[bool] = None,
         debug: Optional[bool] = None,
         direct_replay: Optional[bool] = None,
+        **kwargs: Any,  # phase, phase_config, memory_pool, device_module: the base class's
     ) -> None:
-        super().__init__(
-            device, phase=phase, phase_config=phase_config, memory_pool=memory_pool, device_module=device_module
-        )
-        self.compiler = compiler or getattr(phase_config, "tc_compiler", None) or "eager"
+        super().__init__(device, **kwargs)
+        device_module = kwargs.get("device_module")
+        self.compiler = compiler or getattr(self.phase_config, "tc_compiler", None) or "eager"
         if self.compiler not in PIECE_COMPILERS:
             raise ValueError(f"unknown tc_compiler {self.compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
         if self.compiler == "inductor" and self.device.type == "cuda":
@@ -347,11 +298,11 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self.direct_replay = (not self.debug) if direct_replay is None else bool(direct_replay)
         self.compile_seconds: Optional[float] = None
         self.compiled_graphs: List[CompiledGraph] = []
-        self._runner: Any = None
+        self._plan: Optional[CapturePlan] = None
         self._model: Any = None
-        self._installation: Optional[_Installation] = None
+        #: The contract's stand-in for the model's forward (cuda_graph_runner.model_forward).
+        self._forward_wrapper: Any = None
         self._compiled: Optional[Callable[..., Any]] = None
-        self._captured: Dict[ShapeKey, None] = {}
         #: Per captured key: how a replay calls the split module directly (None: it cannot).
         self._direct: Dict[ShapeKey, Optional[_DirectReplay]] = {}
         self._graph_calls: Optional[List[Tuple[CompiledGraph, tuple, Any]]] = None
@@ -372,38 +323,29 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         return list(self.compiled_graphs[0].pieces) if self.compiled_graphs else []
 
     @property
-    def captured_keys(self) -> List[ShapeKey]:
-        """Captured keys, in capture order."""
-        return list(self._captured)
-
-    @property
     def direct_keys(self) -> List[ShapeKey]:
         """Captured keys whose replay calls the split module without Dynamo."""
         return [k for k, d in self._direct.items() if d is not None]
 
     # -- setup -----------------------------------------------------------------------------
-    def prepare(self, runner: Any) -> None:
-        """Install the compiled forward on ``runner.model`` and run the compile pass.
+    def prepare(self, plan: CapturePlan) -> None:
+        """Wrap the model's forward with the compiled one and run the compile pass.
 
-        The compile pass runs ``runner.graph_forward`` once per ``runner.capture_sizes``
-        (largest first) on ``runner.capture_prepare(size)`` inside the forward context:
-        Dynamo traces at the largest size with the token axis dynamic; the other sizes
-        check that no recompilation happens (size 1, if listed, compiles once more).
+        The compile pass runs ``plan.forward`` once per ``plan.keys`` (largest first) on
+        ``plan.static_batch(key)`` inside the forward context: Dynamo traces at the
+        largest size with the token axis dynamic; the other sizes check that no
+        recompilation happens (size 1, if listed, compiles once more).
 
         Raises:
             TcPiecewiseCompileError, TcPiecewiseRuntimeError: see the class.
         """
         start = time.perf_counter()
-        self._bind(runner.model)
-        self._runner = runner
-        init = getattr(runner.model, "init_forward_metadata_capture", None)
-        for size in sorted(set(runner.capture_sizes), reverse=True):
-            batch = runner.capture_prepare(size)
-            if init is not None:
-                init(batch)
-            key = runner.make_key(size)
+        self._bind(plan)
+        self._plan = plan
+        for key in plan.keys:
+            batch = plan.static_batch(key)
             with forward_context(batch), activity(self, Mode.COMPILE, key):
-                runner.graph_forward(batch)
+                plan.forward(batch)
             self.note_kernels_ran(key)  # the ``auto`` warm-up policy need not warm it up again
         self._synchronize()
         self.compile_seconds = time.perf_counter() - start
@@ -416,15 +358,15 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             self.compile_seconds,
         )
 
-    def _bind(self, model: Any) -> None:
+    def _bind(self, plan: CapturePlan) -> None:
+        model = plan.model
         if self._model is model:
             return
         if self._model is not None:
             raise RuntimeError("tc_piecewise: this backend is bound to another model; build a new backend")
-        self._installation = install_trampoline(model)
-        self._installation.owners.add(self)
+        self._forward_wrapper = plan.wrap_model_forward(self._run, active=self._is_active)
         self._model = model
-        entry = _entry_function(self._installation.original, f"{self.phase}_{id(self):x}")
+        entry = _entry_function(self._forward_wrapper.original, f"{self.phase}_{id(self):x}")
         # The Dynamo backend lives in Dynamo's cache (out of the garbage collector's reach):
         # it reaches this backend only weakly, so dropping the runner frees everything.
         ref = weakref.ref(self)
@@ -452,12 +394,13 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         """Drop the graphs and stop using the model; its original forward comes back when
         no other tc_piecewise backend uses it."""
         self.cleanup()
-        inst, model = self._installation, self._model
-        if inst is not None:
-            inst.owners.discard(self)
-            if not len(inst.owners):
-                uninstall_trampoline(model)
-        self._installation = self._model = self._compiled = self._runner = None
+        if self._forward_wrapper is not None:
+            self._forward_wrapper.remove()
+        self._forward_wrapper = self._model = self._compiled = self._plan = None
+
+    def _is_active(self) -> bool:
+        act = current_activity()
+        return act is not None and act.owner is self
 
     def _make_piece(self, split: SplitGraph, item: SplitItem, compiled: Any) -> GraphPiece:
         return GraphPiece(
@@ -479,7 +422,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
 
     # -- the compiled forward ------------------------------------------------------------
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        """The compiled forward (called by the trampoline under this backend's activity)."""
+        """The compiled forward (the model's forward while this backend has an activity)."""
         act = current_activity()
         if act is not None and act.mode is Mode.REPLAY:
             direct = self._direct.get(act.key)  # type: ignore[arg-type]
@@ -578,62 +521,44 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             RuntimeError: ``prepare`` was not called.
         """
         self._require_prepared()
-        with forward_context(batch), activity(self, Mode.REPLAY, key if key in self._captured else None):
+        with forward_context(batch), activity(self, Mode.REPLAY, key if key in self.graph_table else None):
             return self._run(batch)
 
-    # -- the contract --------------------------------------------------------------------
-    def capture_session(self, stream: Any) -> ContextManager[None]:
-        # Pieces capture on ``self.capture_stream`` (the base class binds it).
-        return self.bind_capture_stream(stream)
-
+    # -- the contract (sessions and can_run: the base class's; pieces capture on
+    # ``self.capture_stream``, which its capture_session binds) ---------------------------
     def _synchronize(self) -> None:
         if self.device.type != "cpu" or self._device_module is not None:
             self.synchronize()  # names self.device, whatever device is current
 
     def _require_prepared(self) -> None:
-        if self._runner is None or self._compiled is None:
-            raise RuntimeError("tc_piecewise: call prepare(runner) first (the runner's capture() does)")
+        if self._plan is None or self._compiled is None:
+            raise RuntimeError("tc_piecewise: call prepare(plan) first (the runner's capture() does)")
 
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up every piece for ``key`` (call 1), then capture each (call 2).
 
         Raises:
             RuntimeError: ``prepare`` was not called.
-            ValueError: ``key`` is already captured.
             TcPiecewiseRuntimeError: a piece failed (names the piece and the op).
         """
         self._require_prepared()
-        if key in self._captured:
-            raise ValueError(f"shape {key} is already captured; call cleanup() before capturing it again")
-        runs = self.warmup_runs(key)  # the compile pass already ran every size (prepare)
-        self._synchronize()
-        for _ in range(runs):
-            with self.on_capture_stream(), activity(self, Mode.WARMUP, key):
-                forward_fn()
-        if runs and post_warmup_hook is not None:
-            post_warmup_hook()
-            self._synchronize()
+        self.graph_table.check_new(key)
+
+        def warmup_fn() -> Any:
+            with activity(self, Mode.WARMUP, key):
+                return forward_fn()
+
+        # The base loop; the ``auto`` policy skips sizes the compile pass ran (prepare).
+        self.warm_up(warmup_fn, post_warmup_hook, key=key)
         self._direct.pop(key, None)
         with self.on_capture_stream(), activity(self, Mode.CAPTURE, key):
             forward_fn()
         self._synchronize()
-        self._captured[key] = None
-
-    def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
-        return key in self._captured
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
+        self.graph_table.add(key, None)  # the graphs live in the pieces
 
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
-        """Run ``runner.graph_forward(static_batch)`` with every piece replaying its graph.
+        """Run ``plan.forward(static_batch)`` (the contract's replay forward) with every
+        piece replaying its graph.
 
         Args:
             key: a captured key.
@@ -641,7 +566,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
                 ``[key.size * width]`` int64 views of its buffers, filled with the live batch).
 
         Returns:
-            What ``runner.graph_forward`` returns: decode, float32 logits ``[tokens, vocab]``
+            What ``plan.forward`` returns: decode, float32 logits ``[tokens, vocab]``
             (the LM head runs eagerly on the last piece's output); prefill, the hidden states
             ``[tokens, hidden]`` in the model dtype, which alias graph-pool memory until the
             next replay of any graph in the pool.
@@ -649,10 +574,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         Raises:
             KeyError: ``key`` was not captured.
         """
-        if key not in self._captured:
-            raise KeyError(f"no graph captured for {key}; captured: {sorted(self._captured)}")
+        self.graph_table.get(key)  # KeyError naming the captured keys
         with activity(self, Mode.REPLAY, key):
-            return self._runner.graph_forward(static_batch)
+            return self._plan.forward(static_batch)  # type: ignore[union-attr]
 
     def cleanup(self) -> None:
         """Drop every piece's graphs and outputs; compiled pieces (and Dynamo's cache) stay,
@@ -660,7 +584,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         for graph in self.compiled_graphs:
             for piece in graph.pieces:
                 piece.reset()
-        self._captured.clear()
+        self.graph_table.clear()
         self._direct.clear()
 
     def piece_calls(self) -> Dict[str, int]:
@@ -675,8 +599,6 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
 
 __all__ = [
     "TcPiecewiseCudaGraphBackend",
-    "install_trampoline",
-    "uninstall_trampoline",
     "mark_dynamic_tokens",
     "Activity",
 ]

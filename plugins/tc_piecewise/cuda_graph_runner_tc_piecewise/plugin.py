@@ -16,7 +16,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             phases=("decode", "prefill"),
             devices=("cuda",),
             probe="cuda_graph_runner_tc_piecewise.plugin:probe",
-            api_version="1.0",
+            api_version="1.1",
             options=("tc_compiler",),  # reads tc_compiler (eager|inductor) for its pieces
             description="torch.compile split at marked eager ops; each piece a CUDA graph per size (eager|inductor)",
         )

@@ -21,7 +21,9 @@ from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.forward_context import forward_context, get_forward_batch
 from cuda_graph_runner.graph_break import eager_op, is_eager_op_target
+from cuda_graph_runner.model_forward import forward_wrappers
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.runner.capture_plan import build_capture_plan
 from cuda_graph_runner.testing.batches import (
     GreedySession,
     eager_logits_fn,
@@ -302,8 +304,10 @@ def test_reference_greedy_generation_with_both_phases_equals_eager(reference):
 
 def test_two_backends_share_one_trampoline_and_eager_forward_is_untouched(reference):
     model, decode, prefill = reference
-    assert model.forward is not type(model).forward  # the trampoline
-    assert decode.backend._installation is prefill.backend._installation
+    assert model.forward is not type(model).forward  # the contract's dispatcher (model_forward)
+    wrappers = forward_wrappers(model)
+    assert wrappers == [decode.backend._forward_wrapper, prefill.backend._forward_wrapper]
+    assert decode.backend._forward_wrapper.shared_with == prefill.backend._forward_wrapper.shared_with
     batch = make_extend_batch(model.kv_cache, [[1, 2, 3]])
     calls = decode.backend.piece_calls()["run"] + prefill.backend.piece_calls()["run"]
     # No backend at work: the model's forward is the original one (no compiled piece runs).
@@ -331,7 +335,7 @@ def test_size_one_costs_exactly_one_more_graph_made_in_the_compile_pass():
     model = MarkedToy()
     runner = decode_runner(model, [1, 2, 8])
     before = unique_graphs()
-    runner.backend.prepare(runner)  # the compile pass alone
+    runner.backend.prepare(build_capture_plan(runner))  # the compile pass alone
     assert unique_graphs() - before == 2 == runner.backend.dynamo_compiles
     assert runner.backend.compile_seconds > 0
     assert runner.backend.piece_calls()["capture"] == 0  # the compile pass captures nothing

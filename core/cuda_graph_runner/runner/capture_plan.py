@@ -1,0 +1,39 @@
+"""The runner's side of the capture plan: build the
+:class:`~cuda_graph_runner.capture_plan.CapturePlan` a backend gets before capture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend import ShapeKey
+from ..capture_plan import CapturePlan
+from ..forward_batch import ForwardBatch, as_static_batch
+
+
+def capture_static_batch(runner: Any, size: int) -> ForwardBatch:
+    """The static dummy batch of ``size`` that capture runs on: the runner's
+    ``capture_prepare`` as a static batch, with the model's
+    ``init_forward_metadata_capture`` called on it (what ``capture_one_shape`` and the
+    plan's ``static_batch`` both need)."""
+    batch = as_static_batch(runner.capture_prepare(size))
+    init = getattr(runner.model, "init_forward_metadata_capture", None)
+    if init is not None:
+        init(batch)
+    return batch
+
+
+def build_capture_plan(runner: Any) -> CapturePlan:
+    """The plan of ``runner``: every capture size's key, its capture batch, the runner's
+    graph forward; the runner itself answers the 1.0 attributes (deprecated)."""
+
+    def static_batch(key: ShapeKey) -> ForwardBatch:
+        return capture_static_batch(runner, key.size)
+
+    return CapturePlan(
+        phase=runner.phase,
+        model=runner.model,
+        keys=[runner.make_key(size) for size in runner.capture_sizes],
+        static_batch=static_batch,
+        forward=runner.graph_forward,
+        legacy=runner,
+    )

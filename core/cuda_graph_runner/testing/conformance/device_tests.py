@@ -1,0 +1,329 @@
+"""The conformance kit's ``test_device_*`` tests: the reference model captured and
+replayed with the backend on a device where it is available, compared with eager.
+
+A mixin of :class:`~cuda_graph_runner.testing.conformance.BackendConformanceTests`, which
+provides the helpers these tests call (``device_or_skip``, ``make_model``,
+``assert_close``, ``_require_phase``) and the class attributes (``decode_max_bs``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+#: The device tests, in the order the kit defines them (``device_marks`` marks each).
+DEVICE_TESTS = (
+    "test_device_decode_capture_replay_matches_eager",
+    "test_device_target_verify_matches_eager",
+    "test_device_prefill_capture_replay_matches_eager",
+    "test_device_cleanup_then_recapture",
+    "test_device_runner_on_second_device_matches_eager",
+    "test_device_owned_outputs_survive_later_replays",
+    "test_device_reference_model_passes_verify_mode",
+    "test_device_replay_never_runs_the_capture_batch",
+)
+
+
+class DeviceConformanceTests:
+    """The ``test_device_*`` tests (see the module docstring)."""
+
+    # Provided by BackendConformanceTests.
+    backend_name: Any
+    decode_max_bs: Any
+    decode_batch_sizes: Any
+    supports_target_verify: Any
+    prefill_max_tokens: Any
+    prefill_prompt_lens: Any
+
+    def test_device_decode_capture_replay_matches_eager(self) -> None:
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        model = self.make_model(device_type)
+        cache = model.kv_cache
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}}, show_progress=False
+        )
+        assert runner.backend.name == self.backend_name
+        with torch.no_grad():
+            runner.capture()
+            assert runner.captured_keys, "capture() recorded no shape"
+            eager = eager_logits_fn(model)
+            for bs in self.decode_batch_sizes:
+                session = GreedySession(model, cache)
+                session.prefill(
+                    make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs)
+                )
+                session.decode()  # requests of different lengths
+                batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                expected = eager(batch).clone()
+                if bs <= self.decode_max_bs:
+                    assert runner.can_run(batch), f"batch size {bs} <= max_bs {self.decode_max_bs} cannot replay"
+                got = runner.forward(batch).clone()
+                assert got.shape == expected.shape, (
+                    f"batch size {bs}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+                )
+                self.assert_close(got, expected, f"decode batch size {bs}")
+                session.close()
+            runner.cleanup()
+
+    def test_device_target_verify_matches_eager(self) -> None:
+        self._require_phase("decode")
+        if not self.supports_target_verify:
+            pytest.skip(f"backend {self.backend_name!r} declares supports_target_verify = False")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ...forward_batch import ForwardMode
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import eager_logits_fn, make_dummy_prompts, make_extend_batch, make_target_verify_batch
+
+        width = 3
+        model = self.make_model(device_type)
+        cache = model.kv_cache
+        runner = DecodeCudaGraphRunner(
+            model,
+            {"decode": {"backend": self.backend_name, "max_bs": 4}},
+            mode=ForwardMode.TARGET_VERIFY,
+            num_tokens_per_req=width,
+            show_progress=False,
+        )
+        eager = eager_logits_fn(model)
+        with torch.no_grad():
+            runner.capture()
+            for bs in (1, 3):
+                prefill = make_extend_batch(cache, make_dummy_prompts(bs, 5, model.config.vocab_size, seed=10 + bs))
+                eager(prefill)
+                rows = prefill.req_pool_indices.tolist()
+                batch = make_target_verify_batch(
+                    cache, rows, make_dummy_prompts(bs, width, model.config.vocab_size, seed=bs)
+                )
+                expected = eager(batch).clone()
+                assert runner.can_run(batch), f"target-verify batch size {bs} cannot replay"
+                got = runner.forward(batch).clone()
+                self.assert_close(got, expected, f"target-verify batch size {bs} width {width}")
+                for r in rows:
+                    cache.free_request(r)
+            runner.cleanup()
+
+    def test_device_prefill_capture_replay_matches_eager(self) -> None:
+        self._require_phase("prefill")
+        device_type = self.device_or_skip()
+        import torch
+
+        try:
+            from ...runner import PrefillCudaGraphRunner
+        except ImportError as exc:  # an older core
+            pytest.skip(f"this core has no PrefillCudaGraphRunner: {exc}")
+        from ..batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+
+        model = self.make_model(device_type)
+        cache = model.kv_cache
+        runner = PrefillCudaGraphRunner(
+            model, {"prefill": {"backend": self.backend_name, "max_bs": self.prefill_max_tokens}}, show_progress=False
+        )
+        assert runner.backend.name == self.backend_name
+        eager = eager_logits_fn(model)
+        with torch.no_grad():
+            runner.capture()
+            replayed = 0
+            for i, lens in enumerate(self.prefill_prompt_lens):
+                prompts = make_dummy_prompts(len(lens), list(lens), model.config.vocab_size, seed=20 + i)
+                first = make_extend_batch(cache, [p[: max(1, len(p) // 2)] for p in prompts])
+                rows = first.req_pool_indices.tolist()
+                # Two chunks: the second has cached prefixes (chunked prefill).
+                second = make_extend_batch(cache, [p[max(1, len(p) // 2) :] or [p[-1]] for p in prompts], rows=rows)
+                for which, batch in (("first chunk", first), ("second chunk", second)):
+                    expected = eager(batch).clone()
+                    replayed += runner.can_run(batch)
+                    got = runner.forward(batch).clone()
+                    assert got.shape == expected.shape
+                    self.assert_close(got, expected, f"prefill {which} of prompt lengths {list(lens)}")
+                for r in rows:
+                    cache.free_request(r)
+            assert replayed, "no prefill batch replayed a graph (every batch fell back to eager)"
+            runner.cleanup()
+
+    def test_device_cleanup_then_recapture(self) -> None:
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        model = self.make_model(device_type)
+        cache = model.kv_cache
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": self.backend_name, "max_bs": 4}}, show_progress=False
+        )
+        with torch.no_grad():
+            for round_ in range(2):
+                runner.capture()
+                session = GreedySession(model, cache)
+                session.prefill(make_dummy_prompts(3, 4, model.config.vocab_size, seed=round_))
+                batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                expected = eager_logits_fn(model)(batch).clone()
+                assert runner.can_run(batch), f"round {round_}: a captured size cannot replay"
+                self.assert_close(runner.forward(batch).clone(), expected, f"capture round {round_}")
+                session.close()
+                runner.cleanup()
+                assert not runner.can_run(batch), "after cleanup() the runner still claims a graph"
+
+    def test_device_runner_on_second_device_matches_eager(self) -> None:
+        """A runner on device index 1 while index 0 is current replays equal to eager,
+        and no graph comes out empty (torch's "captured on wrong device or stream")."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import warnings
+
+        import torch
+
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        module = torch.get_device_module(device_type)
+        count = module.device_count() if device_type != "cpu" and hasattr(module, "device_count") else 1
+        if count < 2:
+            pytest.skip(
+                f"needs 2 {device_type} devices (a runner on {device_type}:1 while {device_type}:0 is "
+                f"current); this machine has {count}"
+            )
+        module.set_device(0)
+        model = self.make_model(f"{device_type}:1")
+        cache = model.kv_cache
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}}, show_progress=False
+        )
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.capture()
+            session = GreedySession(model, cache)
+            bs = min(5, self.decode_max_bs)
+            session.prefill(make_dummy_prompts(bs, [3 + i for i in range(bs)], model.config.vocab_size, seed=7))
+            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+            expected = eager_logits_fn(model)(batch).clone()
+            assert runner.can_run(batch), f"batch size {bs} cannot replay on {device_type}:1"
+            got = runner.forward(batch).clone()
+            session.close()
+            runner.cleanup()
+        empty = [str(w.message) for w in caught if "graph is empty" in str(w.message).lower()]
+        assert not empty, f"a graph was captured on the wrong device or stream: {empty}"
+        assert module.current_device() == 0, "the runner left another device current"
+        self.assert_close(got, expected, f"decode batch size {bs} on {device_type}:1")
+
+    def test_device_owned_outputs_survive_later_replays(self) -> None:
+        """The output-lifetime contract's option: with ``owned_outputs=True`` an output kept
+        from one replay is unchanged by replays of the same and of another size."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        model = self.make_model(device_type)
+        cache = model.kv_cache
+        runner = DecodeCudaGraphRunner(
+            model,
+            {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
+            owned_outputs=True,
+            show_progress=False,
+        )
+        eager = eager_logits_fn(model)
+        sizes = (min(3, self.decode_max_bs), self.decode_max_bs)
+        with torch.no_grad():
+            runner.capture()
+            kept, expected = [], []
+            for i, bs in enumerate(sizes + sizes):
+                session = GreedySession(model, cache)
+                session.prefill(make_dummy_prompts(bs, 3 + i, model.config.vocab_size, seed=40 + i))
+                batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                expected.append(eager(batch).clone())
+                assert runner.can_run(batch), f"batch size {bs} <= max_bs {self.decode_max_bs} cannot replay"
+                kept.append(runner.forward(batch))  # kept without a copy: the runner owns it for us
+                session.close()  # the kept output needs no cache rows
+            for i, (got, want) in enumerate(zip(kept, expected)):
+                self.assert_close(got, want, f"owned output {i} (batch size {(sizes + sizes)[i]}) after later replays")
+            runner.cleanup()
+
+    def test_device_reference_model_passes_verify_mode(self) -> None:
+        """Captured with the host-value guard on, the reference model's decode replays pass
+        verify mode (every replay checked against the backend's own reference and tolerance)."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, make_dummy_prompts
+
+        model = self.make_model(device_type)
+        config = {"decode": {"backend": self.backend_name, "max_bs": 4, "verify": True, "verify_every": 1}}
+        runner = DecodeCudaGraphRunner(model, config, show_progress=False)
+        with torch.no_grad():
+            runner.capture()
+            session = GreedySession(model, model.kv_cache, decode_fn=runner.forward)
+            session.prefill(make_dummy_prompts(3, [3, 5, 4], model.config.vocab_size, seed=11))
+            for _ in range(3):
+                session.decode()
+            session.close()
+            runner.cleanup()
+        assert runner.verifier is not None and len(runner.verifier.checked) == 3, "replays were not verified"
+
+    def test_device_replay_never_runs_the_capture_batch(self) -> None:
+        """A replay never runs the forward on a capture-time batch.
+
+        ``capture_one``'s ``forward_fn`` is bound to the dummy batch the key was captured
+        with. A graph backend never calls it again; an eager backend that stores it and
+        calls it in ``replay`` recomputes the dummy batch, which decode hides (its inputs
+        live in the static buffers the dummy batch views) and prefill does not (its
+        per-request lengths live in the batch object). The runner's forward is wrapped to
+        record the batch of every call: those of ``capture()`` are the capture batches,
+        and no call during ``forward`` may receive one of them.
+        """
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        model = self.make_model(device_type)  # type: ignore[attr-defined]
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": self.backend_name, "max_bs": 4}}, show_progress=False
+        )
+        seen: list = []
+        graph_forward = runner.graph_forward
+
+        def recording_forward(batch: Any) -> Any:
+            seen.append(batch)
+            return graph_forward(batch)
+
+        runner.graph_forward = recording_forward  # type: ignore[method-assign]
+        with torch.no_grad():
+            runner.capture()
+            capture_batches = list(seen)
+            seen.clear()
+            session = GreedySession(model, model.kv_cache)
+            session.prefill(make_dummy_prompts(3, [3, 5, 4], model.config.vocab_size, seed=5))
+            batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
+            expected = eager_logits_fn(model)(batch).clone()
+            assert runner.can_run(batch), "batch size 3 <= max_bs 4 cannot replay"
+            seen.clear()
+            got = runner.forward(batch).clone()
+            session.close()
+            runner.cleanup()
+        stale = [b for b in seen if any(b is c for c in capture_batches)]
+        assert not stale, (
+            f"backend {self.backend_name!r}: a replay ran the forward on the capture-time dummy batch "
+            f"(batch size {stale[0].batch_size}). capture_one's forward_fn is bound to the batch it was "
+            "captured with; a backend that runs the forward at replay must call "
+            "self.capture_plan.forward(static_batch) with the static batch replay() receives "
+            "(docs/plugin-authors.md, 'What a backend gets')"
+        )
+        self.assert_close(got, expected, "decode batch size 3 (capture-batch check)")  # type: ignore[attr-defined]

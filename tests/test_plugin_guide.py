@@ -1,0 +1,41 @@
+"""docs/plugin-authors.md states the contract the code has: the method table of §3 lists
+what the runners call, its count and its abstract methods match the base class, and the
+guide's API version is the core's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cuda_graph_runner.backend import BaseCudaGraphBackend
+from cuda_graph_runner.hookspecs import PLUGIN_API_VERSION
+from cuda_graph_runner.registry.contract import RUNNER_CALLS
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugin-authors.md"
+WORDS = {2: "two", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+
+def _section_3() -> str:
+    text = GUIDE.read_text()
+    return text[text.index("## 3. The backend class") : text.index("### What a backend gets")]
+
+
+def test_method_table_lists_what_the_runners_call_and_the_counts_match():
+    section = _section_3()
+    rows = re.findall(r"^\| `([a-z_]+)\(?[^`]*`? \|", section, flags=re.M)
+    methods = [r for r in rows if r != "method"]
+    # graph_memory_bytes is the base class's measurement, described under "Out of memory".
+    assert set(methods) == set(RUNNER_CALLS) - {"graph_memory_bytes"}, methods
+    abstract = sorted(BaseCudaGraphBackend.__abstractmethods__)
+    prose = " ".join(section.split())
+    assert f"The table lists the **{WORDS[len(methods)]}** methods" in prose
+    assert f"You must implement **{WORDS[len(abstract)]}**" in prose
+    marked = re.findall(r"^\| `([a-z_]+)\([^|]*\|[^|]*\| \*\*abstract\*\* \|", section, flags=re.M)
+    assert sorted(marked) == abstract
+    assert f"other {WORDS[len(methods) - len(abstract)]} have defaults" in prose
+
+
+def test_guide_states_the_current_plugin_api_version():
+    text = GUIDE.read_text()
+    assert f'currently `"{PLUGIN_API_VERSION}"`' in text
+    assert f'api_version="{PLUGIN_API_VERSION}"' in text
