@@ -13,8 +13,8 @@ Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one 
 synchronize per measurement); capture seconds and graph memory are per runner (all
 sizes).
 
-Output: tables on stdout (``--format table``), or the JSON document (schema
-:data:`BENCH_SCHEMA`, also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
+Output: tables on stdout (``--format table``), or the JSON document (the schema of
+:mod:`cuda_graph_runner.results_schema`, shared with benchmarks/run.py; also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
 ``--format json|csv``, the words for people then on stderr; ``--plot FILE`` draws a PNG
 (:mod:`cuda_graph_runner.plot`). Each runner's run statistics (replays, eager fallbacks
 by reason, padding waste) go into the JSON and, with ``-v``, the log. docs/cli.md.
@@ -43,15 +43,16 @@ import torch
 from .bench_args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here, as before
 from .bench_backends import BackendChoice, BenchRequestError, device_problem, plan_phase
 from .bench_measure import bench_decode, bench_prefill, replay_prepare_us, time_ms  # noqa: F401
-from .bench_output import CSV_COLUMNS, results_csv  # noqa: F401 - importable from here, as before
+from .bench_output import CSV_COLUMNS, results_csv, results_document  # noqa: F401 - importable from here, as before
 from .config import CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError
+from .results_schema import SCHEMA
 from .tables import format_cell as _fmt
 from .tables import format_table
 
-#: The ``"schema"`` of the bench's JSON (``--json PATH``, ``--format json``); the plotter
-#: (:mod:`cuda_graph_runner.plot`) reads it and benchmarks/run.py's.
-BENCH_SCHEMA = "cuda-graph-runner.bench/1"
+#: The ``"schema"`` of the bench's JSON (``--json PATH``, ``--format json``), shared with
+#: benchmarks/run.py (:mod:`cuda_graph_runner.results_schema`).
+BENCH_SCHEMA = SCHEMA
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,6 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         + (f", tensor parallel {tp.size} ranks (rank 0 shown)" if tp is not None else "")
     )
     results: Dict[str, Any] = {
-        "schema": BENCH_SCHEMA,
         "env": env,
         "runners": [],
         "decode": [],
@@ -349,19 +349,20 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say,
         )
 
+    document = results_document(results)
     if args.json_path and (tp is None or tp.rank == 0):
         with open(args.json_path, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(document, f, indent=2)
         say(f"\nwrote {args.json_path}")
     if getattr(args, "plot_path", None) and (tp is None or tp.rank == 0):
         from .plot import plot_results
 
-        plot_results(results, args.plot_path)
+        plot_results(document, args.plot_path)
         say(f"wrote {args.plot_path}")
     if fmt == "json":
-        print(json.dumps(results, indent=2))
+        print(json.dumps(document, indent=2))
     elif fmt == "csv":
-        sys.stdout.write(results_csv(results))
+        sys.stdout.write(results_csv(document))
     if failed:
         print("\nerror: a graph result disagreed with eager (tokens or argmax); see the tables", file=sys.stderr)
     return 1 if failed else 0

@@ -247,7 +247,13 @@ def _size_field(phase: str) -> str:
     return "batch_size" if phase == "decode" else "num_tokens"
 
 
-def _from_bench_v1(old: Dict[str, Any]) -> Dict[str, Any]:
+def from_bench_rows(old: Mapping[str, Any]) -> Dict[str, Any]:
+    """A :data:`SCHEMA` document from the bench's rows: ``{"env", "runners", "decode",
+    "prefill", "notes"}``, each row ``{batch_size | num_tokens, requests, backend,
+    eager_ms, graph_ms, speedup, ...}`` (the layout of :data:`LEGACY_BENCH`). The bench
+    writes with it; :func:`upgrade` reads its older files with it. A row of backend
+    ``disabled`` (eager only) becomes an ``eager`` timing; any other row a timing of its
+    backend whose ``eager_ms`` is the eager time measured next to it."""
     env = dict(old.get("env") or {})
     model = str(env.get("model", "?"))
     timings = []
@@ -359,7 +365,7 @@ def upgrade(doc: Any, source: str = "results") -> Dict[str, Any]:
     schema = doc.get("schema")
     try:
         if schema == LEGACY_BENCH:
-            return _from_bench_v1(doc)
+            return from_bench_rows(doc)
         if schema == LEGACY_RUN or (schema is None or isinstance(schema, int)) and isinstance(doc.get("models"), dict):
             return from_run_models(
                 doc["models"],
