@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 
 from cuda_graph_runner import bench
@@ -37,5 +36,5 @@ def test_each_backend_is_resolved_once_and_the_runner_gets_that_instance(monkeyp
     assert (phase, name) == ("decode", "recording")
     [runner] = runners
     assert runner.backend is backend and any(e[0] == "replay" for e in backend.events)
-    doc = json.load(io.open(path))
+    doc = json.load(open(path))
     assert {t["method"] for t in doc["timings"]} == {"recording"}

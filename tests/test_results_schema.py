@@ -77,11 +77,17 @@ def test_a_written_document_is_read_back_unchanged():
 @pytest.mark.parametrize(
     "edit,named",
     [
-        (lambda d: d["timings"][0].update(median_ms="fast"), "timings[0].median_ms: expected a number or null, got 'fast'"),
+        (
+            lambda d: d["timings"][0].update(median_ms="fast"),
+            "timings[0].median_ms: expected a number or null, got 'fast'",
+        ),
         (lambda d: d["timings"][0].update(media_ms=1.0), "timings[0].media_ms: unknown field"),
         (lambda d: d["timings"][1].pop("median_ms"), "timings[1].median_ms: missing (required)"),
         (lambda d: d["timings"][0].update(phase="extend"), "timings[0].phase: expected one of decode, prefill"),
-        (lambda d: d["timings"][0].update(num_tokens=4), "timings[0]: a decode record has batch_size and no num_tokens"),
+        (
+            lambda d: d["timings"][0].update(num_tokens=4),
+            "timings[0]: a decode record has batch_size and no num_tokens",
+        ),
         (lambda d: d["timings"][0].update(batch_size=True), "timings[0].batch_size: expected an int"),
         (lambda d: d["runners"][0].pop("num_sizes"), "runners[0].num_sizes: missing"),
         (lambda d: d["env"].pop("device"), "env.device"),
@@ -112,7 +118,14 @@ def test_bench_v1_documents_are_converted():
     doc = upgrade(old)
     full, eager = doc["timings"]
     assert full["method"] == "full" and full["median_ms"] == 0.5 and full["eager_ms"] == 2.0 and full["tokens_match"]
-    assert eager == {"model": "tiny", "phase": "prefill", "method": "eager", "num_tokens": 8, "requests": 2, "median_ms": 3.0}
+    assert eager == {
+        "model": "tiny",
+        "phase": "prefill",
+        "method": "eager",
+        "num_tokens": 8,
+        "requests": 2,
+        "median_ms": 3.0,
+    }
     assert doc["runners"][0]["num_sizes"] == 2 and doc["runners"][0]["graph_memory_mib"] == 3.0
 
 

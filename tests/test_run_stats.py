@@ -70,10 +70,10 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
     import json
 
     from cuda_graph_runner import bench
-    from cuda_graph_runner.cli import main
 
     # A CPU-capturable backend for the bench: the recording fake instead of the registry's choice.
     from cuda_graph_runner.bench_backends import BackendChoice
+    from cuda_graph_runner.cli import main
 
     def plan(phase, selection, config, device, default_max):
         if phase != "decode":

@@ -55,6 +55,8 @@ from .tables import format_table
 BENCH_SCHEMA = SCHEMA
 
 logger = logging.getLogger(__name__)
+#: Tokens generated per prompt for a real model's text (``--model smollm2-135m``).
+GENERATED_TOKENS = 8
 
 
 @dataclasses.dataclass
@@ -73,18 +75,27 @@ class RunnerStats:
 
 
 def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None) -> Any:
-    """A preset name (see ``testing.model.PRESETS``) or a checkpoint directory.
+    """A preset name (see ``testing.model.PRESETS``), a real model name
+    (:data:`cuda_graph_runner.real_model.REAL_MODELS`: its checkpoint prepared once into the
+    cache) or a checkpoint directory.
 
     Raises:
-        ValueError: ``spec`` is neither a preset nor a directory (lists the presets).
+        ValueError: ``spec`` is none of these (lists the presets and real models).
+        RealModelUnavailableError: a real model whose packages are not installed.
     """
+    from .real_model import REAL_MODELS, prepare
     from .testing.model import PRESETS, ReferenceLlamaForCausalLM
 
+    if spec in REAL_MODELS:
+        spec = prepare(spec)
     if spec in PRESETS:
         return ReferenceLlamaForCausalLM.from_preset(spec, dtype=dtype, device=device, tp_group=tp_group)
     if os.path.isdir(spec):
         return ReferenceLlamaForCausalLM.from_pretrained(spec, dtype=dtype, device=device, tp_group=tp_group)
-    raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
+    raise ValueError(
+        f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}), a real model "
+        f"({', '.join(sorted(REAL_MODELS))}) nor a checkpoint directory"
+    )
 
 
 def _make_runner(kind: str, model: Any, config: CudaGraphConfig, device: torch.device, backend: Any) -> Any:
@@ -117,9 +128,11 @@ def _bench_phase(
     table: Any,
     measure: Callable[[Any], List[Dict[str, Any]]],
     say: Callable[[str], None] = print,
+    after: Optional[Callable[[Any, str], None]] = None,
 ) -> bool:
-    """Capture (when a backend is usable), measure, print one table per backend; True if
-    a graph result disagreed with eager."""
+    """Capture (when a backend is usable), measure, print one table per backend (then
+    ``after(runner, label)``, e.g. the generated text); True if a graph result disagreed
+    with eager."""
     headers, cells = table
     failed = False
     for choice in choices:
@@ -154,6 +167,8 @@ def _bench_phase(
             )
         say(header)
         say(format_table(headers, [cells(r) for r in rows]))
+        if after is not None:
+            after(runner, label)
         for r in rows:
             r["backend"] = label
             failed |= r.get("tokens_match") is False or r.get("argmax_match") is False
@@ -237,6 +252,14 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)
         return 2
     max_bs, max_tokens = max(batch_sizes), max(token_counts)
+    from . import real_model
+
+    if model_spec in real_model.REAL_MODELS:
+        try:  # before any work: the packages a real model needs
+            real_model.check_available(model_spec)
+        except real_model.RealModelUnavailableError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         from . import backend_options
         from .registry import get_registry
@@ -259,9 +282,15 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    tokenizer, eager_texts = None, []
+    if model_spec in real_model.REAL_MODELS:
+        tokenizer = real_model.load_tokenizer(real_model.prepare(model_spec))  # prepared: returns at once
     # Decode attention reads max_context_len keys per request, so each section gets a
     # cache just long enough for it (three sessions of max_bs requests live at once).
     context = args.prompt_len + args.steps + 8
+    if tokenizer is not None:
+        longest = max(len(tokenizer(p)["input_ids"]) for p in real_model.PROMPTS)
+        context = max(context, longest + GENERATED_TOKENS + 1)
     max_reqs = max_bs * 3 + 1
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     env = {
@@ -284,6 +313,18 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         "prefill": [],
         "notes": [],
     }
+
+    after_decode = None
+    if tokenizer is not None:
+        eager_texts = real_model.generate(model, tokenizer, max_new_tokens=GENERATED_TOKENS)
+        results["generations"] = []
+
+        def after_decode(runner: Any, label: str) -> None:
+            rows = real_model.generation_rows(
+                model, tokenizer, runner, label, eager_texts, max_new_tokens=GENERATED_TOKENS
+            )
+            results["generations"].extend(rows)
+            say(real_model.format_generations(rows, GENERATED_TOKENS))
 
     decode_table = (
         ["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|"],
@@ -314,6 +355,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             warmup=args.warmup,
         ),
         say,
+        after_decode,
     )
     if not args.no_prefill:
         max_reqs = max(args.prefill_requests) + 1

@@ -79,7 +79,9 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> s
 
     if name is not None:
         return f"{phase} backend 'disabled': running eager only"
-    blocked = [f"{e.name}: {e.reason}" for e in list_backends() if phase in e.phases and e.name != "disabled" and not e.ok]
+    blocked = [
+        f"{e.name}: {e.reason}" for e in list_backends() if phase in e.phases and e.name != "disabled" and not e.ok
+    ]
     why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
     return f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
 
@@ -111,9 +113,15 @@ def plan_phase(
         where = f"--{phase}-backends" if selection else "the config"
         chosen = name or reg.default_backend(phase, device.type)
         label = chosen + (f":{compiler}" if compiler else "")
-        fields: Dict[str, Any] = {"backend": chosen, "max_bs": max_bs, **({"tc_compiler": compiler} if compiler else {})}
+        fields: Dict[str, Any] = {
+            "backend": chosen,
+            "max_bs": max_bs,
+            **({"tc_compiler": compiler} if compiler else {}),
+        }
         if chosen == "disabled":
-            choices.append(BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit))
+            choices.append(
+                BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
+            )
             continue
         try:
             phase_cfg = config.with_phase(phase, **fields)

@@ -45,13 +45,11 @@ def replay_prepare_us(runner: Any, batch: ForwardBatch, *, sync: Callable[[], No
     return statistics.median(samples)
 
 
-
 def sync_fn(device: torch.device) -> Callable[[], None]:
     if device.type == "cpu":
         return lambda: None
     module = torch.get_device_module(device)
     return lambda: module.synchronize(device)  # this device, not whichever is current
-
 
 
 def bench_decode(

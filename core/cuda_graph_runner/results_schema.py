@@ -24,7 +24,8 @@ MiB = 2**20 bytes)::
 * RUNNER (:data:`RUNNER_FIELDS`): one captured runner: ``num_sizes``, ``capture_s``,
   ``compile_s``, ``graph_memory_mib``, ``replay_prepare_us``, ``run_stats``.
 * ``extra``: what one tool alone records (run.py: ``host_probe_us`` and each model's
-  machine state under ``extra.models[MODEL]``); free-form, never validated.
+  machine state under ``extra.models[MODEL]``; bench with a real model: ``generations``,
+  ``{backend, prompt, text, matches_eager, replayed}`` per prompt); free-form, never validated.
 
 :func:`read` / :func:`from_json` validate a document and raise :class:`ResultsSchemaError`
 naming the bad field (``timings[3].median_ms: expected a number or null, got 'fast'``).
@@ -287,12 +288,21 @@ def from_bench_rows(old: Mapping[str, Any]) -> Dict[str, Any]:
                 "run_stats": r.get("run_stats"),
             }
         )
-    return document("bench", env, timings=timings, runners=runners, notes=old.get("notes") or [])
+    extra = {"generations": old["generations"]} if old.get("generations") else None
+    return document("bench", env, timings=timings, runners=runners, notes=old.get("notes") or [], extra=extra)
 
 
 #: run.py's capture keys; a prefill runner is ``"NAME (prefill)"`` there.
 _CAPTURE_RENAMES = {"sizes": "num_sizes", "pool_mb": "graph_memory_mib", "largest_alone_mb": "largest_alone_mib"}
-_RUN_SECTIONS = ("decode", "ratios", "prefill", "prefill_ratios", "capture", "replay_prepare_us", "max_abs_diff_vs_eager")
+_RUN_SECTIONS = (
+    "decode",
+    "ratios",
+    "prefill",
+    "prefill_ratios",
+    "capture",
+    "replay_prepare_us",
+    "max_abs_diff_vs_eager",
+)
 
 
 def from_run_models(
@@ -335,7 +345,9 @@ def from_run_models(
                             {"model": model, "phase": phase, "method": method, "reference": ref, size: int(x), **stats}
                         )
         for name, cap in (m.get("capture") or {}).items():
-            phase, backend = ("prefill", name[: -len(" (prefill)")]) if name.endswith(" (prefill)") else ("decode", name)
+            phase, backend = (
+                ("prefill", name[: -len(" (prefill)")]) if name.endswith(" (prefill)") else ("decode", name)
+            )
             rec = {"model": model, "phase": phase, "backend": backend}
             rec.update({_CAPTURE_RENAMES.get(k, k): v for k, v in cap.items()})
             rec["replay_prepare_us"] = (m.get("replay_prepare_us") or {}).get(name)
