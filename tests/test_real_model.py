@@ -41,7 +41,9 @@ def test_eager_and_replayed_generations_agree_on_real_prompts(smollm2):
     model, tok = smollm2
     eager = real_model.generate(model, tok, max_new_tokens=8)
     backend = RecordingBackend("cpu", phase="decode")  # replay emulated: the captured forward re-run
-    runner = DecodeCudaGraphRunner(model, {"decode": {"bs": [1, 2, 4]}}, device="cpu", backend=backend, show_progress=False)
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"bs": [1, 2, 4]}}, device="cpu", backend=backend, show_progress=False
+    )
     runner.capture()
     try:
         replayed = real_model.generate(model, tok, max_new_tokens=8, decode_fn=runner.forward)

@@ -127,8 +127,12 @@ def prepare(name: str, *, root: Optional[str] = None, show_progress: Optional[bo
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .progress import bar
+    from .progress import bar, progress_enabled
 
+    if not progress_enabled(show_progress):  # transformers' own bars too: nothing drawn in a pipe or log
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     os.makedirs(root, exist_ok=True)
     tmp = f"{target}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
