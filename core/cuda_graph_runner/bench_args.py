@@ -17,7 +17,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="preset name or Hugging Face checkpoint directory (default: llama-3.2-1b on CUDA, tiny on CPU)",
+        help="preset name, real trained model (smollm2-135m: prepared once into the cache, prints generated "
+        "text; needs cuda-graph-runner[smollm2]) or Hugging Face checkpoint directory "
+        "(default: llama-3.2-1b on CUDA, tiny on CPU)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
