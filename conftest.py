@@ -6,6 +6,14 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items):
+    # A real trained model costs minutes on a small CPU: only when asked for (-m real_model).
+    if "real_model" not in (config.getoption("markexpr", "") or ""):
+        skip_real = pytest.mark.skip(
+            reason="converts and runs a real trained model (minutes): run pytest -m real_model"
+        )
+        for item in items:
+            if "real_model" in item.keywords:
+                item.add_marker(skip_real)
     try:
         import torch
 

@@ -1,4 +1,4 @@
-"""Ratios measured inside one benchmark run, and the JSON schema they live in.
+"""Ratios measured inside one benchmark run, and run.py's per-model tables they live in.
 
 Torch-free: used by ``run.py`` (writes them), ``compare.py`` (checks them against the
 baseline) and ``make_docs.py`` (tables).
@@ -10,7 +10,10 @@ Because ``bench_rounds.run_rounds`` times every method once per round, each roun
 paired ratio in which a drift of the machine cancels; the reported spread is the min and
 max of those per-round ratios.
 
-JSON (``SCHEMA``)::
+run.py builds its results as these per-model tables (``SCHEMA``, also the file format
+before the shared results schema) and writes them in the shared schema
+(:mod:`cuda_graph_runner.results_schema`: ``from_run_models``); readers get the tables
+back with ``results_schema.nested_view``::
 
     {"schema": SCHEMA, "env": {...}, "settings": {...}, "notes": [...],
      "models": {MODEL: {
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+#: The tables' layout (files of this schema are converted on read).
 SCHEMA = "cuda-graph-runner-benchmarks/2"
 REFERENCES = ("hand_graph", "reduce_overhead")
 NOT_COMPARED = ("eager",) + REFERENCES

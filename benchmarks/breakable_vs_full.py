@@ -21,13 +21,14 @@ compared (no full or breakable cells: the message says which run to make).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_summary import ratio_stats  # noqa: E402
+
+from cuda_graph_runner.results_schema import nested_view, read  # noqa: E402
 
 RUN = (
     "python benchmarks/run.py --out OUT --models llama-3.2-1b qwen2.5-0.5b --batch-sizes 1 32 128 "
@@ -93,13 +94,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        with open(args.run) as f:
-            run = json.load(f)
-        before = None
-        if args.before:
-            with open(args.before) as f:
-                before = json.load(f)
-    except (OSError, ValueError) as exc:
+        # The shared results schema (validated, older files converted), as per-model tables.
+        run = nested_view(read(args.run))
+        before = nested_view(read(args.before)) if args.before else None
+    except (OSError, ValueError) as exc:  # ResultsSchemaError (a ValueError) names the bad field
         print(f"cannot read the input: {exc}", file=sys.stderr)
         return 2
     lines, failures, missing = check(run, before, args.max_ratio, args.prefill_slack)

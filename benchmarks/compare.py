@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_summary import SCHEMA, format_ratio  # noqa: E402
+from bench_summary import format_ratio  # noqa: E402
 
+from cuda_graph_runner.results_schema import ResultsSchemaError, from_json, nested_view  # noqa: E402
 from cuda_graph_runner.tables import markdown_table  # noqa: E402
 
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline", "h200-llama-3.2-1b.json")
@@ -98,8 +99,11 @@ def judge(base: Dict[str, float], new: Dict[str, float], threshold: float) -> st
 
 
 def load(path: str, role: str) -> Dict[str, Any]:
-    """Read a run's JSON; :class:`CompareError` naming the file when it is missing, not
-    JSON, a placeholder, of another schema, or without ratios."""
+    """Read a run's JSON (:mod:`cuda_graph_runner.results_schema`, validated; stored files
+    of the older run.py schema are converted) as per-model tables
+    (:func:`~cuda_graph_runner.results_schema.nested_view`); :class:`CompareError` naming
+    the file when it is missing, not JSON, a placeholder, not a results document (the
+    bad field named), or without ratios."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -114,11 +118,11 @@ def load(path: str, role: str) -> Dict[str, Any]:
         raise CompareError(
             f"{role} {path} is a placeholder without device numbers; create it on the H200 with:\n  {CREATE_BASELINE}"
         )
-    if data.get("schema") != SCHEMA:
-        raise CompareError(
-            f"{role} {path}: schema {data.get('schema')!r}, expected {SCHEMA!r} "
-            "(a JSON written by this benchmarks/run.py); rerun the benchmark"
-        )
+    try:
+        # The shared results schema (older run.py files are converted), as per-model tables.
+        data = nested_view(from_json(data, f"{role} {path}"))
+    except ResultsSchemaError as exc:
+        raise CompareError(f"{exc}; rerun the benchmark (benchmarks/run.py) to write a results file") from None
     if not any(m.get(r) for m in data.get("models", {}).values() for _, r in SECTIONS):
         raise CompareError(
             f"{role} {path} has no ratios (did the run measure hand_graph or reduce_overhead next to a backend?)"

@@ -17,7 +17,6 @@ is kept. Torch-free.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_summary import REFERENCES, median_ms  # noqa: E402
 from bench_summary import format_ratio as _ratio  # noqa: E402
 
+from cuda_graph_runner.results_schema import nested_view, read  # noqa: E402
 from cuda_graph_runner.tables import format_cell as _num  # noqa: E402
 from cuda_graph_runner.tables import markdown_table  # noqa: E402
 
@@ -294,9 +294,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs = []
     for path in args.runs:
         try:
-            with open(path) as f:
-                runs.append(json.load(f))
-        except (OSError, ValueError) as exc:
+            # Validated, older schemas converted, as per-model tables.
+            runs.append(nested_view(read(path)))
+        except (OSError, ValueError) as exc:  # ResultsSchemaError is a ValueError
             print(f"make_docs: cannot read {path}: {exc}", file=sys.stderr)
             return 2
     text = render(runs[0])

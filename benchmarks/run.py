@@ -38,7 +38,9 @@ How the numbers are made to hold from run to run (issue 12; docs/benchmarks.md s
    suffer most from a busy host); the GPU's SM clock, throttle reasons and the host load
    are recorded before and after timing.
 
-Results go to ``OUT/benchmarks.json`` (rewritten after every section, so a cut-short run
+Results go to ``OUT/benchmarks.json`` in the shared results schema
+(:mod:`cuda_graph_runner.results_schema`, which ``cuda-graph-runner bench --json`` writes
+too; rewritten after every section, so a cut-short run
 keeps what it measured) and ``OUT/benchmarks.md`` (``make_docs.render``).
 
 ``--device cpu`` is a smoke test of the harness only (the tiny preset, float32, no CUDA
@@ -71,13 +73,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rounds import run_rounds  # noqa: E402
-from bench_summary import SCHEMA, ratios_for  # noqa: E402
+from bench_summary import ratios_for  # noqa: E402
 from make_docs import render  # noqa: E402
 
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
+from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
@@ -375,8 +378,8 @@ class Results:
         self.path = os.path.join(out_dir, "benchmarks.json")
         self.md_path = os.path.join(out_dir, "benchmarks.md")
         self.used_sleep: set = set()  # methods that got the test-only --inject-sleep-ms
+        # Built as per-model tables while running; written in the shared results schema.
         self.data: Dict[str, Any] = {
-            "schema": SCHEMA,
             "env": env,
             "settings": settings,
             "models": {},
@@ -393,10 +396,17 @@ class Results:
         print(f"note: {text}", flush=True)
         self.data["notes"].append(text)
 
+    def document(self) -> Dict[str, Any]:
+        """The results so far as a :mod:`cuda_graph_runner.results_schema` document."""
+        d = self.data
+        return from_run_models(
+            d["models"], d["env"], settings=d["settings"], notes=d["notes"], host_probe_us=d["host_probe_us"]
+        )
+
     def save(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=2)
+            json.dump(self.document(), f, indent=2)
         os.replace(tmp, self.path)
         with open(self.md_path, "w") as f:
             f.write(render(self.data))
@@ -814,6 +824,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     env = {
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -852,7 +863,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.plot:
         from cuda_graph_runner.plot import plot_results
 
-        print(f"wrote {plot_results(results.data, args.plot)}")
+        print(f"wrote {plot_results(results.document(), args.plot)}")
     return 0
 
 

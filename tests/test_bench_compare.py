@@ -320,9 +320,13 @@ def test_placeholder_and_bad_baselines_are_refused_clearly(tmp_path, capsys):
     assert "placeholder" in err and "benchmarks/run.py" in err
     assert compare.main([new, "--baseline", str(tmp_path / "absent.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+    # The oldest run.py layout (bare floats, no schema) is converted on read; it has no ratios.
     old = _write(tmp_path, "old.json", {"env": {}, "models": {"x": {"decode": {"1": {"full": 2.0}}}}})
     assert compare.main([new, "--baseline", old]) == 2
-    assert "schema" in capsys.readouterr().err
+    assert "no ratios" in capsys.readouterr().err
+    other = _write(tmp_path, "other.json", {"schema": "something/9", "models": {}})
+    assert compare.main([new, "--baseline", other]) == 2
+    assert "schema 'something/9'" in capsys.readouterr().err
     assert compare.main([new, "--baseline", new, "--threshold", "10"]) == 2
     assert "--threshold" in capsys.readouterr().err
 

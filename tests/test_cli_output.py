@@ -13,6 +13,7 @@ import pytest
 from cuda_graph_runner import cli_logging
 from cuda_graph_runner.bench import CSV_COLUMNS, results_csv
 from cuda_graph_runner.cli import build_parser, main
+from cuda_graph_runner.results_schema import LEGACY_BENCH, LEGACY_RUN, SCHEMA, from_json
 
 SMALL_BENCH = [
     "bench",
@@ -55,9 +56,12 @@ def test_format_json_prints_only_the_json_document(bench_json):
     code, out, err, folder = bench_json
     assert code == 0
     data = json.loads(out)  # nothing but the document on stdout
-    assert data["schema"] == "cuda-graph-runner.bench/1"
+    assert data["schema"] == SCHEMA and data["tool"] == "bench"
+    assert from_json(data) == data  # valid as written
     assert data == json.loads((folder / "b.json").read_text())
-    assert [r["batch_size"] for r in data["decode"]] == [1, 2]
+    decode = [t for t in data["timings"] if t["phase"] == "decode"]
+    assert sorted(t["batch_size"] for t in decode) == [1, 2]
+    assert all(t["median_ms"] > 0 and t["model"] == "tiny" for t in data["timings"])
     assert "model tiny" in err  # the words for people went to stderr
 
 
@@ -97,6 +101,8 @@ def test_plot_series_of_both_schemas():
     from cuda_graph_runner.plot import series_from_results
 
     bench = {
+        "schema": LEGACY_BENCH,
+        "env": {"device": "cuda", "model": "tiny"},
         "decode": [
             {"batch_size": 2, "backend": "full", "eager_ms": 3.0, "graph_ms": 1.0},
             {"batch_size": 1, "backend": "full", "eager_ms": 2.0, "graph_ms": 0.5},
@@ -110,11 +116,11 @@ def test_plot_series_of_both_schemas():
     assert series["decode"] == {"full": [(1, 0.5), (2, 1.0)], "eager": [(1, 2.0), (2, 3.0)]}
     assert series["prefill"] == {"full": [(8, 6.0)], "eager": [(8, 7.0)]}
     suite = {
-        "schema": 3,
+        "schema": LEGACY_RUN,
         "models": {"tiny": {"decode": {"4": {"eager": {"median_ms": 2.0}, "full": {"median_ms": 1.0}}}, "prefill": {}}},
     }
     assert series_from_results(suite) == {"decode": {"eager": [(4, 2.0)], "full": [(4, 1.0)]}}
-    with pytest.raises(ValueError, match="not a bench"):
+    with pytest.raises(ValueError, match="not a results schema"):
         series_from_results({"other": 1})
 
 

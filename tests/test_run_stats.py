@@ -70,26 +70,18 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
     import json
 
     from cuda_graph_runner import bench
-    from cuda_graph_runner.cli import main
 
     # A CPU-capturable backend for the bench: the recording fake instead of the registry's choice.
-    real = bench._make_runner
-    monkeypatch.setattr(
-        bench,
-        "_make_runner",
-        lambda kind, model, config, device: (
-            DecodeCudaGraphRunner(
-                model, config, device=device, backend=RecordingBackend("cpu", phase="decode"), show_progress=False
-            )
-            if kind == "decode"
-            else real(kind, model, config, device)
-        ),
-    )
-    monkeypatch.setattr(
-        bench,
-        "_resolve_or_explain",
-        lambda phase, name, device: ("recording", "") if phase == "decode" else (None, "eager only"),
-    )
+    from cuda_graph_runner.bench_backends import BackendChoice
+    from cuda_graph_runner.cli import main
+
+    def plan(phase, selection, config, device, default_max):
+        if phase != "decode":
+            return [BackendChoice(phase, "disabled", config, None, "eager only")]
+        backend = RecordingBackend("cpu", phase="decode")
+        return [BackendChoice(phase, "recording", config.with_phase(phase, max_bs=default_max), backend)]
+
+    monkeypatch.setattr(bench, "plan_phase", plan)
     path = tmp_path / "b.json"
     with caplog.at_level(logging.INFO, logger="cuda_graph_runner"):
         code = main(

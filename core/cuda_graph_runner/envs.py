@@ -298,6 +298,13 @@ WHEEL_CACHE = define(
     "tests: folder of cached wheels (empty: ~/.cache/cuda-graph-runner/wheels).",
     owner="tests",
 ).name
+MODEL_CACHE = define(
+    "CUDA_GRAPH_RUNNER_MODEL_CACHE",
+    "str",
+    "",
+    "Folder of the checkpoints bench --model smollm2-135m prepares once "
+    "(empty: ~/.cache/cuda-graph-runner/models). Read when a model is prepared.",
+).name
 VERIFY = define(
     "CUDA_GRAPH_RUNNER_VERIFY",
     "optional_bool",

@@ -1,14 +1,9 @@
 """One plotter for ``cuda-graph-runner bench --plot`` and ``benchmarks/run.py --plot``.
 
-Two panels in one PNG: decode ms per step against batch size (one line per backend, eager
-included), and prefill ms against tokens. Both result schemas are read through
-:func:`series_from_results`, so the two tools draw the same picture from their own JSON:
-
-* ``bench`` (``"schema": "cuda-graph-runner.bench/1"``): rows ``decode[]`` with
-  ``batch_size, backend, eager_ms, graph_ms`` and ``prefill[]`` with ``num_tokens,
-  requests, backend, eager_ms, graph_ms``;
-* ``benchmarks/run.py`` (``"schema"`` an int): ``models[name].decode[bs][method].median_ms``
-  and ``models[name].prefill[tokens][method].median_ms``.
+Two panels in one PNG: decode ms per step against batch size (one line per method, eager
+included), and prefill ms against tokens. Both tools write the one results schema
+(:mod:`cuda_graph_runner.results_schema`), read here through :func:`series_from_results`
+(older documents of either tool are converted on read).
 
 matplotlib is an optional dependency (``pip install 'cuda-graph-runner[plot]'``); it is
 imported only when a picture is drawn, with the Agg backend (no display needed).
@@ -45,43 +40,41 @@ def _add(series: Series, phase: str, label: str, x: int, ms: Optional[float]) ->
 
 
 def series_from_results(results: Dict[str, Any], model: Optional[str] = None) -> Series:
-    """The points to draw from a ``bench`` or a ``benchmarks/run.py`` result dict.
+    """The points to draw from a results document (either tool, any schema version).
 
-    ``bench`` rows: eager appears once per x (the first backend's eager time); prefill
-    rows with several request counts keep the fewest requests, so one x has one point.
-    ``model`` picks a model of a ``benchmarks/run.py`` result (default: the first).
+    Each timing's ``median_ms`` is a point of its method. Eager appears once per x: an
+    ``eager`` timing, else the ``eager_ms`` measured next to the first backend at that x.
+    Prefill timings with several request counts keep the fewest requests, so one x has
+    one point. ``model`` picks a model (default: the first one timed).
 
     Raises:
-        ValueError: the dict is neither schema (names the keys it has).
+        ResultsSchemaError: (a ``ValueError``) the dict is not a results document; the
+            message names the bad field.
     """
+    from .results_schema import from_json
+
+    doc = from_json(results, "the results to plot")
+    timings = doc["timings"]
+    if model is None and timings:
+        model = timings[0]["model"]
+    timings = [t for t in timings if t["model"] == model]
+    fewest: Dict[int, int] = {}
+    for t in timings:
+        if t["phase"] == "prefill" and t.get("requests") is not None:
+            fewest[t["num_tokens"]] = min(fewest.get(t["num_tokens"], t["requests"]), t["requests"])
     series: Series = {}
-    if isinstance(results.get("models"), dict):  # benchmarks/run.py
-        models = results["models"]
-        if not models:
-            return series
-        data = models[model] if model is not None else next(iter(models.values()))
-        for phase in ("decode", "prefill"):
-            for x, methods in (data.get(phase) or {}).items():
-                for label, cell in methods.items():
-                    if isinstance(cell, dict):
-                        _add(series, phase, label, int(x), cell.get("median_ms"))
-    elif "decode" in results or "prefill" in results:  # bench
-        for row in results.get("decode", []):
-            _add(series, "decode", row["backend"], row["batch_size"], row.get("graph_ms"))
-            if not any(x == row["batch_size"] for x, _ in series.get("decode", {}).get("eager", [])):
-                _add(series, "decode", "eager", row["batch_size"], row.get("eager_ms"))
-        prefill = results.get("prefill", [])
-        fewest: dict[int, int] = {}
-        for row in prefill:
-            fewest[row["num_tokens"]] = min(fewest.get(row["num_tokens"], row["requests"]), row["requests"])
-        for row in prefill:
-            if row["requests"] != fewest[row["num_tokens"]]:
-                continue
-            _add(series, "prefill", row["backend"], row["num_tokens"], row.get("graph_ms"))
-            if not any(x == row["num_tokens"] for x, _ in series.get("prefill", {}).get("eager", [])):
-                _add(series, "prefill", "eager", row["num_tokens"], row.get("eager_ms"))
-    else:
-        raise ValueError(f"not a bench or benchmarks/run.py result: keys {sorted(results)}")
+    eager_from_pairs = []
+    for t in timings:
+        phase = t["phase"]
+        x = t["batch_size"] if phase == "decode" else t["num_tokens"]
+        if phase == "prefill" and t.get("requests") is not None and t["requests"] != fewest[x]:
+            continue
+        _add(series, phase, t["method"], x, t.get("median_ms"))
+        if t["method"] != "eager" and t.get("eager_ms") is not None:
+            eager_from_pairs.append((phase, x, t["eager_ms"]))
+    for phase, x, ms in eager_from_pairs:
+        if not any(px == x for px, _ in series.get(phase, {}).get("eager", [])):
+            _add(series, phase, "eager", x, ms)
     for by_backend in series.values():
         for points in by_backend.values():
             points.sort()
@@ -143,10 +136,14 @@ def plot_results(results: Dict[str, Any], path: str, *, title: Optional[str] = N
     """:func:`series_from_results` then :func:`plot_series`; the title defaults to the
     model, device and torch of ``results["env"]``."""
     if title is None:
-        env = results.get("env", {})
+        from .results_schema import from_json
+
+        doc = from_json(results, "the results to plot")
+        env = doc["env"]
+        models = list(dict.fromkeys(t["model"] for t in doc["timings"]))
         parts = [
-            env.get("model") or ", ".join(results.get("models", {}) or []),
-            env.get("device_name") or env.get("gpu") or env.get("device"),
+            env.get("model") or (models[0] if models else None),
+            env.get("device_name") or env.get("device"),
             f"torch {env['torch']}" if env.get("torch") else None,
         ]
         title = ", ".join(str(p) for p in parts if p)

@@ -1,0 +1,89 @@
+"""The flags of ``cuda-graph-runner bench`` (docs/cli.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .config import add_cuda_graph_args
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMATS = ("table", "json", "csv")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` flags (plus every CUDA-graph config flag)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="preset name, real trained model (smollm2-135m: prepared once into the cache, prints generated "
+        "text; needs cuda-graph-runner[smollm2]) or Hugging Face checkpoint directory "
+        "(default: llama-3.2-1b on CUDA, tiny on CPU)",
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default: bfloat16 on CUDA, float32 on CPU)"
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decode batch sizes to time (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)",
+    )
+    parser.add_argument(
+        "--decode-backends",
+        default=None,
+        help="comma-separated decode backends to bench, each name[:tc_compiler], e.g. "
+        "full,tc_piecewise:inductor (default: the config's decode backend)",
+    )
+    parser.add_argument(
+        "--prefill-backends",
+        default=None,
+        help="comma-separated prefill backends to bench, each name[:tc_compiler] "
+        "(default: the config's prefill backend)",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="prefill token counts to time (default: 64 256 1024 on CUDA, 16 48 on CPU)",
+    )
+    parser.add_argument(
+        "--prefill-requests", type=int, nargs="+", default=[1, 4], help="requests per prefill batch (default: 1 4)"
+    )
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decoding (default 32)")
+    parser.add_argument("--steps", type=int, default=16, help="greedy decode steps compared with eager (default 16)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)",
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size; >1 runs under torchrun --nproc-per-node N, rank 0 prints (default 1)",
+    )
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="table",
+        help="stdout format: table (default, for people), json (the --json document) or csv "
+        "(one row per measurement); with json/csv the progress text goes to stderr",
+    )
+    parser.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        metavar="FILE",
+        help="also draw ms per step against batch size (and prefill ms against tokens) per "
+        "backend, eager included, into this PNG (needs cuda-graph-runner[plot])",
+    )
+    add_cuda_graph_args(parser)

@@ -1,0 +1,144 @@
+"""Which backends ``cuda-graph-runner bench`` runs: the selection flags parsed, the
+device checked, explicit names checked before any work, each backend resolved once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .config import CudaGraphConfig, CudaGraphConfigError
+from .errors import CudaGraphRunnerError, UnknownBackendError
+
+
+def parse_backends(arg: Optional[str], configured: Optional[str]) -> List[Tuple[Optional[str], Optional[str]]]:
+    """``[(backend or None for auto, tc_compiler or None)]`` from ``"full,tc_piecewise:inductor"``."""
+    if arg:
+        labels = [b.strip() for b in arg.split(",") if b.strip()]
+        return [(name, compiler or None) for name, _, compiler in (label.partition(":") for label in labels)]
+    return [(configured, None)]
+
+
+class BenchRequestError(Exception):
+    """A backend named explicitly cannot be benched; ``exit_code`` 2 (usage) or 1 (runtime)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def device_problem(device: torch.device) -> Optional[str]:
+    """Why ``device`` cannot be used on this machine (no such device, torch built without
+    it, index out of range), or None."""
+    if device.type == "cpu":
+        return None
+    try:
+        module = torch.get_device_module(device)
+    except Exception as exc:  # torch knows the type but has no module for it
+        return f"torch {torch.__version__} has no {device.type} support ({exc})"
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        built = ""
+        if device.type == "cuda" and torch.version.cuda is None:
+            built = f"; this torch {torch.__version__} was built without CUDA"
+        return f"no {device.type} device is available here{built}"
+    count = getattr(module, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        return f"{device} does not exist: this machine has {count} {device.type} device(s)"
+    return None
+
+
+@dataclasses.dataclass
+class BackendChoice:
+    """One backend the bench runs for one phase, resolved once: the runner is handed
+    ``backend`` (it does not resolve the name again).
+
+    Attributes:
+        phase: ``"decode"`` or ``"prefill"``.
+        label: the name shown and written to the JSON, ``name[:tc_compiler]``;
+            ``"disabled"`` for eager numbers only.
+        config: the bench's config with this phase's ``backend``, ``max_bs`` and
+            ``tc_compiler`` set (the runner's config).
+        backend: the backend instance (``registry.resolve``), or None for eager only.
+        note: why the bench runs eager only (empty when ``backend`` is set).
+        explicit: the name came from ``--{phase}-backends`` or the config (an error if it
+            cannot run) rather than from the device's default (a note).
+    """
+
+    phase: str
+    label: str
+    config: CudaGraphConfig
+    backend: Any = None
+    note: str = ""
+    explicit: bool = False
+
+
+def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> str:
+    from .registry import list_backends
+
+    if name is not None:
+        return f"{phase} backend 'disabled': running eager only"
+    blocked = [
+        f"{e.name}: {e.reason}" for e in list_backends() if phase in e.phases and e.name != "disabled" and not e.ok
+    ]
+    why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
+    return f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
+
+
+def plan_phase(
+    phase: str, selection: Optional[str], config: CudaGraphConfig, device: torch.device, default_max: int
+) -> List[BackendChoice]:
+    """Resolve, once, each backend the bench runs for ``phase`` (before any model is loaded).
+
+    ``selection`` is ``--{phase}-backends`` (``"full,tc_piecewise:inductor"``) or None for
+    the config's backend, or the device's default when the config names none.
+    ``default_max`` is the phase's ``max_bs`` when the config sets neither ``max_bs`` nor
+    ``bs`` (the largest batch size or token count the bench measures).
+
+    Raises:
+        BenchRequestError: a backend named explicitly cannot run: exit 2 for an unknown
+            name or an option the backend does not read, 1 for a backend that is failed,
+            in conflict, unavailable here, not for the phase or breaks the contract. A
+            backend the bench chose itself gives a note and ``backend=None`` instead.
+    """
+    from .registry import get_registry
+
+    reg = get_registry()
+    phase_config = config[phase]
+    max_bs = phase_config.max_bs or (None if phase_config.bs else default_max)
+    choices = []
+    for name, compiler in parse_backends(selection, phase_config.backend):
+        explicit = name is not None
+        where = f"--{phase}-backends" if selection else "the config"
+        chosen = name or reg.default_backend(phase, device.type)
+        label = chosen + (f":{compiler}" if compiler else "")
+        fields: Dict[str, Any] = {
+            "backend": chosen,
+            "max_bs": max_bs,
+            **({"tc_compiler": compiler} if compiler else {}),
+        }
+        if chosen == "disabled":
+            choices.append(
+                BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
+            )
+            continue
+        try:
+            phase_cfg = config.with_phase(phase, **fields)
+            backend = reg.resolve(phase, phase_cfg, device=str(device))
+        except (UnknownBackendError, CudaGraphConfigError) as exc:
+            if explicit:
+                raise BenchRequestError(f"{phase} backend {name!r} (from {where}): {exc}", 2) from None
+            note = f"{phase} backend {chosen!r} skipped: {exc}; running eager only"
+            choices.append(BackendChoice(phase, "disabled", config, None, note))
+            continue
+        except CudaGraphRunnerError as exc:
+            if explicit:
+                raise BenchRequestError(
+                    f"{phase} backend {name!r} was asked for ({where}) but cannot run: {exc}", 1
+                ) from None
+            note = f"{phase} backend {chosen!r} skipped: {exc}; running eager only"
+            choices.append(BackendChoice(phase, "disabled", config, None, note))
+            continue
+        choices.append(BackendChoice(phase, label, phase_cfg, backend, "", explicit))
+    return choices

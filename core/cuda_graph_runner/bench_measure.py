@@ -1,0 +1,153 @@
+"""The measurements of ``cuda-graph-runner bench``: timing one call, greedy decode and
+prefill through a runner compared with eager (:mod:`cuda_graph_runner.bench`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch
+
+from .forward_batch import ForwardBatch
+
+
+def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[], None], repeats: int = 5) -> float:
+    """Wall time of one ``fn()`` in ms: the median over ``repeats`` blocks of the mean of
+    ``iters`` calls, after ``warmup`` calls.
+
+    One synchronize before and after each block, so asynchronous device work is counted
+    and host launch overhead overlaps with it as it does in serving; the median keeps a
+    stall of a busy machine out of the number.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) * 1000.0 / iters)
+    return statistics.median(samples)
+
+
+def replay_prepare_us(runner: Any, batch: ForwardBatch, *, sync: Callable[[], None], iters: int = 200) -> float:
+    """Host time of one ``runner.replay_prepare(batch)`` in µs: the median of ``iters``
+    single calls (the copies it enqueues are not waited for; one synchronize after)."""
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        runner.replay_prepare(batch)
+        samples.append((time.perf_counter() - start) * 1e6)
+    sync()
+    return statistics.median(samples)
+
+
+def sync_fn(device: torch.device) -> Callable[[], None]:
+    if device.type == "cpu":
+        return lambda: None
+    module = torch.get_device_module(device)
+    return lambda: module.synchronize(device)  # this device, not whichever is current
+
+
+def bench_decode(
+    model: Any,
+    runner: Any,
+    *,
+    batch_sizes: Sequence[int],
+    prompt_len: int,
+    steps: int,
+    iters: int,
+    warmup: int,
+    seed: int = 0,
+) -> List[Dict[str, Any]]:
+    """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff}``, plus
+    ``replay_prepare_us`` (host µs of ``replay_prepare``, median) where the batch replays.
+
+    ``runner`` None means eager only (graph columns None).
+    """
+    from .testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+    cache = model.kv_cache
+    sync = sync_fn(model.device)
+    eager = eager_logits_fn(model)
+    rows = []
+    for bs in batch_sizes:
+        prompts = make_dummy_prompts(bs, prompt_len, model.config.vocab_size, seed=seed + bs)
+        ref = GreedySession(model, cache)
+        with torch.no_grad():
+            ref.prefill(prompts)
+            ref_logits = [ref.decode().clone() for _ in range(steps)]
+            ref_tokens = ref.tokens
+            ref.close()
+            row: Dict[str, Any] = {"batch_size": bs}
+            # Timing: the same decode batch replayed; each run rewrites the same KV slots.
+            timing = GreedySession(model, cache)
+            timing.prefill(prompts)
+            batch = make_decode_batch(cache, timing.rows, None, [t[-1] for t in timing.tokens])
+            row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync)
+            if runner is not None:
+                row["graph_ms"] = time_ms(lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync)
+                row["replayed"] = runner.can_run(batch)
+                if row["replayed"]:
+                    row["replay_prepare_us"] = replay_prepare_us(runner, batch, sync=sync)
+            timing.close()
+            if runner is not None:
+                got = GreedySession(model, cache, decode_fn=lambda b: runner.forward(b).clone())
+                got.prefill(prompts)
+                got_logits = [got.decode() for _ in range(steps)]
+                row["tokens_match"] = got.tokens == ref_tokens
+                row["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref_logits, got_logits))
+                got.close()
+        row["speedup"] = row["eager_ms"] / row["graph_ms"] if row.get("graph_ms") else None
+        rows.append(row)
+    return rows
+
+
+def _split(total: int, parts: int) -> List[int]:
+    base, rest = divmod(total, parts)
+    return [base + (1 if i < rest else 0) for i in range(parts)]
+
+
+def bench_prefill(
+    model: Any,
+    runner: Any,
+    *,
+    token_counts: Sequence[int],
+    requests: Sequence[int],
+    iters: int,
+    warmup: int,
+    seed: int = 0,
+) -> List[Dict[str, Any]]:
+    """Rows ``{num_tokens, requests, eager_ms, graph_ms, speedup, replayed, max_abs_diff, argmax_match}``."""
+    from .testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+
+    cache = model.kv_cache
+    sync = sync_fn(model.device)
+    eager = eager_logits_fn(model)
+    rows = []
+    for total in token_counts:
+        for n_req in requests:
+            if n_req > total:
+                continue
+            lengths = _split(total, n_req)
+            prompts = make_dummy_prompts(n_req, lengths, model.config.vocab_size, seed=seed + total)
+            reqs = [cache.alloc_request() for _ in prompts]
+            batch = make_extend_batch(cache, prompts, rows=reqs)
+            row: Dict[str, Any] = {"num_tokens": total, "requests": n_req}
+            with torch.no_grad():
+                ref = eager(batch).clone()
+                row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync)
+                if runner is not None:
+                    got = runner.forward(batch).clone()
+                    row["replayed"] = runner.can_run(batch)
+                    row["max_abs_diff"] = float((got - ref).abs().max())
+                    row["argmax_match"] = bool((got.argmax(-1) == ref.argmax(-1)).all())
+                    row["graph_ms"] = time_ms(lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync)
+            for r in reqs:
+                cache.free_request(r)
+            row["speedup"] = row["eager_ms"] / row["graph_ms"] if row.get("graph_ms") else None
+            rows.append(row)
+    return rows
