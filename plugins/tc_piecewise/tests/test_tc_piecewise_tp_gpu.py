@@ -36,7 +36,7 @@ CAPTURED = [1, 2, 4, 8]
 SIZES = [1, 2, 3, 4, 5, 8]  # 3 and 5 are off the buckets
 PREFILL_CASES = [(8,), (5, 3), (13,), (20, 10, 2)]  # 8 and 32 tokens captured; 13 -> 16
 STEPS = 16
-ALL_REDUCE = "cuda_graph_runner::tp_all_reduce"
+ALL_REDUCE = "tp_all_reduce"  # in the op name Dynamo records (overload or packet)
 
 
 def _two_gpus() -> bool:
@@ -144,7 +144,7 @@ def test_tp2_tc_piecewise_replay_equals_eager_and_tp1_tokens_without_recompiles(
             assert res["capture_sizes"] == CAPTURED, res["capture_sizes"]
             assert res["compiles_at_capture"] == (2, 1), (compiler, res["compiles_at_capture"])
             assert res["compiles_after_serving"] == res["compiles_at_capture"], f"{compiler}: recompiled while serving"
-            assert sum(op == ALL_REDUCE for ops in res["pieces"] for op in ops) > 0, res["pieces"]
+            assert sum(ALL_REDUCE in op for ops in res["pieces"] for op in ops) > 0, res["pieces"]
             for bs, (replayed, pieces, shape, diff, scale) in res["decode"].items():
                 what = f"rank {rank} {compiler} decode bs={bs}"
                 assert shape == (bs, 256), (what, shape)
