@@ -1,10 +1,12 @@
 """The model's collectives as opaque custom ops, so Dynamo traces through them.
 
 ``torch.compile`` (the ``tc_piecewise`` backend) must trace a tensor-parallel model's
-forward into one graph whose token axis is symbolic. A ``torch.distributed`` call takes
-a ``ProcessGroup`` object, which Dynamo either rewrites into functional collectives or
-refuses; either way what reaches the piece compiler depends on Dynamo's collective
-support. Here each collective is one ``torch.library.custom_op`` instead:
+forward into one graph whose token axis is symbolic. Dynamo (torch 2.13) rewrites an
+in-place ``dist.all_reduce`` into functional collectives (``_c10d_functional::all_reduce``,
+``wait_tensor``, a ``copy_`` back): asynchronous work on the process group's own
+stream, handles and waits inside the pieces, and collectives inductor may move. Here each
+collective is one ``torch.library.custom_op`` instead, which runs exactly the call eager
+runs:
 
 * ``cuda_graph_runner::tp_all_reduce(Tensor x, str group) -> Tensor``: the sum over
   the group, in a new tensor (``x`` is untouched);
