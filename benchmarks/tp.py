@@ -138,7 +138,12 @@ def run(args: argparse.Namespace, tp: Any) -> None:
             results["rows"].append(row)
         for backend in [b for b in args.backends.split(",") if b]:
             name, _, compiler = backend.partition(":")
-            phase = {"backend": name, "bs": sizes, "max_bs": max(sizes), **({"tc_compiler": compiler} if compiler else {})}
+            phase = {
+                "backend": name,
+                "bs": sizes,
+                "max_bs": max(sizes),
+                **({"tc_compiler": compiler} if compiler else {}),
+            }
             runner = DecodeCudaGraphRunner(model, {"decode": phase}, show_progress=False)
             report = runner.capture()
             mem = runner.capture_memory_bytes

@@ -111,9 +111,7 @@ def _rank_checks(tp, compiler):
     model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=32)
 
     def backend(phase):
-        return TcPiecewiseCudaGraphBackend(
-            "cpu", phase=phase, compiler=compiler, device_module=dm, enable_capture=True
-        )
+        return TcPiecewiseCudaGraphBackend("cpu", phase=phase, compiler=compiler, device_module=dm, enable_capture=True)
 
     decode = DecodeCudaGraphRunner(
         model, {"decode": {"bs": DECODE_SIZES}}, device="cpu", backend=backend("decode"), show_progress=False

@@ -88,7 +88,14 @@ def _rank_checks(tp):
         res["capture_sizes"] = decode.capture_sizes
         res["compiles_at_capture"] = (decode.backend.dynamo_compiles, prefill.backend.dynamo_compiles)
         res["pieces"] = [list(p.ops) for p in decode.backend.split.pieces]
-        res["tol"] = decode.backend.verify_tolerance(torch.float32) if compiler == "inductor" else (1e-4, 1e-4)
+        atol, rtol = res["tol"] = (
+            decode.backend.verify_tolerance(torch.float32) if compiler == "inductor" else (1e-4, 1e-4)
+        )
+
+        def compare(got, expected):
+            """(elementwise |got - expected| <= atol + rtol * |expected|, max |got - expected|)"""
+            return bool(torch.allclose(got, expected, atol=atol, rtol=rtol)), (got - expected).abs().max().item()
+
         eager = eager_logits_fn(model)
         for bs in SIZES:
             session = GreedySession(model, cache)
@@ -102,7 +109,7 @@ def _rank_checks(tp):
                 got = decode.forward(batch).clone()
                 pieces = decode.backend.piece_calls().get("replay", 0) - before
             session.close()
-            res["decode"][bs] = (replayed, pieces, tuple(got.shape), (got - expected).abs().max().item(), expected.abs().max().item())
+            res["decode"][bs] = (replayed, pieces, tuple(got.shape), *compare(got, expected))
         for i, lens in enumerate(PREFILL_CASES):
             ps = make_dummy_prompts(len(lens), list(lens), 256, seed=30 + i)
             with torch.no_grad():
@@ -112,7 +119,7 @@ def _rank_checks(tp):
                 got = prefill.forward(whole).clone()
                 for r in whole.req_pool_indices.tolist():
                     cache.free_request(r)
-            res["prefill"][lens] = (replayed, (got - expected).abs().max().item(), expected.abs().max().item())
+            res["prefill"][lens] = (replayed, *compare(got, expected))
         with torch.no_grad():
             out["tokens"][compiler] = greedy_generate(
                 model, cache, prompts, STEPS, prefill_fn=prefill.forward, decode_fn=decode.forward
@@ -135,25 +142,26 @@ def test_tp2_tc_piecewise_replay_equals_eager_and_tp1_tokens_without_recompiles(
         for compiler in COMPILERS:
             res = r[compiler]
             atol, rtol = res["tol"]
+            assert rtol <= 1e-2, res["tol"]  # inductor's documented float32 tolerance at most
             print(
                 f"rank {rank} {compiler}: Dynamo compiles decode/prefill at capture {res['compiles_at_capture']}, "
                 f"after serving {res['compiles_after_serving']}; {len(res['pieces'])} pieces; "
-                f"max |replay - eager| decode {max(d[3] for d in res['decode'].values()):.2e}, "
-                f"prefill {max(p[1] for p in res['prefill'].values()):.2e}; cache {r['cache_dir']}"
+                f"max |replay - eager| decode {max(d[4] for d in res['decode'].values()):.2e}, "
+                f"prefill {max(p[2] for p in res['prefill'].values()):.2e}; cache {r['cache_dir']}"
             )
             assert res["capture_sizes"] == CAPTURED, res["capture_sizes"]
             assert res["compiles_at_capture"] == (2, 1), (compiler, res["compiles_at_capture"])
             assert res["compiles_after_serving"] == res["compiles_at_capture"], f"{compiler}: recompiled while serving"
             assert sum(ALL_REDUCE in op for ops in res["pieces"] for op in ops) > 0, res["pieces"]
-            for bs, (replayed, pieces, shape, diff, scale) in res["decode"].items():
+            for bs, (replayed, pieces, shape, close, diff) in res["decode"].items():
                 what = f"rank {rank} {compiler} decode bs={bs}"
                 assert shape == (bs, 256), (what, shape)
                 assert replayed and pieces == len(res["pieces"]), f"{what}: {pieces} piece replays"
-                assert diff <= atol + rtol * scale, f"{what}: replay differs from eager by {diff}"
-            for lens, (replayed, diff, scale) in res["prefill"].items():
+                assert close, f"{what}: replay differs from eager by {diff} (atol {atol}, rtol {rtol})"
+            for lens, (replayed, close, diff) in res["prefill"].items():
                 what = f"rank {rank} {compiler} prefill {list(lens)}"
                 assert replayed, f"{what}: no graph covered the batch"
-                assert diff <= atol + rtol * scale, f"{what}: replay differs from eager by {diff}"
+                assert close, f"{what}: replay differs from eager by {diff} (atol {atol}, rtol {rtol})"
             assert r["tokens"][compiler] == r["tokens"]["tp1-eager"], f"rank {rank} {compiler}: TP=2 tokens"
     for compiler in COMPILERS:
         assert results[0][compiler]["pieces"] == results[1][compiler]["pieces"], f"{compiler}: ranks' pieces differ"
