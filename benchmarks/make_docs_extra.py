@@ -67,14 +67,15 @@ def render(folder: str) -> str:
     tps = [d for d in (_load(folder, "tp1.json"), _load(folder, "tp2.json")) if d]
     if tps:
         rows = []
+        backends = list(dict.fromkeys(b for d in tps for b in d["runners"]))  # tc_piecewise:* where run
         for d in tps:
             for r in d["rows"]:
                 rows.append(
                     [d["tp"], r["batch_size"], f"{r['eager_ms']:.3f}", f"{r['comm_ms']:.3f}"]
-                    + [f"{r.get(f'{b}_forward_ms', float('nan')):.3f}" for b in ("full", "breakable")]
+                    + [f"{r.get(f'{b}_forward_ms', float('nan')):.3f}" for b in backends]
                 )
         out += [f"#### tensor parallel, {tps[0]['model']} {tps[0]['dtype']}: decode ms per step", ""]
-        out += [markdown_table(["TP", "batch", "eager", "all-reduces (comm)", "full", "breakable"], rows), ""]
+        out += [markdown_table(["TP", "batch", "eager", "all-reduces (comm)", *backends], rows), ""]
         rows = [
             [d["tp"], b, f"{r['capture_s']:.2f}", f"{r['graph_memory_mib']:.0f}"]
             for d in tps

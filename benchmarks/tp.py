@@ -11,7 +11,9 @@ Per batch size (default 1, 8, 32, 128; ``llama-3.2-1b`` bfloat16, random weights
 * ``eager ms``: one decode step of the model run eagerly;
 * per backend: ``forward ms`` (``runner.forward``: the ranks' replay-or-eager agreement,
   one host gloo all-reduce, plus the replay), ``replay ms`` (``runner.replay`` alone);
-* capture seconds and graph memory (MiB, this rank's pool) per backend;
+* capture seconds and graph memory (MiB, this rank's pool) per backend; for
+  ``tc_piecewise:<compiler>`` also the Dynamo graphs compiled on the rank (``bs`` 1 is
+  one more: 2 for the default sizes) and the compile pass's seconds;
 * ``comm ms``: the step's collectives alone, captured in one CUDA graph and replayed:
   ``2 * layers + 1`` all-reduces of ``[bs, hidden]`` (o_proj, down_proj, embedding) and
   the gather of the ``[bs, vocab / N]`` float32 logits (0 at TP=1).
@@ -69,7 +71,11 @@ def main() -> int:
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
-    parser.add_argument("--backends", default="full,breakable")
+    parser.add_argument(
+        "--backends",
+        default="full,breakable,tc_piecewise:eager,tc_piecewise:inductor",
+        help="comma-separated decode backends, each name[:tc_compiler]",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", dest="json_path", default=None)
@@ -131,15 +137,24 @@ def run(args: argparse.Namespace, tp: Any) -> None:
             row["comm_ms"] = _comm_ms(tp, model, bs, args.iters)
             results["rows"].append(row)
         for backend in [b for b in args.backends.split(",") if b]:
-            runner = DecodeCudaGraphRunner(
-                model, {"decode": {"backend": backend, "bs": sizes, "max_bs": max(sizes)}}, show_progress=False
-            )
+            name, _, compiler = backend.partition(":")
+            phase = {
+                "backend": name,
+                "bs": sizes,
+                "max_bs": max(sizes),
+                **({"tc_compiler": compiler} if compiler else {}),
+            }
+            runner = DecodeCudaGraphRunner(model, {"decode": phase}, show_progress=False)
             report = runner.capture()
             mem = runner.capture_memory_bytes
             results["runners"][backend] = {
                 "capture_s": report.seconds,
                 "graph_memory_mib": None if mem is None else mem / 2**20,
             }
+            compiles = getattr(runner.backend, "dynamo_compiles", None)
+            if compiles is not None:  # tc_piecewise: Dynamo graphs on this rank (no recompile per size)
+                results["runners"][backend]["dynamo_compiles"] = compiles
+                results["runners"][backend]["compile_s"] = runner.backend.compile_seconds
             for row in results["rows"]:
                 batch = batches[row["batch_size"]]
                 assert runner.can_run(batch), (backend, row["batch_size"])
@@ -165,7 +180,11 @@ def run(args: argparse.Namespace, tp: Any) -> None:
         say("  ".join(f"{c:>16.3f}" if isinstance(c, float) else f"{c:>16}" for c in cells))
     for b, r in results["runners"].items():
         mem = r["graph_memory_mib"]
-        say(f"{b}: capture {r['capture_s']:.2f} s, graph memory {'-' if mem is None else f'{mem:.1f}'} MiB per rank")
+        extra = f", {r['dynamo_compiles']} Dynamo graph(s) per rank" if "dynamo_compiles" in r else ""
+        say(
+            f"{b}: capture {r['capture_s']:.2f} s, graph memory {'-' if mem is None else f'{mem:.1f}'} MiB per rank"
+            + extra
+        )
     if args.json_path and rank0:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)

@@ -229,3 +229,43 @@ def test_bench_tp_usage_errors(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+# -- the compiled path's custom ops (issue 20) -----------------------------------------------
+
+
+def test_groups_are_named_for_the_custom_ops_and_found_by_name():
+    from cuda_graph_runner import tp_ops
+
+    tp = TPGroup(1, 2, torch.device("cpu"))
+    assert tp.name.startswith("tp2-rank1-")
+    assert tp_ops.group_by_name(tp.name) is tp
+    assert TPGroup(0, 1, torch.device("cpu")).name == ""  # size 1 runs no collective
+    with pytest.raises(KeyError, match="no tensor-parallel group named 'tp9-rank0-x'"):
+        tp_ops.group_by_name("tp9-rank0-x")
+
+
+def test_custom_ops_have_fake_implementations():
+    """What Dynamo and inductor see: the output shapes, without a process group."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from cuda_graph_runner.tp_ops import all_gather_last_dim_op, all_reduce_op
+
+    tp = TPGroup(0, 2, torch.device("cpu"))
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        x = mode.from_tensor(torch.empty(5, 8))
+        assert all_reduce_op(x, tp.name).shape == (5, 8)
+        assert all_gather_last_dim_op(x, tp.name, 2).shape == (5, 16)
+
+
+def test_per_rank_compile_cache_directory(monkeypatch, tmp_path):
+    from cuda_graph_runner.distributed import per_rank_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert per_rank_compile_cache(1) == str(tmp_path / "rank_1")
+    assert per_rank_compile_cache(1) == str(tmp_path / "rank_1")  # idempotent
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "rank_1")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    default = per_rank_compile_cache(0)  # inductor's default directory, then the rank's
+    assert os.path.basename(default) == "rank_0" and "torchinductor_" in default

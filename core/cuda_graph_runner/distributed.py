@@ -8,8 +8,11 @@ same runner. What the runners need from the group is small and lives here:
   ``cpu_group``), :meth:`TPGroup.barrier`, :meth:`TPGroup.all_true` (every rank agrees
   on a flag) and :meth:`TPGroup.agree_ints` (every rank checks it holds the same ints).
 * :func:`all_reduce` / :func:`all_gather_last_dim`: the model's collectives, in one
-  place so a later compiled path (issue 20) can swap them for functional collectives or
-  an opaque custom op (sglang's ``inplace_all_reduce``) without touching the model.
+  place. Run eagerly they call ``torch.distributed`` directly; traced by Dynamo
+  (``torch.compile``, the ``tc_piecewise`` backend) they become the opaque custom ops
+  ``cuda_graph_runner::tp_all_reduce`` / ``tp_all_gather_last_dim`` (see
+  :mod:`cuda_graph_runner.tp_ops`), so one trace serves every size.
+* :func:`per_rank_compile_cache`: each rank's inductor cache in a directory of its own.
 * :func:`init_tensor_parallel` (from torchrun's environment or explicit arguments) and
   :func:`shutdown` / :func:`exit_now`: teardown in bounded time. A
   ``destroy_process_group`` after a successful NCCL run was seen to hang until the
@@ -47,6 +50,7 @@ __all__ = [
     "all_reduce",
     "exit_now",
     "init_tensor_parallel",
+    "per_rank_compile_cache",
     "shutdown",
     "tp_capture_step",
 ]
@@ -77,6 +81,9 @@ class TPGroup:
             None means the default group.
         cpu_group: gloo group for host-side agreement (flags, sizes); None means
             ``group`` (already gloo on CPU).
+        name: the name the compiled collectives find this group by
+            (:func:`cuda_graph_runner.tp_ops.register_group`); given at creation when
+            ``size > 1``, empty otherwise.
     """
 
     rank: int
@@ -84,10 +91,15 @@ class TPGroup:
     device: torch.device
     group: Any = None
     cpu_group: Any = None
+    name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"TPGroup: rank={self.rank} size={self.size}; need size >= 1 and 0 <= rank < size")
+        if self.size > 1 and not self.name:
+            from .tp_ops import register_group
+
+            self.name = register_group(self)
 
     @property
     def is_parallel(self) -> bool:
@@ -197,12 +209,19 @@ def tp_capture_step(tp: Optional[TPGroup], what: str) -> Iterator[None]:
 
 
 def all_reduce(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
-    """Sum ``x`` over the TP group, in place, on the current stream; returns ``x``.
+    """Sum ``x`` over the TP group on the current stream; use the returned tensor.
 
-    A no-op without a group or at size 1.
+    Eagerly the sum is made in place and ``x`` is returned. Traced by Dynamo it is the
+    opaque custom op ``cuda_graph_runner::tp_all_reduce`` (:mod:`cuda_graph_runner.tp_ops`),
+    which returns a new tensor and leaves ``x`` as it was. A no-op without a group or at
+    size 1.
     """
     if tp is None or not tp.is_parallel:
         return x
+    if torch.compiler.is_compiling():
+        from .tp_ops import all_reduce_op
+
+        return all_reduce_op(x, tp.name)
     import torch.distributed as dist
 
     dist.all_reduce(x, group=tp.group)
@@ -211,9 +230,18 @@ def all_reduce(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
 
 def all_gather_last_dim(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
     """Concatenate every rank's ``x`` ``[..., n]`` along the last dim: ``[..., size * n]``,
-    rank order (same dtype and device). ``x`` itself without a group or at size 1."""
+    rank order (same dtype and device). ``x`` itself without a group or at size 1.
+    Traced by Dynamo: the custom op ``cuda_graph_runner::tp_all_gather_last_dim``."""
     if tp is None or not tp.is_parallel:
         return x
+    if torch.compiler.is_compiling():
+        from .tp_ops import all_gather_last_dim_op
+
+        return all_gather_last_dim_op(x, tp.name, tp.size)
+    return _gather_last_dim(x, tp)
+
+
+def _gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     import torch.distributed as dist
 
     x = x.contiguous()
@@ -248,6 +276,7 @@ def init_tensor_parallel(
         timeout_s: seconds a collective may block before failing.
 
     On CUDA, ``NCCL_NVLS_ENABLE`` defaults to ``0`` (NVLink multicast off) when unset.
+    With more than one rank, the inductor cache goes per rank (:func:`per_rank_compile_cache`).
 
     Raises:
         ValueError: the world size differs from ``tp_size``, a bad ``device_type``, or
@@ -283,12 +312,41 @@ def init_tensor_parallel(
             f"--tp {tp_size} but the process group has {world} ranks; start it with torchrun --nproc-per-node {tp_size}"
         )
     local_rank = dist.get_node_local_rank(fallback_rank=me)
+    if world > 1:
+        per_rank_compile_cache(me)
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         device, cpu_group = torch.device("cpu"), None
     return TPGroup(rank=me, size=world, device=device, group=None, cpu_group=cpu_group)
+
+
+def per_rank_compile_cache(rank: int) -> str:
+    """Give this process's inductor compile cache a directory of its own: ``<base>/rank_<rank>``.
+
+    ``<base>`` is ``$TORCHINDUCTOR_CACHE_DIR`` when set, else inductor's default
+    (``<tmp>/torchinductor_<user>``); the result is written back to
+    ``$TORCHINDUCTOR_CACHE_DIR`` (which inductor reads at each use, and Triton's cache
+    follows unless ``$TRITON_CACHE_DIR`` is set). Idempotent. Ranks of one machine then
+    never read or write each other's entries while they compile at once; their traced
+    graphs differ anyway (each names its rank's group, see
+    :mod:`cuda_graph_runner.tp_ops`). vLLM keeps a ``rank_<i>`` cache directory likewise.
+
+    Returns:
+        The directory.
+    """
+    leaf = f"rank_{rank}"
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        base = default_cache_dir()
+    path = os.path.abspath(base)
+    if os.path.basename(path) != leaf:
+        path = os.path.join(path, leaf)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
 
 
 def shutdown(timeout_s: float = 30.0) -> bool:
