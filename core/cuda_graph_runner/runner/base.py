@@ -330,11 +330,23 @@ class BaseCudaGraphRunner(abc.ABC):
         size = self.size_of(batch)
         if size <= 0 or size > self.max_size:
             return False
-        padded = self.padded_size(size)
+        return self.backend.can_run(batch, self.key_for_batch(batch, self.padded_size(size)))
+
+    # -- graph variants (runner/variants.py): one graph per size unless a subclass has more
+    def capture_variants(self) -> Sequence[str]:
+        """Variant labels captured for every size, in order (``("",)``: one graph per size)."""
+        return ("",)
+
+    def make_variant_key(self, size: int, variant: str) -> ShapeKey:
+        """The ``ShapeKey`` of captured size ``size`` in ``variant`` (``""``: :meth:`make_key`)."""
+        return self.make_key(size)
+
+    def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
+        """The key a live ``batch`` padded to ``padded`` replays (its variant included)."""
         key = self._keys.get(padded)
         if key is None:
             key = self._keys[padded] = self.make_key(padded)
-        return self.backend.can_run(batch, key)
+        return key
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
@@ -489,9 +501,15 @@ class BaseCudaGraphRunner(abc.ABC):
         ) from exc
 
     def capture_one_shape(self, size: int) -> None:
-        """Capture one size: build the dummy batch, then ``backend.capture_one``."""
-        batch = as_static_batch(self.capture_prepare(size))
-        key = self.make_key(size)
+        """Capture one size in every variant (:meth:`capture_variants`): build the dummy
+        batch, then ``backend.capture_one``; a key already captured is skipped."""
+        for variant in self.capture_variants():
+            key = self.make_variant_key(size, variant)
+            if key not in self.captured_keys:
+                self._capture_one_key(size, variant, key)
+
+    def _capture_one_key(self, size: int, variant: str, key: ShapeKey) -> None:
+        batch = as_static_batch(self.capture_prepare(size), **({"graph_variant": variant} if variant else {}))
         init = getattr(self.model, "init_forward_metadata_capture", None)
         if init is not None:
             init(batch)
