@@ -237,7 +237,10 @@ def test_decode_runner_captures_dllm_extend_like_target_verify(width):
 def test_a_runner_without_model_inputs_refuses_to_capture_a_lora_model():
     model = tiny(adapters=1)
     runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"max_bs": 16}}, device="cpu", backend=RecordingBackend("cpu", phase="prefill"),
+        model,
+        {"prefill": {"max_bs": 16}},
+        device="cpu",
+        backend=RecordingBackend("cpu", phase="prefill"),
         show_progress=False,
     )
     with pytest.raises(RuntimeError, match="no 'lora_adapter_ids' static input"):

@@ -140,7 +140,9 @@ def test_config_variants_pick_order_and_subset():
 
 
 def test_config_naming_a_variant_the_model_lacks_is_an_error():
-    with pytest.raises(ValueError, match=r"variants \['turbo'\] are not among the model's variants \['plain', 'boost'\]"):
+    with pytest.raises(
+        ValueError, match=r"variants \['turbo'\] are not among the model's variants \['plain', 'boost'\]"
+    ):
         make_runner(variants=["plain", "turbo"])
     with pytest.raises(ValueError, match="declares none"):
         make_runner(model=ToyModel(), variants=["plain"])
@@ -164,8 +166,13 @@ def test_a_model_without_variants_keeps_one_graph_per_size_and_the_old_keys():
     runner.capture()
     assert runner.backend.captured() == [ShapeKey(s, "decode") for s in (8, 4, 2, 1)]
     tv = DecodeCudaGraphRunner(
-        ToyModel(), {"decode": {"max_bs": 2}}, mode="target_verify", num_tokens_per_req=3, device="cpu",
-        backend=RecordingBackend("cpu", phase="decode"), show_progress=False,
+        ToyModel(),
+        {"decode": {"max_bs": 2}},
+        mode="target_verify",
+        num_tokens_per_req=3,
+        device="cpu",
+        backend=RecordingBackend("cpu", phase="decode"),
+        show_progress=False,
     )
     assert tv.make_key(2) == ShapeKey(2, "target_verify:3")
 

@@ -71,7 +71,9 @@ def test_lora_variants_replay_equal_eager_on_captured_and_padded_sizes(backend, 
     eager = eager_logits_fn(model)
     for bs in (3, 4, 7, 8):  # padded, captured, padded, captured
         for ids, variant in ((mixed_ids(bs), "lora"), ([-1] * bs, "nolora")):
-            rows = prefill(model, make_dummy_prompts(bs, [5 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs))
+            rows = prefill(
+                model, make_dummy_prompts(bs, [5 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs)
+            )
             with torch.no_grad():
                 batch = make_decode_batch(model.kv_cache, rows, None, [7 + i for i in range(bs)])
                 batch.extra[LORA_IDS] = ids
@@ -131,3 +133,27 @@ def test_dllm_extend_replay_equals_eager_on_captured_and_padded_sizes(backend, w
                 batch = batch.replace(input_ids=expected.argmax(dim=-1))
         free(model, rows)
     runner.cleanup()
+
+
+def test_variants_benchmark_writes_its_rows(tmp_path):
+    """benchmarks/variants.py end to end on the tiny preset: structure only, no time asserted."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "variants.py")
+    spec = importlib.util.spec_from_file_location("bench_variants", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "variants.json"
+    argv = ["--model", "tiny", "--dtype", "float32", "--batch-sizes", "1", "4", "--adapters", "2", "--rank", "4"]
+    rc = bench.main(argv + ["--iters", "2", "--rounds", "2", "--warmup-max", "2", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    capture = data["capture"]
+    assert capture["nolora+lora"]["graphs"] == 2 * capture["nolora"]["graphs"] == 2 * len(capture["nolora"]["sizes"])
+    assert capture["nolora"]["pool_bytes"] > 0 and capture["nolora+lora"]["pool_bytes"] > 0
+    for bs in ("1", "4"):
+        row = data["step_ms"][bs]
+        assert row["keys"] == {"nolora": "decode|nolora", "lora": "decode|lora"}
+        assert all(row[name]["median_ms"] > 0 for name in ("nolora graph", "lora graph", "lora eager"))

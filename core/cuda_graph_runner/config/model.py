@@ -89,7 +89,9 @@ _SIZES_ACCEPTED = f"a non-empty list of integers >= 1 and <= {MAX_CAPTURE_SIZE} 
 # Graph variant labels (cuda_graph_runner.runner.variants): ``|`` and ``:`` separate the
 # parts of a shape key, so a label holds neither.
 _VARIANT_LABEL = re.compile(r"[A-Za-z0-9_]+")
-_VARIANTS_ACCEPTED = "null (the model's variants) or a non-empty list of labels of letters, digits and _, e.g. ['nolora', 'lora']"
+_VARIANTS_ACCEPTED = (
+    "null (the model's variants) or a non-empty list of labels of letters, digits and _, e.g. ['nolora', 'lora']"
+)
 
 
 def _positive_int(value: Any, key: str) -> int:
@@ -226,7 +228,10 @@ def _variant_labels(value: Any) -> List[str]:
     """``variants`` as a new list, duplicates dropped, order kept. Raises CudaGraphConfigError."""
     if not isinstance(value, (list, tuple)) or not value:
         raise CudaGraphConfigError(
-            "must be null or a non-empty list of variant labels", key="variants", value=value, accepted=_VARIANTS_ACCEPTED
+            "must be null or a non-empty list of variant labels",
+            key="variants",
+            value=value,
+            accepted=_VARIANTS_ACCEPTED,
         )
     labels: List[str] = []
     for label in value:

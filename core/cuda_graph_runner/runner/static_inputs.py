@@ -105,7 +105,9 @@ def declared_static_inputs(model: Any, reserved: Sequence[str] = ()) -> List[Sta
             )
         if spec.name in seen or spec.name in reserved:
             what = "declared twice" if spec.name in seen else "the name of one of the runner's own slots"
-            raise ValueError(f"{type(model).__name__}.static_inputs(): {spec.name!r} is {what}; reserved: {list(reserved)}")
+            raise ValueError(
+                f"{type(model).__name__}.static_inputs(): {spec.name!r} is {what}; reserved: {list(reserved)}"
+            )
         seen[spec.name] = spec
     return list(seen.values())
 

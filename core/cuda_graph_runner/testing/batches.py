@@ -169,9 +169,7 @@ def make_target_verify_batch(
     return make_decode_batch(cache, rows, None, [list(t) for t in draft_tokens])
 
 
-def make_dllm_extend_batch(
-    cache: PagedKVCache, rows: Sequence[int], blocks: Sequence[Sequence[int]]
-) -> ForwardBatch:
+def make_dllm_extend_batch(cache: PagedKVCache, rows: Sequence[int], blocks: Sequence[Sequence[int]]) -> ForwardBatch:
     """A DLLM_EXTEND batch: each request appends a block of ``w = len(blocks[0])`` tokens
     (the same width for all) after its cached prefix; attention is bidirectional inside
     the block. Slots, positions and lengths as in :func:`make_decode_batch`.

@@ -73,9 +73,7 @@ class LoRAAdapters(nn.Module):
         return (b.float() @ a.float()).to(self.lora_a.dtype) * self.scaling
 
 
-def token_adapter_mask(
-    ids: torch.Tensor, batch: Any, num_adapters: int, rank: int, dtype: torch.dtype
-) -> torch.Tensor:
+def token_adapter_mask(ids: torch.Tensor, batch: Any, num_adapters: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
     """The 0/1 mask ``[num_tokens, num_adapters * rank]`` selecting each token's adapter.
 
     Args:
