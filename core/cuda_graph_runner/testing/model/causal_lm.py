@@ -274,6 +274,8 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         if not isinstance(ids, torch.Tensor):
             ids = host_adapter_ids(ids, batch.batch_size, self.num_lora_adapters)
             ids = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+        elif ids.device != self.device:  # eager path: a host tensor of the engine's
+            ids = ids.to(self.device)
         return token_adapter_mask(ids, batch, self.num_lora_adapters, self.lora_rank, self.dtype)
 
     # -- protocol ----------------------------------------------------------------------

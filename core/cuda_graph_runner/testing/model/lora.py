@@ -84,13 +84,16 @@ def token_adapter_mask(ids: torch.Tensor, batch: Any, num_adapters: int, rank: i
     Capture-safe for the fixed-width modes (a static repeat); EXTEND spreads by
     ``extend_seq_lens`` with a static ``output_size`` (no host sync).
     """
+    ids = ids.to(torch.int64)
     if batch.forward_mode.is_decode_like():
-        per_token = ids.repeat_interleave(batch.num_tokens_per_req) if batch.num_tokens_per_req != 1 else ids
+        w = batch.num_tokens_per_req  # a static width: expand, no repeat counts to read back
+        per_token = ids if w == 1 else ids[:, None].expand(ids.shape[0], w).reshape(-1)
     else:
         per_token = ids.repeat_interleave(batch.extend_seq_lens.to(torch.int64), output_size=batch.num_tokens)
     adapters = torch.arange(num_adapters, device=ids.device)
-    onehot = (per_token.to(torch.int64)[:, None] == adapters[None, :]).to(dtype)  # [T, N]
-    return onehot.repeat_interleave(rank, dim=1)
+    onehot = (per_token[:, None] == adapters[None, :]).to(dtype)  # [T, N]
+    tokens = onehot.shape[0]
+    return onehot[:, :, None].expand(tokens, num_adapters, rank).reshape(tokens, num_adapters * rank)
 
 
 def host_adapter_ids(value: Any, batch_size: int, num_adapters: int) -> Optional[Sequence[int]]:
