@@ -106,6 +106,28 @@ def test_lora_graph_serves_adapters_the_nolora_graph_would_miss(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_uncaptured_lora_variant_runs_eagerly_with_its_reason(backend):
+    model = make_model(adapters=2)
+    cfg = {"decode": {"backend": backend, "bs": [4], "variants": ["nolora"]}}
+    runner = DecodeCudaGraphRunner(model, cfg, show_progress=False)
+    runner.capture()
+    assert runner.captured_keys == [ShapeKey(4, "decode|nolora")]
+    rows = prefill(model, make_dummy_prompts(3, 6, model.config.vocab_size, seed=2))
+    with torch.no_grad():
+        batch = make_decode_batch(model.kv_cache, rows, None, [1, 2, 3])
+        batch.extra[LORA_IDS] = [0, -1, 1]
+        assert not runner.can_run(batch)
+        got = runner.forward(batch).clone()
+        torch.testing.assert_close(got, eager_logits_fn(model)(batch), rtol=0, atol=0)  # the same eager code
+        batch.extra[LORA_IDS] = [-1, -1, -1]
+        runner.forward(batch)
+    stats = runner.run_stats()
+    assert stats["eager_fallbacks"] == {"variant not captured": 1} and stats["replays"] == 1
+    free(model, rows)
+    runner.cleanup()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("width", [4, 8])
 def test_dllm_extend_replay_equals_eager_on_captured_and_padded_sizes(backend, width):
     model = make_model()
