@@ -148,7 +148,7 @@ def test_target_verify_width_pads_token_axis():
 def test_invalid_mode_arguments_are_named():
     with pytest.raises(ValueError, match="num_tokens_per_req=2 is invalid for DECODE"):
         make_runner(num_tokens_per_req=2)
-    with pytest.raises(ValueError, match="DECODE or TARGET_VERIFY"):
+    with pytest.raises(ValueError, match="DECODE, TARGET_VERIFY or DLLM_EXTEND"):
         make_runner(mode=ForwardMode.EXTEND)
 
 

@@ -68,7 +68,9 @@ def test_accepted_forms(value, expected):
 
 
 def test_unknown_mode_and_wrong_type_are_named():
-    with pytest.raises(ValueError, match=r"'prefill'.*accepted: \['decode', 'target_verify', 'extend'\]"):
+    with pytest.raises(
+        ValueError, match=r"'prefill'.*accepted: \['decode', 'target_verify', 'extend', 'dllm_extend'\]"
+    ):
         normalize_capture_safe(("decode", "prefill"), "my_op")
     with pytest.raises(TypeError, match=r"my_op.*capture_safe=3 is not accepted"):
         normalize_capture_safe(3, "my_op")

@@ -503,7 +503,7 @@ def test_mode_accepts_strings(mode, width, expected):
     "mode,error,match",
     [
         ("bogus", ValueError, r"mode='bogus' is not a forward mode; accepted: .*'decode'"),
-        ("extend", ValueError, "DECODE or TARGET_VERIFY"),
+        ("extend", ValueError, "DECODE, TARGET_VERIFY or DLLM_EXTEND"),
         (1, TypeError, r"mode=1 \(int\) is not accepted"),
     ],
 )

@@ -33,15 +33,29 @@ class ForwardMode(enum.Enum):
       tokens per request, every request the same width.
     * ``EXTEND``: prefill; each request appends ``extend_seq_lens[i]`` tokens after a
       cached prefix of ``extend_prefix_lens[i]`` tokens (chunked prefill when > 0).
+    * ``DLLM_EXTEND``: a diffusion LLM's denoising step (sglang's ``DLLM_EXTEND``): every
+      request carries a block of ``num_tokens_per_req`` tokens (the same fixed width for
+      all) at the end of its sequence; attention is bidirectional inside the block and
+      causal to the cached prefix. Like TARGET_VERIFY it has a fixed width per request,
+      so the decode runner keys it by batch size.
     """
 
     DECODE = "decode"
     TARGET_VERIFY = "target_verify"
     EXTEND = "extend"
+    DLLM_EXTEND = "dllm_extend"
 
     def is_decode_like(self) -> bool:
-        """True for the fixed-width modes the decode runner keys by batch size."""
-        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+        """True for the fixed-width modes the decode runner keys by batch size
+        (DECODE, TARGET_VERIFY, DLLM_EXTEND)."""
+        return self in _DECODE_LIKE
+
+    def is_block_bidirectional(self) -> bool:
+        """True where the new tokens of a request see each other both ways (DLLM_EXTEND)."""
+        return self is ForwardMode.DLLM_EXTEND
+
+
+_DECODE_LIKE = frozenset((ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND))
 
 
 @dataclasses.dataclass
@@ -62,10 +76,18 @@ class ForwardBatch:
             same values, for eager code that loops over requests (never read inside a
             captured graph: they would be frozen at capture; the runner's
             :class:`StaticForwardBatch` makes such a read an error).
-        num_tokens_per_req: tokens per request in DECODE (1) and TARGET_VERIFY (> 1).
-        extra: engine-specific fields; runners copy none of it. Host values in it
-            (Python numbers, lists, tuples, numpy arrays, tensors on another device) are
-            guarded like the ``*_cpu`` fields (:mod:`cuda_graph_runner.host_guard`).
+        num_tokens_per_req: tokens per request in DECODE (1), TARGET_VERIFY (> 1) and
+            DLLM_EXTEND (the block width, >= 1).
+        extra: engine-specific fields; runners copy none of it, except the model-owned
+            static inputs the model declares (:mod:`cuda_graph_runner.runner.static_inputs`),
+            which the runner copies into its own buffers. Host values in it (Python
+            numbers, lists, tuples, numpy arrays, tensors on another device) are guarded
+            like the ``*_cpu`` fields (:mod:`cuda_graph_runner.host_guard`).
+        graph_variant: the variant label of the graph this batch is captured or replayed
+            in (:mod:`cuda_graph_runner.runner.variants`; ``""``: none). The runner sets
+            it on its static batches; a model reads it to pick the code it records (the
+            reference model skips its LoRA adapters under ``"nolora"``). A live batch
+            leaves it ``""`` and the model decides on its own (eager path).
     """
 
     forward_mode: ForwardMode
@@ -81,6 +103,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: Optional[List[int]] = None
     num_tokens_per_req: int = 1
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    graph_variant: str = ""
 
     @property
     def batch_size(self) -> int:

@@ -6,7 +6,7 @@ CLI can parse and validate a config before touching a device.
 The model
 ---------
 A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
-(``decode``, ``prefill``). Each phase has five keys:
+(``decode``, ``prefill``). Each phase has these keys:
 
 ``backend``
     Name of the capture backend, or ``None`` for *auto* (the registry picks the
@@ -53,6 +53,15 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     ``every_size`` warms every size up ``num_warmups`` times (sglang's policy, the
     slowest); ``first_size`` warms only the first size up (for models without per-shape
     JIT compilation, autotuning or lazy allocations: the fastest capture).
+``variants``
+    Graph variants captured per size (``cuda_graph_runner.runner.variants``; decode
+    runner): ``null`` (default) captures every variant the model declares
+    (``model.graph_variants()``; none: one graph per size); a list such as
+    ``["nolora", "lora"]`` captures those, in that order, each for every size
+    (capture count = sizes x variants; capture time and graph memory grow with it). A
+    batch whose variant was not captured runs eagerly (fallback reason
+    ``"variant not captured"``). Labels are letters, digits and ``_``; a label the
+    model does not declare is an error when the runner is built.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,

@@ -69,6 +69,7 @@ PHASE_KEYS = (
     "verify_first_n",
     "verify_every",
     "warmup",
+    "variants",
 )
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
@@ -85,6 +86,12 @@ _BACKEND_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BACKEND_NAME_ACCEPTED = "an identifier such as " + ", ".join(Backend.WELL_KNOWN) + " or a plugin's name"
 _SIZE_ACCEPTED = f"an integer >= 1 and <= {MAX_CAPTURE_SIZE} (not a bool)"
 _SIZES_ACCEPTED = f"a non-empty list of integers >= 1 and <= {MAX_CAPTURE_SIZE} (not bools)"
+# Graph variant labels (cuda_graph_runner.runner.variants): ``|`` and ``:`` separate the
+# parts of a shape key, so a label holds neither.
+_VARIANT_LABEL = re.compile(r"[A-Za-z0-9_]+")
+_VARIANTS_ACCEPTED = (
+    "null (the model's variants) or a non-empty list of labels of letters, digits and _, e.g. ['nolora', 'lora']"
+)
 
 
 def _positive_int(value: Any, key: str) -> int:
@@ -126,6 +133,7 @@ class PhaseConfig:
     verify_first_n: int = 3
     verify_every: int = 0
     warmup: str = "auto"
+    variants: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -195,6 +203,8 @@ class PhaseConfig:
             raise CudaGraphConfigError(
                 "unknown warm-up policy", key="warmup", value=self.warmup, accepted=", ".join(WARMUP_POLICIES)
             )
+        if self.variants is not None:
+            self.variants = _variant_labels(self.variants)
         if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
             raise CudaGraphConfigError(
                 "verify is on but verify_first_n and verify_every are both 0, so no replay would be checked",
@@ -212,6 +222,29 @@ class PhaseConfig:
             if value != getattr(default, key):
                 diff[key] = list(value) if isinstance(value, list) else value
         return diff
+
+
+def _variant_labels(value: Any) -> List[str]:
+    """``variants`` as a new list, duplicates dropped, order kept. Raises CudaGraphConfigError."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise CudaGraphConfigError(
+            "must be null or a non-empty list of variant labels",
+            key="variants",
+            value=value,
+            accepted=_VARIANTS_ACCEPTED,
+        )
+    labels: List[str] = []
+    for label in value:
+        if not isinstance(label, str) or not _VARIANT_LABEL.fullmatch(label):
+            raise CudaGraphConfigError(
+                f"element {_short_repr(label)} is not a variant label",
+                key="variants",
+                value=value,
+                accepted=_VARIANTS_ACCEPTED,
+            )
+        if label not in labels:
+            labels.append(label)
+    return labels
 
 
 def _build_phase(phase: str, values: Mapping[str, Any], sources: Mapping[Tuple[str, str], str]) -> PhaseConfig:

@@ -3,6 +3,7 @@
 from .base import BaseCudaGraphRunner, freeze_gc, get_batch_sizes_to_capture
 from .decode import DecodeCudaGraphRunner, default_decode_batch_sizes
 from .prefill import PrefillCudaGraphRunner, default_prefill_token_sizes
+from .static_inputs import StaticInput
 from .stats import RunStats
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "DecodeCudaGraphRunner",
     "PrefillCudaGraphRunner",
     "RunStats",
+    "StaticInput",
     "default_decode_batch_sizes",
     "default_prefill_token_sizes",
     "freeze_gc",

@@ -243,7 +243,8 @@ class BaseCudaGraphRunner(abc.ABC):
         size = self.size_of(batch)
         if size <= 0 or size > self.max_size:
             return None
-        padded, key = self.replay_target(size)
+        padded, _ = self.replay_target(size)
+        key = self.key_for_batch(batch, padded)  # the batch's variant (decode runner) included
         if not self.backend.can_run(batch, key):
             return None
         return ReplayDecision(size, padded, key)
@@ -269,6 +270,22 @@ class BaseCudaGraphRunner(abc.ABC):
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
         return self.decide(batch) is not None
+
+    # -- graph variants (runner/variants.py): one graph per size unless a subclass has more
+    def capture_variants(self) -> Sequence[str]:
+        """Variant labels captured for every size, in order (``("",)``: one graph per size)."""
+        return ("",)
+
+    def make_variant_key(self, size: int, variant: str) -> ShapeKey:
+        """The ``ShapeKey`` of captured size ``size`` in ``variant`` (``""``: :meth:`make_key`)."""
+        return self.make_key(size)
+
+    def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
+        """The key a live ``batch`` padded to ``padded`` replays (its variant included)."""
+        key = self._keys.get(padded)
+        if key is None:
+            key = self._keys[padded] = self.make_key(padded)
+        return key
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
@@ -425,9 +442,15 @@ class BaseCudaGraphRunner(abc.ABC):
         ) from exc
 
     def capture_one_shape(self, size: int) -> None:
-        """Capture one size: build the dummy batch, then ``backend.capture_one``."""
-        batch = capture_static_batch(self, size)
-        key = self.make_key(size)
+        """Capture one size in every variant (:meth:`capture_variants`): build the dummy
+        batch, then ``backend.capture_one``; a key already captured is skipped."""
+        for variant in self.capture_variants():
+            key = self.make_variant_key(size, variant)
+            if key not in self.captured_keys:
+                self._capture_one_key(size, variant, key)
+
+    def _capture_one_key(self, size: int, variant: str, key: ShapeKey) -> None:
+        batch = capture_static_batch(self, size, variant)
         scope = self.host_value_guard_scope()
 
         where = f"{self.phase} graph output"

@@ -1,8 +1,10 @@
-"""``DecodeCudaGraphRunner``: graphs keyed by batch size, for decode and target-verify."""
+"""``DecodeCudaGraphRunner``: graphs keyed by batch size, for the fixed-width modes
+(decode, target-verify, DLLM block extend), with optional graph variants per size
+(:mod:`.variants`) and model-owned static inputs (:mod:`.static_inputs`)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, List, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -13,6 +15,8 @@ from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
 from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
+from .static_inputs import ModelStaticInputs, declared_static_inputs
+from .variants import VariantSelector, compose_key_variant, model_variants, resolve_variants
 
 #: Buffers copied from the live batch at every replay: (field, axis, dtype).
 _DECODE_SLOTS = (
@@ -31,12 +35,14 @@ def default_decode_batch_sizes(max_bs: int) -> List[int]:
     return [s for s in sizes if s <= max_bs]
 
 
-_MODES_ACCEPTED = "ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, 'decode' or 'target_verify'"
+_MODES_ACCEPTED = (
+    "ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND, 'decode', 'target_verify' or 'dllm_extend'"
+)
 
 
 def as_decode_mode(mode: Any) -> ForwardMode:
     """``mode`` as a ``ForwardMode``: members pass, strings are matched by value or name,
-    any case (``"decode"``, ``"TARGET_VERIFY"``).
+    any case (``"decode"``, ``"TARGET_VERIFY"``, ``"dllm_extend"``).
 
     Raises:
         TypeError: neither a ``ForwardMode`` nor a string.
@@ -54,17 +60,26 @@ def as_decode_mode(mode: Any) -> ForwardMode:
 
 
 class DecodeCudaGraphRunner(BaseCudaGraphRunner):
-    """Decode runner: one graph per batch size, logits ``[num_tokens, vocab]`` float32 out.
+    """Decode runner: one graph per batch size and variant, logits ``[num_tokens, vocab]`` float32 out.
 
     Args (beyond :class:`BaseCudaGraphRunner`'s):
-        mode: ``ForwardMode.DECODE`` or ``ForwardMode.TARGET_VERIFY``, or their values as
-            strings (``"decode"``, ``"target_verify"``, any case).
+        mode: ``ForwardMode.DECODE``, ``ForwardMode.TARGET_VERIFY`` or
+            ``ForwardMode.DLLM_EXTEND``, or their values as strings (``"decode"``,
+            ``"target_verify"``, ``"dllm_extend"``, any case).
         num_tokens_per_req: tokens per request (1 for decode, the draft width for
-            target-verify); the token axis holds ``batch_size * num_tokens_per_req`` rows.
+            target-verify, the block width for DLLM_EXTEND); the token axis holds
+            ``batch_size * num_tokens_per_req`` rows.
         seq_len_fill_value: ``seq_lens`` of padded requests (>= ``num_tokens_per_req``
             so a padded request's queries always see at least one key).
 
     Padded requests point at request row 0 and KV slot 0, the reserved dummies.
+
+    Variants (:mod:`.variants`): with a model that declares ``graph_variants()`` (or a
+    config ``variants`` key), every size is captured once per variant and each live batch
+    replays the variant ``model.graph_variant(batch)`` picks; keys read
+    ``"<mode>[:<width>]|<variant>"``. Model-owned static inputs (:mod:`.static_inputs`):
+    what ``model.static_inputs()`` declares is allocated next to the runner's own slots,
+    handed to the model in ``batch.extra`` and filled and padded from each live batch.
 
     Outputs: the logits of a replay live in graph memory and are valid until the next
     replay of any graph in the same pool, unless ``owned_outputs=True`` (see
@@ -91,15 +106,33 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     ) -> None:
         mode = as_decode_mode(mode)
         if not mode.is_decode_like():
-            raise ValueError(f"DecodeCudaGraphRunner runs DECODE or TARGET_VERIFY batches, not {mode}")
-        if num_tokens_per_req < 1 or (mode is ForwardMode.DECODE and num_tokens_per_req != 1):
+            raise ValueError(f"DecodeCudaGraphRunner runs DECODE, TARGET_VERIFY or DLLM_EXTEND batches, not {mode}")
+        if (
+            isinstance(num_tokens_per_req, bool)
+            or not isinstance(num_tokens_per_req, int)
+            or num_tokens_per_req < 1
+            or (mode is ForwardMode.DECODE and num_tokens_per_req != 1)
+        ):
             raise ValueError(
-                f"num_tokens_per_req={num_tokens_per_req} is invalid for {mode.name} (DECODE takes 1, TARGET_VERIFY >= 1)"
+                f"num_tokens_per_req={num_tokens_per_req!r} is invalid for {mode.name} "
+                "(DECODE takes 1, TARGET_VERIFY and DLLM_EXTEND an int >= 1)"
             )
         self.mode = mode
         self.num_tokens_per_req = num_tokens_per_req
         self.seq_len_fill_value = max(seq_len_fill_value, num_tokens_per_req)
+        self._mode_part = "decode" if mode is ForwardMode.DECODE else f"{mode.value}:{num_tokens_per_req}"
+        #: The model's own static inputs (None for backend ``disabled``, which has no buffers).
+        self.model_inputs: Optional[ModelStaticInputs] = None
         super().__init__(model, config, **kwargs)
+        where = f"{type(self).__name__} ({self.mode.value})"
+        #: Variant labels captured per size, in order (``[""]``: one graph per size).
+        self.variants: List[str] = resolve_variants(getattr(self.phase_config, "variants", None), model, where)
+        declared = model_variants(model) if self.variants != [""] else None
+        self._select_variant = VariantSelector(model, declared, where)
+        self._variant_keys: Dict[Tuple[int, str], ShapeKey] = {}
+        # The variant can_run picked for the batch it was asked about, reused by
+        # replay_prepare for that same batch object (the model is asked once per step).
+        self._variant_memo: Optional[Tuple[ForwardBatch, str]] = None
 
     # -- policy ------------------------------------------------------------------------
     def get_sizes_to_capture(self) -> List[int]:
@@ -111,11 +144,35 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             rows = self.max_size * (width if axis == TOKEN_AXIS else 1)
             pad = self.seq_len_fill_value if name == "seq_lens" else 0
             self.buffers.register(name, axis=axis, rows=rows, dtype=dtype, pad_value=pad)
+        specs = declared_static_inputs(self.model, reserved=[name for name, _, _ in _DECODE_SLOTS])
+        if specs:
+            self.model_inputs = ModelStaticInputs(specs, self.buffers, self.max_size, width)
 
-    def make_key(self, size: int) -> ShapeKey:
-        if self.mode is ForwardMode.DECODE:
-            return ShapeKey(size, "decode")
-        return ShapeKey(size, f"target_verify:{self.num_tokens_per_req}")
+    def make_key(self, size: int, variant: str = "") -> ShapeKey:
+        """``ShapeKey(size, "<mode>[:<width>][|<variant>]")`` (format: :mod:`.variants`)."""
+        return ShapeKey(size, compose_key_variant(self._mode_part, variant))
+
+    def make_variant_key(self, size: int, variant: str) -> ShapeKey:
+        return self.make_key(size, variant)
+
+    def capture_variants(self) -> Sequence[str]:
+        return self.variants
+
+    def variant_of(self, batch: ForwardBatch) -> str:
+        """The variant a live ``batch`` replays (``model.graph_variant(batch)``; ``""``
+        without variants)."""
+        memo = self._variant_memo
+        if memo is not None and memo[0] is batch:
+            return memo[1]
+        return self._select_variant(batch)
+
+    def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
+        variant = self._select_variant(batch)
+        self._variant_memo = (batch, variant)
+        key = self._variant_keys.get((padded, variant))
+        if key is None:
+            key = self._variant_keys[(padded, variant)] = self.make_key(padded, variant)
+        return key
 
     def size_of(self, batch: ForwardBatch) -> int:
         return batch.batch_size
@@ -135,6 +192,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             seq_lens=view("seq_lens", bs),
             seq_lens_cpu=seq_lens_cpu,
             num_tokens_per_req=self.num_tokens_per_req,
+            extra=self.model_inputs.static_extra(None, bs) if self.model_inputs else {},
         )
 
     def capture_prepare(self, size: int) -> ForwardBatch:
@@ -159,21 +217,32 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         plan = self._replay_plans.get(raw_bs)
         if plan is None:
             plan = self._replay_plan(raw_bs)
-        key, static, fill, bs = plan
+        keys, static, fill, bs = plan
+        variant = self.variant_of(batch)
+        self._variant_memo = None  # never keep a live batch alive past its step
+        key = keys.get(variant)
+        if key is None:
+            key = keys[variant] = self.make_key(bs, variant)
         fill((batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
         seq_lens_cpu = batch.seq_lens_cpu
         if seq_lens_cpu is not None and len(seq_lens_cpu) < bs:
             seq_lens_cpu = pad_list(seq_lens_cpu, bs, self.seq_len_fill_value)
         static.seq_lens_cpu = seq_lens_cpu
-        static.extra = batch.extra
+        static.graph_variant = variant
+        model_inputs = self.model_inputs
+        if model_inputs is None:
+            static.extra = batch.extra
+        else:
+            model_inputs.fill(batch.extra, raw_bs, bs)
+            static.extra = model_inputs.static_extra(batch.extra, bs)
         init = getattr(self.model, "init_forward_metadata_replay", None)
         if init is not None:
             init(static)
         return key, static
 
     def _replay_plan(self, raw_bs: int) -> tuple:
-        """``(key, static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
-        bs, key = self.replay_target(raw_bs)
+        """``({variant: key}, static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
+        bs, _ = self.replay_target(raw_bs)
         width = self.num_tokens_per_req
         statics = self._replay_statics
         if bs not in statics:
@@ -181,7 +250,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         names = [name for name, _, _ in _DECODE_SLOTS]
         rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
         padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
-        plan = (key, statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
+        plan = ({}, statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
         if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
             self._replay_plans.clear()
         self._replay_plans[raw_bs] = plan

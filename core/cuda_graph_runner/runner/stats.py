@@ -120,7 +120,7 @@ def fallback_reason(runner: Any, batch: Any) -> str:
     if size > runner.max_size:
         return REASON_TOO_LARGE
     try:
-        if not runner.backend.can_run(batch, runner.make_key(runner.padded_size(size))):
+        if not runner.backend.can_run(batch, runner.key_for_batch(batch, runner.padded_size(size))):
             return REASON_VARIANT
     except Exception:  # a backend's can_run that raises is reported as not runnable
         return REASON_VARIANT

@@ -24,6 +24,7 @@ __all__ = [
     "eager_logits_fn",
     "greedy_generate",
     "make_decode_batch",
+    "make_dllm_extend_batch",
     "make_dummy_prompts",
     "make_extend_batch",
     "make_target_verify_batch",
@@ -169,8 +170,23 @@ def make_target_verify_batch(
     return make_decode_batch(cache, rows, None, [list(t) for t in draft_tokens])
 
 
+def make_dllm_extend_batch(cache: PagedKVCache, rows: Sequence[int], blocks: Sequence[Sequence[int]]) -> ForwardBatch:
+    """A DLLM_EXTEND batch: each request appends a block of ``w = len(blocks[0])`` tokens
+    (the same width for all) after its cached prefix; attention is bidirectional inside
+    the block. Slots, positions and lengths as in :func:`make_decode_batch`.
+
+    A denoising loop runs the same block again with new token ids: build the next step's
+    batch with ``batch.replace(input_ids=...)`` (the same slots are rewritten).
+
+    Raises:
+        ValueError: blocks of different or zero widths, or as many blocks as rows.
+    """
+    batch = make_decode_batch(cache, rows, None, [list(b) for b in blocks])
+    return batch.replace(forward_mode=ForwardMode.DLLM_EXTEND)
+
+
 def pad_decode_batch(batch: ForwardBatch, batch_size: int) -> ForwardBatch:
-    """Pad a DECODE / TARGET_VERIFY batch to ``batch_size`` requests with dummies:
+    """Pad a DECODE / TARGET_VERIFY / DLLM_EXTEND batch to ``batch_size`` requests with dummies:
     request row 0, ``seq_len`` 1, token 0, position 0, KV slot 0 (what a runner does).
 
     Raises:

@@ -31,15 +31,18 @@ never trips on it.
 Modules: :mod:`.config` (shapes, presets, Hugging Face ``config.json`` parsing),
 :mod:`.rope` (rotary tables), :mod:`.attention` (the marked paged-attention op),
 :mod:`.layers` (linear, norm, attention and MLP blocks), :mod:`.loading` (safetensors
-checkpoints), :mod:`.causal_lm` (the model).
+checkpoints), :mod:`.lora` (LoRA adapters served per request), :mod:`.causal_lm` (the model).
 """
 
 from .attention import reference_llama_attention
 from .causal_lm import ReferenceLlamaForCausalLM
 from .config import PRESETS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelConfig
+from .lora import LORA_IDS, LoRAAdapters
 from .rope import compute_inv_freq  # noqa: F401 - exported as before, outside __all__
 
 __all__ = [
+    "LORA_IDS",
+    "LoRAAdapters",
     "ModelConfig",
     "PRESETS",
     "SUPPORTED_MODEL_TYPES",

@@ -1,5 +1,6 @@
 """The marked eager op ``cuda_graph_runner::reference_llama_attention``: paged attention
-over the live forward batch (capture-safe decode / target-verify, per-request extend)."""
+over the live forward batch (capture-safe decode / target-verify / DLLM block extend,
+per-request extend)."""
 
 from typing import Any, Tuple
 
@@ -11,7 +12,7 @@ from ...forward_context import forward_scratch, get_forward_batch
 from ...graph_break import eager_op
 
 
-@eager_op("reference_llama_attention", capture_safe=("decode", "target_verify"))
+@eager_op("reference_llama_attention", capture_safe=("decode", "target_verify", "dllm_extend"))
 def reference_llama_attention(
     output: torch.Tensor,
     q: torch.Tensor,
@@ -36,8 +37,10 @@ def reference_llama_attention(
             metadata the first one made (so no tensor outlives the forward inside a
             graph capture, which CUDA-graph trees refuse).
 
-    DECODE / TARGET_VERIFY is capture-safe (static shapes, device metadata only);
-    EXTEND loops over requests with the host lengths.
+    DECODE / TARGET_VERIFY / DLLM_EXTEND is capture-safe (static shapes, device metadata
+    only); EXTEND loops over requests with the host lengths. DLLM_EXTEND's block of
+    ``w`` tokens per request is bidirectional inside the block (every block query sees
+    every block key) and causal to the cached prefix; TARGET_VERIFY is causal inside it.
 
     Raises:
         RuntimeError: no forward batch is set, or an EXTEND batch lacks lengths.
@@ -100,7 +103,10 @@ def _decode_metadata(
     # real rows have seq_len >= w, where the clamp changes nothing.
     q_pos = (batch.seq_lens.to(torch.int64)[:, None] - w + torch.arange(w, device=device)).clamp_(min=0)
     k_pos = torch.arange(ctx, device=device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [bs, w, L]
+    # The last key each query sees: its own position (causal), or the block's last one
+    # for DLLM_EXTEND (bidirectional inside the block, causal to the prefix).
+    q_last = q_pos[:, -1:].expand(bs, w) if batch.forward_mode.is_block_bidirectional() else q_pos
+    mask = k_pos[None, None, :] <= q_last[:, :, None]  # [bs, w, L]
     if sliding_window > 0:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     mask = mask[:, None, None].expand(bs, 1, group, w, ctx).reshape(bs, 1, group * w, ctx)

@@ -1,18 +1,20 @@
 """The reference causal LM: :class:`ReferenceLlamaForCausalLM`, the model protocol the
 runners drive (forward over a batch, logits, capture/replay hooks) over its KV cache."""
 
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...forward_batch import ForwardBatch, ForwardMode
+from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
+from ...runner.static_inputs import StaticInput
 from ..kv_cache import PagedKVCache
 from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
 from .config import PRESETS, ModelConfig
 from .layers import _Backbone, _Linear
 from .loading import HFCheckpointMixin
+from .lora import LORA, LORA_IDS, LORA_TARGETS, NOLORA, LoRAAdapters, host_adapter_ids, token_adapter_mask
 from .rope import compute_inv_freq
 
 
@@ -34,6 +36,13 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
     Attributes:
         config: the :class:`ModelConfig`.
         kv_cache: the attached :class:`PagedKVCache`, or ``None``.
+        num_lora_adapters: adapters added by :meth:`add_lora_adapters` (0: none).
+
+    LoRA (:mod:`.lora`): after :meth:`add_lora_adapters`, a batch's
+    ``extra["lora_adapter_ids"]`` (``[batch_size]``, ``-1`` = none) picks each request's
+    adapter; the model then declares the graph variants ``("nolora", "lora")`` and the
+    model-owned static input ``lora_adapter_ids`` to the runners, and records the
+    adapter kernels only in the ``"lora"`` variant.
     """
 
     inv_freq: torch.Tensor  # a buffer (register_buffer in __init__)
@@ -59,6 +68,8 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         )
         self.register_buffer("inv_freq", compute_inv_freq(config).to(device), persistent=False)
         self.kv_cache: Optional[PagedKVCache] = None
+        self.num_lora_adapters = 0
+        self.lora_rank = 0
 
     # -- construction ------------------------------------------------------------------
 
@@ -167,6 +178,108 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             raise ValueError(f"KV cache (layers, kv_heads, head_dim, dtype, device)={got} does not fit model {want}")
         self.kv_cache = cache
 
+    # -- LoRA --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def add_lora_adapters(
+        self,
+        num_adapters: int,
+        rank: int = 8,
+        *,
+        alpha: Optional[float] = None,
+        seed: int = 1,
+        std: float = 0.02,
+        targets: Sequence[str] = LORA_TARGETS,
+    ) -> None:
+        """Attach ``num_adapters`` random LoRA adapters of rank ``rank`` to every layer's
+        ``targets`` projections (``A`` ~ normal(0, 1/sqrt(in)), ``B`` ~ normal(0, ``std``):
+        unlike training's zero ``B``, each adapter changes the logits visibly).
+
+        Args:
+            alpha: ``scaling = alpha / rank``; None means ``alpha = rank`` (scaling 1).
+
+        Raises:
+            ValueError: adapters already attached, a non-positive count or rank, an
+                unknown target (lists the accepted ones), or a tensor-parallel model.
+        """
+        if self.num_lora_adapters:
+            raise ValueError(f"the model already has {self.num_lora_adapters} LoRA adapters")
+        if num_adapters < 1 or rank < 1:
+            raise ValueError(f"num_adapters={num_adapters}, rank={rank}: both must be >= 1")
+        unknown = sorted(set(targets) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"LoRA targets {unknown} are not accepted; accepted: {list(LORA_TARGETS)}")
+        if self.tp_group is not None:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism in the reference model")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        for layer in self.model.layers:
+            for holder in (layer.self_attn, layer.mlp):
+                for name in targets:
+                    linear = getattr(holder, name, None)
+                    if linear is None:
+                        continue
+                    out_features, in_features = linear.weight.shape
+                    adapters = LoRAAdapters(
+                        in_features, out_features, num_adapters, rank, alpha or rank, self.dtype, self.device
+                    )
+                    adapters.lora_a.normal_(0.0, in_features**-0.5, generator=gen)
+                    adapters.lora_b.normal_(0.0, std, generator=gen)
+                    linear.lora = adapters
+        self.num_lora_adapters, self.lora_rank = num_adapters, rank
+
+    def graph_variants(self) -> Optional[List[str]]:
+        """``["nolora", "lora"]`` with adapters, else None (one graph per size)
+        (:mod:`cuda_graph_runner.runner.variants`)."""
+        return [NOLORA, LORA] if self.num_lora_adapters else None
+
+    def graph_variant(self, batch: ForwardBatch) -> str:
+        """``"lora"`` when some request of ``batch`` uses an adapter, else ``"nolora"``.
+
+        A host list in ``extra["lora_adapter_ids"]`` is read on the host; a device
+        tensor costs one device-to-host sync (engines know the adapters on the host:
+        pass a list).
+
+        Raises:
+            ValueError: a host list of another length or with an index out of range.
+        """
+        ids = batch.extra.get(LORA_IDS)
+        if ids is None or not self.num_lora_adapters:
+            return NOLORA
+        listed = host_adapter_ids(ids, batch.batch_size, self.num_lora_adapters)
+        if listed is not None:
+            return LORA if any(int(i) >= 0 for i in listed) else NOLORA
+        return LORA if bool((ids >= 0).any()) else NOLORA
+
+    def static_inputs(self) -> List[StaticInput]:
+        """The model-owned static inputs (:mod:`cuda_graph_runner.runner.static_inputs`):
+        ``lora_adapter_ids`` (``[batch_size]`` int64, padded with ``-1``) with adapters."""
+        if not self.num_lora_adapters:
+            return []
+        return [StaticInput(LORA_IDS, axis="batch", dtype=torch.int64, pad_value=-1)]
+
+    def _lora_mask(self, batch: ForwardBatch) -> Optional[torch.Tensor]:
+        """The per-token adapter mask of this forward, or None when it runs without adapters."""
+        if not self.num_lora_adapters or batch.graph_variant == NOLORA:
+            return None
+        ids = batch.extra.get(LORA_IDS)
+        if ids is None:
+            if isinstance(batch, StaticForwardBatch) and not batch.graph_variant:
+                # A runner without variants recorded the adapter-free code: its replays
+                # would silently ignore any adapter a later batch asks for.
+                raise RuntimeError(
+                    "the model has LoRA adapters but this runner gives it no 'lora_adapter_ids' static input "
+                    "(only the decode runner has graph variants and model-owned inputs): run this phase eagerly "
+                    "(backend 'disabled') or without adapters"
+                )
+            return None
+        if not isinstance(ids, torch.Tensor):
+            ids = host_adapter_ids(ids, batch.batch_size, self.num_lora_adapters)
+            ids = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+        elif ids.device != self.device:  # eager path: a host tensor of the engine's
+            ids = ids.to(self.device)
+        return token_adapter_mask(ids, batch, self.num_lora_adapters, self.lora_rank, self.dtype)
+
     # -- protocol ----------------------------------------------------------------------
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
@@ -194,8 +307,9 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(h.dtype)[:, None, :]  # [T, 1, head_dim], broadcast over heads
         sin = emb.sin().to(h.dtype)[:, None, :]
+        lora = self._lora_mask(batch)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, batch, cache)
+            h = layer(h, cos, sin, batch, cache, lora)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -206,7 +320,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             batch: the same batch.
 
         Returns:
-            DECODE / TARGET_VERIFY: ``[num_tokens, vocab_size]`` (every token).
+            DECODE / TARGET_VERIFY / DLLM_EXTEND: ``[num_tokens, vocab_size]`` (every token).
             EXTEND: ``[batch_size, vocab_size]``, each request's last new token.
         """
         if batch.forward_mode == ForwardMode.EXTEND:

@@ -30,6 +30,16 @@ class _Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def _project(linear: nn.Module, x: torch.Tensor, lora_mask: "torch.Tensor | None") -> torch.Tensor:
+    """``linear(x)``, plus its LoRA adapters' addition (:mod:`.lora`) when it has adapters
+    and the forward uses them (``lora_mask`` ``[T, N*r]``, None: no adapters this forward)."""
+    y = linear(x)
+    adapters = getattr(linear, "lora", None)
+    if lora_mask is not None and adapters is not None:
+        y = y + adapters(x, lora_mask)
+    return y
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -64,10 +74,16 @@ class _Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        lora: "torch.Tensor | None" = None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = _project(self.qkv_proj, x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
@@ -88,7 +104,7 @@ class _Attention(nn.Module):
             self.sliding_window,
             self.last_layer,
         )
-        return self.o_proj(out)
+        return _project(self.o_proj, out, lora)
 
 
 class _MLP(nn.Module):
@@ -102,9 +118,9 @@ class _MLP(nn.Module):
             else RowParallelLinear(self.intermediate_size, config.hidden_size, False, dtype, device, tp)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: "torch.Tensor | None" = None) -> torch.Tensor:
+        gate, up = _project(self.gate_up_proj, x, lora).chunk(2, dim=-1)
+        return _project(self.down_proj, F.silu(gate) * up, lora)
 
 
 class _DecoderLayer(nn.Module):
@@ -115,9 +131,9 @@ class _DecoderLayer(nn.Module):
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, h, cos, sin, batch, cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, batch, cache, lora=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, cache, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
 
 
 class _Backbone(nn.Module):
