@@ -34,7 +34,7 @@ class _Dispatch:
 
 def _weak(fn: Callable[..., Any]) -> Callable[[], Optional[Callable[..., Any]]]:
     if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
-        return weakref.WeakMethod(fn)  # type: ignore[arg-type]
+        return weakref.WeakMethod(fn)
     return lambda: fn
 
 

@@ -32,9 +32,9 @@ from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
 from .arguments import check_backend_arg, model_device
 from .capture_gc import freeze_gc
+from .capture_plan import build_capture_plan, capture_static_batch
 from .decision import ReplayDecision
 from .sizes import get_batch_sizes_to_capture, pad_list, slice_rows
-from .capture_plan import build_capture_plan, capture_static_batch
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
 # Re-exported: the subclasses and callers import these from here.

@@ -250,7 +250,8 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         names = [name for name, _, _ in _DECODE_SLOTS]
         rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
         padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
-        plan = ({}, statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
+        keys: Dict[str, ShapeKey] = {}  # variant -> key, filled as variants appear
+        plan = (keys, statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
         if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
             self._replay_plans.clear()
         self._replay_plans[raw_bs] = plan

@@ -8,7 +8,7 @@ provides the helpers these tests call (``device_or_skip``, ``make_model``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Tuple
 
 import pytest
 
@@ -28,13 +28,22 @@ DEVICE_TESTS = (
 class DeviceConformanceTests:
     """The ``test_device_*`` tests (see the module docstring)."""
 
-    # Provided by BackendConformanceTests.
-    backend_name: Any
-    decode_max_bs: Any
-    decode_batch_sizes: Any
-    supports_target_verify: Any
-    prefill_max_tokens: Any
-    prefill_prompt_lens: Any
+    # Provided by BackendConformanceTests (declared for the type checker only, so the
+    # kit's ClassVar defaults stay the ones that count).
+    if TYPE_CHECKING:
+        backend_name: ClassVar[str]
+        decode_max_bs: ClassVar[int]
+        decode_batch_sizes: ClassVar[Tuple[int, ...]]
+        supports_target_verify: ClassVar[bool]
+        prefill_max_tokens: ClassVar[int]
+        prefill_prompt_lens: ClassVar[Tuple[Tuple[int, ...], ...]]
+
+        def _require_phase(self, phase: str) -> None: ...
+        def device_or_skip(self) -> str: ...
+        def make_model(
+            self, device_type: str, *, num_slots: int = ..., max_reqs: int = ..., max_context_len: int = ...
+        ) -> Any: ...
+        def assert_close(self, got: Any, expected: Any, what: str) -> None: ...
 
     def test_device_decode_capture_replay_matches_eager(self) -> None:
         self._require_phase("decode")
@@ -293,7 +302,7 @@ class DeviceConformanceTests:
         from ...runner import DecodeCudaGraphRunner
         from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
-        model = self.make_model(device_type)  # type: ignore[attr-defined]
+        model = self.make_model(device_type)
         runner = DecodeCudaGraphRunner(
             model, {"decode": {"backend": self.backend_name, "max_bs": 4}}, show_progress=False
         )
@@ -326,4 +335,4 @@ class DeviceConformanceTests:
             "self.capture_plan.forward(static_batch) with the static batch replay() receives "
             "(docs/plugin-authors.md, 'What a backend gets')"
         )
-        self.assert_close(got, expected, "decode batch size 3 (capture-batch check)")  # type: ignore[attr-defined]
+        self.assert_close(got, expected, "decode batch size 3 (capture-batch check)")

@@ -274,8 +274,12 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
                 )
             return None
         if not isinstance(ids, torch.Tensor):
-            ids = host_adapter_ids(ids, batch.batch_size, self.num_lora_adapters)
-            ids = torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+            host_ids = host_adapter_ids(ids, batch.batch_size, self.num_lora_adapters)
+            if host_ids is None:
+                raise TypeError(
+                    f"extra[{LORA_IDS!r}] must be an int64 tensor or a list of adapter indices, got {type(ids).__name__}"
+                )
+            ids = torch.tensor(list(host_ids), dtype=torch.int64, device=self.device)
         elif ids.device != self.device:  # eager path: a host tensor of the engine's
             ids = ids.to(self.device)
         return token_adapter_mask(ids, batch, self.num_lora_adapters, self.lora_rank, self.dtype)
