@@ -483,7 +483,11 @@ def _bench_phase(
         if stats is not None:
             header += (
                 f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s"
-                + (f" (compile {stats.compile_s:.2f} s)" if stats.compile_s is not None else "")
+                + (
+                    f" (compile {stats.compile_s:.2f} s, capture {max(0.0, stats.capture_s - stats.compile_s):.2f} s)"
+                    if stats.compile_s is not None and stats.capture_s is not None
+                    else ""
+                )
                 + f", graph memory {_fmt(stats.graph_memory_mb, '.1f')} MB"
             )
         say(header)
@@ -497,12 +501,31 @@ def _bench_phase(
     return failed
 
 
+#: Backends the bench picks itself, in order, where the device's default is ``disabled``
+#: (the CPU): the runner never defaults to them (compiling costs tens of seconds), but
+#: the main job shows what a compiled forward gains. Names only: the core imports no plugin.
+BENCH_PREFERRED = {"cpu": ("compiled",)}
+
+
+def _bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
+    """The first of :data:`BENCH_PREFERRED` for ``device`` usable for ``phase``, else None."""
+    for candidate in BENCH_PREFERRED.get(device.type, ()):
+        try:
+            reg.get(candidate, device_type=device.type, phase=phase)
+        except CudaGraphRunnerError:
+            continue
+        return candidate
+    return None
+
+
 def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -> "tuple[Optional[str], str]":
     """(backend name to use or None for eager only, a note)."""
     from .registry import get_registry, list_backends
 
     reg = get_registry()
     chosen = name or reg.default_backend(phase, device.type)
+    if name is None and chosen == "disabled":
+        chosen = _bench_choice(reg, phase, device) or chosen
     if chosen == "disabled":
         if name is None:
             blocked = [

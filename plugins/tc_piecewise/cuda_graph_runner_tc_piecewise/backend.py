@@ -78,6 +78,7 @@ import torch._dynamo
 
 from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
 from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch
 from cuda_graph_runner.forward_context import forward_context
@@ -397,14 +398,17 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self._bind(runner.model)
         self._runner = runner
         init = getattr(runner.model, "init_forward_metadata_capture", None)
-        for size in sorted(set(runner.capture_sizes), reverse=True):
-            batch = runner.capture_prepare(size)
-            if init is not None:
-                init(batch)
-            key = runner.make_key(size)
-            with forward_context(batch), activity(self, Mode.COMPILE, key):
-                runner.graph_forward(batch)
-            self.note_kernels_ran(key)  # the ``auto`` warm-up policy need not warm it up again
+        # inductor's work is cached on disk across processes (cuda_graph_runner.compile_cache).
+        cache = compile_cache_scope() if self.compiler == "inductor" else contextlib.nullcontext()
+        with cache:
+            for size in sorted(set(runner.capture_sizes), reverse=True):
+                batch = runner.capture_prepare(size)
+                if init is not None:
+                    init(batch)
+                key = runner.make_key(size)
+                with forward_context(batch), activity(self, Mode.COMPILE, key):
+                    runner.graph_forward(batch)
+                self.note_kernels_ran(key)  # the ``auto`` warm-up policy need not warm it up again
         self._synchronize()
         self.compile_seconds = time.perf_counter() - start
         logger.info(
