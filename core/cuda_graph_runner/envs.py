@@ -202,6 +202,13 @@ def raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]
     return (os.environ if environ is None else environ).get(name)
 
 
+def external(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The text of another program's variable (``CXX``, ``XDG_CACHE_HOME``), None when unset
+    or empty; for readers outside this module, which never touch ``os.environ`` themselves."""
+    env = os.environ if environ is None else environ
+    return env.get(name) or None
+
+
 def launched_by_torch_distributed(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True when torchrun (or another ``env://`` launcher) set ``RANK`` or ``WORLD_SIZE``:
     torch's variables, not ours, read here so that this module stays the one reader."""
@@ -308,7 +315,7 @@ def cache_root(environ: Optional[Mapping[str, str]] = None) -> str:
     configured = get(CACHE_DIR, env)
     if configured:
         return os.path.abspath(os.path.expanduser(configured))
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = external("XDG_CACHE_HOME", env) or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "cuda-graph-runner")
 
 
