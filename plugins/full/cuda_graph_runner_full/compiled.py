@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
+from cuda_graph_runner import progress
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_context import forward_context
 
@@ -147,7 +148,13 @@ class CompiledForward:
         self.bind(runner.model)
         init = getattr(runner.model, "init_forward_metadata_capture", None)
         with compile_cache_scope() if not callable(self.compiler) else contextlib.nullcontext(), self.active():
-            for size in sorted(set(runner.capture_sizes), reverse=True):
+            sizes = sorted(set(runner.capture_sizes), reverse=True)
+            for size in progress.bar(
+                sizes,
+                desc=f"compile {runner.phase} (full, inductor)",
+                done=f"compiled {runner.phase} for {len(sizes)} sizes (full, inductor)",
+                show=getattr(runner, "show_progress", None),
+            ):
                 batch = runner.capture_prepare(size)
                 if init is not None:
                     init(batch)

@@ -76,7 +76,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 import torch._dynamo
 
-from cuda_graph_runner import envs
+from cuda_graph_runner import envs, progress
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
@@ -400,8 +400,14 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         init = getattr(runner.model, "init_forward_metadata_capture", None)
         # inductor's work is cached on disk across processes (cuda_graph_runner.compile_cache).
         cache = compile_cache_scope() if self.compiler == "inductor" else contextlib.nullcontext()
+        sizes = sorted(set(runner.capture_sizes), reverse=True)
         with cache:
-            for size in sorted(set(runner.capture_sizes), reverse=True):
+            for size in progress.bar(
+                sizes,
+                desc=f"compile {self.phase} (tc_piecewise, {self.compiler})",
+                done=f"compiled {self.phase} for {len(sizes)} sizes (tc_piecewise, {self.compiler})",
+                show=getattr(runner, "show_progress", None),
+            ):
                 batch = runner.capture_prepare(size)
                 if init is not None:
                     init(batch)
