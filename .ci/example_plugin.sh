@@ -32,7 +32,7 @@ copy_tree() {  # copy_tree DEST PATH...
   mkdir -p "$dest"
   git ls-files -z --cached --others --exclude-standard -- "$@" | (cd "$REPO" && xargs -0 cp --parents -t "$dest")
 }
-projects=(. plugins/full plugins/breakable plugins/tc_piecewise plugins/npu examples/acme_backend)
+projects=(. plugins/full plugins/breakable plugins/tc_piecewise plugins/npu plugins/compiled examples/acme_backend)
 # The one setuptools floor every pyproject declares (they must agree).
 SETUPTOOLS_FLOOR=$("$BUILD_PYTHON" - "${projects[@]}" <<'PY'
 import re, sys, tomllib
@@ -130,12 +130,13 @@ import importlib, json
 from importlib import metadata, resources
 
 rows = {r["name"]: r for r in json.load(open("backends-all.json"))}
-expected = {"acme", "breakable", "disabled", "full", "npu", "tc_piecewise"}
+expected = {"acme", "breakable", "compiled", "disabled", "full", "npu", "tc_piecewise"}
 assert set(rows) == expected, sorted(rows)
 packages = {"cuda-graph-runner": "cuda_graph_runner", "cuda-graph-runner-full": "cuda_graph_runner_full",
             "cuda-graph-runner-breakable": "cuda_graph_runner_breakable",
             "cuda-graph-runner-tc-piecewise": "cuda_graph_runner_tc_piecewise",
-            "cuda-graph-runner-npu": "cuda_graph_runner_npu", "cuda-graph-runner-acme": "acme_cgr"}
+            "cuda-graph-runner-npu": "cuda_graph_runner_npu", "cuda-graph-runner-compiled": "cuda_graph_runner_compiled",
+            "cuda-graph-runner-acme": "acme_cgr"}
 for dist, package in packages.items():
     module = importlib.import_module(package)
     meta = metadata.metadata(dist)
@@ -147,6 +148,6 @@ for dist, package in packages.items():
     assert resources.files(package).joinpath("py.typed").is_file(), f"{dist}: no py.typed in {package}"
 for name in expected - {"disabled"}:
     assert rows[name]["version"] == metadata.version(rows[name]["distribution"]), rows[name]
-print("all six distributions installed from the wheels; versions single-sourced; py.typed and LICENSE in each")
+print("all seven distributions installed from the wheels; versions single-sourced; py.typed and LICENSE in each")
 PY
 step "ok"

@@ -19,6 +19,7 @@ PROJECTS = {
     "plugins/breakable": "plugins/breakable/cuda_graph_runner_breakable",
     "plugins/tc_piecewise": "plugins/tc_piecewise/cuda_graph_runner_tc_piecewise",
     "plugins/npu": "plugins/npu/cuda_graph_runner_npu",
+    "plugins/compiled": "plugins/compiled/cuda_graph_runner_compiled",
     "examples/acme_backend": "examples/acme_backend/acme_cgr",
 }
 

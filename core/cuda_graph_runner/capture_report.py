@@ -56,6 +56,9 @@ class CaptureReport:
             device cannot tell or nothing was captured.
         pool_bytes: pool bytes after the call (the pool is shared: other runners' graphs
             in it count too); None where the device cannot tell.
+        compile_seconds: the part of ``seconds`` the backend spent compiling (its
+            ``compile_seconds``: tc_piecewise's compile pass, compiled's first call per
+            size); None for a backend that does not compile.
     """
 
     phase: str
@@ -65,6 +68,12 @@ class CaptureReport:
     seconds: float
     first_size_pool_bytes: Optional[int] = None
     pool_bytes: Optional[int] = None
+    compile_seconds: Optional[float] = None
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        """``seconds`` less ``compile_seconds``: warm-ups and recording."""
+        return max(0.0, self.seconds - (self.compile_seconds or 0.0))
 
 
 def _oom_types() -> tuple:

@@ -202,6 +202,13 @@ def raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]
     return (os.environ if environ is None else environ).get(name)
 
 
+def external(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The text of another program's variable (``CXX``, ``XDG_CACHE_HOME``), None when unset
+    or empty; for readers outside this module, which never touch ``os.environ`` themselves."""
+    env = os.environ if environ is None else environ
+    return env.get(name) or None
+
+
 def launched_by_torch_distributed(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True when torchrun (or another ``env://`` launcher) set ``RANK`` or ``WORLD_SIZE``:
     torch's variables, not ours, read here so that this module stays the one reader."""
@@ -269,6 +276,49 @@ TC_PIECEWISE_DEBUG = define(
     "tc_piecewise: check input addresses at every replay. Read when a TcPiecewiseBackend is built without debug.",
     owner="cuda-graph-runner-tc-piecewise",
 ).name
+COMPILED_COMPILER = define(
+    "CUDA_GRAPH_RUNNER_COMPILED_COMPILER",
+    "str",
+    "inductor",
+    "compiled: the torch.compile backend (inductor, aot_eager or eager; the last two skip code generation, "
+    "for tests). Read when a CompiledBackend is built without compiler.",
+    owner="cuda-graph-runner-compiled",
+).name
+COMPILED_BUDGET_S = define(
+    "CUDA_GRAPH_RUNNER_COMPILED_BUDGET_S",
+    "optional_count",
+    None,
+    "compiled: seconds of compilation per backend after which the remaining sizes run eagerly "
+    "(unset: 600). Read when a CompiledBackend is built without compile_budget_s.",
+    owner="cuda-graph-runner-compiled",
+).name
+CACHE_DIR = define(
+    "CUDA_GRAPH_RUNNER_CACHE_DIR",
+    "str",
+    "",
+    "Root folder of this project's caches (empty: ~/.cache/cuda-graph-runner); compile caches go "
+    "under <root>/compile. Read when a backend turns its compile cache on.",
+).name
+COMPILE_CACHE = define(
+    "CUDA_GRAPH_RUNNER_COMPILE_CACHE",
+    "bool",
+    True,
+    "Keep torch.compile's caches (inductor FX graphs, AOTAutograd) under the cache root so a second "
+    "process compiles from them (compiled, tc_piecewise:inductor). Read when a backend compiles.",
+).name
+
+
+def cache_root(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The folder of this project's caches: ``CUDA_GRAPH_RUNNER_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/cuda-graph-runner``, else ``~/.cache/cuda-graph-runner`` (not created here)."""
+    env = os.environ if environ is None else environ
+    configured = get(CACHE_DIR, env)
+    if configured:
+        return os.path.abspath(os.path.expanduser(configured))
+    base = external("XDG_CACHE_HOME", env) or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cuda-graph-runner")
+
+
 # The test suite's own switches (one parser for them too).
 TEST_INDUCTOR_CPU = define(
     "CUDA_GRAPH_RUNNER_TEST_INDUCTOR_CPU",

@@ -391,6 +391,7 @@ class BaseCudaGraphRunner(abc.ABC):
             if empty_cache is not None:
                 empty_cache()
         self.capture_seconds = report.seconds = time.perf_counter() - start
+        report.compile_seconds = getattr(self.backend, "compile_seconds", None)
         pool_bytes = report.pool_bytes = self.backend.graph_memory_bytes()
         if pool_bytes is not None:
             self.capture_memory_bytes = pool_bytes

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
+from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.forward_batch import ForwardBatch
+
+from .compiled import CompiledForward
 
 
 class FullCudaGraphBackend(BaseCudaGraphBackend):
@@ -28,21 +32,58 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         weak_ref_outputs: keep non-owning aliases of each shape's outputs (CUDA only),
             so the shapes share pool memory (:mod:`cuda_graph_runner.weak_ref`). An output
             is valid until the next replay either way.
+        compiler: ``"eager"`` (the forward as written) or ``"inductor"`` (compiled full:
+            :mod:`cuda_graph_runner_full.compiled`); None reads ``phase_config.tc_compiler``.
+        inductor_options: inductor config patches for ``"inductor"`` (None: the defaults
+            of :mod:`~cuda_graph_runner_full.compiled`).
 
     Everything the forward reads must live at the addresses it had at capture: the
     runner's static buffers, the model's weights and KV cache. Data-dependent control
     flow and host syncs inside the forward are frozen or forbidden, as with any graph.
     """
 
-    def __init__(self, *args: Any, weak_ref_outputs: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        weak_ref_outputs: bool = True,
+        compiler: Any = None,
+        inductor_options: Optional[dict] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.weak_ref_outputs = weak_ref_outputs
+        self.compiler = compiler or getattr(self.phase_config, "tc_compiler", None) or "eager"
+        #: The compiled forward (``compiler`` inductor), else None; see :mod:`.compiled`.
+        self.compiled_forward: Optional[CompiledForward] = None
+        if self.compiler != "eager":
+            self.compiled_forward = CompiledForward(self.compiler, tag=self.phase, inductor_options=inductor_options)
+        #: Seconds of the last compile pass (compiled full), else None.
+        self.compile_seconds: Optional[float] = None
+
+    def prepare(self, plan: CapturePlan) -> None:
+        """Compiled full: the compile pass over every planned key (:mod:`.compiled`)."""
+        if self.compiled_forward is not None:
+            self.compile_seconds = self.compiled_forward.compile_pass(plan)
+            for key in plan.keys:
+                self.note_kernels_ran(key)
+
+    def _compiled_active(self) -> ContextManager[None]:
+        return self.compiled_forward.active() if self.compiled_forward is not None else contextlib.nullcontext()
+
+    def verify_reference(self, eager_fn: Callable[[], Any], key: ShapeKey, static_batch: ForwardBatch) -> Any:
+        """Compiled full: the compiled forward run without the graph (same kernels). The
+        live batch is a plain ``ForwardBatch`` where capture saw the runner's static
+        batches, so the first verified replay costs Dynamo one more graph (verify mode only)."""
+        with self._compiled_active():
+            return eager_fn()
 
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
-        """Warm up, then record ``forward_fn`` for ``key`` (``record_graph``)."""
-        self.record_graph(
-            key, forward_fn, self.device_module.CUDAGraph, post_warmup_hook, weak_ref_outputs=self.weak_ref_outputs
-        )
+        """Warm up, then record ``forward_fn`` for ``key`` (``record_graph``); compiled
+        full records inductor's kernels."""
+        with self._compiled_active():
+            self.record_graph(
+                key, forward_fn, self.device_module.CUDAGraph, post_warmup_hook, weak_ref_outputs=self.weak_ref_outputs
+            )
 
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
         """Replay ``key``'s graph; returns the capture's output tensors.

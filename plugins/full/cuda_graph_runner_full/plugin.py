@@ -18,8 +18,8 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             devices=("cuda",),
             probe="cuda_graph_runner_full.plugin:probe",
             api_version="1.1",
-            options=(),  # reads no backend option (tc_compiler is tc_piecewise's)
-            description="one CUDA graph per batch size, shared memory pool",
+            options=("tc_compiler",),  # inductor: compiled full (cuda_graph_runner_full.compiled)
+            description="one CUDA graph per batch size, shared memory pool (tc_compiler inductor: compiled first)",
         )
     ]
 

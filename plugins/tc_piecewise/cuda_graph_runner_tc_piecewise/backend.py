@@ -76,9 +76,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch._dynamo
 
-from cuda_graph_runner import envs
+from cuda_graph_runner import envs, progress
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.capture_plan import CapturePlan
+from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
 from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch
 from cuda_graph_runner.forward_context import forward_context
@@ -342,11 +343,20 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         start = time.perf_counter()
         self._bind(plan)
         self._plan = plan
-        for key in plan.keys:
-            batch = plan.static_batch(key)
-            with forward_context(batch), activity(self, Mode.COMPILE, key):
-                plan.forward(batch)
-            self.note_kernels_ran(key)  # the ``auto`` warm-up policy need not warm it up again
+        # inductor's work is cached on disk across processes (cuda_graph_runner.compile_cache).
+        cache = compile_cache_scope() if self.compiler == "inductor" else contextlib.nullcontext()
+        keys = list(plan.keys)
+        with cache:
+            for key in progress.bar(
+                keys,
+                desc=f"compile {self.phase} (tc_piecewise, {self.compiler})",
+                done=f"compiled {self.phase} for {len(keys)} shapes (tc_piecewise, {self.compiler})",
+                show=getattr(plan, "show_progress", None),
+            ):
+                batch = plan.static_batch(key)
+                with forward_context(batch), activity(self, Mode.COMPILE, key):
+                    plan.forward(batch)
+                self.note_kernels_ran(key)  # the ``auto`` warm-up policy need not warm it up again
         self._synchronize()
         self.compile_seconds = time.perf_counter() - start
         logger.info(

@@ -1,0 +1,197 @@
+"""Compiled full: the model's forward compiled with inductor, then captured whole per size.
+
+``tc_compiler: inductor`` on backend ``full`` (the same key tc_piecewise reads; ``eager``,
+the default, leaves the forward as written). sglang's torch.compile + CUDA graph path and
+vLLM's FULL cudagraph mode with compilation: inductor fuses each layer's norms, RoPE and
+activation into a few Triton kernels, and the CUDA graph then removes the launch
+overhead of what is left, so a decode step beats ``torch.compile(mode="reduce-overhead")``
+(which graphs the same code, but through CUDA-graph trees and their per-call checks).
+
+How it runs (:class:`CompiledForward`):
+
+``prepare(plan)``
+    ``torch.compile(model.forward, backend=inductor, fullgraph=True)`` with a code object
+    of its own, and the *compile pass*: one forward per planned key, largest first, on
+    ``plan.static_batch(key)``, with dim 0 of the batch's tensors marked dynamic.
+    The first call (largest size) compiles one graph that serves every size >= 2 (the
+    token axis symbolic); size 1, which Dynamo always specializes, costs one more
+    compile. Nothing recompiles per captured size. The pass runs inside
+    :func:`cuda_graph_runner.compile_cache.compile_cache_scope`, so a second process
+    compiles from the disk cache.
+``capture_one`` / verify
+    While ``full`` warms up and records a size, and while verify mode computes its
+    reference, the compiled forward stands in for ``model.forward`` (an instance
+    attribute, removed afterwards): the graph records inductor's kernels with the marked
+    ops (attention) as opaque custom ops in between. A replay runs no Python at all.
+
+Marked ops must be capture-safe for the phase, exactly as for plain ``full``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+import types
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+
+from cuda_graph_runner import progress
+from cuda_graph_runner.compile_cache import compile_cache_scope
+from cuda_graph_runner.forward_context import forward_context
+
+logger = logging.getLogger(__name__)
+
+#: Values of ``tc_compiler`` that make ``full`` compile (``eager``: no compilation).
+COMPILING = ("inductor",)
+
+#: Inductor options that pay for a graph-captured decode step: no CUDA-graph trees
+#: (``full`` captures the whole forward itself) and coordinate-descent tuning of the
+#: pointwise/reduction kernels' launch configs (seconds of compile time, a few percent
+#: per step; vLLM and sglang keep max-autotune off by default: minutes of GEMM tuning).
+DEFAULT_INDUCTOR_OPTIONS: Dict[str, Any] = {"triton.cudagraphs": False, "coordinate_descent_tuning": True}
+
+
+class CompiledForward:
+    """One model's forward compiled with inductor, put in place while ``full`` runs it.
+
+    Args:
+        compiler: ``"inductor"`` or a callable Dynamo backend (tests: a counting one).
+        tag: names the compiled code object (Dynamo keeps its cache per code object, so
+            two backends on one model never evict each other's entries).
+        inductor_options: inductor config patches; None means
+            :data:`DEFAULT_INDUCTOR_OPTIONS` (``triton.cudagraphs`` is always off).
+
+    Attributes:
+        compile_seconds: duration of the last compile pass (None before one).
+        dynamo_graphs: graphs Dynamo handed the compiler so far (1, plus 1 when size 1
+            is captured; more means a recompile).
+    """
+
+    def __init__(self, compiler: Any = "inductor", *, tag: str = "", inductor_options: Optional[dict] = None) -> None:
+        if not callable(compiler) and compiler not in COMPILING:
+            raise ValueError(f"full: tc_compiler {compiler!r} does not compile; compiling values: {COMPILING}")
+        self.compiler = compiler
+        self.tag = tag
+        options = dict(DEFAULT_INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
+        options["triton.cudagraphs"] = False
+        self.inductor_options = options
+        self.compile_seconds: Optional[float] = None
+        self.dynamo_graphs = 0
+        self._model: Any = None
+        self._compiled: Optional[Callable[..., Any]] = None
+
+    def _dynamo_backend(self) -> Callable[..., Any]:
+        inner: Callable[..., Any]
+        if callable(self.compiler):
+            inner = self.compiler
+        else:
+            from torch._inductor.compile_fx import compile_fx
+
+            inner = functools.partial(compile_fx, config_patches=self.inductor_options)
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            self.dynamo_graphs += 1
+            return inner(gm, example_inputs)
+
+        return backend
+
+    def bind(self, model: Any) -> None:
+        """Compile ``model.forward`` lazily (first call); idempotent for the same model.
+
+        Raises:
+            RuntimeError: bound to another model already; or inductor on CUDA without Triton.
+        """
+        if self._model is model:
+            return
+        if self._model is not None:
+            raise RuntimeError("full: this compiled forward is bound to another model; build a new backend")
+        device = next((p.device for p in model.parameters()), None) if hasattr(model, "parameters") else None
+        if self.compiler == "inductor" and device is not None and device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise RuntimeError("full: tc_compiler 'inductor' on CUDA needs Triton (pip install triton)")
+        self._model = model
+        entry = _entry_function(model.forward, f"full_{self.tag}")
+        self._compiled = torch.compile(entry, backend=self._dynamo_backend(), fullgraph=True)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """``model.forward`` is the compiled forward for the block, then what it was."""
+        if self._model is None or self._compiled is None:
+            yield
+            return
+        attrs = self._model.__dict__
+        had, before = "forward" in attrs, attrs.get("forward")
+        attrs["forward"] = self._compiled
+        try:
+            yield
+        finally:
+            if had:
+                attrs["forward"] = before
+            else:
+                attrs.pop("forward", None)
+
+    def compile_pass(self, plan: Any) -> float:
+        """Bind ``plan.model`` and run one compiled forward per planned key (largest
+        first) on the plan's capture batches; returns and records the seconds.
+
+        Args:
+            plan: the runner's :class:`~cuda_graph_runner.capture_plan.CapturePlan`.
+
+        Raises:
+            whatever Dynamo or inductor raise (a graph break under ``fullgraph``, a
+            failed lowering), unchanged.
+        """
+        start = time.perf_counter()
+        self.bind(plan.model)
+        keys = list(plan.keys)
+        with compile_cache_scope() if not callable(self.compiler) else contextlib.nullcontext(), self.active():
+            for key in progress.bar(
+                keys,
+                desc=f"compile {plan.phase} (full, inductor)",
+                done=f"compiled {plan.phase} for {len(keys)} shapes (full, inductor)",
+                show=getattr(plan, "show_progress", None),
+            ):
+                batch = plan.static_batch(key)  # init_forward_metadata_capture already called
+                mark_dynamic_tokens(batch)
+                with forward_context(batch):
+                    plan.forward(batch)
+        self.compile_seconds = time.perf_counter() - start
+        logger.info(
+            "full: forward compiled (%s) for %d shapes in %.2f s, %d Dynamo graph(s)",
+            self.compiler if isinstance(self.compiler, str) else "custom",
+            len(keys),
+            self.compile_seconds,
+            self.dynamo_graphs,
+        )
+        return self.compile_seconds
+
+
+def mark_dynamic_tokens(batch: Any) -> None:
+    """Mark dim 0 of every tensor field of ``batch`` (a dataclass) dynamic where it has at
+    least 2 rows (Dynamo always specializes sizes 0 and 1)."""
+    for field in dataclasses.fields(batch):
+        value = batch.__dict__.get(field.name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] >= 2:
+            torch._dynamo.mark_dynamic(value, 0)
+
+
+def _entry_function(original: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``lambda *a, **k: original(*a, **k)`` with a code object of its own (see ``tag``)."""
+
+    def full_compiled_forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    code = full_compiled_forward.__code__
+    name = f"full_compiled_forward_{tag}"
+    changes: Dict[str, Any] = {"co_name": name}
+    if hasattr(code, "co_qualname"):
+        changes["co_qualname"] = name
+    return types.FunctionType(
+        code.replace(**changes), full_compiled_forward.__globals__, name, None, full_compiled_forward.__closure__
+    )

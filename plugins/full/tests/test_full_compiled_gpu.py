@@ -1,0 +1,138 @@
+"""GPU: compiled full (``tc_compiler: inductor`` on ``full``) — the forward compiled with
+inductor, then captured whole per size.
+
+Checks: one Dynamo graph for every size >= 2 plus one for size 1, none made while
+capturing or serving; a replay equals the compiled forward run without the graph (same
+kernels: near-exact); greedy tokens equal eager's in bf16; the bench's label
+``full:inductor`` resolves; a second process compiles from the disk cache.
+
+Run on the device machine: ``pytest -m gpu plugins/full/tests/test_full_compiled_gpu.py``
+(inductor builds Triton kernels: about a minute cold).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.testing.batches import (
+    GreedySession,
+    eager_logits_fn,
+    greedy_generate,
+    make_decode_batch,
+    make_dummy_prompts,
+)
+from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled full needs a CUDA device"),
+]
+
+SIZES = [1, 2, 4, 8, 16]
+
+
+def _model(dtype):
+    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=dtype, device="cuda")
+    model.create_kv_cache(num_slots=40 * 64 + 1, max_reqs=41, max_context_len=64)
+    return model
+
+
+@pytest.fixture(scope="module")
+def compiled_fp32():
+    torch._dynamo.reset()
+    model = _model(torch.float32)
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"backend": "full", "bs": SIZES, "tc_compiler": "inductor"}}, show_progress=False
+    )
+    runner.capture()
+    yield model, runner
+    runner.cleanup()
+
+
+def _step(model, bs, seed):
+    session = GreedySession(model, model.kv_cache)
+    session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], model.config.vocab_size, seed=seed))
+    session.decode()
+    return session, make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
+
+
+def test_one_graph_for_sizes_from_two_one_for_size_one_and_no_recompile(compiled_fp32):
+    model, runner = compiled_fp32
+    backend = runner.backend
+    assert backend.compiler == "inductor" and backend.compiled_forward is not None
+    assert backend.compiled_forward.dynamo_graphs == 2  # sizes >= 2 share one; 1 is specialized
+    assert backend.compile_seconds is not None and backend.compile_seconds > 0
+    with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+        for bs in (1, 3, 5, 16, 2):
+            session, batch = _step(model, bs, seed=bs)
+            runner.forward(batch)
+            # The compiled forward run without a graph (verify's reference) must not recompile either.
+            with backend._compiled_active(), forward_context(batch):
+                model.compute_logits(model.forward(batch), batch)
+            session.close()
+    assert backend.compiled_forward.dynamo_graphs == 2
+    assert "forward" not in model.__dict__  # eager fallback sees the model as written
+
+
+def test_replay_equals_the_compiled_forward_without_graphs(compiled_fp32):
+    model, runner = compiled_fp32
+    for bs in (1, 3, 8, 16):
+        with torch.no_grad():
+            session, batch = _step(model, bs, seed=100 + bs)
+            key, static = runner.replay_prepare(batch)
+            with runner.backend._compiled_active(), forward_context(static):
+                expected = runner.graph_forward(static)[:bs].clone()  # same padded shape, same kernels
+            got = runner.forward(batch).clone()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"bs {bs}")
+        session.close()
+
+
+def test_compiled_full_matches_eager_within_fp32_tolerance(compiled_fp32):
+    model, runner = compiled_fp32
+    eager = eager_logits_fn(model)
+    for bs in (1, 5, 16):
+        with torch.no_grad():
+            session, batch = _step(model, bs, seed=200 + bs)
+            expected = eager(batch).clone()
+            got = runner.forward(batch)
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3, msg=f"bs {bs}")
+        session.close()
+
+
+def test_greedy_tokens_match_eager_bf16():
+    torch._dynamo.reset()
+    model = _model(torch.bfloat16)
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"backend": "full", "bs": [1, 2, 4], "tc_compiler": "inductor"}}, show_progress=False
+    )
+    runner.capture()
+    prompts = make_dummy_prompts(3, [5, 9, 12], model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        expected = greedy_generate(model, model.kv_cache, prompts, 8)
+        got = greedy_generate(model, model.kv_cache, prompts, 8, decode_fn=lambda b: runner.forward(b).clone())
+    assert got == expected
+    runner.cleanup()
+
+
+def test_second_start_compiles_from_the_disk_cache(tmp_path, monkeypatch):
+    from cuda_graph_runner.compile_cache import cache_counters
+
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
+    model = _model(torch.float32)
+    counts = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        before = cache_counters()
+        runner = DecodeCudaGraphRunner(
+            model, {"decode": {"backend": "full", "bs": [1, 4], "tc_compiler": "inductor"}}, show_progress=False
+        )
+        runner.capture()
+        runner.cleanup()
+        counts.append({k: v - before[k] for k, v in cache_counters().items()})
+    first, second = counts
+    assert first["fx_miss"] >= 1 and first["fx_hit"] == 0, first
+    assert second["fx_miss"] == 0 and second["aot_miss"] == 0, second
+    assert second["fx_hit"] + second["aot_hit"] >= first["fx_miss"], counts
