@@ -182,53 +182,6 @@ def _bench_phase(
     return failed
 
 
-<<<<<<< HEAD
-=======
-#: Backends the bench picks itself, in order, where the device's default is ``disabled``
-#: (the CPU): the runner never defaults to them (compiling costs tens of seconds), but
-#: the main job shows what a compiled forward gains. Names only: the core imports no plugin.
-BENCH_PREFERRED = {"cpu": ("compiled",)}
-
-
-def _bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
-    """The first of :data:`BENCH_PREFERRED` for ``device`` usable for ``phase``, else None."""
-    for candidate in BENCH_PREFERRED.get(device.type, ()):
-        try:
-            reg.get(candidate, device_type=device.type, phase=phase)
-        except CudaGraphRunnerError:
-            continue
-        return candidate
-    return None
-
-
-def _resolve_or_explain(phase: str, name: Optional[str], device: torch.device) -> "tuple[Optional[str], str]":
-    """(backend name to use or None for eager only, a note)."""
-    from .registry import get_registry, list_backends
-
-    reg = get_registry()
-    chosen = name or reg.default_backend(phase, device.type)
-    if name is None and chosen == "disabled":
-        chosen = _bench_choice(reg, phase, device) or chosen
-    if chosen == "disabled":
-        if name is None:
-            blocked = [
-                f"{e.name}: {e.reason}"
-                for e in list_backends()
-                if phase in e.phases and e.name != "disabled" and not e.ok
-            ]
-            why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
-            return None, f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
-        return None, f"{phase} backend 'disabled': running eager only"
-    try:
-        reg.get(chosen, device_type=device.type, phase=phase)
-    except CudaGraphRunnerError as exc:
-        if name is not None:  # asked for by name: an error (check_explicit_backends reports it first)
-            raise
-        return None, f"{phase} backend {chosen!r} skipped: {exc}; running eager only"
-    return chosen, ""
-
-
->>>>>>> i22
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments; returns the exit status (1 when a graph
     result disagrees with eager). With ``--tp N`` > 1 every rank ends here in bounded

@@ -74,6 +74,23 @@ class BackendChoice:
     explicit: bool = False
 
 
+#: Backends the bench picks itself, in order, where the device's default is ``disabled``
+#: (the CPU): the runner never defaults to them (compiling costs tens of seconds), but
+#: the main job shows what a compiled forward gains. Names only: the core imports no plugin.
+BENCH_PREFERRED = {"cpu": ("compiled",)}
+
+
+def bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
+    """The first of :data:`BENCH_PREFERRED` for ``device`` usable for ``phase``, else None."""
+    for candidate in BENCH_PREFERRED.get(device.type, ()):
+        try:
+            reg.get(candidate, device_type=device.type, phase=phase)
+        except CudaGraphRunnerError:
+            continue
+        return candidate
+    return None
+
+
 def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> str:
     from .registry import list_backends
 
@@ -112,6 +129,8 @@ def plan_phase(
         explicit = name is not None
         where = f"--{phase}-backends" if selection else "the config"
         chosen = name or reg.default_backend(phase, device.type)
+        if name is None and chosen == "disabled":
+            chosen = bench_choice(reg, phase, device) or chosen
         label = chosen + (f":{compiler}" if compiler else "")
         fields: Dict[str, Any] = {
             "backend": chosen,

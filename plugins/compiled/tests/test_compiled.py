@@ -177,16 +177,22 @@ def test_listed_on_cpu_with_its_probe_and_never_the_runner_default():
 
 
 def test_bench_picks_it_on_the_cpu(monkeypatch):
-    from cuda_graph_runner import bench
+    from cuda_graph_runner.bench_backends import plan_phase
+    from cuda_graph_runner.config import CudaGraphConfig
+
+    def choose():
+        (choice,) = plan_phase("decode", None, CudaGraphConfig(), torch.device("cpu"), default_max=4)
+        return choice
 
     registry.reset_registry(keep_in_process=False)
     try:
         monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
-        assert bench._resolve_or_explain("decode", None, torch.device("cpu")) == ("compiled", "")
+        choice = choose()
+        assert choice.label == "compiled" and choice.backend is not None and choice.note == ""
         registry.reset_registry(keep_in_process=False)
         monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "no C++ compiler here")
-        chosen, note = bench._resolve_or_explain("decode", None, torch.device("cpu"))
-        assert chosen is None and "compiled: no C++ compiler here" in note
+        choice = choose()
+        assert choice.backend is None and "compiled: no C++ compiler here" in choice.note
     finally:
         registry.reset_registry(keep_in_process=False)
 

@@ -64,6 +64,7 @@ CPU
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
