@@ -9,8 +9,8 @@ replay runs the code compiled for that bucket on the runner's static buffers.
 
 How it runs:
 
-``prepare(runner)``
-    Remembers the runner's model and ``graph_forward`` (the runner's public "what one
+``prepare(plan)``
+    Remembers the capture plan's model and ``forward`` (the runner's public "what one
     graph records" method).
 ``capture_one(key, forward_fn)``
     Makes ``torch.compile(model.forward, dynamic=False, fullgraph=True)`` for ``key``
@@ -20,7 +20,7 @@ How it runs:
     compiled code up. Marked ops (attention) are torch custom ops: Dynamo and inductor
     keep them opaque, and they run on the live batch's metadata at every call.
 ``replay(key, static_batch)``
-    ``runner.graph_forward(static_batch)`` with ``key``'s compiled forward in place of
+    ``plan.forward(static_batch)`` with ``key``'s compiled forward in place of
     ``model.forward`` (only for the duration of the call: the runner's eager fallback, and
     any other backend on the model, see the forward as written), with Dynamo's guard
     checks skipped (one entry per bucket, always called on the same static buffers: a
@@ -49,6 +49,7 @@ import torch
 
 from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_batch import ForwardBatch
 
@@ -131,13 +132,15 @@ class CompiledBackend(BaseCudaGraphBackend):
         self._original_forward: Optional[Callable[..., Any]] = None
 
     # -- set-up ---------------------------------------------------------------------
-    def prepare(self, runner: Any) -> None:
-        """Remember ``runner.model`` and ``runner.graph_forward``."""
-        self._model = runner.model
-        self._graph_forward = runner.graph_forward
-        self._original_forward = runner.model.forward
+    def prepare(self, plan: CapturePlan) -> None:
+        """Remember the plan's model, its forward as written, and the plan's forward."""
+        self._model = plan.model
+        self._graph_forward = plan.forward
+        self._original_forward = plan.model.forward
 
     def _compile(self, key: ShapeKey) -> Callable[..., Any]:
+        if self._original_forward is None:
+            raise RuntimeError("backend 'compiled': call prepare(plan) first (the runner's capture() does)")
         entry = _entry_function(self._original_forward, f"{key.variant or 'v'}_{key.size}")
         kwargs: Dict[str, Any] = {"backend": self.compiler, "dynamic": False, "fullgraph": True}
         if self.compiler == "inductor" and self.inductor_options:

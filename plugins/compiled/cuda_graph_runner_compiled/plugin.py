@@ -18,7 +18,7 @@ def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
             phases=("decode",),
             devices=("cpu",),
             probe="cuda_graph_runner_compiled.plugin:probe",
-            api_version="1.0",
+            api_version="1.1",
             options=(),  # always inductor (tc_compiler's default 'eager' would gain nothing here)
             description="torch.compile (inductor) of the forward per batch-size bucket, no device graph (CPU)",
         )
