@@ -40,6 +40,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
+from . import envs
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -337,7 +339,7 @@ def per_rank_compile_cache(rank: int) -> str:
         The directory.
     """
     leaf = f"rank_{rank}"
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    base = envs.external("TORCHINDUCTOR_CACHE_DIR")
     if base is None:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -345,7 +347,7 @@ def per_rank_compile_cache(rank: int) -> str:
     path = os.path.abspath(base)
     if os.path.basename(path) != leaf:
         path = os.path.join(path, leaf)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    envs.set_external("TORCHINDUCTOR_CACHE_DIR", path)
     return path
 
 

@@ -209,6 +209,12 @@ def external(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional
     return env.get(name) or None
 
 
+def set_external(name: str, value: str) -> None:
+    """Set another program's variable for this process and the processes it starts (the
+    per-rank ``TORCHINDUCTOR_CACHE_DIR`` of :func:`cuda_graph_runner.distributed.per_rank_compile_cache`)."""
+    os.environ[name] = value
+
+
 def launched_by_torch_distributed(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True when torchrun (or another ``env://`` launcher) set ``RANK`` or ``WORLD_SIZE``:
     torch's variables, not ours, read here so that this module stays the one reader."""
