@@ -338,13 +338,11 @@ def per_rank_compile_cache(rank: int) -> str:
     Returns:
         The directory.
     """
-    leaf = f"rank_{rank}"
-    base = envs.external("TORCHINDUCTOR_CACHE_DIR")
-    if base is None:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # Inductor's own reading of its variable (set, or its default); only written here.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        base = default_cache_dir()
-    path = os.path.abspath(base)
+    leaf = f"rank_{rank}"
+    path = cache_dir()
     if os.path.basename(path) != leaf:
         path = os.path.join(path, leaf)
     envs.set_external("TORCHINDUCTOR_CACHE_DIR", path)
