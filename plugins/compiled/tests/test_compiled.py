@@ -179,6 +179,7 @@ def test_listed_on_cpu_with_its_probe_and_never_the_runner_default():
 def test_bench_picks_it_on_the_cpu(monkeypatch):
     from cuda_graph_runner import bench
 
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "1")  # the suite turns it off (conftest.py)
     registry.reset_registry(keep_in_process=False)
     try:
         monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
@@ -187,6 +188,10 @@ def test_bench_picks_it_on_the_cpu(monkeypatch):
         monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "no C++ compiler here")
         chosen, note = bench._resolve_or_explain("decode", None, torch.device("cpu"))
         assert chosen is None and "compiled: no C++ compiler here" in note
+        registry.reset_registry(keep_in_process=False)
+        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
+        monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "0")
+        assert bench._resolve_or_explain("decode", None, torch.device("cpu"))[0] is None
     finally:
         registry.reset_registry(keep_in_process=False)
 
