@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The CPU bench would otherwise compile the model (tens of seconds) in every test that
+# runs it without naming a backend; the tests of that choice turn it back on.
+os.environ.setdefault("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -81,7 +81,12 @@ BENCH_PREFERRED = {"cpu": ("compiled",)}
 
 
 def bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
-    """The first of :data:`BENCH_PREFERRED` for ``device`` usable for ``phase``, else None."""
+    """The first of :data:`BENCH_PREFERRED` for ``device`` usable for ``phase``, else None
+    (always None when ``CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED`` is off)."""
+    from . import envs
+
+    if not envs.get(envs.BENCH_CPU_COMPILED):
+        return None
     for candidate in BENCH_PREFERRED.get(device.type, ()):
         try:
             reg.get(candidate, device_type=device.type, phase=phase)

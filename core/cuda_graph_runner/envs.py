@@ -298,6 +298,13 @@ COMPILED_BUDGET_S = define(
     "(unset: 600). Read when a CompiledBackend is built without compile_budget_s.",
     owner="cuda-graph-runner-compiled",
 ).name
+BENCH_CPU_COMPILED = define(
+    "CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED",
+    "bool",
+    True,
+    "bench: on the CPU, with no backend named, pick backend 'compiled' where usable (off: eager numbers "
+    "only, nothing compiled; the test suite turns it off). Read when the bench resolves its backends.",
+).name
 CACHE_DIR = define(
     "CUDA_GRAPH_RUNNER_CACHE_DIR",
     "str",

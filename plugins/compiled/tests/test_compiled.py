@@ -184,6 +184,7 @@ def test_bench_picks_it_on_the_cpu(monkeypatch):
         (choice,) = plan_phase("decode", None, CudaGraphConfig(), torch.device("cpu"), default_max=4)
         return choice
 
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "1")  # the suite turns it off (conftest.py)
     registry.reset_registry(keep_in_process=False)
     try:
         monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
@@ -193,6 +194,10 @@ def test_bench_picks_it_on_the_cpu(monkeypatch):
         monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "no C++ compiler here")
         choice = choose()
         assert choice.backend is None and "compiled: no C++ compiler here" in choice.note
+        registry.reset_registry(keep_in_process=False)
+        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
+        monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "0")
+        assert choose().backend is None
     finally:
         registry.reset_registry(keep_in_process=False)
 
