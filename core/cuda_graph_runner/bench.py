@@ -175,7 +175,9 @@ def _bench_phase(
             after(runner, label)
         for r in rows:
             r["backend"] = label
-            failed |= r.get("tokens_match") is False or r.get("argmax_match") is False
+            # A graph result outside the backend's tolerance fails the run; tokens that part
+            # at a near-tie within it are reported (the table) but are no error.
+            failed |= r.get("within_tolerance") is False
         results[phase].extend(rows)
         if runner is not None:
             runner.cleanup()
@@ -331,7 +333,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say(real_model.format_generations(rows, GENERATED_TOKENS))
 
     decode_table = (
-        ["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|"],
+        ["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|", "within tol"],
         lambda r: [
             r["batch_size"],
             r["eager_ms"],
@@ -340,6 +342,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             r.get("replay_prepare_us"),
             r.get("tokens_match"),
             r.get("max_abs_diff"),
+            r.get("within_tolerance"),
         ],
     )
     failed = _bench_phase(
@@ -365,7 +368,17 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         max_reqs = max(args.prefill_requests) + 1
         model.create_kv_cache(num_slots=max_reqs * max_tokens + 1, max_reqs=max_reqs, max_context_len=max_tokens)
         prefill_table = (
-            ["tokens", "requests", "eager ms", "graph ms", "speedup", "replayed", "argmax match", "max |diff|"],
+            [
+                "tokens",
+                "requests",
+                "eager ms",
+                "graph ms",
+                "speedup",
+                "replayed",
+                "argmax match",
+                "max |diff|",
+                "within tol",
+            ],
             lambda r: [
                 r["num_tokens"],
                 r["requests"],
@@ -375,6 +388,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 r.get("replayed"),
                 r.get("argmax_match"),
                 r.get("max_abs_diff"),
+                r.get("within_tolerance"),
             ],
         )
         failed |= _bench_phase(
@@ -410,5 +424,9 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     elif fmt == "csv":
         sys.stdout.write(results_csv(document))
     if failed:
-        print("\nerror: a graph result disagreed with eager (tokens or argmax); see the tables", file=sys.stderr)
+        print(
+            "\nerror: a graph result differs from eager by more than its backend's tolerance "
+            "(the 'within tol' column); see the tables",
+            file=sys.stderr,
+        )
     return 1 if failed else 0

@@ -21,6 +21,7 @@ CSV_COLUMNS = (
     "replayed",
     "tokens_match",
     "argmax_match",
+    "within_tolerance",
     "max_abs_diff",
 )
 

@@ -81,6 +81,7 @@ TIMING_FIELDS: Dict[str, Tuple[str, bool]] = {
     "replayed": (_BOOL, False),
     "tokens_match": (_BOOL, False),
     "argmax_match": (_BOOL, False),
+    "within_tolerance": (_BOOL, False),
     "max_abs_diff": (_NUM_OR_NULL, False),
     "replay_prepare_us": (_NUM_OR_NULL, False),
 }
@@ -269,7 +270,15 @@ def from_bench_rows(old: Mapping[str, Any]) -> Dict[str, Any]:
                 timings.append({**rec, "method": "eager", "median_ms": row.get("eager_ms")})
                 continue
             rec.update(method=row["backend"], median_ms=row.get("graph_ms"), eager_ms=row.get("eager_ms"))
-            for key in ("speedup", "replayed", "tokens_match", "argmax_match", "max_abs_diff", "replay_prepare_us"):
+            for key in (
+                "speedup",
+                "replayed",
+                "tokens_match",
+                "argmax_match",
+                "within_tolerance",
+                "max_abs_diff",
+                "replay_prepare_us",
+            ):
                 rec[key] = row.get(key)
             timings.append(rec)
     runners = []
