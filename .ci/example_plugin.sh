@@ -95,7 +95,7 @@ from cuda_graph_runner.errors import UnknownBackendError
 for mod in (acme_cgr, cuda_graph_runner):  # installed copies, not the repository's
     assert "site-packages" in mod.__file__, mod.__file__
 rows = {r["name"]: r for r in json.load(open("backends.json"))}
-assert rows["acme"]["status"] == "available" and rows["acme"]["api_version"] == "1.0", rows["acme"]
+assert rows["acme"]["status"] == "available" and rows["acme"]["api_version"] == "1.1", rows["acme"]
 assert set(rows) == {"acme", "disabled"}, sorted(rows)  # a clean environment: no in-repo plugin
 config = CudaGraphConfig.from_dict({"decode": {"backend": "acme", "max_bs": 4}})
 config.validate(registry.backend_phases())
