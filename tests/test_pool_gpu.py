@@ -24,6 +24,7 @@ def test_capture_again_after_every_graph_died_while_a_pool_tensor_lives():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool.get_global_graph_memory_pool("cuda")):
         kept = x * 2  # allocated in the pool, referenced after its graph dies
+    g.replay()  # a capture records, it does not run: replay once so kept holds x * 2
     del g
     torch.cuda.synchronize()
     g2 = torch.cuda.CUDAGraph()

@@ -169,6 +169,16 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
         variant = self._select_variant(batch)
         self._variant_memo = (batch, variant)
+        return self._variant_key(padded, variant)
+
+    def _variant_key(self, padded: int, variant: str) -> ShapeKey:
+        """The key of captured size ``padded`` in ``variant``, made once per pair (``""``:
+        the key ``replay_target`` made), so ``decide`` and ``replay_prepare`` share it."""
+        if not variant:
+            key = self._keys.get(padded)
+            if key is None:
+                key = self._keys[padded] = self.make_key(padded)
+            return key
         key = self._variant_keys.get((padded, variant))
         if key is None:
             key = self._variant_keys[(padded, variant)] = self.make_key(padded, variant)
@@ -217,12 +227,10 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         plan = self._replay_plans.get(raw_bs)
         if plan is None:
             plan = self._replay_plan(raw_bs)
-        keys, static, fill, bs = plan
+        static, fill, bs = plan
         variant = self.variant_of(batch)
         self._variant_memo = None  # never keep a live batch alive past its step
-        key = keys.get(variant)
-        if key is None:
-            key = keys[variant] = self.make_key(bs, variant)
+        key = self._variant_key(bs, variant)
         fill((batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
         seq_lens_cpu = batch.seq_lens_cpu
         if seq_lens_cpu is not None and len(seq_lens_cpu) < bs:
@@ -241,7 +249,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         return key, static
 
     def _replay_plan(self, raw_bs: int) -> tuple:
-        """``({variant: key}, static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
+        """``(static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
         bs, _ = self.replay_target(raw_bs)
         width = self.num_tokens_per_req
         statics = self._replay_statics
@@ -250,8 +258,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         names = [name for name, _, _ in _DECODE_SLOTS]
         rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
         padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
-        keys: Dict[str, ShapeKey] = {}  # variant -> key, filled as variants appear
-        plan = (keys, statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
+        plan = (statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
         if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
             self._replay_plans.clear()
         self._replay_plans[raw_bs] = plan
