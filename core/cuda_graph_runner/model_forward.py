@@ -17,8 +17,9 @@ model, dispatched by a context flag), made owner-aware and reversible.
 
 from __future__ import annotations
 
+import types
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 _ATTR = "_cuda_graph_runner_forward_dispatch"
 
@@ -134,3 +135,23 @@ def forward_wrappers(model: Any) -> List[ForwardWrapper]:
     """The wrappers installed on ``model`` (empty when its forward is its own)."""
     dispatch = getattr(model, "__dict__", {}).get(_ATTR)
     return list(dispatch.wrappers) if dispatch is not None else []
+
+
+def entry_function(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``lambda *a, **k: original(*a, **k)`` with a code object of its own, named ``name``
+    (``:`` and ``-`` become ``_``), for ``torch.compile`` to compile.
+
+    Dynamo keeps its cache, and its recompile limit, per code object: a code object per
+    backend (tc_piecewise, compiled ``full``) or per size bucket (``compiled``) keeps two
+    compilations of one model's forward from sharing, or evicting, each other's entries.
+    """
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    code = forward.__code__
+    name = name.replace(":", "_").replace("-", "_")
+    changes: Dict[str, Any] = {"co_name": name}
+    if hasattr(code, "co_qualname"):
+        changes["co_qualname"] = name
+    return types.FunctionType(code.replace(**changes), forward.__globals__, name, None, forward.__closure__)

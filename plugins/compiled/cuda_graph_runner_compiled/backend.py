@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import types
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -52,6 +51,7 @@ from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
 from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.model_forward import entry_function
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class CompiledBackend(BaseCudaGraphBackend):
     def _compile(self, key: ShapeKey) -> Callable[..., Any]:
         if self._original_forward is None:
             raise RuntimeError("backend 'compiled': call prepare(plan) first (the runner's capture() does)")
-        entry = _entry_function(self._original_forward, f"{key.variant or 'v'}_{key.size}")
+        entry = entry_function(self._original_forward, f"compiled_forward_{key.variant or 'v'}_{key.size}")
         kwargs: Dict[str, Any] = {"backend": self.compiler, "dynamic": False, "fullgraph": True}
         if self.compiler == "inductor" and self.inductor_options:
             kwargs["options"] = self.inductor_options
@@ -247,23 +247,3 @@ def _SKIP_GUARDS() -> ContextManager[Any]:
     # The caller's stance (a test's "fail_on_recompile") is kept.
     stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
     return torch.compiler.set_stance(stance, skip_guard_eval_unsafe=True)
-
-
-def _entry_function(original: Callable[..., Any], tag: str) -> Callable[..., Any]:
-    """``lambda *a, **k: original(*a, **k)`` with a code object of its own.
-
-    Dynamo keeps its cache, and its recompile limit, per code object: one per bucket
-    means one entry each, never an eviction nor a recompile limit hit.
-    """
-
-    def compiled_forward(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **kwargs)
-
-    code = compiled_forward.__code__
-    name = f"compiled_forward_{tag}".replace(":", "_").replace("-", "_")
-    changes: Dict[str, Any] = {"co_name": name}
-    if hasattr(code, "co_qualname"):
-        changes["co_qualname"] = name
-    return types.FunctionType(
-        code.replace(**changes), compiled_forward.__globals__, name, None, compiled_forward.__closure__
-    )

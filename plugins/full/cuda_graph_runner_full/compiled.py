@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import logging
 import time
-import types
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -42,6 +41,7 @@ import torch
 from cuda_graph_runner import progress
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.model_forward import entry_function
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class CompiledForward:
             if not has_triton():
                 raise RuntimeError("full: tc_compiler 'inductor' on CUDA needs Triton (pip install triton)")
         self._model = model
-        entry = _entry_function(model.forward, f"full_{self.tag}")
+        entry = entry_function(model.forward, f"full_compiled_forward_full_{self.tag}")
         self._compiled = torch.compile(entry, backend=self._dynamo_backend(), fullgraph=True)
 
     @contextlib.contextmanager
@@ -179,19 +179,3 @@ def mark_dynamic_tokens(batch: Any) -> None:
         value = batch.__dict__.get(field.name)
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] >= 2:
             torch._dynamo.mark_dynamic(value, 0)
-
-
-def _entry_function(original: Callable[..., Any], tag: str) -> Callable[..., Any]:
-    """``lambda *a, **k: original(*a, **k)`` with a code object of its own (see ``tag``)."""
-
-    def full_compiled_forward(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **kwargs)
-
-    code = full_compiled_forward.__code__
-    name = f"full_compiled_forward_{tag}"
-    changes: Dict[str, Any] = {"co_name": name}
-    if hasattr(code, "co_qualname"):
-        changes["co_qualname"] = name
-    return types.FunctionType(
-        code.replace(**changes), full_compiled_forward.__globals__, name, None, full_compiled_forward.__closure__
-    )

@@ -69,7 +69,6 @@ import dataclasses
 import enum
 import logging
 import time
-import types
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -84,6 +83,7 @@ from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
 from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch
 from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.model_forward import entry_function
 
 from .compiler import PIECE_COMPILERS, CompiledGraph, PiecewiseDynamoBackend
 from .errors import TcPiecewiseCompileError, exception_chain
@@ -95,27 +95,6 @@ logger = logging.getLogger(__name__)
 #: Set to 1 to check, at every replay, that each piece's inputs sit where they sat at capture
 #: (parsed by the core's ``envs``: 1/0/true/false/yes/no/on/off).
 ENV_DEBUG = envs.TC_PIECEWISE_DEBUG
-
-
-def _entry_function(original: Callable[..., Any], tag: str) -> Callable[..., Any]:
-    """``lambda *a, **k: original(*a, **k)`` with a code object of its own.
-
-    Dynamo keeps its cache (and its recompile limit) per code object; a code object per
-    backend keeps two backends on one model (decode and prefill) from sharing, or
-    evicting, each other's entries.
-    """
-
-    def tc_piecewise_forward(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **kwargs)
-
-    code = tc_piecewise_forward.__code__
-    name = f"tc_piecewise_forward_{tag}"
-    changes: Dict[str, Any] = {"co_name": name}
-    if hasattr(code, "co_qualname"):
-        changes["co_qualname"] = name
-    return types.FunctionType(
-        code.replace(**changes), tc_piecewise_forward.__globals__, name, None, tc_piecewise_forward.__closure__
-    )
 
 
 def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:
@@ -377,7 +356,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
             raise RuntimeError("tc_piecewise: this backend is bound to another model; build a new backend")
         self._forward_wrapper = plan.wrap_model_forward(self._run, active=self._is_active)
         self._model = model
-        entry = _entry_function(self._forward_wrapper.original, f"{self.phase}_{id(self):x}")
+        entry = entry_function(self._forward_wrapper.original, f"tc_piecewise_forward_{self.phase}_{id(self):x}")
         # The Dynamo backend lives in Dynamo's cache (out of the garbage collector's reach):
         # it reaches this backend only weakly, so dropping the runner frees everything.
         ref = weakref.ref(self)
