@@ -79,6 +79,7 @@ from make_docs import render  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
+from cuda_graph_runner.pool import graph_owned_cublas_workspace  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
@@ -122,7 +123,8 @@ class HandWrittenGraph:
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            # The graph's cuBLAS workspace in its pool, as the runners do (pool.py).
+            with graph_owned_cublas_workspace(torch.cuda.graph(self.graph, pool=pool, stream=stream), torch.cuda):
                 self.out = fn()
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:

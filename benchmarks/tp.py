@@ -39,6 +39,7 @@ def _comm_ms(tp: Any, model: Any, bs: int, iters: int) -> float:
     """Milliseconds per replay of a graph holding one decode step's collectives."""
     from cuda_graph_runner.bench import time_ms
     from cuda_graph_runner.distributed import all_gather_last_dim, all_reduce
+    from cuda_graph_runner.pool import graph_owned_cublas_workspace
 
     if tp is None or not tp.is_parallel:
         return 0.0
@@ -59,7 +60,7 @@ def _comm_ms(tp: Any, model: Any, bs: int, iters: int) -> float:
     torch.cuda.current_stream(tp.device).wait_stream(stream)
     tp.barrier()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with graph_owned_cublas_workspace(torch.cuda.graph(graph, stream=stream), torch.cuda):
         step()
     tp.barrier()
     sync = lambda: torch.cuda.synchronize(tp.device)  # noqa: E731

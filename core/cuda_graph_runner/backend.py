@@ -57,6 +57,7 @@ import torch
 from .device import resolve_device
 from .forward_batch import ForwardBatch
 from .graph_table import CapturedGraphs
+from .pool import graph_owned_cublas_workspace
 
 if TYPE_CHECKING:
     from .capture_plan import CapturePlan
@@ -237,13 +238,15 @@ class BaseCudaGraphBackend(abc.ABC):
         (the largest size) still frees what the model left cached; the runner empties the
         cache once more after the session. Borrowed from vLLM's CUDA-graph wrapper and
         sglang's piecewise runner, which patch ``empty_cache``/``gc.collect`` out of all
-        captures but the first.
+        captures but the first. On CUDA the graph's cuBLAS workspace is allocated in the
+        pool (:func:`cuda_graph_runner.pool.graph_owned_cublas_workspace`), so another
+        library dropping cuBLAS's cached workspaces never frees memory a replay writes.
         """
         first = self._session_graphs == 0
         self._session_graphs += 1
         dm = self.device_module
         ctx = dm.graph(graph, pool=self.memory_pool, stream=self.capture_stream, **options)
-        return ctx if first else _without_cache_emptying(dm, ctx)
+        return graph_owned_cublas_workspace(ctx if first else _without_cache_emptying(dm, ctx), dm)
 
     def device_guard(self) -> ContextManager[Any]:
         """Make ``self.device`` current for the block (``device_module.device(device)``);

@@ -14,7 +14,8 @@ pool lives until :func:`release_unused_graph_memory_pool` finds no graph using i
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import contextlib
+from typing import Any, ContextManager, Dict, Iterator, Optional
 
 import torch
 
@@ -125,3 +126,41 @@ def reset_global_graph_memory_pools() -> None:
     _pools.clear()
     _mem_pools.clear()
     _streams.clear()
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop the cuBLAS (and cuBLASLt) workspaces cached per handle and stream
+    (``torch._C._cuda_clearCublasWorkspaces``); a no-op where torch has no CUDA."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+@contextlib.contextmanager
+def _graph_owned_cublas_workspace(ctx: ContextManager[Any]) -> Iterator[None]:
+    clear_cublas_workspaces()
+    try:
+        with ctx:
+            yield
+    finally:
+        clear_cublas_workspaces()
+
+
+def graph_owned_cublas_workspace(ctx: ContextManager[Any], device_module: Any) -> ContextManager[Any]:
+    """Wrap a ``torch.cuda.graph(...)`` context so the graph's cuBLAS workspace lives in
+    the graph's own memory pool; other device modules get ``ctx`` unchanged.
+
+    cuBLAS keeps one workspace per (handle, stream), allocated from the general cache by
+    the first GEMM on the stream (a warm-up), and a captured GEMM records its raw
+    address. Whoever then drops those workspaces (``torch.compile(mode="reduce-overhead")``
+    does at every CUDA-graph-tree recording) frees memory the graph still writes at each
+    replay: after ``empty_cache()`` the replay faults (illegal memory access), otherwise
+    it scribbles on whatever tensor got the block next. Dropping the cached workspaces
+    right before the capture makes the captured GEMMs allocate theirs inside the pool
+    (alive while the pool is); dropping them again after it keeps later eager GEMMs out
+    of the pool. Source: PyTorch's CUDA-graph trees (``clear_cublas_manager`` in
+    ``torch/_inductor/cudagraph_trees.py``) and pytorch/pytorch#192061 / #193402.
+    """
+    if device_module is not getattr(torch, "cuda", None):
+        return ctx
+    return _graph_owned_cublas_workspace(ctx)

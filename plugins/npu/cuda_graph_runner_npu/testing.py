@@ -27,6 +27,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from cuda_graph_runner.pool import graph_owned_cublas_workspace
+
 Event = Tuple[Any, ...]
 
 _NOT_UPDATABLE = (
@@ -242,7 +244,10 @@ class CudaBackedNPUModule:
         capture_error_mode: str = "global",
     ) -> Any:
         npu_graph.auto_dispatch_capture = auto_dispatch_capture
-        return torch.cuda.graph(npu_graph.cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+        return graph_owned_cublas_workspace(
+            torch.cuda.graph(npu_graph.cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode),
+            torch.cuda,
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
