@@ -21,9 +21,7 @@ def test_hooks_register_with_pluggy_and_answer_for_the_declared_pairs():
     specs, default = backend_hooks(SPEC, default_for=[("decode", "acme")])
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(BackendHookSpecs)
-    pm.register(
-        _module(cuda_graph_runner_backend_specs=specs, cuda_graph_runner_default_backend=default), name="acme"
-    )
+    pm.register(_module(cuda_graph_runner_backend_specs=specs, cuda_graph_runner_default_backend=default), name="acme")
     assert pm.hook.cuda_graph_runner_backend_specs() == [[SPEC]]
     assert pm.hook.cuda_graph_runner_default_backend(phase="decode", device_type="acme") == "acme"
     assert pm.hook.cuda_graph_runner_default_backend(phase="decode", device_type="cuda") is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 from cuda_graph_runner.hookspecs import BackendSpec, backend_hooks
 from cuda_graph_runner.probes import cuda_graphs as probe  # torch loads lazily, when it is called
 
-
 cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
     BackendSpec(
         name="full",

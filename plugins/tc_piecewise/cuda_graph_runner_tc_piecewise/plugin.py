@@ -6,7 +6,6 @@ from typing import Optional
 
 from cuda_graph_runner.hookspecs import BackendSpec, backend_hooks
 
-
 # Never the default (no default_for): compiling costs seconds to minutes; users opt in by name.
 cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
     BackendSpec(
