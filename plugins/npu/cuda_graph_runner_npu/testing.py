@@ -27,6 +27,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from cuda_graph_runner.testing.fakes import recording_capture
+
 Event = Tuple[Any, ...]
 
 _NOT_UPDATABLE = (
@@ -119,14 +121,9 @@ class RecordingNPUModule:
         if self.capturing is not None:
             raise RuntimeError("nested graph capture")
         npu_graph.auto_dispatch_capture = auto_dispatch_capture
-        self.events.append(("capture_begin", npu_graph.id, pool, stream, auto_dispatch_capture, capture_error_mode))
-        self.capturing = npu_graph
-        try:
+        begin = ("capture_begin", npu_graph.id, pool, stream, auto_dispatch_capture, capture_error_mode)
+        with recording_capture(self, npu_graph, begin):
             yield
-        finally:
-            self.capturing = None
-            npu_graph.captured = True
-            self.events.append(("capture_end", npu_graph.id))
 
     class Stream:
         def __repr__(self) -> str:
