@@ -134,7 +134,7 @@ class EmulatedGraphDeviceModule(FakeGraphDeviceModule):
     def CUDAGraph(self) -> EmulatedGraph:  # type: ignore[override]  # noqa: N802 - mirrors torch.cuda; its own graph type
         return EmulatedGraph(self)
 
-    def capture_recorder(self, cuda_graph: EmulatedGraph) -> ContextManager[Any]:  # type: ignore[override]  # its own graph type
+    def capture_recorder(self, cuda_graph: EmulatedGraph) -> ContextManager[Any]:
         """Records the ops a capture runs, for :meth:`EmulatedGraph.replay` to re-run."""
         return _Recorder(cuda_graph)
 

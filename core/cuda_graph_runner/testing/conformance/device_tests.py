@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Tuple
 
 import pytest
 
+if TYPE_CHECKING:
+    from ...runner import DecodeCudaGraphRunner
+
 #: The device tests, in the order the kit defines them (``device_marks`` marks each).
 DEVICE_TESTS = (
     "test_device_decode_capture_replay_matches_eager",
@@ -45,7 +48,7 @@ class DeviceConformanceTests:
         ) -> Any: ...
         def assert_close(self, got: Any, expected: Any, what: str) -> None: ...
 
-    def _decode_runner(self, device: str, max_bs: int, **options: Any) -> Tuple[Any, Any]:
+    def _decode_runner(self, device: str, max_bs: int, **options: Any) -> Tuple[Any, "DecodeCudaGraphRunner"]:
         """``(model, runner)``: the kit's model on ``device`` and a decode runner of this
         backend for it up to ``max_bs`` (``options``: the runner's keyword arguments)."""
         from ...runner import DecodeCudaGraphRunner
