@@ -1,4 +1,4 @@
-"""The one sanctioned way for a backend to replace a model's forward (plugin API 1.1).
+"""How a backend replaces a model's forward (plugin API 1.1): for good, or for a block.
 
 A backend that runs its own version of the forward (tc_piecewise: ``torch.compile``
 split at the marked ops) needs the runner's ``model.forward(batch)`` calls to reach it
@@ -10,6 +10,8 @@ written. :func:`wrap_model_forward` (reached by backends through
 runs, else the original. Removing the last wrapper gives the model its original
 forward back (the class's, or the instance attribute it had). Wrappers keep their
 backend only weakly: dropping a runner frees its backend even while the model lives.
+A backend that runs its own forward only inside a block it runs itself (a compile
+pass, one capture, one replay) uses :func:`forward_replaced` instead.
 
 Borrowed from sglang's ``install_torch_compiled`` (a compiled forward installed on the
 model, dispatched by a context flag), made owner-aware and reversible.
