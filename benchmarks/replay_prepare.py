@@ -27,11 +27,11 @@ import gc
 import json
 import statistics
 import sys
-import time
 from typing import Any, Callable, Dict, List
 
 import torch
 
+from cuda_graph_runner.bench_measure import block_means_s
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
@@ -84,17 +84,10 @@ def _extend_batch(lengths: List[int], device: str) -> ForwardBatch:
 
 
 def time_us(fn: Callable[[], Any], *, iters: int, repeats: int, sync: Callable[[], None]) -> Dict[str, float]:
-    """Median and min over ``repeats`` blocks of the mean µs per call of ``fn``."""
-    for _ in range(iters):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - start) * 1e6 / iters)
-        sync()
+    """Median and min over ``repeats`` blocks of the mean host µs per call of ``fn``."""
+    samples = [
+        s * 1e6 for s in block_means_s(fn, iters=iters, warmup=iters, sync=sync, repeats=repeats, host_only=True)
+    ]
     return {"median_us": statistics.median(samples), "min_us": min(samples)}
 
 

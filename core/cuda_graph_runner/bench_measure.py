@@ -20,6 +20,26 @@ def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[]
     and host launch overhead overlaps with it as it does in serving; the median keeps a
     stall of a busy machine out of the number.
     """
+    samples = block_means_s(fn, iters=iters, warmup=warmup, sync=sync, repeats=repeats)
+    return statistics.median(samples) * 1000.0
+
+
+def block_means_s(
+    fn: Callable[[], Any],
+    *,
+    iters: int,
+    warmup: int,
+    sync: Callable[[], None],
+    repeats: int,
+    host_only: bool = False,
+) -> List[float]:
+    """The mean seconds per ``fn()`` call of each of ``repeats`` timed blocks of ``iters``
+    calls, after ``warmup`` untimed calls.
+
+    A block starts after a synchronize. Its clock stops after a second synchronize
+    (device work counted), or with ``host_only`` before it (the host cost of issuing the
+    calls; the synchronize then only keeps queued work out of the next block).
+    """
     for _ in range(warmup):
         fn()
     samples = []
@@ -28,9 +48,12 @@ def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[]
         start = time.perf_counter()
         for _ in range(iters):
             fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1000.0 / iters)
-    return statistics.median(samples)
+        if not host_only:
+            sync()
+        samples.append((time.perf_counter() - start) / iters)
+        if host_only:
+            sync()
+    return samples
 
 
 def replay_prepare_us(runner: Any, batch: ForwardBatch, *, sync: Callable[[], None], iters: int = 200) -> float:

@@ -4,21 +4,22 @@ Importing this module imports neither torch nor any backend: a plugin's registra
 module (the object its entry point names) should import only this, so that listing
 backends stays cheap and one vendor's broken wheel cannot break discovery.
 
-A plugin module looks like::
+A plugin module that provides one backend looks like::
 
-    from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+    from cuda_graph_runner.hookspecs import BackendSpec, backend_hooks
 
-    @hookimpl
-    def cuda_graph_runner_backend_specs():
-        return [BackendSpec(name="acme", backend_class="acme_cgr.backend:AcmeBackend",
-                            phases=("decode",), devices=("cuda",),
-                            probe="acme_cgr.plugin:probe", api_version="1.1")]
+    cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
+        BackendSpec(name="acme", backend_class="acme_cgr.backend:AcmeBackend",
+                    phases=("decode",), devices=("acme",),
+                    probe="acme_cgr.plugin:probe", api_version="1.1"),
+        default_for=[("decode", "acme")],
+    )
 
-    @hookimpl
-    def cuda_graph_runner_default_backend(phase, device_type):
-        return "acme" if (phase, device_type) == ("decode", "acme") else None
-
-and is declared in its ``pyproject.toml``::
+:func:`backend_hooks` writes the two ``@hookimpl`` functions. A plugin may write them by
+hand instead: ``cuda_graph_runner_backend_specs()`` returning its specs, and
+``cuda_graph_runner_default_backend(phase, device_type)`` returning a name, a
+:class:`DefaultClaim` or None. Either way the module is declared in the plugin's
+``pyproject.toml``::
 
     [project.entry-points."cuda_graph_runner.backends"]
     acme = "acme_cgr.plugin"
@@ -27,7 +28,7 @@ and is declared in its ``pyproject.toml``::
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Tuple, Union
 
 import pluggy
 
@@ -99,6 +100,60 @@ class DefaultClaim:
 
     backend: str
     priority: int = 0
+
+
+#: One ``(phase, device_type)`` pair, such as ``("decode", "cuda")``.
+PhaseDevice = Tuple[str, str]
+SpecsHook = Callable[[], List[BackendSpec]]
+DefaultHook = Callable[[str, str], Optional[str]]
+
+
+def backend_hooks(spec: BackendSpec, *, default_for: Iterable[PhaseDevice] = ()) -> Tuple[SpecsHook, DefaultHook]:
+    """The two hook implementations of a plugin that provides one backend.
+
+    A registration module binds them to the hook names, which pluggy then finds on the
+    module like hand-written ``@hookimpl`` functions (the hooks, the entry point and the
+    plugin API version are the same)::
+
+        cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
+            BackendSpec(name="acme", ...), default_for=[("decode", "acme")]
+        )
+
+    Args:
+        spec: the one backend the plugin provides; ``cuda_graph_runner_backend_specs()``
+            returns ``[spec]``.
+        default_for: the ``(phase, device_type)`` pairs where ``spec.name`` claims the
+            default backend (priority 0); elsewhere ``cuda_graph_runner_default_backend``
+            passes (None). Empty (the default): never claims. A plugin that claims with a
+            priority, or provides several backends, writes its hooks by hand.
+
+    Raises:
+        ValueError: an entry of ``default_for`` is not a ``(phase, device_type)`` pair of
+            strings, or names a phase ``spec.phases`` does not list (the claim could
+            never be used).
+    """
+    claims = frozenset(_claim_pair(spec, pair) for pair in default_for)
+
+    @hookimpl
+    def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
+        return [spec]
+
+    @hookimpl
+    def cuda_graph_runner_default_backend(phase: str, device_type: str) -> Optional[str]:
+        return spec.name if (phase, device_type) in claims else None
+
+    return cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend
+
+
+def _claim_pair(spec: BackendSpec, pair: object) -> PhaseDevice:
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+        raise ValueError(f"backend {spec.name!r}: default_for entry {pair!r} is not a (phase, device_type) pair")
+    if pair[0] not in spec.phases:
+        raise ValueError(
+            f"backend {spec.name!r}: default_for entry {pair!r} names phase {pair[0]!r}; "
+            f"the spec's phases are {spec.phases!r}"
+        )
+    return (pair[0], pair[1])
 
 
 class BackendHookSpecs:

@@ -1,4 +1,4 @@
-"""The one sanctioned way for a backend to replace a model's forward (plugin API 1.1).
+"""How a backend replaces a model's forward (plugin API 1.1): for good, or for a block.
 
 A backend that runs its own version of the forward (tc_piecewise: ``torch.compile``
 split at the marked ops) needs the runner's ``model.forward(batch)`` calls to reach it
@@ -10,6 +10,8 @@ written. :func:`wrap_model_forward` (reached by backends through
 runs, else the original. Removing the last wrapper gives the model its original
 forward back (the class's, or the instance attribute it had). Wrappers keep their
 backend only weakly: dropping a runner frees its backend even while the model lives.
+A backend that runs its own forward only inside a block it runs itself (a compile
+pass, one capture, one replay) uses :func:`forward_replaced` instead.
 
 Borrowed from sglang's ``install_torch_compiled`` (a compiled forward installed on the
 model, dispatched by a context flag), made owner-aware and reversible.
@@ -17,9 +19,10 @@ model, dispatched by a context flag), made owner-aware and reversible.
 
 from __future__ import annotations
 
+import contextlib
 import types
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 _ATTR = "_cuda_graph_runner_forward_dispatch"
 
@@ -155,3 +158,31 @@ def entry_function(original: Callable[..., Any], name: str) -> Callable[..., Any
     if hasattr(code, "co_qualname"):
         changes["co_qualname"] = name
     return types.FunctionType(code.replace(**changes), forward.__globals__, name, None, forward.__closure__)
+
+
+@contextlib.contextmanager
+def forward_replaced(model: Any, forward: Callable[..., Any]) -> Iterator[None]:
+    """``model.forward`` is ``forward`` for the block, then exactly what it was before.
+
+    For a backend that runs its own forward only inside a block it controls (a compile
+    pass, one capture, one replay): an instance attribute shadows the class's method
+    (and any dispatcher :func:`wrap_model_forward` installed) and is removed afterwards,
+    or the instance attribute the model had is put back. Not reentrant across threads:
+    another thread calling ``model.forward`` meanwhile runs ``forward`` too; a backend
+    whose forward must stay installed between calls uses :func:`wrap_model_forward`.
+
+    Raises:
+        TypeError: ``model`` has no instance ``__dict__``.
+    """
+    attrs = getattr(model, "__dict__", None)
+    if attrs is None:
+        raise TypeError(f"cannot replace the forward of a {type(model).__name__}: it has no instance __dict__")
+    had, before = "forward" in attrs, attrs.get("forward")
+    attrs["forward"] = forward
+    try:
+        yield
+    finally:
+        if had:
+            attrs["forward"] = before
+        else:
+            attrs.pop("forward", None)

@@ -428,36 +428,35 @@ class CudaGraphConfig:
             name = self[phase].backend
             if name is None or name == Backend.DISABLED:
                 continue
-            source = self.sources.get((phase, "backend"))
-            if name not in backend_phases and unusable and name in unusable:
+            problem = _backend_problem(name, phase, backend_phases, unusable)
+            if problem is not None:
                 raise CudaGraphConfigError(
-                    f"is {unusable[name]}",
+                    problem,
                     phase=phase,
                     key="backend",
                     value=name,
                     accepted=_names_for(phase, backend_phases),
-                    source=source,
+                    source=self.sources.get((phase, "backend")),
                 )
-            if name not in backend_phases:
-                raise CudaGraphConfigError(
-                    "is not an installed backend" + _install_hint(name, backend_phases),
-                    phase=phase,
-                    key="backend",
-                    value=name,
-                    accepted=_names_for(phase, backend_phases),
-                    source=source,
-                )
-            supported = backend_phases[name]
-            if phase not in supported:
-                raise CudaGraphConfigError(
-                    f"backend {name!r} does not support phase {phase!r} "
-                    f"(it supports: {', '.join(sorted(supported)) or 'none'})",
-                    phase=phase,
-                    key="backend",
-                    value=name,
-                    accepted=_names_for(phase, backend_phases),
-                    source=source,
-                )
+
+
+def _backend_problem(
+    name: str,
+    phase: str,
+    backend_phases: Mapping[str, Collection[str]],
+    unusable: Optional[Mapping[str, str]],
+) -> Optional[str]:
+    """What is wrong with backend ``name`` for ``phase`` (the error's problem text), or None."""
+    if name not in backend_phases:
+        if unusable and name in unusable:
+            return f"is {unusable[name]}"
+        return "is not an installed backend" + _install_hint(name, backend_phases)
+    supported = backend_phases[name]
+    if phase not in supported:
+        return (
+            f"backend {name!r} does not support phase {phase!r} (it supports: {', '.join(sorted(supported)) or 'none'})"
+        )
+    return None
 
 
 def _names_for(phase: str, backend_phases: Mapping[str, Collection[str]]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +23,34 @@ from ..forward_batch import ForwardBatch
 from ..nested import map_tensors
 
 Event = Tuple[Any, ...]
+
+
+@contextlib.contextmanager
+def recording_capture(module: Any, graph: Any, begin: Event) -> Iterator[None]:
+    """The bookkeeping of one capture on a recording graph module (this one, or a
+    plugin's fake ``torch.npu``): ``begin`` and then ``("capture_end", graph.id)`` in
+    ``module.events``, ``module.capturing`` is ``graph`` inside the block, and
+    ``graph.captured`` is set afterwards (also when the block raised, as a real capture
+    leaves its graph).
+
+    Args:
+        module: has ``events`` (a list) and ``capturing`` (None outside a capture).
+        graph: has ``id`` and ``captured``.
+        begin: the event that opens the capture, ``("capture_begin", graph.id, ...)``.
+
+    Raises:
+        RuntimeError: ``module`` is already capturing (nested capture).
+    """
+    if module.capturing is not None:
+        raise RuntimeError("nested graph capture")
+    module.events.append(begin)
+    module.capturing = graph
+    try:
+        yield
+    finally:
+        module.capturing = None
+        graph.captured = True
+        module.events.append(("capture_end", graph.id))
 
 
 class FakeGraph:
@@ -134,20 +162,22 @@ class FakeGraphDeviceModule:
         return self.pool_handle
 
     @contextlib.contextmanager
-    def graph(self, cuda_graph: FakeGraph, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
+    def graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None, **kwargs: Any) -> Iterator[None]:
+        """``torch.cuda.graph``: records the capture; what runs inside it is recorded
+        by :meth:`capture_recorder` (nothing here: a fake graph's replay is a no-op)."""
         if self.capturing is not None:
             raise RuntimeError("nested graph capture")
         self.record_device("graph", None)
         if stream is not None:
             self.record_device("graph_stream", getattr(stream, "device_index", None))
-        self.events.append(("capture_begin", cuda_graph.id, pool, stream))
-        self.capturing = cuda_graph
-        try:
-            yield
-        finally:
-            self.capturing = None
-            cuda_graph.captured = True
-            self.events.append(("capture_end", cuda_graph.id))
+        with recording_capture(self, cuda_graph, ("capture_begin", cuda_graph.id, pool, stream)):
+            with self.capture_recorder(cuda_graph):
+                yield
+
+    def capture_recorder(self, cuda_graph: Any) -> ContextManager[Any]:
+        """The context that records the ops a capture runs into ``cuda_graph``: none
+        here; a subclass whose graphs replay for real records them."""
+        return contextlib.nullcontext()
 
     # streams and sync
     Stream = FakeStream  # replaced per instance by a subclass bound to the module
@@ -244,10 +274,6 @@ class RecordingBackend(BaseCudaGraphBackend):
 
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
         return key in self._fns
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
 
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
         if key not in self._fns:

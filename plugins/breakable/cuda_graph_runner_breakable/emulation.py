@@ -19,9 +19,8 @@ kernel timing. Used by the breakable plugin's CPU tests.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -135,24 +134,9 @@ class EmulatedGraphDeviceModule(FakeGraphDeviceModule):
     def CUDAGraph(self) -> EmulatedGraph:  # type: ignore[override]  # noqa: N802 - mirrors torch.cuda; its own graph type
         return EmulatedGraph(self)
 
-    @contextlib.contextmanager
-    def graph(  # type: ignore[override]  # takes its own graph type, not the core fake's
-        self, cuda_graph: EmulatedGraph, pool: Any = None, stream: Any = None, **kwargs: Any
-    ) -> Iterator[None]:
-        if self.capturing is not None:
-            raise RuntimeError("nested graph capture")
-        self.record_device("graph", None)
-        if stream is not None:
-            self.record_device("graph_stream", getattr(stream, "device_index", None))
-        self.events.append(("capture_begin", cuda_graph.id, pool, stream))
-        self.capturing = cuda_graph
-        try:
-            with _Recorder(cuda_graph):
-                yield
-        finally:
-            self.capturing = None
-            cuda_graph.captured = True
-            self.events.append(("capture_end", cuda_graph.id))
+    def capture_recorder(self, cuda_graph: EmulatedGraph) -> ContextManager[Any]:
+        """Records the ops a capture runs, for :meth:`EmulatedGraph.replay` to re-run."""
+        return _Recorder(cuda_graph)
 
     def is_current_stream_capturing(self) -> bool:
         return self.capturing is not None

@@ -42,16 +42,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Union
 
 import torch
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.model_forward import entry_function
+from cuda_graph_runner.model_forward import entry_function, forward_replaced
 
 logger = logging.getLogger(__name__)
 
@@ -147,32 +147,8 @@ class CompiledBackend(BaseCudaGraphBackend):
             kwargs["options"] = self.inductor_options
         return torch.compile(entry, **kwargs)
 
-    @contextlib.contextmanager
-    def _forward_of(self, compiled: Callable[..., Any]) -> Iterator[None]:
-        """``model.forward`` is ``compiled`` for the block (an instance attribute shadows
-        the class's method), then what it was before."""
-        attrs = self._model.__dict__
-        had, before = "forward" in attrs, attrs.get("forward")
-        attrs["forward"] = compiled
-        try:
-            yield
-        finally:
-            if had:
-                attrs["forward"] = before
-            else:
-                attrs.pop("forward", None)
-
     # -- the contract -----------------------------------------------------------------
-    def capture_session(self, stream: Any) -> ContextManager[None]:
-        return self.bind_capture_stream(stream)
-
-    def capture_one(
-        self,
-        key: ShapeKey,
-        forward_fn: ForwardFn,
-        *,
-        post_warmup_hook: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Compile the forward for ``key`` (first call of ``forward_fn``), then warm it up.
 
         Raises:
@@ -195,7 +171,7 @@ class CompiledBackend(BaseCudaGraphBackend):
             return
         compiled = self._compile(key)
         scope = compile_cache_scope() if self.cache else contextlib.nullcontext()
-        with self._forward_of(compiled):
+        with forward_replaced(self._model, compiled):
             start = time.perf_counter()
             with scope:
                 forward_fn()  # compiles
@@ -210,16 +186,12 @@ class CompiledBackend(BaseCudaGraphBackend):
     def can_run(self, batch: ForwardBatch, key: ShapeKey) -> bool:
         return key in self._compiled
 
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
-
     def replay(self, key: ShapeKey, static_batch: ForwardBatch) -> Any:
         compiled = self._compiled.get(key)
         if compiled is None:
             raise KeyError(f"no compiled forward for {key}; compiled: {sorted(self._compiled)}")
         assert self._graph_forward is not None
-        with self._forward_of(compiled), _SKIP_GUARDS():
+        with forward_replaced(self._model, compiled), _SKIP_GUARDS():
             return self._graph_forward(static_batch)
 
     def cleanup(self) -> None:

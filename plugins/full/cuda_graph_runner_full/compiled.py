@@ -41,7 +41,7 @@ import torch
 from cuda_graph_runner import progress
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.model_forward import entry_function
+from cuda_graph_runner.model_forward import entry_function, forward_replaced
 
 logger = logging.getLogger(__name__)
 
@@ -125,16 +125,8 @@ class CompiledForward:
         if self._model is None or self._compiled is None:
             yield
             return
-        attrs = self._model.__dict__
-        had, before = "forward" in attrs, attrs.get("forward")
-        attrs["forward"] = self._compiled
-        try:
+        with forward_replaced(self._model, self._compiled):
             yield
-        finally:
-            if had:
-                attrs["forward"] = before
-            else:
-                attrs.pop("forward", None)
 
     def compile_pass(self, plan: Any) -> float:
         """Bind ``plan.model`` and run one compiled forward per planned key (largest

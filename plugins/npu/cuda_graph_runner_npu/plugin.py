@@ -8,35 +8,29 @@ lazily, when the registry asks whether ``npu`` can run.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
-from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+from cuda_graph_runner.hookspecs import BackendSpec, backend_hooks
 
 BACKEND_NAME = "npu"
 DEVICE_TYPE = "npu"
 
 
-@hookimpl
-def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
-    return [
-        BackendSpec(
-            name=BACKEND_NAME,
-            backend_class="cuda_graph_runner_npu.backend:NPUCudaGraphBackend",
-            phases=("decode",),
-            devices=(DEVICE_TYPE,),
-            probe="cuda_graph_runner_npu.plugin:probe",
-            # A literal: the plugin API this plugin was written for (not the core's constant).
-            api_version="1.1",
-            options=(),  # reads no backend option (tc_compiler is tc_piecewise's)
-            description="torch_npu NPUGraph per batch size, shared pool, update-then-replay of host seq lens",
-        )
-    ]
-
-
-@hookimpl
-def cuda_graph_runner_default_backend(phase: str, device_type: str) -> Optional[str]:
-    """On an ``npu`` device the default decode backend is ``npu``; elsewhere, pass."""
-    return BACKEND_NAME if (phase, device_type) == ("decode", DEVICE_TYPE) else None
+# On an ``npu`` device the default decode backend is ``npu``; elsewhere it passes.
+cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
+    BackendSpec(
+        name=BACKEND_NAME,
+        backend_class="cuda_graph_runner_npu.backend:NPUCudaGraphBackend",
+        phases=("decode",),
+        devices=(DEVICE_TYPE,),
+        probe="cuda_graph_runner_npu.plugin:probe",
+        # A literal: the plugin API this plugin was written for (not the core's constant).
+        api_version="1.1",
+        # options: none read (tc_compiler is tc_piecewise's)
+        description="torch_npu NPUGraph per batch size, shared pool, update-then-replay of host seq lens",
+    ),
+    default_for=[("decode", DEVICE_TYPE)],
+)
 
 
 def probe(device_type: str) -> Optional[str]:

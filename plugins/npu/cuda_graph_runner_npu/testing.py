@@ -23,11 +23,12 @@ import contextlib
 import itertools
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from cuda_graph_runner.pool import graph_owned_cublas_workspace
+from cuda_graph_runner.testing.fakes import recording_capture
 
 Event = Tuple[Any, ...]
 
@@ -81,7 +82,30 @@ class RecordingNPUGraph:
         return self.module.pool_handle
 
 
-class RecordingNPUModule:
+class _NPUGraphContext:
+    """``torch.npu.graph`` with torch_npu's parameter names (the backend's API check
+    inspects them), shared by both doubles; each captures in its own ``_capture``."""
+
+    def graph(
+        self,
+        npu_graph: Any,
+        pool: Any = None,
+        stream: Any = None,
+        auto_dispatch_capture: bool = False,
+        capture_error_mode: str = "global",
+    ) -> ContextManager[Any]:
+        """A context that captures into ``npu_graph``; ``update`` works on it only with
+        ``auto_dispatch_capture=True`` (torch_npu's rule)."""
+        npu_graph.auto_dispatch_capture = auto_dispatch_capture
+        return self._capture(npu_graph, pool, stream, auto_dispatch_capture, capture_error_mode)
+
+    def _capture(
+        self, npu_graph: Any, pool: Any, stream: Any, auto_dispatch_capture: bool, capture_error_mode: str
+    ) -> ContextManager[Any]:
+        raise NotImplementedError
+
+
+class RecordingNPUModule(_NPUGraphContext):
     """Records the ``torch.npu`` graph calls a backend makes, for CPU tests.
 
     Attributes:
@@ -109,26 +133,11 @@ class RecordingNPUModule:
         self.events.append(("graph_pool_handle",))
         return self.pool_handle
 
-    @contextlib.contextmanager
-    def graph(
-        self,
-        npu_graph: RecordingNPUGraph,
-        pool: Any = None,
-        stream: Any = None,
-        auto_dispatch_capture: bool = False,
-        capture_error_mode: str = "global",
-    ) -> Iterator[None]:
-        if self.capturing is not None:
-            raise RuntimeError("nested graph capture")
-        npu_graph.auto_dispatch_capture = auto_dispatch_capture
-        self.events.append(("capture_begin", npu_graph.id, pool, stream, auto_dispatch_capture, capture_error_mode))
-        self.capturing = npu_graph
-        try:
-            yield
-        finally:
-            self.capturing = None
-            npu_graph.captured = True
-            self.events.append(("capture_end", npu_graph.id))
+    def _capture(
+        self, npu_graph: Any, pool: Any, stream: Any, auto_dispatch_capture: bool, capture_error_mode: str
+    ) -> ContextManager[Any]:
+        begin = ("capture_begin", npu_graph.id, pool, stream, auto_dispatch_capture, capture_error_mode)
+        return recording_capture(self, npu_graph, begin)
 
     class Stream:
         def __repr__(self) -> str:
@@ -207,7 +216,7 @@ class CudaBackedNPUGraph:
         return self.cuda_graph.pool()
 
 
-class CudaBackedNPUModule:
+class CudaBackedNPUModule(_NPUGraphContext):
     """``torch.npu``'s graph API (``NPUGraph``, ``graph``, ``graph_pool_handle``,
     ``Stream``, ``stream``, ``synchronize``) implemented with ``torch.cuda``.
 
@@ -235,15 +244,9 @@ class CudaBackedNPUModule:
         """Make ``update`` inputs called ``name`` write into ``buffer`` (a 1-D device tensor)."""
         self.bindings[name] = buffer
 
-    def graph(
-        self,
-        npu_graph: CudaBackedNPUGraph,
-        pool: Any = None,
-        stream: Any = None,
-        auto_dispatch_capture: bool = False,
-        capture_error_mode: str = "global",
-    ) -> Any:
-        npu_graph.auto_dispatch_capture = auto_dispatch_capture
+    def _capture(
+        self, npu_graph: Any, pool: Any, stream: Any, auto_dispatch_capture: bool, capture_error_mode: str
+    ) -> ContextManager[Any]:
         return graph_owned_cublas_workspace(
             torch.cuda.graph(npu_graph.cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode),
             torch.cuda,

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
-from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+from cuda_graph_runner.hookspecs import BackendSpec, backend_hooks
 
-
-@hookimpl
-def cuda_graph_runner_backend_specs() -> List[BackendSpec]:
-    return [
-        BackendSpec(
-            name="tc_piecewise",
-            backend_class="cuda_graph_runner_tc_piecewise.backend:TcPiecewiseCudaGraphBackend",
-            phases=("decode", "prefill"),
-            devices=("cuda",),
-            probe="cuda_graph_runner_tc_piecewise.plugin:probe",
-            api_version="1.1",
-            options=("tc_compiler",),  # reads tc_compiler (eager|inductor) for its pieces
-            description="torch.compile split at marked eager ops; each piece a CUDA graph per size (eager|inductor)",
-        )
-    ]
-
-
-@hookimpl
-def cuda_graph_runner_default_backend(phase: str, device_type: str) -> Optional[str]:
-    # Never the default: compiling costs seconds to minutes; users opt in by name.
-    return None
+# Never the default (no default_for): compiling costs seconds to minutes; users opt in by name.
+cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
+    BackendSpec(
+        name="tc_piecewise",
+        backend_class="cuda_graph_runner_tc_piecewise.backend:TcPiecewiseCudaGraphBackend",
+        phases=("decode", "prefill"),
+        # devices: ("cuda",), the default
+        probe="cuda_graph_runner_tc_piecewise.plugin:probe",
+        api_version="1.1",
+        options=("tc_compiler",),  # reads tc_compiler (eager|inductor) for its pieces
+        description="torch.compile split at marked eager ops; each piece a CUDA graph per size (eager|inductor)",
+    )
+)
 
 
 def probe(device_type: str) -> Optional[str]:

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Tuple
 
 import pytest
 
+if TYPE_CHECKING:
+    from ...runner import DecodeCudaGraphRunner
+
 #: The device tests, in the order the kit defines them (``device_marks`` marks each).
 DEVICE_TESTS = (
     "test_device_decode_capture_replay_matches_eager",
@@ -45,19 +48,24 @@ class DeviceConformanceTests:
         ) -> Any: ...
         def assert_close(self, got: Any, expected: Any, what: str) -> None: ...
 
+    def _decode_runner(self, device: str, max_bs: int, **options: Any) -> Tuple[Any, "DecodeCudaGraphRunner"]:
+        """``(model, runner)``: the kit's model on ``device`` and a decode runner of this
+        backend for it up to ``max_bs`` (``options``: the runner's keyword arguments)."""
+        from ...runner import DecodeCudaGraphRunner
+
+        model = self.make_model(device)
+        config = {"decode": {"backend": self.backend_name, "max_bs": max_bs}}
+        return model, DecodeCudaGraphRunner(model, config, show_progress=False, **options)
+
     def test_device_decode_capture_replay_matches_eager(self) -> None:
         self._require_phase("decode")
         device_type = self.device_or_skip()
         import torch
 
-        from ...runner import DecodeCudaGraphRunner
         from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
-        model = self.make_model(device_type)
+        model, runner = self._decode_runner(device_type, self.decode_max_bs)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(
-            model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}}, show_progress=False
-        )
         assert runner.backend.name == self.backend_name
         with torch.no_grad():
             runner.capture()
@@ -89,19 +97,11 @@ class DeviceConformanceTests:
         import torch
 
         from ...forward_batch import ForwardMode
-        from ...runner import DecodeCudaGraphRunner
         from ..batches import eager_logits_fn, make_dummy_prompts, make_extend_batch, make_target_verify_batch
 
         width = 3
-        model = self.make_model(device_type)
+        model, runner = self._decode_runner(device_type, 4, mode=ForwardMode.TARGET_VERIFY, num_tokens_per_req=width)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(
-            model,
-            {"decode": {"backend": self.backend_name, "max_bs": 4}},
-            mode=ForwardMode.TARGET_VERIFY,
-            num_tokens_per_req=width,
-            show_progress=False,
-        )
         eager = eager_logits_fn(model)
         with torch.no_grad():
             runner.capture()
@@ -163,14 +163,10 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ...runner import DecodeCudaGraphRunner
         from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
-        model = self.make_model(device_type)
+        model, runner = self._decode_runner(device_type, 4)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(
-            model, {"decode": {"backend": self.backend_name, "max_bs": 4}}, show_progress=False
-        )
         with torch.no_grad():
             for round_ in range(2):
                 runner.capture()
@@ -193,7 +189,6 @@ class DeviceConformanceTests:
 
         import torch
 
-        from ...runner import DecodeCudaGraphRunner
         from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         module = torch.get_device_module(device_type)
@@ -204,11 +199,8 @@ class DeviceConformanceTests:
                 f"current); this machine has {count}"
             )
         module.set_device(0)
-        model = self.make_model(f"{device_type}:1")
+        model, runner = self._decode_runner(f"{device_type}:1", self.decode_max_bs)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(
-            model, {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}}, show_progress=False
-        )
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             runner.capture()
@@ -233,17 +225,10 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ...runner import DecodeCudaGraphRunner
         from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
-        model = self.make_model(device_type)
+        model, runner = self._decode_runner(device_type, self.decode_max_bs, owned_outputs=True)
         cache = model.kv_cache
-        runner = DecodeCudaGraphRunner(
-            model,
-            {"decode": {"backend": self.backend_name, "max_bs": self.decode_max_bs}},
-            owned_outputs=True,
-            show_progress=False,
-        )
         eager = eager_logits_fn(model)
         sizes = (min(3, self.decode_max_bs), self.decode_max_bs)
         with torch.no_grad():
@@ -299,13 +284,9 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ...runner import DecodeCudaGraphRunner
         from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
-        model = self.make_model(device_type)
-        runner = DecodeCudaGraphRunner(
-            model, {"decode": {"backend": self.backend_name, "max_bs": 4}}, show_progress=False
-        )
+        model, runner = self._decode_runner(device_type, 4)
         seen: list = []
         graph_forward = runner.graph_forward
 

@@ -2,7 +2,7 @@
 over the live forward batch (capture-safe decode / target-verify / DLLM block extend,
 per-request extend)."""
 
-from typing import Any, Tuple
+from typing import Any, NamedTuple, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,24 +45,28 @@ def reference_llama_attention(
     Raises:
         RuntimeError: no forward batch is set, or an EXTEND batch lacks lengths.
     """
-    batch = get_forward_batch()
-    if batch.forward_mode.is_decode_like():
-        _decode_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch, last_layer)
+    call = _Call(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, get_forward_batch())
+    if call.batch.forward_mode.is_decode_like():
+        _decode_attention(call, last_layer)
     else:
-        _extend_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch)
+        _extend_attention(call)
 
 
-def _decode_attention(
-    output: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    scaling: float,
-    sliding_window: int,
-    batch: ForwardBatch,
-    last_layer: bool,
-) -> None:
+class _Call(NamedTuple):
+    """One call's arguments (see :func:`reference_llama_attention`) and the live batch."""
+
+    output: torch.Tensor
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor
+    scaling: float
+    sliding_window: int
+    batch: ForwardBatch
+
+
+def _decode_attention(call: _Call, last_layer: bool) -> None:
+    output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch = call
     # Capture-safe: every shape comes from tensor shapes and the static width; every
     # value from device tensors. The whole max_context_len is gathered and masked.
     w = batch.num_tokens_per_req
@@ -115,16 +119,8 @@ def _decode_metadata(
     return slots, mask
 
 
-def _extend_attention(
-    output: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    scaling: float,
-    sliding_window: int,
-    batch: ForwardBatch,
-) -> None:
+def _extend_attention(call: _Call) -> None:
+    output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch = call
     ext = batch.extend_seq_lens_cpu
     pre = batch.extend_prefix_lens_cpu
     # Host lists are the contract; fall back to a device sync when a builder left them out.

@@ -102,23 +102,18 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         return model
 
     @classmethod
-    def from_preset(
-        cls,
-        name: str,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
-        seed: int = 0,
-        tp_group: Any = None,
-    ) -> "ReferenceLlamaForCausalLM":
-        """A model of a :data:`PRESETS` shape with random weights (std 0.02).
+    def from_preset(cls, name: str, **options: Any) -> "ReferenceLlamaForCausalLM":
+        """A model of a :data:`PRESETS` shape with random weights: :meth:`from_config`
+        of ``PRESETS[name]`` with the same keyword ``options`` (``dtype``, ``device``,
+        ``seed``, ``std``, ``tp_group``; by default float32 on the CPU, seed 0, std 0.02).
 
         Raises:
             KeyError: ``name`` is not a preset (the message lists them).
+            TypeError: an option :meth:`from_config` does not take.
         """
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        return cls.from_config(PRESETS[name], dtype=dtype, device=device, seed=seed, tp_group=tp_group)
+        return cls.from_config(PRESETS[name], **options)
 
     @torch.no_grad()
     def init_random_weights(self, *, seed: int = 0, std: float = 0.02) -> None:

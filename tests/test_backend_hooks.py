@@ -1,0 +1,41 @@
+"""``hookspecs.backend_hooks``: the two hooks of a one-backend plugin, as pluggy sees them."""
+
+from __future__ import annotations
+
+import types
+
+import pluggy
+import pytest
+
+from cuda_graph_runner.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec, backend_hooks
+
+SPEC = BackendSpec(name="acme", backend_class="acme_cgr.backend:X", phases=("decode",), devices=("*",))
+
+
+def _module(**hooks):
+    """A registration module holding ``hooks`` under their hook names, as a plugin binds them."""
+    return types.SimpleNamespace(**hooks)
+
+
+def test_hooks_register_with_pluggy_and_answer_for_the_declared_pairs():
+    specs, default = backend_hooks(SPEC, default_for=[("decode", "acme")])
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(BackendHookSpecs)
+    pm.register(_module(cuda_graph_runner_backend_specs=specs, cuda_graph_runner_default_backend=default), name="acme")
+    assert pm.hook.cuda_graph_runner_backend_specs() == [[SPEC]]
+    assert pm.hook.cuda_graph_runner_default_backend(phase="decode", device_type="acme") == "acme"
+    assert pm.hook.cuda_graph_runner_default_backend(phase="decode", device_type="cuda") is None
+
+
+def test_no_default_for_never_claims():
+    _, default = backend_hooks(SPEC)
+    assert default(phase="decode", device_type="cuda") is None
+
+
+@pytest.mark.parametrize(
+    "pair,match",
+    [(("prefill", "cuda"), "names phase 'prefill'"), ("decode", "not a \\(phase, device_type\\) pair")],
+)
+def test_a_bad_default_for_entry_is_named(pair, match):
+    with pytest.raises(ValueError, match=match):
+        backend_hooks(SPEC, default_for=[pair])
