@@ -32,7 +32,7 @@ import torch
 import torch._guards
 import torch.fx as fx
 
-from .eager_items import direct_eager_forward
+from .eager_items import direct_eager_forward, generated_forward
 from .errors import TcPiecewiseCompileError, failing_op, one_line
 from .split import SplitGraph, SplitItem, split_graph
 
@@ -181,8 +181,8 @@ class PiecewiseDynamoBackend:
                 # The marked op's FX code itself: no nn.Module call (hooks, wrapped call) per op,
                 # calling the op's body without the custom-op dispatcher where that is the same.
                 sub = getattr(split.module, item.name)
-                split.module.__dict__[item.name] = direct_eager_forward(sub) or sub.forward
-        forward = split.module.forward  # see compile_eager: no module-call overhead per replay
+                split.module.__dict__[item.name] = direct_eager_forward(sub) or generated_forward(sub)
+        forward = generated_forward(split.module)  # see compile_eager: no module-call overhead per replay
         result = CompiledGraph(
             split=split,
             pieces=[wrapped[i.name] for i in split.pieces],

@@ -36,6 +36,17 @@ from cuda_graph_runner.host_guard import run_marked_op
 logger = logging.getLogger(__name__)
 
 
+def generated_forward(module: fx.GraphModule) -> Callable[..., Any]:
+    """``module``'s generated ``forward`` itself. A lazily recompiled ``GraphModule`` (what
+    ``split_module`` and ``recompile()`` give in recent torch) has a stub ``forward`` that
+    compiles the code on first use and then goes through ``nn.Module.__call__`` at every
+    call (a few µs each, per piece and step): compiled now, the bound method is the code."""
+    real = getattr(module, "real_recompile", None)
+    if callable(real):
+        real()
+    return module.forward
+
+
 def has_default_kernel_only(op: EagerOp) -> bool:
     """Whether ``op``'s custom op dispatches to nothing but the body it was registered with
     (then calling the body directly is the same computation). False when unsure."""
@@ -85,5 +96,6 @@ def direct_eager_forward(module: fx.GraphModule) -> Optional[Callable[..., Any]]
     for node, op in zip(calls, ops):
         node.target = body_call(op)  # type: ignore[arg-type]  # an EagerOp here, checked above
     module.recompile()
-    logger.debug("tc_piecewise: %s calls %s without the dispatcher", type(module).__name__, [o.name for o in ops])  # type: ignore[union-attr]
-    return module.forward
+    forward = generated_forward(module)
+    logger.debug("tc_piecewise: marked ops %s called without the dispatcher", [o.name for o in ops if o is not None])
+    return forward
