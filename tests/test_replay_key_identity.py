@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any, List
 
-import torch
-
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner

@@ -41,7 +41,10 @@ class _Toy(torch.nn.Module):
         self.op = op
         self.embed = torch.nn.Parameter(torch.randn(16, hidden, generator=g), requires_grad=False)
         self.ws = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.5, requires_grad=False) for _ in range(layers)]
+            [
+                torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.5, requires_grad=False)
+                for _ in range(layers)
+            ]
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -59,7 +62,9 @@ class _Toy(torch.nn.Module):
 
 def _runner(model, **backend_kwargs) -> DecodeCudaGraphRunner:
     backend = TcPiecewiseCudaGraphBackend("cpu", phase="decode", **backend_kwargs)
-    return DecodeCudaGraphRunner(model, {"decode": {"bs": [1, 2, 4]}}, device="cpu", backend=backend, show_progress=False)
+    return DecodeCudaGraphRunner(
+        model, {"decode": {"bs": [1, 2, 4]}}, device="cpu", backend=backend, show_progress=False
+    )
 
 
 def _eager(model, batch):
