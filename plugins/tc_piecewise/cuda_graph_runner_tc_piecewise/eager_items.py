@@ -47,6 +47,20 @@ def generated_forward(module: fx.GraphModule) -> Callable[..., Any]:
     return module.forward
 
 
+#: What ``torch.library`` may have registered on a custom op besides its default kernel
+#: (``CustomOpDef`` attributes; the autocast ones changed name across torch versions).
+_OTHER_REGISTRATIONS = (
+    "_torch_dispatch_fns",
+    "_backward_fn",
+    "_setup_context_fn",
+    "_vmap_fn",
+    "_autocast_dtype",
+    "_autocast_cuda_dtype",
+    "_autocast_cpu_dtype",
+    "_disabled_kernel",
+)
+
+
 def has_default_kernel_only(op: EagerOp) -> bool:
     """Whether ``op``'s custom op dispatches to nothing but the body it was registered with
     (then calling the body directly is the same computation). False when unsure."""
@@ -56,15 +70,9 @@ def has_default_kernel_only(op: EagerOp) -> bool:
         opdef = OPDEFS.get(op.qualname)
         if opdef is None:
             return False
-        return (
-            set(opdef._backend_fns) == {None}
-            and not opdef._torch_dispatch_fns
-            and opdef._backward_fn is None
-            and opdef._setup_context_fn is None
-            and opdef._vmap_fn is None
-            and not opdef._autocast_dtype
-            and not opdef._disabled_kernel
-        )
+        # An attribute a torch version lacks is a registration that version cannot make.
+        others = [getattr(opdef, name, None) for name in _OTHER_REGISTRATIONS]
+        return set(opdef._backend_fns) == {None} and not any(others)
     except Exception:  # private torch state: any surprise keeps the dispatcher
         return False
 

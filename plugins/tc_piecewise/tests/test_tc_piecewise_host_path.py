@@ -138,3 +138,32 @@ def test_an_op_with_a_kernel_of_its_own_keeps_the_dispatcher():
         batch = decode_batch(bs)
         torch.testing.assert_close(runner.forward(batch), _eager(model, batch))
     assert BODY_CALLS["kernel"] == before  # the registered kernel ran, never the body
+
+
+class _OlderOpDef:
+    """A custom-op definition as an older torch (2.11) keeps it: autocast per device type."""
+
+    def __init__(self) -> None:
+        self._backend_fns = {None: lambda *a: None}
+        self._torch_dispatch_fns: dict = {}
+        self._backward_fn = None
+        self._setup_context_fn = None
+        self._vmap_fn = None
+        self._autocast_cuda_dtype = None
+        self._autocast_cpu_dtype = None
+        self._disabled_kernel: set = set()
+
+
+def test_the_kernel_check_reads_an_older_torchs_definition(monkeypatch):
+    from torch._library import custom_ops
+
+    opdef = _OlderOpDef()
+    monkeypatch.setitem(custom_ops.OPDEFS, plain_op.qualname, opdef)
+    assert has_default_kernel_only(plain_op)  # missing newer attributes: nothing registered there
+    opdef._autocast_cuda_dtype = torch.float16
+    assert not has_default_kernel_only(plain_op)
+    opdef._autocast_cuda_dtype = None
+    opdef._backend_fns["cuda"] = lambda *a: None
+    assert not has_default_kernel_only(plain_op)
+    monkeypatch.delitem(custom_ops.OPDEFS, plain_op.qualname)
+    assert not has_default_kernel_only(plain_op)  # no definition found: keep the dispatcher
