@@ -277,6 +277,11 @@ def registered_eager_ops() -> Dict[str, EagerOp]:
 
 def is_eager_op_target(target: Any) -> bool:
     """True if an FX node target is one of the marked ops (a ``torch.ops`` overload or packet)."""
+    return eager_op_for_target(target) is not None
+
+
+def eager_op_for_target(target: Any) -> Optional[EagerOp]:
+    """The marked op an FX node target calls (a ``torch.ops`` overload or packet), or None."""
     # Packets (what Dynamo records for a custom-op call) have no name() in recent torch,
     # only _qualified_op_name; overloads have name().
     qualname = getattr(target, "_qualified_op_name", None)
@@ -284,9 +289,10 @@ def is_eager_op_target(target: Any) -> bool:
         name = getattr(target, "name", None)
         qualname = name() if callable(name) else None
     if not isinstance(qualname, str):
-        return False
+        return None
     # OpOverload.name() gives "ns::op.overload" or "ns::op"; packets give "ns::op".
-    return qualname.split(".")[0] in {op.qualname for op in _registry.values()}
+    qualname = qualname.split(".")[0]
+    return next((op for op in _registry.values() if op.qualname == qualname), None)
 
 
 @contextlib.contextmanager

@@ -166,6 +166,7 @@ class BaseCudaGraphRunner(abc.ABC):
         self._replay_statics: Dict[int, Any] = {}
         self._keys: Dict[int, ShapeKey] = {}
         self._targets: Dict[int, Tuple[int, ShapeKey]] = {}  # live size -> (padded, key)
+        self._key_objects: Dict[ShapeKey, ShapeKey] = {}  # see same_key
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
         self.stats = RunStats()
         self.capture_seconds: Optional[float] = None
@@ -261,11 +262,18 @@ class BaseCudaGraphRunner(abc.ABC):
             padded = self.padded_size(size)
             key = self._keys.get(padded)
             if key is None:
-                key = self._keys[padded] = self.make_key(padded)
+                key = self._keys[padded] = self.same_key(self.make_key(padded))
             if len(self._targets) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
                 self._targets.clear()
             target = self._targets[size] = (padded, key)
         return target
+
+    def same_key(self, key: ShapeKey) -> ShapeKey:
+        """The one ``ShapeKey`` object this runner uses for ``key``'s value: capture and
+        replay hand backends the same object, so their per-key tables (a tc_piecewise
+        replay looks its key up in every piece) hit by identity instead of calling the
+        dataclass's ``__eq__`` per lookup."""
+        return self._key_objects.setdefault(key, key)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
@@ -284,7 +292,7 @@ class BaseCudaGraphRunner(abc.ABC):
         """The key a live ``batch`` padded to ``padded`` replays (its variant included)."""
         key = self._keys.get(padded)
         if key is None:
-            key = self._keys[padded] = self.make_key(padded)
+            key = self._keys[padded] = self.same_key(self.make_key(padded))
         return key
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
@@ -446,7 +454,7 @@ class BaseCudaGraphRunner(abc.ABC):
         """Capture one size in every variant (:meth:`capture_variants`): build the dummy
         batch, then ``backend.capture_one``; a key already captured is skipped."""
         for variant in self.capture_variants():
-            key = self.make_variant_key(size, variant)
+            key = self.same_key(self.make_variant_key(size, variant))
             if key not in self.captured_keys:
                 self._capture_one_key(size, variant, key)
 

@@ -177,11 +177,11 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         if not variant:
             key = self._keys.get(padded)
             if key is None:
-                key = self._keys[padded] = self.make_key(padded)
+                key = self._keys[padded] = self.same_key(self.make_key(padded))
             return key
         key = self._variant_keys.get((padded, variant))
         if key is None:
-            key = self._variant_keys[(padded, variant)] = self.make_key(padded, variant)
+            key = self._variant_keys[(padded, variant)] = self.same_key(self.make_key(padded, variant))
         return key
 
     def size_of(self, batch: ForwardBatch) -> int:

@@ -13,7 +13,8 @@ backend=...)`` calls with the one FX graph Dynamo traced (vLLM ``VllmBackend`` +
 3. each piece is replaced in the split module by a
    :class:`~cuda_graph_runner_tc_piecewise.piece.GraphPiece`, which captures and
    replays it per size. Marked ops run eagerly, through their FX code's ``forward``
-   (no ``nn.Module.__call__`` per op and step).
+   (no ``nn.Module.__call__`` per op and step), which calls the op's body without the
+   custom-op dispatcher (:mod:`~cuda_graph_runner_tc_piecewise.eager_items`).
 
 The split module is what Dynamo then runs for every call that passes its guards; an
 ``on_graph_call`` hook sees each such call's arguments and outputs (the backend records
@@ -31,6 +32,7 @@ import torch
 import torch._guards
 import torch.fx as fx
 
+from .eager_items import direct_eager_forward, generated_forward
 from .errors import TcPiecewiseCompileError, failing_op, one_line
 from .split import SplitGraph, SplitItem, split_graph
 
@@ -176,9 +178,11 @@ class PiecewiseDynamoBackend:
             split.module.__dict__[name] = piece
         for item in split.items:
             if item.is_eager:
-                # The marked op's FX code itself: no nn.Module call (hooks, wrapped call) per op.
-                split.module.__dict__[item.name] = getattr(split.module, item.name).forward
-        forward = split.module.forward  # see compile_eager: no module-call overhead per replay
+                # The marked op's FX code itself: no nn.Module call (hooks, wrapped call) per op,
+                # calling the op's body without the custom-op dispatcher where that is the same.
+                sub = getattr(split.module, item.name)
+                split.module.__dict__[item.name] = direct_eager_forward(sub) or generated_forward(sub)
+        forward = generated_forward(split.module)  # see compile_eager: no module-call overhead per replay
         result = CompiledGraph(
             split=split,
             pieces=[wrapped[i.name] for i in split.pieces],
