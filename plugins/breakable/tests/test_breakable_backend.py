@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 
 import pytest
 import torch
+from breakable_mix_model import MixModel as SharedMixModel
 
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
@@ -24,6 +25,7 @@ from cuda_graph_runner.graph_break import eager_op
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import decode_batch
 from cuda_graph_runner_breakable.backend import (
@@ -75,51 +77,13 @@ def outer_op(output: torch.Tensor, x: torch.Tensor) -> None:
     output.add_(1)
 
 
-class MixModel(torch.nn.Module):
-    """Two marked ops per forward, token-axis inputs only inside the graph."""
-
-    def __init__(self, returning: bool = False) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g), requires_grad=False)
-        self.head = torch.nn.Parameter(torch.randn(HIDDEN, VOCAB, generator=g), requires_grad=False)
-        self.returning = returning
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed[batch.input_ids] + 0.01 * batch.positions[:, None].float()
-        h = h + 0.001 * batch.out_cache_loc[:, None].float()
-        out = torch.empty_like(h)
-        request_mix(out, h, 0.5)
-        h = torch.tanh(out) + h
-        if self.returning:
-            h = scaled_by_requests(h) + 1
-        out2 = torch.empty_like(h)
-        request_mix(out2, h, 0.25)
-        return out2 * 2 - h
-
-    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.forward_mode is ForwardMode.EXTEND:
-            hidden = hidden[torch.cumsum(batch.extend_seq_lens.long(), 0) - 1]
-        return (hidden @ self.head).float()
+def MixModel(returning: bool = False) -> SharedMixModel:  # noqa: N802 - used as the model class
+    """Two marked ops per forward, token-axis inputs only inside the graph (the KV slot too)."""
+    return SharedMixModel(request_mix, scaled_by_requests, vocab=VOCAB, hidden=HIDDEN, slot_term=True, returning=returning)
 
 
 def extend_batch(lens, prefix=None, *, offset: int = 1) -> ForwardBatch:
-    prefix = list(prefix) if prefix is not None else [0] * len(lens)
-    tokens = sum(lens)
-    seq = [p + n for p, n in zip(prefix, lens)]
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=(torch.arange(tokens) * 5 + offset) % VOCAB,
-        positions=torch.tensor([p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=torch.int64),
-        out_cache_loc=torch.arange(tokens) + 50,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=torch.tensor(seq, dtype=torch.int32),
-        extend_seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
-        seq_lens_cpu=seq,
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=prefix,
-    )
+    return synthetic_extend_batch(lens, prefix, token_stride=5, token_offset=offset, vocab=VOCAB, first_slot=50)
 
 
 @pytest.fixture

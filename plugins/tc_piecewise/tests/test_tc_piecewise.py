@@ -34,6 +34,7 @@ from cuda_graph_runner.testing.batches import (
 )
 from cuda_graph_runner.testing.fakes import FakeGraph, FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.weak_ref import weak_ref_tensor
@@ -102,21 +103,7 @@ class MarkedToy(torch.nn.Module):
 def extend_batch(lens: Sequence[int], seed: int = 0) -> ForwardBatch:
     """An EXTEND batch of requests of ``lens`` new tokens (no prefix), distinct values."""
     g = torch.Generator().manual_seed(seed)
-    tokens = sum(lens)
-    lens_t = torch.tensor(list(lens), dtype=torch.int32)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=torch.randint(0, VOCAB, (tokens,), generator=g),
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        out_cache_loc=torch.arange(tokens) + 1,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=lens_t.clone(),
-        extend_seq_lens=lens_t.clone(),
-        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int32),
-        seq_lens_cpu=list(lens),
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[0] * len(lens),
-    )
+    return synthetic_extend_batch(lens, input_ids=torch.randint(0, VOCAB, (sum(lens),), generator=g))
 
 
 def eager(model, batch):
