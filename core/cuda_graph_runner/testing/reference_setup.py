@@ -14,11 +14,18 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..model_protocol import GraphModel
-from .batches import GreedySession, make_decode_batch
+from .batches import GreedySession, LogitsFn, greedy_generate, make_decode_batch, make_dummy_prompts
 from .kv_cache import PagedKVCache
 from .model import ReferenceLlamaForCausalLM
 
-__all__ = ["free_requests", "next_decode_batch", "prefilled_decode_batch", "reference_model", "staggered_lengths"]
+__all__ = [
+    "assert_greedy_tokens_equal_eager",
+    "free_requests",
+    "next_decode_batch",
+    "prefilled_decode_batch",
+    "reference_model",
+    "staggered_lengths",
+]
 
 
 def reference_model(
@@ -104,3 +111,31 @@ def free_requests(cache: PagedKVCache, *batches: ForwardBatch) -> None:
     for batch in batches:
         for row in batch.req_pool_indices.tolist():
             cache.free_request(row)
+
+
+def assert_greedy_tokens_equal_eager(
+    model: Any,
+    steps: int,
+    *,
+    batch_sizes: Sequence[int] = (1, 3, 8),
+    prompt_len: int = 12,
+    prefill_fn: Optional[LogitsFn] = None,
+    decode_fn: Optional[LogitsFn] = None,
+    what: str = "",
+) -> None:
+    """For each batch size, ``steps`` greedy tokens through ``prefill_fn``/``decode_fn``
+    (a runner's ``forward``; ``None``: eager) equal eager's tokens, token for token.
+
+    ``model`` has a KV cache attached (``model.kv_cache``) with room for
+    ``max(batch_sizes)`` requests of ``prompt_len + steps`` tokens. Prompts are
+    :func:`make_dummy_prompts` seeded with the batch size.
+
+    Raises:
+        AssertionError: naming ``what`` and the batch size whose tokens differ.
+    """
+    for bs in batch_sizes:
+        prompts = make_dummy_prompts(bs, prompt_len, model.config.vocab_size, seed=bs)
+        with torch.no_grad():
+            expected = greedy_generate(model, model.kv_cache, prompts, steps)
+            got = greedy_generate(model, model.kv_cache, prompts, steps, prefill_fn=prefill_fn, decode_fn=decode_fn)
+        assert got == expected, f"{what} bs={bs}"

@@ -66,7 +66,9 @@ def synthetic_extend_batch(
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         input_ids=input_ids.to(device),
-        positions=torch.tensor([p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=torch.int64, device=device),
+        positions=torch.tensor(
+            [p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=torch.int64, device=device
+        ),
         out_cache_loc=torch.arange(first_slot, first_slot + tokens, device=device),
         req_pool_indices=torch.arange(1, len(lens) + 1, device=device),
         seq_lens=i32(seq),

@@ -79,7 +79,9 @@ def outer_op(output: torch.Tensor, x: torch.Tensor) -> None:
 
 def MixModel(returning: bool = False) -> SharedMixModel:  # noqa: N802 - used as the model class
     """Two marked ops per forward, token-axis inputs only inside the graph (the KV slot too)."""
-    return SharedMixModel(request_mix, scaled_by_requests, vocab=VOCAB, hidden=HIDDEN, slot_term=True, returning=returning)
+    return SharedMixModel(
+        request_mix, scaled_by_requests, vocab=VOCAB, hidden=HIDDEN, slot_term=True, returning=returning
+    )
 
 
 def extend_batch(lens, prefix=None, *, offset: int = 1) -> ForwardBatch:

@@ -18,14 +18,9 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    make_decode_batch,
-    make_dummy_prompts,
-    make_extend_batch,
-)
+from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +39,7 @@ def make_backend(phase: str, **kwargs: Any):
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> ReferenceLlamaForCausalLM:
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=dtype, device=DEVICE)
-    model.create_kv_cache(num_slots=16384, max_reqs=64, max_context_len=CONTEXT)
-    return model
+    return reference_model("tiny", requests=63, context=CONTEXT, dtype=dtype, device=DEVICE, num_slots=16384)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +164,7 @@ def test_decode_matches_eager(model):
                 session = GreedySession(model, cache)
                 session.prefill(make_dummy_prompts(bs, [2 + 5 * i for i in range(bs)], V, seed=bs))
                 for step in range(3):
-                    batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                    batch = next_decode_batch(session)
                     expected = eager(batch).clone()
                     assert runner.can_run(batch)
                     got = runner.forward(batch).clone()

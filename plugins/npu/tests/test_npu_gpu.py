@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts
+from cuda_graph_runner.testing.reference_setup import prefilled_decode_batch, reference_model, staggered_lengths
 from cuda_graph_runner_npu.backend import NPUCudaGraphBackend, NPUGraphUpdateError
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule
 from cuda_graph_runner_npu.torch_npu_api import DEFAULT_UPDATE_INPUT_NAME
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def model():
-    m = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
-    m.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
-    return m
+    return reference_model("tiny", requests=16)
 
 
 class SeqLensFromUpdateOnly(DecodeCudaGraphRunner):
@@ -51,12 +49,9 @@ def make_runner(model, *, max_bs=8, runner_cls=DecodeCudaGraphRunner, **backend_
 
 def decode_step(model, bs, seed):
     """A decode batch of ``bs`` requests with different lengths, and its eager logits."""
-    cache = model.kv_cache
-    session = GreedySession(model, cache)
+    prompts = make_dummy_prompts(bs, staggered_lengths(bs), model.config.vocab_size, seed=seed)
+    session, batch = prefilled_decode_batch(model, prompts, decode_steps=1)
     with torch.no_grad():
-        session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], model.config.vocab_size, seed=seed))
-        session.decode()
-        batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
         expected = eager_logits_fn(model)(batch).clone()
     return session, batch, expected
 
