@@ -28,10 +28,7 @@ from cuda_graph_runner.testing.model import PRESETS
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import decode_batch
-from cuda_graph_runner_breakable.backend import (
-    BreakableCaptureError,
-    BreakableCudaGraphBackend,
-)
+from cuda_graph_runner_breakable.backend import BreakableCaptureError, BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule, HostSyncInCaptureError
 
 VOCAB = 16
