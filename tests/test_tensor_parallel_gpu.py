@@ -31,8 +31,8 @@ def _two_gpus() -> bool:
 
 def _rank_checks(tp):
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts
-    from cuda_graph_runner.testing.reference_setup import prefilled_decode_batch, reference_model, staggered_lengths
+    from cuda_graph_runner.testing.batches import greedy_generate, make_dummy_prompts
+    from cuda_graph_runner.testing.reference_setup import reference_model, staggered_decode_case
 
     out = {"rank": tp.rank, "diffs": {}, "tokens": {}, "bf16": {}}
     prompts = make_dummy_prompts(4, [5, 9, 3, 7], 256, seed=11)
@@ -50,13 +50,9 @@ def _rank_checks(tp):
         model, runner = tp2_runner(torch.float32, backend)
         cache = model.kv_cache
         assert runner.capture_sizes == CAPTURED, runner.capture_sizes
-        eager = eager_logits_fn(model)
         for bs in SIZES:
-            session, batch = prefilled_decode_batch(
-                model, make_dummy_prompts(bs, staggered_lengths(bs), 256, seed=bs), decode_steps=1
-            )
+            session, batch, expected = staggered_decode_case(model, bs, seed=bs)
             with torch.no_grad():
-                expected = eager(batch).clone()
                 replayed = runner.can_run(batch)
                 got = runner.forward(batch).clone()
             session.close()

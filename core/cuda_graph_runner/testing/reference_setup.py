@@ -14,7 +14,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..model_protocol import GraphModel
-from .batches import GreedySession, LogitsFn, greedy_generate, make_decode_batch, make_dummy_prompts
+from .batches import GreedySession, LogitsFn, eager_logits_fn, greedy_generate, make_decode_batch, make_dummy_prompts
 from .kv_cache import PagedKVCache
 from .model import ReferenceLlamaForCausalLM
 
@@ -24,6 +24,7 @@ __all__ = [
     "next_decode_batch",
     "prefilled_decode_batch",
     "reference_model",
+    "staggered_decode_case",
     "staggered_lengths",
 ]
 
@@ -99,6 +100,25 @@ def prefilled_decode_batch(
         for _ in range(decode_steps):
             session.decode()
     return session, next_decode_batch(session)
+
+
+def staggered_decode_case(
+    model: Any, batch_size: int, *, seed: int, decode_steps: int = 1
+) -> Tuple[GreedySession, ForwardBatch, torch.Tensor]:
+    """A decode batch of ``batch_size`` requests of different lengths, and its eager logits.
+
+    Prompts of :func:`staggered_lengths` (4 to 8 tokens) drawn with ``seed`` are prefilled,
+    ``decode_steps`` eager decode steps run, then the next decode batch is built.
+
+    Returns:
+        ``(session, batch, expected)``: ``expected`` is an owned float32
+        ``[batch_size, vocab]`` copy of the eager logits; the caller closes ``session``.
+    """
+    prompts = make_dummy_prompts(batch_size, staggered_lengths(batch_size), model.config.vocab_size, seed=seed)
+    session, batch = prefilled_decode_batch(model, prompts, decode_steps=decode_steps)
+    with torch.no_grad():
+        expected = eager_logits_fn(model)(batch).clone()
+    return session, batch, expected
 
 
 def free_requests(cache: PagedKVCache, *batches: ForwardBatch) -> None:

@@ -47,13 +47,18 @@ def model():
     return make_model()
 
 
-@pytest.fixture(scope="module")
-def prefill(model):
+def captured_prefill(model, max_tokens: int) -> PrefillCudaGraphRunner:
     runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"max_bs": MAX_TOKENS}}, backend=make_backend("prefill"), show_progress=False
+        model, {"prefill": {"max_bs": max_tokens}}, backend=make_backend("prefill"), show_progress=False
     )
     with torch.no_grad():
         runner.capture()
+    return runner
+
+
+@pytest.fixture(scope="module")
+def prefill(model):
+    runner = captured_prefill(model, MAX_TOKENS)
     yield runner
     runner.cleanup()
 
@@ -182,12 +187,8 @@ def test_bfloat16_prefill_within_bf16_tolerance():
     model = make_model(torch.bfloat16)
     cache = model.kv_cache
     V = model.config.vocab_size
-    runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"max_bs": 128}}, backend=make_backend("prefill"), show_progress=False
-    )
+    runner = captured_prefill(model, 128)
     try:
-        with torch.no_grad():
-            runner.capture()
         first = make_extend_batch(cache, make_dummy_prompts(3, [30, 7, 19], V, seed=7))  # 56 -> 64
         check_prefill(runner, model, first, atol=2e-2, rtol=2e-2)
         second = make_extend_batch(

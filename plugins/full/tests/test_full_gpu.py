@@ -11,7 +11,7 @@ from cuda_graph_runner.testing.reference_setup import (
     assert_greedy_tokens_equal_eager,
     prefilled_decode_batch,
     reference_model,
-    staggered_lengths,
+    staggered_decode_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -33,13 +33,10 @@ def test_every_size_on_and_off_the_buckets_equals_eager_fp32(fp32_model):
     runner = DecodeCudaGraphRunner(fp32_model, {"decode": {"backend": "full", "max_bs": 16}}, show_progress=False)
     runner.capture()
     assert runner.capture_sizes == [1, 2, 4, 8, 12, 16]
-    eager = eager_logits_fn(fp32_model)
     for bs in sorted(set(runner.capture_sizes + [3, 5, 13, 16])):
-        prompts = make_dummy_prompts(bs, staggered_lengths(bs), fp32_model.config.vocab_size, seed=bs)
         # a couple of steps so requests have different lengths
-        session, batch = prefilled_decode_batch(fp32_model, prompts, decode_steps=2)
+        session, batch, expected = staggered_decode_case(fp32_model, bs, seed=bs, decode_steps=2)
         with torch.no_grad():
-            expected = eager(batch).clone()
             assert runner.can_run(batch)
             got = runner.forward(batch)
         assert got.shape == expected.shape == (bs, fp32_model.config.vocab_size)

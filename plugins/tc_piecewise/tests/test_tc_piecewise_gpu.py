@@ -14,7 +14,7 @@ from cuda_graph_runner.testing.reference_setup import (
     free_requests,
     prefilled_decode_batch,
     reference_model,
-    staggered_lengths,
+    staggered_decode_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -76,12 +76,10 @@ def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
     assert len(be.pieces) == model.config.num_hidden_layers + 1
     assert be.compile_seconds and be.compile_seconds > 0
     compiled_at_capture = be.dynamo_compiles
-    eager = eager_logits_fn(model)
     for bs in sorted(set(runner.capture_sizes + [3, 5, 13, 17])):
-        prompts = make_dummy_prompts(bs, staggered_lengths(bs), model.config.vocab_size, seed=bs)
-        session, batch = prefilled_decode_batch(model, prompts, decode_steps=2)  # requests of different lengths
+        # requests of different lengths
+        session, batch, expected = staggered_decode_case(model, bs, seed=bs, decode_steps=2)
         with torch.no_grad():
-            expected = eager(batch).clone()
             before = _replays(be)
             assert runner.can_run(batch) == (bs <= 16)
             got = runner.forward(batch).clone()
@@ -181,23 +179,15 @@ def test_greedy_generation_with_tc_piecewise_prefill_and_decode_gives_eager_toke
 def test_replay_inputs_stay_at_their_capture_addresses(fp32_model, weak_ref_outputs):
     """Debug mode checks, at every piece replay, that each input is where it was at capture."""
     model = fp32_model
-    backend_cls = _backend_type()
-    decode = DecodeCudaGraphRunner(
-        model,
-        {"decode": {"max_bs": 4}},
-        show_progress=False,
-        backend=backend_cls(
-            "cuda", phase="decode", phase_config=PhaseConfig(max_bs=4), debug=True, weak_ref_outputs=weak_ref_outputs
-        ),
-    )
-    prefill = PrefillCudaGraphRunner(
-        model,
-        {"prefill": {"max_bs": 32}},
-        show_progress=False,
-        backend=backend_cls(
-            "cuda", phase="prefill", phase_config=PhaseConfig(max_bs=32), debug=True, weak_ref_outputs=weak_ref_outputs
-        ),
-    )
+
+    def debug_runner(runner_cls, phase: str, max_bs: int):
+        backend = _backend_type()(
+            "cuda", phase=phase, phase_config=PhaseConfig(max_bs=max_bs), debug=True, weak_ref_outputs=weak_ref_outputs
+        )
+        return runner_cls(model, {phase: {"max_bs": max_bs}}, show_progress=False, backend=backend)
+
+    decode = debug_runner(DecodeCudaGraphRunner, "decode", 4)
+    prefill = debug_runner(PrefillCudaGraphRunner, "prefill", 32)
     with torch.no_grad():
         decode.capture()
         prefill.capture()

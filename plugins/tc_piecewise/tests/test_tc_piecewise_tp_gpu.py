@@ -60,12 +60,7 @@ def _rank_checks(tp):
         make_dummy_prompts,
         make_extend_batch,
     )
-    from cuda_graph_runner.testing.reference_setup import (
-        free_requests,
-        prefilled_decode_batch,
-        reference_model,
-        staggered_lengths,
-    )
+    from cuda_graph_runner.testing.reference_setup import free_requests, reference_model, staggered_decode_case
 
     out = {"rank": tp.rank, "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "tokens": {}}
     prompts = make_dummy_prompts(4, [5, 9, 3, 7], 256, seed=11)
@@ -98,11 +93,8 @@ def _rank_checks(tp):
 
         eager = eager_logits_fn(model)
         for bs in SIZES:
-            session, batch = prefilled_decode_batch(
-                model, make_dummy_prompts(bs, staggered_lengths(bs), 256, seed=bs), decode_steps=1
-            )
+            session, batch, expected = staggered_decode_case(model, bs, seed=bs)
             with torch.no_grad():
-                expected = eager(batch).clone()
                 before = decode.backend.piece_calls().get("replay", 0)
                 replayed = decode.can_run(batch)
                 got = decode.forward(batch).clone()
