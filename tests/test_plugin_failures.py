@@ -78,9 +78,8 @@ ZOO_ENTRY_POINTS = {
 
 @pytest.fixture(scope="module")
 def zoo_site(tmp_path_factory):
-    return install_plugins(
-        tmp_path_factory.mktemp("zoo"), PluginDist("cgr-failure-zoo", ZOO_MODULES, ZOO_ENTRY_POINTS, "0.4.2")
-    )
+    dist = PluginDist("cgr-failure-zoo", ZOO_MODULES, ZOO_ENTRY_POINTS, "0.4.2")
+    return install_plugins(tmp_path_factory.mktemp("zoo"), dist)
 
 
 @pytest.fixture()

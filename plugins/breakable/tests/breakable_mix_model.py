@@ -6,7 +6,7 @@ of their own), so the model and its logits stay one definition.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, List
 
 import torch
 
@@ -14,6 +14,13 @@ from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 
 MixOp = Callable[[torch.Tensor, torch.Tensor, float], None]
 ScaleOp = Callable[[torch.Tensor], torch.Tensor]
+
+
+def request_lens(batch: ForwardBatch) -> List[int]:
+    """The live requests' token counts (host values): EXTEND lengths, else the fixed width."""
+    if batch.forward_mode is ForwardMode.EXTEND:
+        return list(batch.extend_seq_lens_cpu)
+    return [batch.num_tokens_per_req] * batch.batch_size
 
 
 class MixModel(torch.nn.Module):

@@ -17,9 +17,10 @@ from typing import Any, List, Optional
 import pytest
 import torch
 from breakable_mix_model import MixModel as SharedMixModel
+from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.forward_context import forward_context, get_forward_batch
 from cuda_graph_runner.graph_break import eager_op
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
@@ -38,16 +39,10 @@ HIDDEN = 8
 SINK: List[Optional[list]] = [None]
 
 
-def _lens(batch: ForwardBatch) -> List[int]:
-    if batch.forward_mode is ForwardMode.EXTEND:
-        return list(batch.extend_seq_lens_cpu)
-    return [batch.num_tokens_per_req] * batch.batch_size
-
-
 @eager_op("test_breakable_cpu_request_mix")
 def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
     """Per-request prefix sums: the result depends on the live request boundaries."""
-    lens = _lens(get_forward_batch())
+    lens = request_lens(get_forward_batch())
     if SINK[0] is not None:
         SINK[0].append(("op", tuple(lens)))
     start = 0
@@ -60,7 +55,7 @@ def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
 @eager_op("test_breakable_cpu_scaled_by_requests", mutates_args=())
 def scaled_by_requests(x: torch.Tensor) -> torch.Tensor:
     """Returns a new tensor (a 'bridge' output allocated between segments)."""
-    return x * float(len(_lens(get_forward_batch())))
+    return x * float(len(request_lens(get_forward_batch())))
 
 
 @eager_op("test_breakable_cpu_inner")

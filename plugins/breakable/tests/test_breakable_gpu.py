@@ -13,11 +13,12 @@ Run on the device machine: ``python -m pytest plugins/breakable/tests/test_break
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
 from breakable_mix_model import MixModel as SharedMixModel
+from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
@@ -34,19 +35,13 @@ VOCAB = 32
 HIDDEN = 16
 
 
-def _lens(batch: ForwardBatch) -> List[int]:
-    if batch.forward_mode is ForwardMode.EXTEND:
-        return list(batch.extend_seq_lens_cpu)
-    return [batch.num_tokens_per_req] * batch.batch_size
-
-
 @eager_op("test_breakable_gpu_request_mix")
 def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
     """Per-request prefix sums plus the request's index and length: depends on live metadata.
 
     Builds a device tensor from host lists on purpose: legal only outside a capture.
     """
-    lens = _lens(get_forward_batch())
+    lens = request_lens(get_forward_batch())
     start = 0
     for i, n in enumerate(lens):
         bias = torch.tensor([float(i + 1) + 0.1 * n], device=x.device, dtype=x.dtype)
@@ -58,7 +53,7 @@ def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
 @eager_op("test_breakable_gpu_scaled_by_requests", mutates_args=())
 def scaled_by_requests(x: torch.Tensor) -> torch.Tensor:
     """Returns a fresh tensor: the backend must keep the capture's and copy into it."""
-    return x * float(len(_lens(get_forward_batch())))
+    return x * float(len(request_lens(get_forward_batch())))
 
 
 def MixModel(*, returning: bool = False, side_stream: bool = False) -> SharedMixModel:  # noqa: N802 - the model class
