@@ -246,10 +246,20 @@ def test_resolving_from_a_specs_hook_during_the_scan_fails_that_plugin(iso):
     assert row.reason.startswith("hook cuda_graph_runner_backend_specs raised RegistryReentryError")
 
 
-def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(wellbehaved, tmp_path):
+@pytest.fixture(scope="module")
+def extra_site(tmp_path_factory):
+    """Two distributions (one pip run) that only the tests naming them in the plugin
+    variable load: ``slow`` (its import waits on a gate the test installs) and ``late``."""
     gated = _spec_module("slow", before="import builtins\n        builtins._cgr_iso_gate()")
-    slow = PluginDist("cgr-iso-slow", {"iso_slow_gate": gated}, {"slow": "iso_slow_gate"})
-    wellbehaved.syspath_prepend(str(install_plugins(tmp_path, slow)))
+    return install_plugins(
+        tmp_path_factory.mktemp("iso-extra"),
+        PluginDist("cgr-iso-slow", {"iso_slow_gate": gated}, {"slow": "iso_slow_gate"}),
+        PluginDist("cgr-iso-late", {"iso_late": _spec_module("late")}, {"late": "iso_late"}),
+    )
+
+
+def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(wellbehaved, extra_site):
+    wellbehaved.syspath_prepend(str(extra_site))
     load_only(wellbehaved, "iso_good,cgr-iso-a,cgr-iso-b,slow")
     started, release = threading.Event(), threading.Event()
 
@@ -363,10 +373,9 @@ def test_reset_keeps_calls_made_before_the_registry_was_rescanned(wellbehaved):
     assert "nb" in _rows()
 
 
-def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(wellbehaved, tmp_path):
+def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(wellbehaved, extra_site):
     registry.register(BackendSpec(name="late", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
-    late = PluginDist("cgr-iso-late", {"iso_late": _spec_module("late")}, {"late": "iso_late"})
-    wellbehaved.syspath_prepend(str(install_plugins(tmp_path, late)))
+    wellbehaved.syspath_prepend(str(extra_site))
     load_only(wellbehaved, "iso_good,cgr-iso-a,cgr-iso-b,late")
     with pytest.warns(
         RuntimeWarning,
