@@ -10,7 +10,6 @@ plugins' modules from ``sys.modules`` afterwards, so each check sees only its si
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import io
 import json
@@ -30,8 +29,7 @@ PLUGIN_MODULES = ("alpha_plugin", "beta_plugin", "zeta_plugin", "gamma_plugin", 
 def _claiming_module(name: str, *, probe: str = "None", claim: str = "") -> str:
     claim = claim or f'"{name}"'
     return f"""
-        import concurrent.futures
-import os
+        import os
         from cuda_graph_runner.backend import DisabledBackend
         from cuda_graph_runner.hookspecs import BackendSpec, DefaultClaim, hookimpl
 
@@ -72,16 +70,14 @@ GAMMA = """
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
     root = tmp_path_factory.mktemp("claims")
-    # Six independent pip runs: overlapped, their interpreter start-ups and builds cost less.
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
 
     def one(tag, dist, backend, source, version="1.0.0"):
         """A site holding distribution ``dist``: module ``<backend>_plugin``, entry point ``backend``."""
         module = f"{backend}_plugin"
-        return pool.submit(install_plugins, root / tag, PluginDist(dist, {module: source}, {backend: module}, version))
+        return str(install_plugins(root / tag, PluginDist(dist, {module: source}, {backend: module}, version)))
 
     zeta_claim = 'DefaultClaim("zeta", priority=int(os.environ.get("ZETA_PRIORITY", "0")))'
-    pending = {
+    return {
         # usable everywhere, claims the cpu decode default
         "alpha": one("alpha", "cgr-alpha", "alpha", _claiming_module("alpha")),
         # claims it too, but its probe says it cannot run here
@@ -99,8 +95,6 @@ def sites(tmp_path_factory):
         # installed, but its module fails to import
         "broken": one("broken", "cgr-broken", "broken", "raise ImportError('libbroken.so not found')\n"),
     }
-    with pool:
-        return {tag: str(site.result()) for tag, site in pending.items()}
 
 
 @pytest.fixture(autouse=True)
