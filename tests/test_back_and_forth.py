@@ -5,18 +5,17 @@ computed once (``replay_target``), shared by ``decide``/``can_run`` and ``replay
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import DisabledBackend, ShapeKey
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, PhaseConfig, as_config
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.registry import manager
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner import base as runner_base
 from cuda_graph_runner.runner.decision import ReplayDecision
 from cuda_graph_runner.testing.fakes import RecordingBackend
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 
@@ -119,20 +118,7 @@ def _count_calls(monkeypatch, runner, names):
 
 
 def _extend_batch(lens):
-    tokens = sum(lens)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=torch.arange(tokens) % 16,
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        out_cache_loc=torch.arange(tokens) + 100,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int32),
-        seq_lens_cpu=list(lens),
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[0] * len(lens),
-    )
+    return synthetic_extend_batch(lens, first_slot=100)
 
 
 def test_decode_forward_computes_padded_size_and_key_once_per_batch(monkeypatch):

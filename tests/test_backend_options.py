@@ -80,32 +80,16 @@ def test_a_both_phase_flag_needs_one_phase_that_reads_it(reg):
 
     parser = argparse.ArgumentParser()
     add_cuda_graph_args(parser)
-    both = CudaGraphConfig.from_args(
-        parser.parse_args(
-            [
-                "--cuda-graph-tc-compiler",
-                "inductor",
-                "--cuda-graph-backend-decode",
-                "plain",
-                "--cuda-graph-backend-prefill",
-                "reader",
-            ]
-        )
-    )
+
+    def flags(prefill: str) -> CudaGraphConfig:
+        """tc_compiler set for both phases; decode backend ``plain`` (does not read it)."""
+        args = f"--cuda-graph-tc-compiler inductor --cuda-graph-backend-decode plain --cuda-graph-backend-prefill {prefill}"
+        return CudaGraphConfig.from_args(parser.parse_args(args.split()))
+
+    both = flags("reader")
     assert type(reg.resolve("decode", both, device="cpu")) is PlainBackend  # the other phase reads it
     backend_options.check_with_registry(both, reg, "cpu")
-    neither = CudaGraphConfig.from_args(
-        parser.parse_args(
-            [
-                "--cuda-graph-tc-compiler",
-                "inductor",
-                "--cuda-graph-backend-decode",
-                "plain",
-                "--cuda-graph-backend-prefill",
-                "plain",
-            ]
-        )
-    )
+    neither = flags("plain")
     with pytest.raises(CudaGraphConfigError) as info:
         backend_options.check_with_registry(neither, reg, "cpu")
     text = str(info.value)

@@ -28,28 +28,10 @@ def test_backends_table_shows_full_unavailable_with_reason(capsys):
 @needs_no_cuda
 def test_bench_runs_eagerly_and_says_why(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    code = main(
-        [
-            "bench",
-            "--batch-sizes",
-            "1",
-            "2",
-            "--prefill-tokens",
-            "8",
-            "--prefill-requests",
-            "2",
-            "--iters",
-            "1",
-            "--warmup",
-            "0",
-            "--steps",
-            "2",
-            "--prompt-len",
-            "4",
-            "--json",
-            str(path),
-        ]
+    args = (
+        "bench --batch-sizes 1 2 --prefill-tokens 8 --prefill-requests 2 --iters 1 --warmup 0 --steps 2 --prompt-len 4"
     )
+    code = main([*args.split(), "--json", str(path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "running eager only" in out and "full: torch" in out

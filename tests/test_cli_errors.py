@@ -55,15 +55,7 @@ def broken_contract(tmp_path, monkeypatch):
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    registry.register(
-        BackendSpec(
-            name="broken_contract",
-            backend_class="brokenmod:Broken",
-            phases=("decode",),
-            devices=("*",),
-            api_version="1.0",
-        )
-    )
+    registry.register(BackendSpec("broken_contract", "brokenmod:Broken", ("decode",), ("*",), api_version="1.0"))
     yield
     registry.get_registry().unregister("broken_contract")
 

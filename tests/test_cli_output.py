@@ -15,26 +15,10 @@ from cuda_graph_runner.bench import CSV_COLUMNS, results_csv
 from cuda_graph_runner.cli import build_parser, main
 from cuda_graph_runner.results_schema import LEGACY_BENCH, LEGACY_RUN, SCHEMA, from_json
 
-SMALL_BENCH = [
-    "bench",
-    "--batch-sizes",
-    "1",
-    "2",
-    "--prefill-tokens",
-    "8",
-    "--prefill-requests",
-    "2",
-    "--iters",
-    "1",
-    "--warmup",
-    "0",
-    "--steps",
-    "1",
-    "--prompt-len",
-    "4",
-    "--device",
-    "cpu",
-]
+SMALL_BENCH = (
+    "bench --batch-sizes 1 2 --prefill-tokens 8 --prefill-requests 2 --iters 1 --warmup 0 --steps 1 --prompt-len 4"
+    " --device cpu"
+).split()
 
 
 @pytest.fixture(scope="module")

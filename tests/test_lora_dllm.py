@@ -236,12 +236,9 @@ def test_decode_runner_captures_dllm_extend_like_target_verify(width):
 
 def test_a_runner_without_model_inputs_refuses_to_capture_a_lora_model():
     model = tiny(adapters=1)
+    backend = RecordingBackend("cpu", phase="prefill")
     runner = PrefillCudaGraphRunner(
-        model,
-        {"prefill": {"max_bs": 16}},
-        device="cpu",
-        backend=RecordingBackend("cpu", phase="prefill"),
-        show_progress=False,
+        model, {"prefill": {"max_bs": 16}}, device="cpu", backend=backend, show_progress=False
     )
     with pytest.raises(RuntimeError, match="no 'lora_adapter_ids' static input"):
         runner.capture()

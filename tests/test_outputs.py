@@ -31,6 +31,7 @@ from cuda_graph_runner.nested import (
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner.base import freeze_gc, slice_rows
 from cuda_graph_runner.testing.fakes import RecordingBackend
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.weak_ref import weak_ref_tensors
 
@@ -129,20 +130,7 @@ class StructModel(torch.nn.Module):
 
 
 def extend_batch(lens: List[int], *, offset: int = 1) -> ForwardBatch:
-    tokens = sum(lens)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=(torch.arange(tokens) * 5 + offset) % VOCAB,
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        out_cache_loc=torch.arange(tokens) + 50 + offset,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int32),
-        seq_lens_cpu=list(lens),
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[0] * len(lens),
-    )
+    return synthetic_extend_batch(lens, token_stride=5, token_offset=offset, vocab=VOCAB, first_slot=50 + offset)
 
 
 def make_backend(path: str, phase: str) -> BaseCudaGraphBackend:

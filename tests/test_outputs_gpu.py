@@ -14,14 +14,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    make_decode_batch,
-    make_dummy_prompts,
-    make_extend_batch,
-)
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu
 
@@ -31,20 +25,13 @@ ATOL = RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def fp32_model():
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
-    model.create_kv_cache(num_slots=48 * 64 + 1, max_reqs=49, max_context_len=64)
-    return model
+    return reference_model("tiny", requests=48)
 
 
 def _decode_batch(model, bs: int, seed: int):
     """A live decode batch of ``bs`` requests (prompts prefilled eagerly) and its session."""
-    session = GreedySession(model, model.kv_cache)
-    with torch.no_grad():
-        session.prefill(
-            make_dummy_prompts(bs, [3 + (i + seed) % 5 for i in range(bs)], model.config.vocab_size, seed=seed)
-        )
-    batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
-    return session, batch
+    prompts = make_dummy_prompts(bs, [3 + (i + seed) % 5 for i in range(bs)], model.config.vocab_size, seed=seed)
+    return prefilled_decode_batch(model, prompts)
 
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
@@ -120,7 +107,5 @@ def test_breakable_prefill_owned_outputs_survive_later_replays(fp32_model):
     torch.cuda.synchronize()
     assert torch.equal(kept, snapshot)
     torch.testing.assert_close(kept, expected, atol=ATOL, rtol=RTOL)
-    for b in (first, second):
-        for r in b.req_pool_indices.tolist():
-            cache.free_request(r)
+    free_requests(cache, first, second)
     runner.cleanup()

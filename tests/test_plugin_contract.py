@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from plugin_sources import RECORDING_BACKEND, PluginDist, install_plugins, minimal_backend_source
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import BaseCudaGraphBackend, DisabledBackend
 from cuda_graph_runner.errors import BackendContractError
 from cuda_graph_runner.hookspecs import BackendSpec
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
+from cuda_graph_runner.testing.conformance import run_python
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
 
@@ -127,12 +128,7 @@ def test_in_process_lazy_reference_is_checked_by_verify_and_recorded():
         BackendSpec(name="lazy_bad", backend_class="collections:OrderedDict", phases=("decode",), devices=("*",))
     )
     registry.register(
-        BackendSpec(
-            name="lazy_good",
-            backend_class="cuda_graph_runner.testing.fakes:RecordingBackend",
-            phases=("decode",),
-            devices=("*",),
-        )
+        BackendSpec(name="lazy_good", backend_class=RECORDING_BACKEND, phases=("decode",), devices=("*",))
     )
     before = {e.name: e for e in registry.list_backends("cpu")}
     assert before["lazy_bad"].status == "available" and before["lazy_bad"].contract == ""
@@ -150,37 +146,19 @@ def test_in_process_lazy_reference_is_checked_by_verify_and_recorded():
 # ----------------------------------------------------------------- through installed entry points
 
 CONTRACT_MODULES = {
-    "czoo_backends": """
-        import contextlib
-        from cuda_graph_runner.backend import BaseCudaGraphBackend
-
-        class Fine(BaseCudaGraphBackend):
-            @contextlib.contextmanager
-            def capture_session(self, stream):
-                yield
-            def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
-                pass
-            def can_run(self, batch, key):
-                return False
-            @contextlib.contextmanager
-            def replay_session(self):
-                yield
-            def replay(self, key, static_batch):
-                raise KeyError(key)
-            def cleanup(self):
-                pass
-
-        class NoHook(Fine):
-            def capture_one(self, key, forward_fn):  # the seed's NPU backend bug
-                pass
-
-        class ExtraArg(Fine):
-            def replay(self, key, static_batch, stream):
-                pass
-
-        class NotABackend:
+    "czoo_backends": minimal_backend_source("Fine")
+    + """
+    class NoHook(Fine):
+        def capture_one(self, key, forward_fn):  # the seed's NPU backend bug
             pass
-    """,
+
+    class ExtraArg(Fine):
+        def replay(self, key, static_batch, stream):
+            pass
+
+    class NotABackend:
+        pass
+""",
     "czoo_plugin": """
         from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
 
@@ -203,20 +181,16 @@ CONTRACT_MODULES = {
                                 api_version="1.0")]
     """,
 }
-CONTRACT_EPS = {
-    "c_fine": "czoo_plugin",
-    "c_nohook": "czoo_plugin",
-    "c_extra": "czoo_plugin",
-    "c_notsub": "czoo_plugin",
-    "c_eager": "czoo_eager",
+CONTRACT_EPS = {name: "czoo_plugin" for name in ("c_fine", "c_nohook", "c_extra", "c_notsub")} | {
+    "c_eager": "czoo_eager"
 }
 
 
 @pytest.fixture(scope="module")
 def contract_site(tmp_path_factory):
-    root = tmp_path_factory.mktemp("contract")
-    src = write_plugin_source(root / "src", "cgr-contract-zoo", CONTRACT_MODULES, CONTRACT_EPS)
-    return install_plugin_distributions(root / "site", src)
+    return install_plugins(
+        tmp_path_factory.mktemp("contract"), PluginDist("cgr-contract-zoo", CONTRACT_MODULES, CONTRACT_EPS)
+    )
 
 
 def test_violations_through_entry_points_are_listed_after_verify(contract_site):

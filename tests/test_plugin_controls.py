@@ -7,32 +7,22 @@ import multiprocessing
 from importlib import metadata
 
 import pytest
+from plugin_sources import PluginDist, install_plugins, load_only, spec_module
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.errors import UnknownBackendError
 from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.registry import discovery
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, registry_snapshot, write_plugin_source
+from cuda_graph_runner.testing.conformance import registry_snapshot
 from cuda_graph_runner.testing.fakes import RecordingBackend
-
-
-def _module(name: str) -> str:
-    return f"""
-        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
-
-        @hookimpl
-        def cuda_graph_runner_backend_specs():
-            return [BackendSpec(name="{name}", backend_class="cuda_graph_runner.testing.fakes:RecordingBackend",
-                                phases=("decode",), devices=("*",), api_version="1.0")]
-    """
 
 
 @pytest.fixture(scope="module")
 def ctl_site(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ctl")
-    a = write_plugin_source(root / "a", "cgr-ctl-a", {"ctl_a": _module("ctl_a")}, {"ctl_a": "ctl_a"})
-    b = write_plugin_source(root / "b", "cgr-ctl-b", {"ctl_b": _module("ctl_b")}, {"ctl_b": "ctl_b"})
-    return install_plugin_distributions(root / "site", a, b)
+    return install_plugins(
+        tmp_path_factory.mktemp("ctl"),
+        *(PluginDist(f"cgr-ctl-{x}", {f"ctl_{x}": spec_module(f"ctl_{x}")}, {f"ctl_{x}": f"ctl_{x}"}) for x in "ab"),
+    )
 
 
 @pytest.fixture()
@@ -68,8 +58,7 @@ def test_plugins_variable_limits_autoload(ctl, value, expected):
 
 
 def test_not_loaded_plugin_is_explained_when_asked_for(ctl):
-    ctl.setenv(registry.ENV_PLUGINS, "ctl_a")
-    registry.reset_registry()
+    load_only(ctl, "ctl_a")
     with pytest.raises(
         UnknownBackendError,
         match=r"unknown cuda graph backend 'ctl_b'.*cgr-ctl-b provides 'ctl_b' but "
@@ -129,8 +118,7 @@ def _rows(snapshot):
 def test_children_discover_the_same(ctl, method):
     if method not in multiprocessing.get_all_start_methods():
         pytest.skip(f"start method {method!r} is not available on this platform")
-    ctl.setenv(registry.ENV_PLUGINS, "ctl_b,full")
-    registry.reset_registry()
+    load_only(ctl, "ctl_b,full")
     parent = registry_snapshot()
     with multiprocessing.get_context(method).Pool(1) as pool:
         child = pool.apply(registry_snapshot)

@@ -17,11 +17,11 @@ import sys
 import warnings
 
 import pytest
+from plugin_sources import PluginDist, install_plugins
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.cli import main
 from cuda_graph_runner.errors import BackendConflictError
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, write_plugin_source
 
 PLUGIN_MODULES = ("alpha_plugin", "beta_plugin", "zeta_plugin", "gamma_plugin", "broken_plugin")
 
@@ -71,53 +71,29 @@ GAMMA = """
 def sites(tmp_path_factory):
     root = tmp_path_factory.mktemp("claims")
 
-    def one(tag, dist, modules, eps, version="1.0.0"):
-        src = write_plugin_source(root / f"src-{tag}", dist, modules, eps, version=version)
-        return str(install_plugin_distributions(root / f"site-{tag}", src))
+    def one(tag, dist, backend, source, version="1.0.0"):
+        """A site holding distribution ``dist``: module ``<backend>_plugin``, entry point ``backend``."""
+        module = f"{backend}_plugin"
+        return str(install_plugins(root / tag, PluginDist(dist, {module: source}, {backend: module}, version)))
 
+    zeta_claim = 'DefaultClaim("zeta", priority=int(os.environ.get("ZETA_PRIORITY", "0")))'
     return {
         # usable everywhere, claims the cpu decode default
-        "alpha": one("alpha", "cgr-alpha", {"alpha_plugin": _claiming_module("alpha")}, {"alpha": "alpha_plugin"}),
+        "alpha": one("alpha", "cgr-alpha", "alpha", _claiming_module("alpha")),
         # claims it too, but its probe says it cannot run here
-        "beta": one(
-            "beta",
-            "cgr-beta",
-            {"beta_plugin": _claiming_module("beta", probe="'needs a Beta card'")},
-            {"beta": "beta_plugin"},
-        ),
+        "beta": one("beta", "cgr-beta", "beta", _claiming_module("beta", probe="'needs a Beta card'")),
         # usable, claims with a priority taken from the environment
-        "zeta": one(
-            "zeta",
-            "cgr-zeta",
-            {
-                "zeta_plugin": _claiming_module(
-                    "zeta", claim='DefaultClaim("zeta", priority=int(os.environ.get("ZETA_PRIORITY", "0")))'
-                )
-            },
-            {"zeta": "zeta_plugin"},
-        ),
+        "zeta": one("zeta", "cgr-zeta", "zeta", _claiming_module("zeta", claim=zeta_claim)),
         # a release and a nightly whose entry points load the same module
-        "release": one(
-            "release",
-            "cgr-gamma",
-            {"gamma_plugin": GAMMA.format(build="release")},
-            {"gamma": "gamma_plugin"},
-            version="1.0.0",
-        ),
-        "nightly": one(
-            "nightly",
-            "cgr-gamma-nightly",
-            {"gamma_plugin": GAMMA.format(build="nightly")},
-            {"gamma": "gamma_plugin"},
-            version="1.1.0.dev1",
-        ),
+        **{
+            build: one(build, dist, "gamma", GAMMA.format(build=build), version)
+            for build, dist, version in (
+                ("release", "cgr-gamma", "1.0.0"),
+                ("nightly", "cgr-gamma-nightly", "1.1.0.dev1"),
+            )
+        },
         # installed, but its module fails to import
-        "broken": one(
-            "broken",
-            "cgr-broken",
-            {"broken_plugin": "raise ImportError('libbroken.so not found')\n"},
-            {"broken": "broken_plugin"},
-        ),
+        "broken": one("broken", "cgr-broken", "broken", "raise ImportError('libbroken.so not found')\n"),
     }
 
 

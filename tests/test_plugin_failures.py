@@ -7,46 +7,17 @@ directory; its entry points each break in one way.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+from plugin_sources import PluginDist, install_plugins, minimal_backend_source, spec_module
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.errors import BackendLoadError, BackendUnavailableError
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
+from cuda_graph_runner.testing.conformance import run_python
 
-GOOD_BACKENDS = """
-    import contextlib
-    from cuda_graph_runner.backend import BaseCudaGraphBackend
-
-    class GoodBackend(BaseCudaGraphBackend):
-        @contextlib.contextmanager
-        def capture_session(self, stream):
-            yield
-        def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
-            pass
-        def can_run(self, batch, key):
-            return False
-        @contextlib.contextmanager
-        def replay_session(self):
-            yield
-        def replay(self, key, static_batch):
-            raise KeyError(key)
-        def cleanup(self):
-            pass
-"""
-
-
-def _spec_module(
-    name: str, *, extra_spec: str = "", extra: str = "", class_ref: str = "zoo_backends:GoodBackend"
-) -> str:
-    return f"""
-        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
-
-        @hookimpl
-        def cuda_graph_runner_backend_specs():
-            return [BackendSpec(name="{name}", backend_class="{class_ref}", phases=("decode",),
-                                devices=("*",), api_version="1.0"{extra_spec})]
-        {extra}
-    """
+GOOD_BACKENDS = minimal_backend_source("GoodBackend")
+_spec_module = functools.partial(spec_module, backend_class="zoo_backends:GoodBackend")
 
 
 ZOO_MODULES = {
@@ -83,10 +54,10 @@ ZOO_MODULES = {
         def cuda_graph_runner_backend_spec():  # typo: no such hook
             return []
     """,
-    "zoo_class_missing": _spec_module("class_missing", class_ref="zoo_backends:NoSuchBackend"),
+    "zoo_class_missing": _spec_module("class_missing", backend_class="zoo_backends:NoSuchBackend"),
     "zoo_wrong_name": _spec_module("other_name"),
-    "zoo_bad_spec": _spec_module("bad_spec", extra_spec=', phases="decode"').replace('phases=("decode",),\n', ""),
-    "zoo_old_api": _spec_module("old_api").replace('api_version="1.0"', 'api_version="0.3"'),
+    "zoo_bad_spec": _spec_module("bad_spec", phases='"decode"'),
+    "zoo_old_api": _spec_module("old_api", api_version="0.3"),
     "zoo_good": _spec_module("good"),
 }
 ZOO_ENTRY_POINTS = {
@@ -107,9 +78,8 @@ ZOO_ENTRY_POINTS = {
 
 @pytest.fixture(scope="module")
 def zoo_site(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo")
-    src = write_plugin_source(root / "src", "cgr-failure-zoo", ZOO_MODULES, ZOO_ENTRY_POINTS, version="0.4.2")
-    return install_plugin_distributions(root / "site", src)
+    dist = PluginDist("cgr-failure-zoo", ZOO_MODULES, ZOO_ENTRY_POINTS, "0.4.2")
+    return install_plugins(tmp_path_factory.mktemp("zoo"), dist)
 
 
 @pytest.fixture()
@@ -215,40 +185,60 @@ def test_the_others_still_work(zoo):
     assert registry.resolve_decode_backend(None, device="cpu").name == "disabled"
 
 
-@pytest.mark.parametrize(
-    "plugin,error,cause",
-    [
-        (
-            "import_fails",
-            "BackendLoadError: entry point import_fails = 'zoo_import_fails'",
-            "ImportError: vendor SDK libzoo.so",
-        ),
-        ("attr_missing", "BackendLoadError: entry point attr_missing", "AttributeError"),
-        (
-            "hook_raises",
-            "BackendLoadError: plugin 'hook_raises' of cgr-failure-zoo 0.4.2: hook "
-            "cuda_graph_runner_backend_specs raised",
-            "RuntimeError: device table corrupt",
-        ),
-        (
-            "probe_raises",
-            "BackendUnavailableError: backend 'probe_raises' of cgr-failure-zoo: probe",
-            "ValueError: sensor offline",
-        ),
-        ("bad_spec", "BackendLoadError: plugin 'bad_spec' of cgr-failure-zoo 0.4.2: invalid BackendSpec", None),
-    ],
-)
-def test_strict_mode_environment_variable_reraises_with_the_cause(zoo_site, plugin, error, cause):
-    out = run_python(
-        "from cuda_graph_runner import registry; registry.list_backends('cpu')",
+STRICT_CASES = [
+    (
+        "import_fails",
+        "BackendLoadError: entry point import_fails = 'zoo_import_fails'",
+        "ImportError: vendor SDK libzoo.so",
+    ),
+    ("attr_missing", "BackendLoadError: entry point attr_missing", "AttributeError"),
+    (
+        "hook_raises",
+        "BackendLoadError: plugin 'hook_raises' of cgr-failure-zoo 0.4.2: hook cuda_graph_runner_backend_specs raised",
+        "RuntimeError: device table corrupt",
+    ),
+    (
+        "probe_raises",
+        "BackendUnavailableError: backend 'probe_raises' of cgr-failure-zoo: probe",
+        "ValueError: sensor offline",
+    ),
+    ("bad_spec", "BackendLoadError: plugin 'bad_spec' of cgr-failure-zoo 0.4.2: invalid BackendSpec", None),
+]
+
+
+@pytest.fixture(scope="module")
+def strict_tracebacks(zoo_site):
+    """One fresh interpreter with the strict variable set lists the backends with each
+    plugin of :data:`STRICT_CASES` alone; what each listing raised, as its traceback text
+    (chained causes included, as an uncaught exception prints them), or None."""
+    plugins = [plugin for plugin, _, _ in STRICT_CASES]
+    return run_python(
+        f"""
+        import json, os, traceback
+        from cuda_graph_runner import registry
+        raised = {{}}
+        for plugin in {plugins!r}:
+            os.environ[registry.ENV_PLUGINS] = plugin
+            registry.reset_registry()
+            try:
+                registry.list_backends("cpu")
+                raised[plugin] = None
+            except Exception:
+                raised[plugin] = traceback.format_exc()
+        print(json.dumps(raised))
+        """,
         pythonpath=[zoo_site],
-        env={registry.ENV_STRICT: "1", registry.ENV_PLUGINS: plugin},
-        expect_ok=False,
+        env={registry.ENV_STRICT: "1"},
     )
-    assert out["returncode"] != 0
-    assert error in out["stderr"], out["stderr"]
+
+
+@pytest.mark.parametrize("plugin,error,cause", STRICT_CASES)
+def test_strict_mode_environment_variable_reraises_with_the_cause(strict_tracebacks, plugin, error, cause):
+    text = strict_tracebacks[plugin]
+    assert text is not None, f"{plugin}: listing did not raise under strict mode"
+    assert error in text, text
     if cause:
-        assert "direct cause of the following exception" in out["stderr"] and cause in out["stderr"], out["stderr"]
+        assert "direct cause of the following exception" in text and cause in text, text
 
 
 def test_strict_flag_reraises_and_keeps_raising(zoo_site, monkeypatch):

@@ -14,6 +14,8 @@ import sys
 import threading
 
 import pytest
+from plugin_sources import PluginDist, install_plugins, load_only
+from plugin_sources import spec_module as _spec_module
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import DisabledBackend
@@ -21,23 +23,8 @@ from cuda_graph_runner.errors import RegistryReentryError
 from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.conformance import install_plugin_distributions, write_plugin_source
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.toy_model import ToyModel
-
-
-def _spec_module(name: str, *, before: str = "", in_hook: str = "") -> str:
-    return f"""
-        {before}
-        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
-
-        @hookimpl
-        def cuda_graph_runner_backend_specs():
-            {in_hook or "pass"}
-            return [BackendSpec(name="{name}", backend_class="cuda_graph_runner.testing.fakes:RecordingBackend",
-                                phases=("decode",), devices=("*",), api_version="1.0")]
-    """
-
 
 ISO_MODULES = {
     # A lazy loader: any attribute lookup raises ImportError (not AttributeError).
@@ -87,11 +74,12 @@ ISO_ENTRY_POINTS = {
 
 @pytest.fixture(scope="module")
 def iso_site(tmp_path_factory):
-    root = tmp_path_factory.mktemp("iso")
-    src = write_plugin_source(root / "src", "cgr-iso", ISO_MODULES, ISO_ENTRY_POINTS, version="1.2.3")
-    a = write_plugin_source(root / "a", "cgr-iso-a", {"iso_twin_a": _spec_module("twin")}, {"twin": "iso_twin_a"})
-    b = write_plugin_source(root / "b", "cgr-iso-b", {"iso_twin_b": _spec_module("twin")}, {"twin": "iso_twin_b"})
-    return install_plugin_distributions(root / "site", src, a, b)
+    return install_plugins(
+        tmp_path_factory.mktemp("iso"),
+        PluginDist("cgr-iso", ISO_MODULES, ISO_ENTRY_POINTS, "1.2.3"),
+        PluginDist("cgr-iso-a", {"iso_twin_a": _spec_module("twin")}, {"twin": "iso_twin_a"}),
+        PluginDist("cgr-iso-b", {"iso_twin_b": _spec_module("twin")}, {"twin": "iso_twin_b"}),
+    )
 
 
 @pytest.fixture()
@@ -258,16 +246,21 @@ def test_resolving_from_a_specs_hook_during_the_scan_fails_that_plugin(iso):
     assert row.reason.startswith("hook cuda_graph_runner_backend_specs raised RegistryReentryError")
 
 
-def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(wellbehaved, tmp_path):
-    slow = write_plugin_source(
-        tmp_path / "slow",
-        "cgr-iso-slow",
-        {"iso_slow_gate": _spec_module("slow", before="import builtins\n        builtins._cgr_iso_gate()")},
-        {"slow": "iso_slow_gate"},
+@pytest.fixture(scope="module")
+def extra_site(tmp_path_factory):
+    """Two distributions (one pip run) that only the tests naming them in the plugin
+    variable load: ``slow`` (its import waits on a gate the test installs) and ``late``."""
+    gated = _spec_module("slow", before="import builtins\n        builtins._cgr_iso_gate()")
+    return install_plugins(
+        tmp_path_factory.mktemp("iso-extra"),
+        PluginDist("cgr-iso-slow", {"iso_slow_gate": gated}, {"slow": "iso_slow_gate"}),
+        PluginDist("cgr-iso-late", {"iso_late": _spec_module("late")}, {"late": "iso_late"}),
     )
-    wellbehaved.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", slow)))
-    wellbehaved.setenv(registry.ENV_PLUGINS, "iso_good,cgr-iso-a,cgr-iso-b,slow")
-    registry.reset_registry()
+
+
+def test_a_thread_asking_during_the_scan_waits_for_the_complete_registry(wellbehaved, extra_site):
+    wellbehaved.syspath_prepend(str(extra_site))
+    load_only(wellbehaved, "iso_good,cgr-iso-a,cgr-iso-b,slow")
     started, release = threading.Event(), threading.Event()
 
     def gate():
@@ -380,14 +373,10 @@ def test_reset_keeps_calls_made_before_the_registry_was_rescanned(wellbehaved):
     assert "nb" in _rows()
 
 
-def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(wellbehaved, tmp_path):
+def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(wellbehaved, extra_site):
     registry.register(BackendSpec(name="late", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
-    late = write_plugin_source(
-        tmp_path / "late", "cgr-iso-late", {"iso_late": _spec_module("late")}, {"late": "iso_late"}
-    )
-    wellbehaved.syspath_prepend(str(install_plugin_distributions(tmp_path / "site", late)))
-    wellbehaved.setenv(registry.ENV_PLUGINS, "iso_good,cgr-iso-a,cgr-iso-b,late")
-    registry.reset_registry()
+    wellbehaved.syspath_prepend(str(extra_site))
+    load_only(wellbehaved, "iso_good,cgr-iso-a,cgr-iso-b,late")
     with pytest.warns(
         RuntimeWarning,
         match=r"register\('late'\) made before reset_registry\(\) could not be kept.*"

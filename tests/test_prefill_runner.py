@@ -13,6 +13,7 @@ from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.runner import PrefillCudaGraphRunner, default_prefill_token_sizes
 from cuda_graph_runner.runner.prefill import MAX_PADDING_RATIO
 from cuda_graph_runner.testing.fakes import RecordingBackend
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 
 VOCAB = 16
@@ -45,23 +46,7 @@ class PerRequestToy(ToyModel):
 
 def extend_batch(lens, prefix=None, *, offset: int = 1) -> ForwardBatch:
     """A live EXTEND batch: distinct non-zero token values, request rows >= 1."""
-    prefix = list(prefix) if prefix is not None else [0] * len(lens)
-    tokens = sum(lens)
-    positions = [p + j for p, n in zip(prefix, lens) for j in range(n)]
-    seq = [p + n for p, n in zip(prefix, lens)]
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=(torch.arange(tokens) * 3 + offset) % VOCAB,
-        positions=torch.tensor(positions, dtype=torch.int64),
-        out_cache_loc=torch.arange(tokens) + 100,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=torch.tensor(seq, dtype=torch.int32),
-        extend_seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
-        seq_lens_cpu=seq,
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=prefix,
-    )
+    return synthetic_extend_batch(lens, prefix, token_stride=3, token_offset=offset, vocab=VOCAB, first_slot=100)
 
 
 def make_runner(max_bs=None, bs=None, model=None, **kwargs):

@@ -29,13 +29,11 @@ ATOL = 1e-4  # against transformers: another implementation (rope, attention), n
 #: Batch modes of the tiny model against each other: the same math summed in another order
 #: (other batch shapes pick other kernels), so the tolerance follows dtype and reduction sizes.
 TINY_TOL = model_tolerance(PRESETS["tiny"], torch.float32, context_len=48)
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
+#: Hugging Face config keywords: the tiny preset's sizes, another MLP width and a short context.
+TINY = {k: getattr(PRESETS["tiny"], k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")} | dict(
+    num_attention_heads=PRESETS["tiny"].num_attention_heads,
+    num_key_value_heads=PRESETS["tiny"].num_key_value_heads,
     intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=128,
 )
 

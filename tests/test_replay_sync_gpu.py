@@ -26,23 +26,15 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    make_decode_batch,
-    make_dummy_prompts,
-    make_extend_batch,
-)
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def model():
-    m = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
-    m.create_kv_cache(num_slots=64 * 64 + 1, max_reqs=40, max_context_len=64)
-    return m
+    return reference_model("tiny", requests=39, num_slots=64 * 64 + 1)
 
 
 def _replays_without_sync(runner: Any, batches: Dict[str, Any], eager: Any) -> None:
@@ -65,6 +57,14 @@ def _replays_without_sync(runner: Any, batches: Dict[str, Any], eager: Any) -> N
             torch.testing.assert_close(outputs[what], eager(batch), rtol=1e-3, atol=1e-3, msg=what)
 
 
+def _release(runner: Any) -> None:
+    """Free the graphs, and give the model its own forward back where the backend wrapped it."""
+    runner.cleanup()
+    uninstall = getattr(runner.backend, "uninstall", None)
+    if uninstall is not None:
+        uninstall()
+
+
 @pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
 def test_decode_replay_never_synchronizes(model, backend):
     runner = DecodeCudaGraphRunner(
@@ -80,25 +80,17 @@ def test_decode_replay_never_synchronizes(model, backend):
         show_progress=False,
     )
     runner.capture()
-    cache = model.kv_cache
     sessions, batches = [], {}
-    with torch.no_grad():
-        for bs in (1, 3, 8):  # on a bucket, padded, the maximum
-            session = GreedySession(model, cache)
-            session.prefill(make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs))
-            batches[f"{backend} decode bs={bs}"] = make_decode_batch(
-                cache, session.rows, None, [t[-1] for t in session.tokens]
-            )
-            sessions.append(session)
+    for bs in (1, 3, 8):  # on a bucket, padded, the maximum
+        prompts = make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs)
+        session, batches[f"{backend} decode bs={bs}"] = prefilled_decode_batch(model, prompts)
+        sessions.append(session)
     try:
         _replays_without_sync(runner, batches, eager_logits_fn(model))
     finally:
         for s in sessions:
             s.close()
-        runner.cleanup()
-        uninstall = getattr(runner.backend, "uninstall", None)
-        if uninstall is not None:
-            uninstall()
+        _release(runner)
 
 
 @pytest.mark.parametrize("backend", ["breakable", "tc_piecewise"])
@@ -117,21 +109,15 @@ def test_prefill_replay_never_synchronizes(model, backend):
     )
     runner.capture()
     cache = model.kv_cache
-    batches, rows = {}, []
+    batches = {}
     for lengths in ([16], [5, 9, 7], [20, 20, 24]):  # on a bucket, padded, the maximum
         prompts = make_dummy_prompts(len(lengths), lengths, model.config.vocab_size, seed=sum(lengths))
-        batch = make_extend_batch(cache, prompts)
-        rows += batch.req_pool_indices.tolist()
-        batches[f"{backend} prefill {sum(lengths)} tokens"] = batch
+        batches[f"{backend} prefill {sum(lengths)} tokens"] = make_extend_batch(cache, prompts)
     try:
         _replays_without_sync(runner, batches, eager_logits_fn(model))
     finally:
-        for r in rows:
-            cache.free_request(r)
-        runner.cleanup()
-        uninstall = getattr(runner.backend, "uninstall", None)
-        if uninstall is not None:
-            uninstall()
+        free_requests(cache, *batches.values())
+        _release(runner)
 
 
 def test_capture_seconds_of_the_default_decode_sizes():
@@ -140,8 +126,7 @@ def test_capture_seconds_of_the_default_decode_sizes():
     policy's replay must still equal eager (greedy tokens)."""
     from cuda_graph_runner.testing.batches import greedy_generate
 
-    m = ReferenceLlamaForCausalLM.from_preset("llama-3.2-1b", dtype=torch.bfloat16, device="cuda")
-    m.create_kv_cache(num_slots=256 * 40 + 1, max_reqs=257, max_context_len=40)
+    m = reference_model("llama-3.2-1b", requests=256, context=40, dtype=torch.bfloat16)
     rows = {}
     prompts = make_dummy_prompts(3, 12, m.config.vocab_size, seed=3)
     with torch.no_grad():

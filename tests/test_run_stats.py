@@ -84,28 +84,8 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
     monkeypatch.setattr(bench, "plan_phase", plan)
     path = tmp_path / "b.json"
     with caplog.at_level(logging.INFO, logger="cuda_graph_runner"):
-        code = main(
-            [
-                "bench",
-                "-v",
-                "--device",
-                "cpu",
-                "--batch-sizes",
-                "1",
-                "3",
-                "--no-prefill",
-                "--iters",
-                "1",
-                "--warmup",
-                "0",
-                "--steps",
-                "1",
-                "--prompt-len",
-                "2",
-                "--json",
-                str(path),
-            ]
-        )
+        args = "bench -v --device cpu --batch-sizes 1 3 --no-prefill --iters 1 --warmup 0 --steps 1 --prompt-len 2"
+        code = main([*args.split(), "--json", str(path)])
     capsys.readouterr()
     assert code == 0
     [runner] = json.loads(path.read_text())["runners"]

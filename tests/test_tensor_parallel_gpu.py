@@ -31,36 +31,28 @@ def _two_gpus() -> bool:
 
 def _rank_checks(tp):
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import (
-        GreedySession,
-        eager_logits_fn,
-        greedy_generate,
-        make_decode_batch,
-        make_dummy_prompts,
-    )
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.testing.batches import greedy_generate, make_dummy_prompts
+    from cuda_graph_runner.testing.reference_setup import reference_model, staggered_decode_case
 
     out = {"rank": tp.rank, "diffs": {}, "tokens": {}, "bf16": {}}
     prompts = make_dummy_prompts(4, [5, 9, 3, 7], 256, seed=11)
-    ref = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device=tp.device, seed=3)
-    ref.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
-    out["tokens"]["tp1-eager"] = greedy_generate(ref, ref.kv_cache, prompts, STEPS)
-    for backend in BACKENDS:
-        model = ReferenceLlamaForCausalLM.from_preset(
-            "tiny", dtype=torch.float32, device=tp.device, seed=3, tp_group=tp
-        )
-        cache = model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
+
+    def tp2_runner(dtype, backend):
+        """The TP=2 model (same weights as TP=1's, seed 3) and its captured decode runner."""
+        model = reference_model("tiny", requests=16, dtype=dtype, device=tp.device, seed=3, tp_group=tp)
         runner = DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "max_bs": 8}}, show_progress=False)
         runner.capture()
+        return model, runner
+
+    ref = reference_model("tiny", requests=16, device=tp.device, seed=3)
+    out["tokens"]["tp1-eager"] = greedy_generate(ref, ref.kv_cache, prompts, STEPS)
+    for backend in BACKENDS:
+        model, runner = tp2_runner(torch.float32, backend)
+        cache = model.kv_cache
         assert runner.capture_sizes == CAPTURED, runner.capture_sizes
-        eager = eager_logits_fn(model)
         for bs in SIZES:
-            session = GreedySession(model, cache)
+            session, batch, expected = staggered_decode_case(model, bs, seed=bs)
             with torch.no_grad():
-                session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], 256, seed=bs))
-                session.decode()
-                batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
-                expected = eager(batch).clone()
                 replayed = runner.can_run(batch)
                 got = runner.forward(batch).clone()
             session.close()
@@ -70,17 +62,11 @@ def _rank_checks(tp):
         del runner, model, cache
         torch.cuda.empty_cache()
     # bfloat16: TP=2 graph vs TP=1 eager, match rate only.
-    ref16 = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.bfloat16, device=tp.device, seed=3)
-    ref16.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
+    ref16 = reference_model("tiny", requests=16, dtype=torch.bfloat16, device=tp.device, seed=3)
     want = greedy_generate(ref16, ref16.kv_cache, prompts, STEPS)
     for backend in BACKENDS:
-        model = ReferenceLlamaForCausalLM.from_preset(
-            "tiny", dtype=torch.bfloat16, device=tp.device, seed=3, tp_group=tp
-        )
-        cache = model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
-        runner = DecodeCudaGraphRunner(model, {"decode": {"backend": backend, "max_bs": 8}}, show_progress=False)
-        runner.capture()
-        got = greedy_generate(model, cache, prompts, STEPS, decode_fn=runner.forward)
+        model, runner = tp2_runner(torch.bfloat16, backend)
+        got = greedy_generate(model, model.kv_cache, prompts, STEPS, decode_fn=runner.forward)
         same = sum(a == b for gs, ws in zip(got, want) for a, b in zip(gs, ws))
         out["bf16"][backend] = same / sum(len(w) for w in want)
         runner.cleanup()

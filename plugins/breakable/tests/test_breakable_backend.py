@@ -16,20 +16,20 @@ from typing import Any, List, Optional
 
 import pytest
 import torch
+from breakable_mix_model import MixModel as SharedMixModel
+from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.forward_context import forward_context, get_forward_batch
 from cuda_graph_runner.graph_break import eager_op
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import decode_batch
-from cuda_graph_runner_breakable.backend import (
-    BreakableCaptureError,
-    BreakableCudaGraphBackend,
-)
+from cuda_graph_runner_breakable.backend import BreakableCaptureError, BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule, HostSyncInCaptureError
 
 VOCAB = 16
@@ -39,16 +39,10 @@ HIDDEN = 8
 SINK: List[Optional[list]] = [None]
 
 
-def _lens(batch: ForwardBatch) -> List[int]:
-    if batch.forward_mode is ForwardMode.EXTEND:
-        return list(batch.extend_seq_lens_cpu)
-    return [batch.num_tokens_per_req] * batch.batch_size
-
-
 @eager_op("test_breakable_cpu_request_mix")
 def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
     """Per-request prefix sums: the result depends on the live request boundaries."""
-    lens = _lens(get_forward_batch())
+    lens = request_lens(get_forward_batch())
     if SINK[0] is not None:
         SINK[0].append(("op", tuple(lens)))
     start = 0
@@ -61,7 +55,7 @@ def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
 @eager_op("test_breakable_cpu_scaled_by_requests", mutates_args=())
 def scaled_by_requests(x: torch.Tensor) -> torch.Tensor:
     """Returns a new tensor (a 'bridge' output allocated between segments)."""
-    return x * float(len(_lens(get_forward_batch())))
+    return x * float(len(request_lens(get_forward_batch())))
 
 
 @eager_op("test_breakable_cpu_inner")
@@ -75,51 +69,15 @@ def outer_op(output: torch.Tensor, x: torch.Tensor) -> None:
     output.add_(1)
 
 
-class MixModel(torch.nn.Module):
-    """Two marked ops per forward, token-axis inputs only inside the graph."""
-
-    def __init__(self, returning: bool = False) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g), requires_grad=False)
-        self.head = torch.nn.Parameter(torch.randn(HIDDEN, VOCAB, generator=g), requires_grad=False)
-        self.returning = returning
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed[batch.input_ids] + 0.01 * batch.positions[:, None].float()
-        h = h + 0.001 * batch.out_cache_loc[:, None].float()
-        out = torch.empty_like(h)
-        request_mix(out, h, 0.5)
-        h = torch.tanh(out) + h
-        if self.returning:
-            h = scaled_by_requests(h) + 1
-        out2 = torch.empty_like(h)
-        request_mix(out2, h, 0.25)
-        return out2 * 2 - h
-
-    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.forward_mode is ForwardMode.EXTEND:
-            hidden = hidden[torch.cumsum(batch.extend_seq_lens.long(), 0) - 1]
-        return (hidden @ self.head).float()
+def MixModel(returning: bool = False) -> SharedMixModel:  # noqa: N802 - used as the model class
+    """Two marked ops per forward, token-axis inputs only inside the graph (the KV slot too)."""
+    return SharedMixModel(
+        request_mix, scaled_by_requests, vocab=VOCAB, hidden=HIDDEN, slot_term=True, returning=returning
+    )
 
 
 def extend_batch(lens, prefix=None, *, offset: int = 1) -> ForwardBatch:
-    prefix = list(prefix) if prefix is not None else [0] * len(lens)
-    tokens = sum(lens)
-    seq = [p + n for p, n in zip(prefix, lens)]
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=(torch.arange(tokens) * 5 + offset) % VOCAB,
-        positions=torch.tensor([p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=torch.int64),
-        out_cache_loc=torch.arange(tokens) + 50,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=torch.tensor(seq, dtype=torch.int32),
-        extend_seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
-        seq_lens_cpu=seq,
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=prefix,
-    )
+    return synthetic_extend_batch(lens, prefix, token_stride=5, token_offset=offset, vocab=VOCAB, first_slot=50)
 
 
 @pytest.fixture

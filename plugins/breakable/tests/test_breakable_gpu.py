@@ -13,10 +13,12 @@ Run on the device machine: ``python -m pytest plugins/breakable/tests/test_break
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
+from breakable_mix_model import MixModel as SharedMixModel
+from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
@@ -24,6 +26,7 @@ from cuda_graph_runner.forward_context import forward_context, get_forward_batch
 from cuda_graph_runner.graph_break import eager_op
 from cuda_graph_runner.pool import get_capture_stream
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -32,19 +35,13 @@ VOCAB = 32
 HIDDEN = 16
 
 
-def _lens(batch: ForwardBatch) -> List[int]:
-    if batch.forward_mode is ForwardMode.EXTEND:
-        return list(batch.extend_seq_lens_cpu)
-    return [batch.num_tokens_per_req] * batch.batch_size
-
-
 @eager_op("test_breakable_gpu_request_mix")
 def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
     """Per-request prefix sums plus the request's index and length: depends on live metadata.
 
     Builds a device tensor from host lists on purpose: legal only outside a capture.
     """
-    lens = _lens(get_forward_batch())
+    lens = request_lens(get_forward_batch())
     start = 0
     for i, n in enumerate(lens):
         bias = torch.tensor([float(i + 1) + 0.1 * n], device=x.device, dtype=x.dtype)
@@ -56,62 +53,25 @@ def request_mix(output: torch.Tensor, x: torch.Tensor, scale: float) -> None:
 @eager_op("test_breakable_gpu_scaled_by_requests", mutates_args=())
 def scaled_by_requests(x: torch.Tensor) -> torch.Tensor:
     """Returns a fresh tensor: the backend must keep the capture's and copy into it."""
-    return x * float(len(_lens(get_forward_batch())))
+    return x * float(len(request_lens(get_forward_batch())))
 
 
-class MixModel(torch.nn.Module):
-    def __init__(self, *, returning: bool = False, side_stream: bool = False) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g), requires_grad=False)
-        self.head = torch.nn.Parameter(torch.randn(HIDDEN, VOCAB, generator=g) * 0.3, requires_grad=False)
-        self.returning = returning
-        self.side = torch.cuda.Stream() if side_stream else None
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed[batch.input_ids] + 0.01 * batch.positions[:, None].float()
-        y = None
-        if self.side is not None:
-            current = torch.cuda.current_stream()
-            self.side.wait_stream(current)  # fork: overlaps the marked op below
-            with torch.cuda.stream(self.side):
-                y = torch.sin(h) * 3 + 1
-        out = torch.empty_like(h)
-        request_mix(out, h, 0.5)
-        if self.side is not None:
-            torch.cuda.current_stream().wait_stream(self.side)  # join after the op
-            out = out + y
-        h = torch.tanh(out) + h
-        if self.returning:
-            h = scaled_by_requests(h) + 1
-        out2 = torch.empty_like(h)
-        request_mix(out2, h, 0.25)
-        return out2 * 2 - h
-
-    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.forward_mode is ForwardMode.EXTEND:
-            hidden = hidden[torch.cumsum(batch.extend_seq_lens.long(), 0) - 1]
-        return (hidden @ self.head).float()
+def MixModel(*, returning: bool = False, side_stream: bool = False) -> SharedMixModel:  # noqa: N802 - the model class
+    return SharedMixModel(
+        request_mix,
+        scaled_by_requests,
+        vocab=VOCAB,
+        hidden=HIDDEN,
+        head_scale=0.3,
+        returning=returning,
+        side_stream=side_stream,
+    )
 
 
 def extend_batch(lens, *, seed: int = 0) -> ForwardBatch:
     """A live EXTEND batch on the GPU (built from host lists: never call it inside a capture)."""
-    dev = DEVICE
     g = torch.Generator().manual_seed(seed)
-    tokens = sum(lens)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=torch.randint(1, VOCAB, (tokens,), generator=g).to(dev),
-        positions=torch.tensor([j for n in lens for j in range(n)], dtype=torch.int64, device=dev),
-        out_cache_loc=torch.arange(1, tokens + 1, device=dev),
-        req_pool_indices=torch.arange(1, len(lens) + 1, device=dev),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        extend_seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int32, device=dev),
-        seq_lens_cpu=list(lens),
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[0] * len(lens),
-    )
+    return synthetic_extend_batch(lens, input_ids=torch.randint(1, VOCAB, (sum(lens),), generator=g), device=DEVICE)
 
 
 def decode_batch(bs: int, *, seed: int = 0) -> ForwardBatch:

@@ -18,14 +18,9 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    make_decode_batch,
-    make_dummy_prompts,
-    make_extend_batch,
-)
+from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +39,7 @@ def make_backend(phase: str, **kwargs: Any):
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> ReferenceLlamaForCausalLM:
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=dtype, device=DEVICE)
-    model.create_kv_cache(num_slots=16384, max_reqs=64, max_context_len=CONTEXT)
-    return model
+    return reference_model("tiny", requests=63, context=CONTEXT, dtype=dtype, device=DEVICE, num_slots=16384)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +47,18 @@ def model():
     return make_model()
 
 
-@pytest.fixture(scope="module")
-def prefill(model):
+def captured_prefill(model, max_tokens: int) -> PrefillCudaGraphRunner:
     runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"max_bs": MAX_TOKENS}}, backend=make_backend("prefill"), show_progress=False
+        model, {"prefill": {"max_bs": max_tokens}}, backend=make_backend("prefill"), show_progress=False
     )
     with torch.no_grad():
         runner.capture()
+    return runner
+
+
+@pytest.fixture(scope="module")
+def prefill(model):
+    runner = captured_prefill(model, MAX_TOKENS)
     yield runner
     runner.cleanup()
 
@@ -171,7 +169,7 @@ def test_decode_matches_eager(model):
                 session = GreedySession(model, cache)
                 session.prefill(make_dummy_prompts(bs, [2 + 5 * i for i in range(bs)], V, seed=bs))
                 for step in range(3):
-                    batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                    batch = next_decode_batch(session)
                     expected = eager(batch).clone()
                     assert runner.can_run(batch)
                     got = runner.forward(batch).clone()
@@ -189,12 +187,8 @@ def test_bfloat16_prefill_within_bf16_tolerance():
     model = make_model(torch.bfloat16)
     cache = model.kv_cache
     V = model.config.vocab_size
-    runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"max_bs": 128}}, backend=make_backend("prefill"), show_progress=False
-    )
+    runner = captured_prefill(model, 128)
     try:
-        with torch.no_grad():
-            runner.capture()
         first = make_extend_batch(cache, make_dummy_prompts(3, [30, 7, 19], V, seed=7))  # 56 -> 64
         check_prefill(runner, model, first, atol=2e-2, rtol=2e-2)
         second = make_extend_batch(

@@ -20,14 +20,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    greedy_generate,
-    make_decode_batch,
-    make_dummy_prompts,
-)
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+from cuda_graph_runner.testing.reference_setup import assert_greedy_tokens_equal_eager, reference_model
 
 pytestmark = pytest.mark.gpu
 
@@ -45,9 +39,7 @@ def make_backend(phase: str, **kwargs: Any):
 
 @pytest.fixture(scope="module")
 def fp32_model():
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
-    model.create_kv_cache(num_slots=40 * CONTEXT + 1, max_reqs=41, max_context_len=CONTEXT)
-    return model
+    return reference_model("tiny", requests=40, context=CONTEXT)
 
 
 def all_kv(cache, slots: torch.Tensor):
@@ -125,8 +117,7 @@ def test_prefill_still_breaks_at_every_attention(fp32_model):
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen2.5-0.5b"])
 def test_bf16_greedy_tokens_equal_eager_over_16_steps(preset):
-    model = ReferenceLlamaForCausalLM.from_preset(preset, dtype=torch.bfloat16, device="cuda")
-    model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
+    model = reference_model(preset, requests=16, dtype=torch.bfloat16)
     runner = DecodeCudaGraphRunner(
         model, {"decode": {"max_bs": 8}}, backend=make_backend("decode"), show_progress=False
     )
@@ -134,11 +125,6 @@ def test_bf16_greedy_tokens_equal_eager_over_16_steps(preset):
         with torch.no_grad():
             runner.capture()
         assert all(len(runner.backend.graph(k).segments) == 1 for k in runner.backend.captured_keys)
-        for bs in (1, 3, 8):
-            prompts = make_dummy_prompts(bs, 12, model.config.vocab_size, seed=bs)
-            with torch.no_grad():
-                expected = greedy_generate(model, model.kv_cache, prompts, 16)
-                got = greedy_generate(model, model.kv_cache, prompts, 16, decode_fn=runner.forward)
-            assert got == expected, f"{preset} bs={bs}"
+        assert_greedy_tokens_equal_eager(model, 16, decode_fn=runner.forward, what=preset)
     finally:
         runner.cleanup()

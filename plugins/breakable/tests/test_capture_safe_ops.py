@@ -34,6 +34,7 @@ from cuda_graph_runner.testing.batches import (
 )
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_breakable.backend import ENV_INLINE_SAFE_OPS, BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
@@ -235,20 +236,7 @@ def toy_decode(bs: int, *, width: int = 1, offset: int = 0) -> ForwardBatch:
 
 
 def toy_extend(lens: List[int], *, offset: int = 0) -> ForwardBatch:
-    tokens = sum(lens)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=(torch.arange(tokens) * 5 + offset) % VOCAB,
-        positions=torch.tensor([j for n in lens for j in range(n)], dtype=torch.int64),
-        out_cache_loc=torch.arange(tokens) + 50,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_seq_lens=torch.tensor(lens, dtype=torch.int32),
-        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int32),
-        seq_lens_cpu=list(lens),
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[0] * len(lens),
-    )
+    return synthetic_extend_batch(lens, token_stride=5, token_offset=offset, vocab=VOCAB, first_slot=50)
 
 
 def test_an_op_not_declared_safe_still_breaks_in_decode():

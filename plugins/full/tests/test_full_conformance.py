@@ -1,8 +1,4 @@
-"""Backend ``full`` against the conformance kit.
-
-The device tests carry the ``gpu`` mark, so ``pytest -m gpu`` on the device machine
-(scripts/gpu_check.sh) runs them; without CUDA they skip with the reason.
-"""
+"""Backend ``full`` against the conformance kit (device tests: ``gpu`` mark, run by scripts/gpu_check.sh)."""
 
 import pytest
 

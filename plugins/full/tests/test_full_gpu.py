@@ -6,23 +6,20 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    greedy_generate,
-    make_decode_batch,
-    make_dummy_prompts,
+from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts
+from cuda_graph_runner.testing.reference_setup import (
+    assert_greedy_tokens_equal_eager,
+    prefilled_decode_batch,
+    reference_model,
+    staggered_decode_case,
 )
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def fp32_model():
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
-    model.create_kv_cache(num_slots=40 * 64 + 1, max_reqs=41, max_context_len=64)
-    return model
+    return reference_model("tiny", requests=40)
 
 
 def test_runner_resolves_full_by_name_on_cuda(fp32_model):
@@ -36,18 +33,10 @@ def test_every_size_on_and_off_the_buckets_equals_eager_fp32(fp32_model):
     runner = DecodeCudaGraphRunner(fp32_model, {"decode": {"backend": "full", "max_bs": 16}}, show_progress=False)
     runner.capture()
     assert runner.capture_sizes == [1, 2, 4, 8, 12, 16]
-    eager = eager_logits_fn(fp32_model)
-    cache = fp32_model.kv_cache
     for bs in sorted(set(runner.capture_sizes + [3, 5, 13, 16])):
-        session = GreedySession(fp32_model, cache)
+        # a couple of steps so requests have different lengths
+        session, batch, expected = staggered_decode_case(fp32_model, bs, seed=bs, decode_steps=2)
         with torch.no_grad():
-            session.prefill(
-                make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], fp32_model.config.vocab_size, seed=bs)
-            )
-            for _ in range(2):  # a couple of steps so requests have different lengths
-                session.decode()
-            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
-            expected = eager(batch).clone()
             assert runner.can_run(batch)
             got = runner.forward(batch)
         assert got.shape == expected.shape == (bs, fp32_model.config.vocab_size)
@@ -59,11 +48,8 @@ def test_every_size_on_and_off_the_buckets_equals_eager_fp32(fp32_model):
 def test_batch_above_max_bs_falls_back_to_eager(fp32_model):
     runner = DecodeCudaGraphRunner(fp32_model, {"decode": {"backend": "full", "max_bs": 4}}, show_progress=False)
     runner.capture()
-    cache = fp32_model.kv_cache
-    session = GreedySession(fp32_model, cache)
+    session, batch = prefilled_decode_batch(fp32_model, make_dummy_prompts(6, 5, fp32_model.config.vocab_size))
     with torch.no_grad():
-        session.prefill(make_dummy_prompts(6, 5, fp32_model.config.vocab_size))
-        batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
         assert not runner.can_run(batch)
         torch.testing.assert_close(runner.forward(batch), eager_logits_fn(fp32_model)(batch))
     session.close()
@@ -72,16 +58,10 @@ def test_batch_above_max_bs_falls_back_to_eager(fp32_model):
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen2.5-0.5b"])
 def test_bf16_greedy_tokens_equal_eager_over_16_steps(preset):
-    model = ReferenceLlamaForCausalLM.from_preset(preset, dtype=torch.bfloat16, device="cuda")
-    model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
+    model = reference_model(preset, requests=16, dtype=torch.bfloat16)
     runner = DecodeCudaGraphRunner(model, {"decode": {"backend": "full", "max_bs": 8}}, show_progress=False)
     runner.capture()
-    for bs in (1, 3, 8):
-        prompts = make_dummy_prompts(bs, 12, model.config.vocab_size, seed=bs)
-        with torch.no_grad():
-            expected = greedy_generate(model, model.kv_cache, prompts, 16)
-            got = greedy_generate(model, model.kv_cache, prompts, 16, decode_fn=runner.forward)
-        assert got == expected, f"{preset} bs={bs}"
+    assert_greedy_tokens_equal_eager(model, 16, decode_fn=runner.forward, what=preset)
     runner.cleanup()
 
 
@@ -89,8 +69,7 @@ def test_shapes_share_the_pool_largest_alone_bounds_the_total():
     """Outputs kept as aliases: all sizes together need about the largest size's memory."""
     from cuda_graph_runner.registry import resolve_decode_backend
 
-    model = ReferenceLlamaForCausalLM.from_preset("qwen2.5-0.5b", dtype=torch.bfloat16, device="cuda")
-    model.create_kv_cache(num_slots=65 * 64 + 1, max_reqs=65, max_context_len=64)
+    model = reference_model("qwen2.5-0.5b", requests=64, dtype=torch.bfloat16, num_slots=65 * 64 + 1)
     sizes = {}
     for label, cfg in (
         ("all", {"backend": "full", "max_bs": 64}),
@@ -102,12 +81,11 @@ def test_shapes_share_the_pool_largest_alone_bounds_the_total():
         sizes[label] = runner.capture_memory_bytes
         if label == "all":
             # Every size still replays correctly with its outputs' blocks shared.
-            cache = model.kv_cache
             for bs in (64, 1, 24, 3):
-                session = GreedySession(model, cache)
+                session, batch = prefilled_decode_batch(
+                    model, make_dummy_prompts(bs, 6, model.config.vocab_size, seed=bs)
+                )
                 with torch.no_grad():
-                    session.prefill(make_dummy_prompts(bs, 6, model.config.vocab_size, seed=bs))
-                    batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
                     expected = eager_logits_fn(model)(batch).clone()
                     torch.testing.assert_close(runner.forward(batch), expected, rtol=2e-2, atol=2e-2)
                 session.close()

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.reference_setup import reference_model, staggered_decode_case
 from cuda_graph_runner_npu.backend import NPUCudaGraphBackend, NPUGraphUpdateError
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule
 from cuda_graph_runner_npu.torch_npu_api import DEFAULT_UPDATE_INPUT_NAME
@@ -24,9 +23,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def model():
-    m = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
-    m.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
-    return m
+    return reference_model("tiny", requests=16)
 
 
 class SeqLensFromUpdateOnly(DecodeCudaGraphRunner):
@@ -49,18 +46,6 @@ def make_runner(model, *, max_bs=8, runner_cls=DecodeCudaGraphRunner, **backend_
     return runner, adapter
 
 
-def decode_step(model, bs, seed):
-    """A decode batch of ``bs`` requests with different lengths, and its eager logits."""
-    cache = model.kv_cache
-    session = GreedySession(model, cache)
-    with torch.no_grad():
-        session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], model.config.vocab_size, seed=seed))
-        session.decode()
-        batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
-        expected = eager_logits_fn(model)(batch).clone()
-    return session, batch, expected
-
-
 def test_npu_backend_on_cuda_graphs_matches_eager(model):
     runner, adapter = make_runner(model, max_bs=8)
     assert runner.capture_sizes == [1, 2, 4, 8]
@@ -69,7 +54,7 @@ def test_npu_backend_on_cuda_graphs_matches_eager(model):
     pools = {g.pool() for g in adapter.graphs}
     assert len(pools) == 1  # one shared pool
     for bs in (1, 2, 3, 5, 8):
-        session, batch, expected = decode_step(model, bs, seed=bs)
+        session, batch, expected = staggered_decode_case(model, bs, seed=bs)
         before = [(g.updates, g.replays) for g in adapter.graphs]
         with torch.no_grad():
             assert runner.can_run(batch)
@@ -86,7 +71,7 @@ def test_host_seq_lens_reach_the_graph_through_the_update_before_the_replay(mode
     runner, _ = make_runner(model, max_bs=8, runner_cls=SeqLensFromUpdateOnly)
     control, _ = make_runner(model, max_bs=8, runner_cls=SeqLensFromUpdateOnly, update_input_name=None)
     for bs in (3, 8):
-        session, batch, expected = decode_step(model, bs, seed=10 + bs)
+        session, batch, expected = staggered_decode_case(model, bs, seed=10 + bs)
         with torch.no_grad():
             got = runner.forward(batch).clone()
             stale = control.forward(batch).clone()
@@ -100,7 +85,7 @@ def test_host_seq_lens_reach_the_graph_through_the_update_before_the_replay(mode
 
 def test_a_failed_update_never_replays_on_the_device(model):
     runner, adapter = make_runner(model, max_bs=4)
-    session, batch, expected = decode_step(model, 3, seed=99)
+    session, batch, expected = staggered_decode_case(model, 3, seed=99)
     adapter.update_error = RuntimeError("update stream fault")
     with torch.no_grad(), pytest.raises(NPUGraphUpdateError, match="not replayed") as info:
         runner.forward(batch)

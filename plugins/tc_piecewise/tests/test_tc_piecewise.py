@@ -14,6 +14,7 @@ from typing import List, Sequence
 
 import pytest
 import torch
+from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 from torch._dynamo.utils import counters
 
 from cuda_graph_runner import envs
@@ -24,16 +25,11 @@ from cuda_graph_runner.graph_break import eager_op, is_eager_op_target
 from cuda_graph_runner.model_forward import forward_wrappers
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner.capture_plan import build_capture_plan
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    greedy_generate,
-    make_decode_batch,
-    make_dummy_prompts,
-    make_extend_batch,
-)
-from cuda_graph_runner.testing.fakes import FakeGraph, FakeGraphDeviceModule
+from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.reference_setup import prefilled_decode_batch, reference_model, staggered_lengths
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.weak_ref import weak_ref_tensor
@@ -102,21 +98,7 @@ class MarkedToy(torch.nn.Module):
 def extend_batch(lens: Sequence[int], seed: int = 0) -> ForwardBatch:
     """An EXTEND batch of requests of ``lens`` new tokens (no prefix), distinct values."""
     g = torch.Generator().manual_seed(seed)
-    tokens = sum(lens)
-    lens_t = torch.tensor(list(lens), dtype=torch.int32)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=torch.randint(0, VOCAB, (tokens,), generator=g),
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        out_cache_loc=torch.arange(tokens) + 1,
-        req_pool_indices=torch.arange(len(lens)) + 1,
-        seq_lens=lens_t.clone(),
-        extend_seq_lens=lens_t.clone(),
-        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int32),
-        seq_lens_cpu=list(lens),
-        extend_seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[0] * len(lens),
-    )
+    return synthetic_extend_batch(lens, input_ids=torch.randint(0, VOCAB, (sum(lens),), generator=g))
 
 
 def eager(model, batch):
@@ -249,8 +231,7 @@ REF_TOL = model_tolerance(PRESETS["tiny"], torch.float32, context_len=64)
 @pytest.fixture(scope="module")
 def reference():
     """The reference model (preset tiny) with tc_piecewise decode and prefill runners, captured once."""
-    model = ReferenceLlamaForCausalLM.from_preset("tiny")
-    model.create_kv_cache(num_slots=24 * 64 + 1, max_reqs=25, max_context_len=64)
+    model = reference_model("tiny", requests=24, device="cpu")
     decode = decode_runner(model, [1, 2, 4, 8])
     prefill = prefill_runner(model, [8, 16, 32, 64])
     with torch.no_grad():
@@ -261,17 +242,15 @@ def reference():
 
 def test_reference_decode_equals_eager_on_and_off_the_list(reference):
     model, runner, _ = reference
-    cache = model.kv_cache
     for bs in (1, 2, 3, 5, 8, 9):
-        session = GreedySession(model, cache)
+        prompts = make_dummy_prompts(bs, staggered_lengths(bs, 3, 4), model.config.vocab_size, seed=bs)
+        session, batch = prefilled_decode_batch(model, prompts, decode_steps=1)
         with torch.no_grad():
-            session.prefill(make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], model.config.vocab_size, seed=bs))
-            session.decode()
-            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
             expected = eager_logits_fn(model)(batch).clone()
             got = runner.forward(batch)
         assert runner.can_run(batch) == (bs <= 8)
         torch.testing.assert_close(got, expected, **REF_TOL, msg=f"bs {bs}")
+        session.close()
         session.close()
 
 
@@ -508,64 +487,17 @@ def test_weak_ref_tensor_aliases_without_owning():
 
 
 # ----------------------------------------------------------------------------- replay emulated on the CPU
-class EmulatedGraph(FakeGraph):
-    """A graph whose replay re-runs the piece call made during its capture on the *captured*
-    argument tensors and writes the result into the *captured* output tensors: what a CUDA
-    graph does to memory. So replays only see live data if every address is stable."""
-
-    replay_fn = None
-
-    def replay(self) -> None:
-        super().replay()
-        self.module.replays += 1
-        self.replay_fn()
-
-    def reset(self) -> None:
-        super().reset()
-        self.replay_fn = None
-
-
-class EmulatedGraphs(FakeGraphDeviceModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.replays = 0
-
-    def CUDAGraph(self):  # noqa: N802 - mirrors torch.cuda
-        return EmulatedGraph(self)
-
-
-def _copy_into(dst, src) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for d, s_ in zip(dst, src):
-            _copy_into(d, s_)
-
-
 @pytest.fixture
 def emulated(monkeypatch):
     """Pieces compiled by a compiler that records, inside a capture, how to replay the call."""
     dm = EmulatedGraphs()
-    real = tc_compiler.PIECE_COMPILERS["eager"]
-
-    def compile_recording(module, example_inputs):
-        fn = real(module, example_inputs)
-
-        def run(*args):
-            out = fn(*args)
-            if dm.capturing is not None:
-                dm.capturing.replay_fn = lambda: _copy_into(out, fn(*args))
-            return out
-
-        return run
-
-    monkeypatch.setitem(tc_compiler.PIECE_COMPILERS, "eager", compile_recording)
+    recording = recording_compiler(dm, tc_compiler.PIECE_COMPILERS["eager"])
+    monkeypatch.setitem(tc_compiler.PIECE_COMPILERS, "eager", recording)
     return dm
 
 
 def test_emulated_replay_of_the_reference_model_equals_eager_in_both_phases(emulated):
-    model = ReferenceLlamaForCausalLM.from_preset("tiny")
-    model.create_kv_cache(num_slots=24 * 64 + 1, max_reqs=25, max_context_len=64)
+    model = reference_model("tiny", requests=24, device="cpu")
     cache = model.kv_cache
     decode = decode_runner(model, [1, 2, 4, 8], backend=backend("decode", device_module=emulated, enable_capture=True))
     prefill = prefill_runner(
@@ -577,10 +509,8 @@ def test_emulated_replay_of_the_reference_model_equals_eager_in_both_phases(emul
         assert decode.backend.direct_keys == decode.backend.captured_keys
         assert prefill.backend.direct_keys == prefill.backend.captured_keys
         for bs in (1, 3, 8):
-            session = GreedySession(model, cache)
-            session.prefill(make_dummy_prompts(bs, [3 + i % 5 for i in range(bs)], model.config.vocab_size, seed=bs))
-            session.decode()
-            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+            prompts = make_dummy_prompts(bs, staggered_lengths(bs, 3), model.config.vocab_size, seed=bs)
+            session, batch = prefilled_decode_batch(model, prompts, decode_steps=1)
             expected = eager_logits_fn(model)(batch).clone()
             before = emulated.replays
             torch.testing.assert_close(decode.forward(batch), expected, **REF_TOL, msg=f"decode bs {bs}")

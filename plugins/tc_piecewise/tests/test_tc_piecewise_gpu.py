@@ -8,15 +8,14 @@ import torch
 
 from cuda_graph_runner.config import PhaseConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
-    GreedySession,
-    eager_logits_fn,
-    greedy_generate,
-    make_decode_batch,
-    make_dummy_prompts,
-    make_extend_batch,
+from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.reference_setup import (
+    assert_greedy_tokens_equal_eager,
+    free_requests,
+    prefilled_decode_batch,
+    reference_model,
+    staggered_decode_case,
 )
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +43,7 @@ COMPILERS = [
 
 @pytest.fixture(scope="module")
 def fp32_model():
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
-    model.create_kv_cache(num_slots=48 * 64 + 1, max_reqs=49, max_context_len=64)
-    return model
+    return reference_model("tiny", requests=48)
 
 
 def _backend_type():
@@ -59,31 +56,30 @@ def _replays(backend) -> int:
     return backend.piece_calls()["replay"]
 
 
-@pytest.mark.parametrize("compiler", COMPILERS)
-def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
-    model = fp32_model
-    runner = DecodeCudaGraphRunner(
-        model, {"decode": {"backend": "tc_piecewise", "max_bs": 16, "tc_compiler": compiler}}, show_progress=False
-    )
+def _captured(model, runner_cls, phase: str, max_bs: int, compiler: str):
+    """A tc_piecewise runner of ``phase`` with ``compiler`` pieces, captured; and its backend."""
+    cfg = {phase: {"backend": "tc_piecewise", "max_bs": max_bs, "tc_compiler": compiler}}
+    runner = runner_cls(model, cfg, show_progress=False)
     be = runner.backend
     assert isinstance(be, _backend_type()) and be.compiler == compiler
     with torch.no_grad():
         runner.capture()
+    return runner, be
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
+    model = fp32_model
+    runner, be = _captured(model, DecodeCudaGraphRunner, "decode", 16, compiler)
     assert runner.capture_sizes == [1, 2, 4, 8, 12, 16]
     assert be.capture_enabled and be.weak_ref_outputs
     assert len(be.pieces) == model.config.num_hidden_layers + 1
     assert be.compile_seconds and be.compile_seconds > 0
     compiled_at_capture = be.dynamo_compiles
-    eager = eager_logits_fn(model)
-    cache = model.kv_cache
     for bs in sorted(set(runner.capture_sizes + [3, 5, 13, 17])):
-        session = GreedySession(model, cache)
+        # requests of different lengths
+        session, batch, expected = staggered_decode_case(model, bs, seed=bs, decode_steps=2)
         with torch.no_grad():
-            session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], model.config.vocab_size, seed=bs))
-            for _ in range(2):  # requests of different lengths
-                session.decode()
-            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
-            expected = eager(batch).clone()
             before = _replays(be)
             assert runner.can_run(batch) == (bs <= 16)
             got = runner.forward(batch).clone()
@@ -104,13 +100,7 @@ def test_decode_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
     model = fp32_model
-    runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"backend": "tc_piecewise", "max_bs": 64, "tc_compiler": compiler}}, show_progress=False
-    )
-    be = runner.backend
-    assert isinstance(be, _backend_type()) and be.compiler == compiler
-    with torch.no_grad():
-        runner.capture()
+    runner, be = _captured(model, PrefillCudaGraphRunner, "prefill", 64, compiler)
     compiled_at_capture = be.dynamo_compiles
     eager = eager_logits_fn(model)
     cache = model.kv_cache
@@ -142,16 +132,14 @@ def test_prefill_on_and_off_the_capture_list_equals_eager(fp32_model, compiler):
         with torch.no_grad():
             whole = make_extend_batch(cache, prompts)
             assert check(whole, f"prompts {list(lens)}") == graphed
-            for r in whole.req_pool_indices.tolist():
-                cache.free_request(r)
+            free_requests(cache, whole)
             # Two chunks of the same requests: the second has cached prefixes (chunked prefill).
             first = make_extend_batch(cache, [p[: max(1, len(p) // 2)] for p in prompts])
             rows = first.req_pool_indices.tolist()
             second = make_extend_batch(cache, [p[max(1, len(p) // 2) :] for p in prompts], rows=rows)
             check(first, f"first chunks of {list(lens)}")
             check(second, f"second chunks of {list(lens)}")
-            for r in rows:
-                cache.free_request(r)
+            free_requests(cache, first)
     assert be.dynamo_compiles == compiled_at_capture, "torch.compile recompiled while serving"
     assert compiled_at_capture == 1  # prefill sizes start at 4: one graph for all
     runner.cleanup()
@@ -191,23 +179,15 @@ def test_greedy_generation_with_tc_piecewise_prefill_and_decode_gives_eager_toke
 def test_replay_inputs_stay_at_their_capture_addresses(fp32_model, weak_ref_outputs):
     """Debug mode checks, at every piece replay, that each input is where it was at capture."""
     model = fp32_model
-    backend_cls = _backend_type()
-    decode = DecodeCudaGraphRunner(
-        model,
-        {"decode": {"max_bs": 4}},
-        show_progress=False,
-        backend=backend_cls(
-            "cuda", phase="decode", phase_config=PhaseConfig(max_bs=4), debug=True, weak_ref_outputs=weak_ref_outputs
-        ),
-    )
-    prefill = PrefillCudaGraphRunner(
-        model,
-        {"prefill": {"max_bs": 32}},
-        show_progress=False,
-        backend=backend_cls(
-            "cuda", phase="prefill", phase_config=PhaseConfig(max_bs=32), debug=True, weak_ref_outputs=weak_ref_outputs
-        ),
-    )
+
+    def debug_runner(runner_cls, phase: str, max_bs: int):
+        backend = _backend_type()(
+            "cuda", phase=phase, phase_config=PhaseConfig(max_bs=max_bs), debug=True, weak_ref_outputs=weak_ref_outputs
+        )
+        return runner_cls(model, {phase: {"max_bs": max_bs}}, show_progress=False, backend=backend)
+
+    decode = debug_runner(DecodeCudaGraphRunner, "decode", 4)
+    prefill = debug_runner(PrefillCudaGraphRunner, "prefill", 32)
     with torch.no_grad():
         decode.capture()
         prefill.capture()
@@ -221,8 +201,7 @@ def test_replay_inputs_stay_at_their_capture_addresses(fp32_model, weak_ref_outp
 
 
 def test_bf16_greedy_tokens_equal_eager_with_the_eager_compiler():
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.bfloat16, device="cuda")
-    model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
+    model = reference_model("tiny", requests=16, dtype=torch.bfloat16)
     cfg = {
         "decode": {"backend": "tc_piecewise", "max_bs": 8},
         "prefill": {"backend": "tc_piecewise", "bs": [12, 48], "max_bs": 48},
@@ -232,13 +211,10 @@ def test_bf16_greedy_tokens_equal_eager_with_the_eager_compiler():
     with torch.no_grad():
         decode.capture()
         prefill.capture()
-        for bs in (1, 4):  # captured sizes in both phases (12 and 48 prompt tokens)
-            prompts = make_dummy_prompts(bs, 12, model.config.vocab_size, seed=bs)
-            expected = greedy_generate(model, model.kv_cache, prompts, 16)
-            got = greedy_generate(
-                model, model.kv_cache, prompts, 16, prefill_fn=prefill.forward, decode_fn=decode.forward
-            )
-            assert got == expected, f"bf16 bs={bs}"
+    # Batch sizes 1 and 4: captured sizes in both phases (12 and 48 prompt tokens).
+    assert_greedy_tokens_equal_eager(
+        model, 16, batch_sizes=(1, 4), prefill_fn=prefill.forward, decode_fn=decode.forward, what="bf16"
+    )
     decode.cleanup()
     prefill.cleanup()
 
@@ -246,13 +222,12 @@ def test_bf16_greedy_tokens_equal_eager_with_the_eager_compiler():
 def test_recapture_after_cleanup_reuses_the_compilation(fp32_model):
     model = fp32_model
     runner = DecodeCudaGraphRunner(model, {"decode": {"backend": "tc_piecewise", "max_bs": 4}}, show_progress=False)
-    cache = model.kv_cache
     with torch.no_grad():
         for round_ in range(2):
             runner.capture()
-            session = GreedySession(model, cache)
-            session.prefill(make_dummy_prompts(3, 4, model.config.vocab_size, seed=round_))
-            batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+            session, batch = prefilled_decode_batch(
+                model, make_dummy_prompts(3, 4, model.config.vocab_size, seed=round_)
+            )
             expected = eager_logits_fn(model)(batch).clone()
             torch.testing.assert_close(runner.forward(batch).clone(), expected, rtol=1e-4, atol=1e-4)
             session.close()

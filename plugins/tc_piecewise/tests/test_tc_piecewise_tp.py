@@ -20,9 +20,9 @@ import shutil
 
 import pytest
 import torch
+from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.testing.fakes import FakeGraph, FakeGraphDeviceModule
 from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.tp_launch import run_ranks
@@ -35,53 +35,11 @@ STEPS = 3
 ALL_REDUCE = "tp_all_reduce"  # in the op name Dynamo records (overload or packet)
 
 
-class _EmulatedGraph(FakeGraph):
-    """Replay re-runs the piece call of the capture on the captured tensors and writes the
-    captured outputs: what a CUDA graph does to memory (collectives included)."""
-
-    replay_fn = None
-
-    def replay(self) -> None:
-        super().replay()
-        self.module.replays += 1
-        self.replay_fn()
-
-
-class _EmulatedGraphs(FakeGraphDeviceModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.replays = 0
-
-    def CUDAGraph(self):  # noqa: N802 - mirrors torch.cuda
-        return _EmulatedGraph(self)
-
-
-def _copy_into(dst, src) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (tuple, list)):
-        for d, s in zip(dst, src):
-            _copy_into(d, s)
-
-
-def _install_recording_compiler(dm: _EmulatedGraphs, name: str) -> None:
+def _install_recording_compiler(dm: EmulatedGraphs, name: str) -> None:
     """Wrap piece compiler ``name`` so a capture records how to replay the piece call."""
     from cuda_graph_runner_tc_piecewise import compiler as tc_compiler
 
-    real = tc_compiler.PIECE_COMPILERS[name]
-
-    def compile_recording(module, example_inputs):
-        fn = real(module, example_inputs)
-
-        def run(*args):
-            out = fn(*args)
-            if dm.capturing is not None:
-                dm.capturing.replay_fn = lambda: _copy_into(out, fn(*args))
-            return out
-
-        return run
-
-    tc_compiler.PIECE_COMPILERS[name] = compile_recording
+    tc_compiler.PIECE_COMPILERS[name] = recording_compiler(dm, tc_compiler.PIECE_COMPILERS[name])
 
 
 def _session(model, prefill_fn=None, decode_fn=None, chunk_size=None):
@@ -105,7 +63,7 @@ def _rank_checks(tp, compiler):
     from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 
     torch.set_num_threads(1)  # ranks share the CI machine's cores
-    dm = _EmulatedGraphs()
+    dm = EmulatedGraphs()
     _install_recording_compiler(dm, compiler)
     model = ReferenceLlamaForCausalLM.from_config(CFG, seed=3, tp_group=tp)
     model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=32)

@@ -55,27 +55,22 @@ def _has_triton() -> bool:
 def _rank_checks(tp):
     from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
     from cuda_graph_runner.testing.batches import (
-        GreedySession,
         eager_logits_fn,
         greedy_generate,
-        make_decode_batch,
         make_dummy_prompts,
         make_extend_batch,
     )
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.testing.reference_setup import free_requests, reference_model, staggered_decode_case
 
     out = {"rank": tp.rank, "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "tokens": {}}
     prompts = make_dummy_prompts(4, [5, 9, 3, 7], 256, seed=11)
-    ref = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device=tp.device, seed=3)
-    ref.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
+    ref = reference_model("tiny", requests=16, device=tp.device, seed=3)
     out["tokens"]["tp1-eager"] = greedy_generate(ref, ref.kv_cache, prompts, STEPS)
     del ref
     for compiler in COMPILERS:
         res = out[compiler] = {"decode": {}, "prefill": {}}
-        model = ReferenceLlamaForCausalLM.from_preset(
-            "tiny", dtype=torch.float32, device=tp.device, seed=3, tp_group=tp
-        )
-        cache = model.create_kv_cache(num_slots=24 * 64 + 1, max_reqs=25, max_context_len=64)
+        model = reference_model("tiny", requests=24, device=tp.device, seed=3, tp_group=tp)
+        cache = model.kv_cache
         cfg = {
             "decode": {"backend": "tc_piecewise", "max_bs": 8, "tc_compiler": compiler},
             "prefill": {"backend": "tc_piecewise", "bs": [8, 16, 32], "tc_compiler": compiler},
@@ -98,12 +93,8 @@ def _rank_checks(tp):
 
         eager = eager_logits_fn(model)
         for bs in SIZES:
-            session = GreedySession(model, cache)
+            session, batch, expected = staggered_decode_case(model, bs, seed=bs)
             with torch.no_grad():
-                session.prefill(make_dummy_prompts(bs, [4 + (i % 5) for i in range(bs)], 256, seed=bs))
-                session.decode()
-                batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
-                expected = eager(batch).clone()
                 before = decode.backend.piece_calls().get("replay", 0)
                 replayed = decode.can_run(batch)
                 got = decode.forward(batch).clone()
@@ -117,8 +108,7 @@ def _rank_checks(tp):
                 expected = eager(whole).clone()
                 replayed = prefill.can_run(whole)
                 got = prefill.forward(whole).clone()
-                for r in whole.req_pool_indices.tolist():
-                    cache.free_request(r)
+                free_requests(cache, whole)
             res["prefill"][lens] = (replayed, *compare(got, expected))
         with torch.no_grad():
             out["tokens"][compiler] = greedy_generate(
