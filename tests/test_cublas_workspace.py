@@ -53,3 +53,25 @@ def test_other_device_modules_get_the_context_unchanged(events):
 def test_clear_is_a_noop_without_cuda(monkeypatch):
     monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces", raising=False)
     pool.clear_cublas_workspaces()  # must not raise on a CPU-only torch
+
+
+def test_every_cuda_capture_of_a_backend_owns_its_workspace(events, monkeypatch):
+    """``BaseCudaGraphBackend.graph_capture`` (every backend's capture: full, breakable's
+    segments, tc_piecewise's pieces) wraps ``torch.cuda.graph`` on CUDA, first graph of a
+    session and later ones alike."""
+    from cuda_graph_runner.backend import BaseCudaGraphBackend
+
+    class _Backend(BaseCudaGraphBackend):
+        def capture_one(self, key, forward_fn, post_warmup_hook=None):  # pragma: no cover - unused
+            raise NotImplementedError
+
+        def replay(self, key, static_batch):  # pragma: no cover - unused
+            raise NotImplementedError
+
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **options: _ctx(events), raising=False)
+    backend = _Backend("cuda", memory_pool=("pool",), device_module=torch.cuda)
+    backend.bind_capture_stream(None)
+    for _ in range(2):
+        with backend.graph_capture(object()):
+            events.append("body")
+    assert events == ["clear", "capture_begin", "body", "capture_end", "clear"] * 2

@@ -160,6 +160,11 @@ def graph_owned_cublas_workspace(ctx: ContextManager[Any], device_module: Any) -
     (alive while the pool is); dropping them again after it keeps later eager GEMMs out
     of the pool. Source: PyTorch's CUDA-graph trees (``clear_cublas_manager`` in
     ``torch/_inductor/cudagraph_trees.py``) and pytorch/pytorch#192061 / #193402.
+
+    The drop is process-wide, as the trees' is: every cached workspace, every stream and
+    device. A graph the embedding engine captured itself with a workspace from the general
+    cache is then exposed exactly as ours were; capture such graphs inside this context
+    too (pass ``torch.cuda``), and never capture from two threads at once.
     """
     if device_module is not getattr(torch, "cuda", None):
         return ctx

@@ -18,9 +18,12 @@ between the pieces as plain Python too.
 
 An op whose custom op has more than its default kernel (``torch.library.register_kernel``
 for a device, ``register_autograd``, a ``register_torch_dispatch`` rule, vmap or autocast
-rules) keeps the dispatcher: skipping it would skip those. The check reads torch's
-custom-op definition (``torch._library.custom_ops.OPDEFS``); where that is not as this
-module expects (another torch), every op keeps the dispatcher.
+rules, a ``torch.library.impl`` kernel for a dispatch key) keeps the dispatcher: skipping
+it would skip those. The check reads torch's custom-op definition
+(``torch._library.custom_ops.OPDEFS``) and the dispatcher's table; where the definition is
+not as this module expects (another torch), every op keeps the dispatcher. What a direct
+call loses besides: the profiler's ``cuda_graph_runner::<op>`` range and the op as one
+unit for a ``TorchDispatchMode`` (modes see the body's aten ops).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+import torch
 import torch.fx as fx
 
 from cuda_graph_runner.graph_break import EagerOp, eager_op_for_target
@@ -61,9 +65,45 @@ _OTHER_REGISTRATIONS = (
 )
 
 
+#: Dispatch keys a fresh custom op has no kernel at (it has ``Autograd``,
+#: ``CompositeExplicitAutograd`` and ``Meta``): a kernel here came from
+#: ``torch.library.impl`` or a ``Library(..., "IMPL")``, which the definition never sees.
+_EXTRA_DISPATCH_KEYS = (
+    "CPU",
+    "CUDA",
+    "XPU",
+    "MPS",
+    "HPU",
+    "PrivateUse1",
+    "AutogradCPU",
+    "AutogradCUDA",
+    "AutogradXPU",
+    "AutogradPrivateUse1",
+    "AutocastCPU",
+    "AutocastCUDA",
+    "AutocastXPU",
+    "AutocastPrivateUse1",
+    "FuncTorchBatched",
+    "Functionalize",
+    "CompositeImplicitAutograd",
+)
+
+
+def _kernel_registered_at(qualname: str, key: str) -> bool:
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key))
+    except Exception:  # a key this torch does not know: no kernel can be there
+        return False
+
+
 def has_default_kernel_only(op: EagerOp) -> bool:
     """Whether ``op``'s custom op dispatches to nothing but the body it was registered with
-    (then calling the body directly is the same computation). False when unsure."""
+    (then calling the body directly is the same computation). False when unsure.
+
+    Checked both on the custom-op definition (``torch.library.register_kernel`` and the
+    other ``register_*`` rules) and on the dispatcher (``torch.library.impl``). Read when
+    tc_piecewise compiles: register extra kernels before ``runner.capture()``.
+    """
     try:
         from torch._library.custom_ops import OPDEFS
 
@@ -72,7 +112,9 @@ def has_default_kernel_only(op: EagerOp) -> bool:
             return False
         # An attribute a torch version lacks is a registration that version cannot make.
         others = [getattr(opdef, name, None) for name in _OTHER_REGISTRATIONS]
-        return set(opdef._backend_fns) == {None} and not any(others)
+        if set(opdef._backend_fns) != {None} or any(others):
+            return False
+        return not any(_kernel_registered_at(op.qualname, key) for key in _EXTRA_DISPATCH_KEYS)
     except Exception:  # private torch state: any surprise keeps the dispatcher
         return False
 

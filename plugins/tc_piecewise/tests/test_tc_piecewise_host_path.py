@@ -17,7 +17,7 @@ from cuda_graph_runner.testing.toy_model import decode_batch
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 from cuda_graph_runner_tc_piecewise.eager_items import has_default_kernel_only
 
-BODY_CALLS = {"plain": 0, "kernel": 0}
+BODY_CALLS = {"plain": 0, "kernel": 0, "impl": 0}
 
 
 @eager_op("tc_piecewise_host_path_plain")
@@ -29,6 +29,12 @@ def plain_op(output: torch.Tensor, x: torch.Tensor) -> None:
 @eager_op("tc_piecewise_host_path_kernel")
 def kernel_op(output: torch.Tensor, x: torch.Tensor) -> None:
     BODY_CALLS["kernel"] += 1
+    output.copy_(x * 0.5)
+
+
+@eager_op("tc_piecewise_host_path_impl")
+def impl_op(output: torch.Tensor, x: torch.Tensor) -> None:
+    BODY_CALLS["impl"] += 1
     output.copy_(x * 0.5)
 
 
@@ -138,6 +144,26 @@ def test_an_op_with_a_kernel_of_its_own_keeps_the_dispatcher():
         batch = decode_batch(bs)
         torch.testing.assert_close(runner.forward(batch), _eager(model, batch))
     assert BODY_CALLS["kernel"] == before  # the registered kernel ran, never the body
+
+
+def test_an_op_with_a_torch_library_impl_kernel_keeps_the_dispatcher():
+    """``torch.library.impl`` registers with the dispatcher only (the custom-op definition
+    never sees it): the check must read the dispatcher too."""
+    assert has_default_kernel_only(impl_op)
+
+    def cpu_kernel(output: torch.Tensor, x: torch.Tensor) -> None:
+        output.copy_(x * 3.0)  # differs from the body: a replay skipping it would be wrong
+
+    torch.library.impl(impl_op.qualname, "cpu", cpu_kernel)
+    assert not has_default_kernel_only(impl_op)
+    model = _Toy(impl_op)
+    runner = _runner(model)
+    runner.capture()
+    before = BODY_CALLS["impl"]
+    for bs in (1, 3):
+        batch = decode_batch(bs)
+        torch.testing.assert_close(runner.forward(batch), _eager(model, batch))
+    assert BODY_CALLS["impl"] == before  # the registered kernel ran, never the body
 
 
 class _OlderOpDef:
