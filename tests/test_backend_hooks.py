@@ -34,8 +34,17 @@ def test_no_default_for_never_claims():
 
 @pytest.mark.parametrize(
     "pair,match",
-    [(("prefill", "cuda"), "names phase 'prefill'"), ("decode", "not a \\(phase, device_type\\) pair")],
+    [
+        (("prefill", "cuda"), "names phase 'prefill'"),
+        ("decode", "not a \\(phase, device_type\\) pair"),
+    ],
 )
 def test_a_bad_default_for_entry_is_named(pair, match):
     with pytest.raises(ValueError, match=match):
         backend_hooks(SPEC, default_for=[pair])
+
+
+def test_a_default_for_device_the_spec_does_not_list_is_named():
+    spec = BackendSpec(name="acme", backend_class="acme_cgr.backend:X", phases=("decode",), devices=("cuda",))
+    with pytest.raises(ValueError, match="names device type 'npu'; the spec's devices are"):
+        backend_hooks(spec, default_for=[("decode", "npu")])

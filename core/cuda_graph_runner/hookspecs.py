@@ -129,8 +129,8 @@ def backend_hooks(spec: BackendSpec, *, default_for: Iterable[PhaseDevice] = ())
 
     Raises:
         ValueError: an entry of ``default_for`` is not a ``(phase, device_type)`` pair of
-            strings, or names a phase ``spec.phases`` does not list (the claim could
-            never be used).
+            strings, or names a phase ``spec.phases`` or a device type ``spec.devices``
+            does not list (the claim could never be used).
     """
     claims = frozenset(_claim_pair(spec, pair) for pair in default_for)
 
@@ -152,6 +152,11 @@ def _claim_pair(spec: BackendSpec, pair: object) -> PhaseDevice:
         raise ValueError(
             f"backend {spec.name!r}: default_for entry {pair!r} names phase {pair[0]!r}; "
             f"the spec's phases are {spec.phases!r}"
+        )
+    if "*" not in spec.devices and pair[1] not in spec.devices:
+        raise ValueError(
+            f"backend {spec.name!r}: default_for entry {pair!r} names device type {pair[1]!r}; "
+            f"the spec's devices are {spec.devices!r}"
         )
     return (pair[0], pair[1])
 

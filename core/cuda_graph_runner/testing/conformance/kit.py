@@ -14,6 +14,7 @@ import pytest
 from ... import registry
 from ...errors import BackendUnavailableError, CudaGraphRunnerError
 from ...hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
+from ...registry.discovery import ref_name
 from .device_tests import DEVICE_TESTS, DeviceConformanceTests
 from .packaging import run_python
 
@@ -236,7 +237,7 @@ class BackendConformanceTests(DeviceConformanceTests):
         for device_type in sorted({d for d in spec.devices if d != "*"} | {"cpu", "cuda", "npu", "xpu"}):
             answer = probe(device_type)  # must not raise
             assert answer is None or (isinstance(answer, str) and answer.strip()), (
-                f"probe {spec.probe}({device_type!r}) returned {answer!r}; return None or a non-empty reason"
+                f"probe {ref_name(spec.probe)}({device_type!r}) returned {answer!r}; return None or a non-empty reason"
             )
 
     def test_default_backend_hook_names_a_usable_backend(self) -> None:
