@@ -48,3 +48,14 @@ def test_a_default_for_device_the_spec_does_not_list_is_named():
     spec = BackendSpec(name="acme", backend_class="acme_cgr.backend:X", phases=("decode",), devices=("cuda",))
     with pytest.raises(ValueError, match="names device type 'npu'; the spec's devices are"):
         backend_hooks(spec, default_for=[("decode", "npu")])
+
+
+@pytest.mark.parametrize("default_for", [None, "decode", ("decode", "cuda")])
+def test_default_for_that_is_not_a_list_of_pairs_is_named(default_for):
+    with pytest.raises(ValueError, match=r"default_for must be a list of \(phase, device_type\) pairs"):
+        backend_hooks(SPEC, default_for=default_for)
+
+
+def test_a_pair_written_as_a_list_is_accepted():
+    _, default = backend_hooks(SPEC, default_for=[["decode", "cuda"]])
+    assert default(phase="decode", device_type="cuda") == "acme"

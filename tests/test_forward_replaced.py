@@ -33,3 +33,11 @@ def test_an_instance_forward_comes_back_even_when_the_block_raises():
 def test_an_object_without_instance_dict_is_named():
     with pytest.raises(TypeError, match="int"), forward_replaced(3, lambda: None):
         pass
+
+
+def test_a_forward_that_is_not_callable_is_named_and_nothing_changes():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="forward must be callable, got None"):
+        with forward_replaced(model, None):
+            pass
+    assert "forward" not in model.__dict__

@@ -12,6 +12,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 FORMATS = ("table", "json", "csv")
 
 
+def _backend_list(text: str) -> str:
+    """argparse type of ``--decode-backends``/``--prefill-backends``: a comma-separated list
+    with at least one name (an empty value would silently mean "the config's backend")."""
+    if not [name for name in text.split(",") if name.strip()]:
+        raise argparse.ArgumentTypeError(
+            f"expected at least one backend name (name[:tc_compiler], comma-separated, e.g. full,breakable); got {text!r}"
+        )
+    return text
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` flags (plus every CUDA-graph config flag)."""
     parser.add_argument(
@@ -34,12 +44,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode-backends",
+        type=_backend_list,
         default=None,
         help="comma-separated decode backends to bench, each name[:tc_compiler], e.g. "
         "full,tc_piecewise:inductor (default: the config's decode backend)",
     )
     parser.add_argument(
         "--prefill-backends",
+        type=_backend_list,
         default=None,
         help="comma-separated prefill backends to bench, each name[:tc_compiler] "
         "(default: the config's prefill backend)",

@@ -116,7 +116,7 @@ def backend_hooks(spec: BackendSpec, *, default_for: Iterable[PhaseDevice] = ())
     plugin API version are the same)::
 
         cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
-            BackendSpec(name="acme", ...), default_for=[("decode", "acme")]
+            BackendSpec(name="acme", devices=("npu",), ...), default_for=[("decode", "npu")]
         )
 
     Args:
@@ -128,10 +128,15 @@ def backend_hooks(spec: BackendSpec, *, default_for: Iterable[PhaseDevice] = ())
             priority, or provides several backends, writes its hooks by hand.
 
     Raises:
-        ValueError: an entry of ``default_for`` is not a ``(phase, device_type)`` pair of
-            strings, or names a phase ``spec.phases`` or a device type ``spec.devices``
+        ValueError: ``default_for`` is not a list of pairs (a bare pair or string, None),
+            an entry is not a ``(phase, device_type)`` pair of strings, or names a phase ``spec.phases`` or a device type ``spec.devices``
             does not list (the claim could never be used).
     """
+    if default_for is None or isinstance(default_for, (str, bytes)) or _is_pair(default_for):
+        raise ValueError(
+            f"backend {spec.name!r}: default_for must be a list of (phase, device_type) pairs, "
+            f"e.g. [('decode', 'cuda')]; got {default_for!r}"
+        )
     claims = frozenset(_claim_pair(spec, pair) for pair in default_for)
 
     @hookimpl
@@ -145,9 +150,17 @@ def backend_hooks(spec: BackendSpec, *, default_for: Iterable[PhaseDevice] = ())
     return cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend
 
 
+def _is_pair(value: object) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(x, str) for x in value)
+
+
 def _claim_pair(spec: BackendSpec, pair: object) -> PhaseDevice:
-    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-        raise ValueError(f"backend {spec.name!r}: default_for entry {pair!r} is not a (phase, device_type) pair")
+    if not _is_pair(pair):
+        raise ValueError(
+            f"backend {spec.name!r}: default_for entry {pair!r} is not a (phase, device_type) pair of "
+            f"strings, e.g. ('decode', 'cuda')"
+        )
+    assert isinstance(pair, (tuple, list))
     if pair[0] not in spec.phases:
         raise ValueError(
             f"backend {spec.name!r}: default_for entry {pair!r} names phase {pair[0]!r}; "

@@ -172,11 +172,13 @@ def forward_replaced(model: Any, forward: Callable[..., Any]) -> Iterator[None]:
     whose forward must stay installed between calls uses :func:`wrap_model_forward`.
 
     Raises:
-        TypeError: ``model`` has no instance ``__dict__``.
+        TypeError: ``model`` has no instance ``__dict__``; ``forward`` is not callable.
     """
     attrs = getattr(model, "__dict__", None)
     if attrs is None:
-        raise TypeError(f"cannot replace the forward of a {type(model).__name__}: it has no instance __dict__")
+        raise TypeError(f"cannot replace the forward of {type(model).__name__} object: it has no instance __dict__")
+    if not callable(forward):
+        raise TypeError(f"forward_replaced: forward must be callable, got {forward!r}")
     had, before = "forward" in attrs, attrs.get("forward")
     attrs["forward"] = forward
     try:

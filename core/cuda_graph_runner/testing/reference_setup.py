@@ -35,7 +35,7 @@ def reference_model(
     requests: int,
     context: int = 64,
     dtype: torch.dtype = torch.float32,
-    device: Union[str, torch.device] = "cuda",
+    device: Optional[Union[str, torch.device]] = None,
     seed: int = 0,
     tp_group: Any = None,
     num_slots: Optional[int] = None,
@@ -49,12 +49,15 @@ def reference_model(
         context: the longest request, in tokens (``max_context_len``).
         num_slots: KV slots; default ``requests * context + 1`` (every request at full
             length, plus the reserved slot 0).
-        dtype, device, seed, tp_group: as :meth:`ReferenceLlamaForCausalLM.from_preset`.
+        device: None (default): ``cuda`` where CUDA is available, else ``cpu``.
+        dtype, seed, tp_group: as :meth:`ReferenceLlamaForCausalLM.from_preset`.
 
     Raises:
         KeyError: ``preset`` is not a preset (the message lists them).
         ValueError: a cache size is too small (see :class:`PagedKVCache`).
     """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     model = ReferenceLlamaForCausalLM.from_preset(preset, dtype=dtype, device=device, seed=seed, tp_group=tp_group)
     slots = num_slots if num_slots is not None else requests * context + 1
     model.create_kv_cache(num_slots=slots, max_reqs=requests + 1, max_context_len=context)

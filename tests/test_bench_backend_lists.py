@@ -1,0 +1,27 @@
+"""``bench --decode-backends ''`` once ran the default bench silently; an empty list is an error."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cuda_graph_runner.bench_args import add_bench_arguments
+
+
+@pytest.mark.parametrize("flag", ["--decode-backends", "--prefill-backends"])
+@pytest.mark.parametrize("value", ["", " , "])
+def test_an_empty_backend_list_is_refused_with_what_is_accepted(flag, value, capsys):
+    parser = argparse.ArgumentParser(prog="cuda-graph-runner bench")
+    add_bench_arguments(parser)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected at least one backend name" in err and repr(value) in err
+
+
+def test_a_list_with_names_passes_unchanged():
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    assert parser.parse_args(["--decode-backends", "full,breakable"]).decode_backends == "full,breakable"
