@@ -5,6 +5,7 @@ See ``cuda_graph_runner_tc_piecewise.eager_items``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -127,43 +128,33 @@ def test_compiled_replays_equal_eager_with_marked_ops_called_directly():
         torch.testing.assert_close(runner.forward(batch), _eager(model, batch))
 
 
-def test_an_op_with_a_kernel_of_its_own_keeps_the_dispatcher():
+@pytest.mark.parametrize(
+    "op,body,register",
+    [
+        # torch.library.register_kernel: recorded on the custom-op definition.
+        (kernel_op, "kernel", torch.library.register_kernel),
+        # torch.library.impl: the dispatcher only (the definition never sees it).
+        (impl_op, "impl", torch.library.impl),
+    ],
+    ids=["register_kernel", "impl"],
+)
+def test_an_op_with_a_kernel_of_its_own_keeps_the_dispatcher(op, body, register):
     assert has_default_kernel_only(plain_op)
-    assert has_default_kernel_only(kernel_op)
+    assert has_default_kernel_only(op)
 
     def cpu_kernel(output: torch.Tensor, x: torch.Tensor) -> None:
         output.copy_(x * 3.0)  # differs from the body: a replay skipping it would be wrong
 
-    torch.library.register_kernel(kernel_op.qualname, "cpu", cpu_kernel)
-    assert not has_default_kernel_only(kernel_op)
-    model = _Toy(kernel_op)
+    register(op.qualname, "cpu", cpu_kernel)
+    assert not has_default_kernel_only(op)
+    model = _Toy(op)
     runner = _runner(model)
     runner.capture()
-    before = BODY_CALLS["kernel"]
+    before = BODY_CALLS[body]
     for bs in (1, 3):
         batch = decode_batch(bs)
         torch.testing.assert_close(runner.forward(batch), _eager(model, batch))
-    assert BODY_CALLS["kernel"] == before  # the registered kernel ran, never the body
-
-
-def test_an_op_with_a_torch_library_impl_kernel_keeps_the_dispatcher():
-    """``torch.library.impl`` registers with the dispatcher only (the custom-op definition
-    never sees it): the check must read the dispatcher too."""
-    assert has_default_kernel_only(impl_op)
-
-    def cpu_kernel(output: torch.Tensor, x: torch.Tensor) -> None:
-        output.copy_(x * 3.0)  # differs from the body: a replay skipping it would be wrong
-
-    torch.library.impl(impl_op.qualname, "cpu", cpu_kernel)
-    assert not has_default_kernel_only(impl_op)
-    model = _Toy(impl_op)
-    runner = _runner(model)
-    runner.capture()
-    before = BODY_CALLS["impl"]
-    for bs in (1, 3):
-        batch = decode_batch(bs)
-        torch.testing.assert_close(runner.forward(batch), _eager(model, batch))
-    assert BODY_CALLS["impl"] == before  # the registered kernel ran, never the body
+    assert BODY_CALLS[body] == before  # the registered kernel ran, never the body
 
 
 class _OlderOpDef:
