@@ -25,3 +25,17 @@ def test_a_list_with_names_passes_unchanged():
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     assert parser.parse_args(["--decode-backends", "full,breakable"]).decode_backends == "full,breakable"
+
+
+def test_an_unknown_name_is_reported_before_a_known_name_that_cannot_run():
+    """``full,nope`` on the CPU once reported only that full needs CUDA (exit 1); the typo
+    further down the list is the user's first mistake (exit 2)."""
+    import torch
+
+    from cuda_graph_runner.bench_backends import BenchRequestError, plan_phase
+    from cuda_graph_runner.config import CudaGraphConfig
+
+    with pytest.raises(BenchRequestError) as exc:
+        plan_phase("decode", "full,nope", CudaGraphConfig(), torch.device("cpu"), 4)
+    assert exc.value.exit_code == 2
+    assert "'nope'" in str(exc.value) and "installed:" in str(exc.value)

@@ -130,6 +130,7 @@ def plan_phase(
     phase_config = config[phase]
     max_bs = phase_config.max_bs or (None if phase_config.bs else default_max)
     choices = []
+    cannot_run: Optional[BenchRequestError] = None
     for name, compiler in parse_backends(selection, phase_config.backend):
         explicit = name is not None
         where = f"--{phase}-backends" if selection else "the config"
@@ -158,11 +159,16 @@ def plan_phase(
             continue
         except CudaGraphRunnerError as exc:
             if explicit:
-                raise BenchRequestError(
+                # Raised after the whole list: an unknown name further down (exit 2) is
+                # the user's first mistake and must not be hidden by this one.
+                cannot_run = cannot_run or BenchRequestError(
                     f"{phase} backend {name!r} was asked for ({where}) but cannot run: {exc}", 1
-                ) from None
+                )
+                continue
             note = f"{phase} backend {chosen!r} skipped: {exc}; running eager only"
             choices.append(BackendChoice(phase, "disabled", config, None, note))
             continue
         choices.append(BackendChoice(phase, label, phase_cfg, backend, "", explicit))
+    if cannot_run is not None:
+        raise cannot_run
     return choices
