@@ -260,13 +260,20 @@ class BaseCudaGraphRunner(abc.ABC):
         target = self._targets.get(size)
         if target is None:
             padded = self.padded_size(size)
-            key = self._keys.get(padded)
-            if key is None:
-                key = self._keys[padded] = self.same_key(self.make_key(padded))
+            key = self.plain_key(padded)
             if len(self._targets) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
                 self._targets.clear()
             target = self._targets[size] = (padded, key)
         return target
+
+    def plain_key(self, padded: int) -> ShapeKey:
+        """The key of captured size ``padded`` without a variant (``make_key``), made once
+        per size and shared by :meth:`replay_target`, :meth:`key_for_batch` and the
+        decode runner's variant keys."""
+        key = self._keys.get(padded)
+        if key is None:
+            key = self._keys[padded] = self.same_key(self.make_key(padded))
+        return key
 
     def same_key(self, key: ShapeKey) -> ShapeKey:
         """The one ``ShapeKey`` object this runner uses for ``key``'s value: capture and
@@ -290,10 +297,7 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
         """The key a live ``batch`` padded to ``padded`` replays (its variant included)."""
-        key = self._keys.get(padded)
-        if key is None:
-            key = self._keys[padded] = self.same_key(self.make_key(padded))
-        return key
+        return self.plain_key(padded)
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.

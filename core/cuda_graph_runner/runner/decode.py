@@ -175,10 +175,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         """The key of captured size ``padded`` in ``variant``, made once per pair (``""``:
         the key ``replay_target`` made), so ``decide`` and ``replay_prepare`` share it."""
         if not variant:
-            key = self._keys.get(padded)
-            if key is None:
-                key = self._keys[padded] = self.same_key(self.make_key(padded))
-            return key
+            return self.plain_key(padded)
         key = self._variant_keys.get((padded, variant))
         if key is None:
             key = self._variant_keys[(padded, variant)] = self.same_key(self.make_key(padded, variant))
