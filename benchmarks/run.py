@@ -76,6 +76,7 @@ from bench_rounds import run_rounds  # noqa: E402
 from bench_summary import ratios_for  # noqa: E402
 from make_docs import render  # noqa: E402
 
+from cuda_graph_runner.backend_options import option_readers  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
@@ -193,16 +194,21 @@ def available(phase: str, names: Sequence[str]) -> Dict[str, str]:
     return out
 
 
-def phase_options(label: str) -> Dict[str, Any]:
-    """``"tc_piecewise:inductor"`` -> ``{"backend": "tc_piecewise", "tc_compiler": "inductor"}``."""
+def phase_options(label: str, compile_sizes: Sequence[int] = ()) -> Dict[str, Any]:
+    """``"tc_piecewise:inductor"`` -> ``{"backend": "tc_piecewise", "tc_compiler": "inductor"}``;
+    ``compile_sizes`` (``--compile-sizes``) go to a label with a compiler whose backend
+    reads that option (compiled ``full``), and to no other."""
     name, _, compiler = label.partition(":")
-    return {"backend": name, **({"tc_compiler": compiler} if compiler else {})}
+    options: Dict[str, Any] = {"backend": name, **({"tc_compiler": compiler} if compiler else {})}
+    if compile_sizes and compiler and name in option_readers(get_registry()).get("compile_sizes", []):
+        options["compile_sizes"] = sorted(compile_sizes)
+    return options
 
 
-def fresh_backend(phase: str, label: str) -> Any:
+def fresh_backend(phase: str, label: str, compile_sizes: Sequence[int] = ()) -> Any:
     """Backend ``label`` (see :func:`phase_options`) capturing into a pool of its own."""
     return get_registry().resolve(
-        phase, phase_options(label), device="cuda", memory_pool=torch.cuda.graph_pool_handle()
+        phase, phase_options(label, compile_sizes), device="cuda", memory_pool=torch.cuda.graph_pool_handle()
     )
 
 
@@ -551,9 +557,9 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
                 # A fresh pool per backend, so one backend's leftovers never hide another's memory.
                 runner = DecodeCudaGraphRunner(
                     model,
-                    {"decode": {**phase_options(backend), "max_bs": max(256, max(bs_list))}},
+                    {"decode": {**phase_options(backend, args.compile_sizes), "max_bs": max(256, max(bs_list))}},
                     show_progress=False,
-                    backend=fresh_backend("decode", backend),
+                    backend=fresh_backend("decode", backend, args.compile_sizes),
                 )
                 runner.capture()
                 cap = {
@@ -734,6 +740,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         nargs="*",
         default=[1, 32],
         help="batch sizes for the torch.compile reduce-overhead baseline (slow to compile)",
+    )
+    parser.add_argument(
+        "--compile-sizes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="decode batch sizes that compiled full (full:inductor) compiles with static shapes, e.g. the "
+        "--reduce-overhead-bs sizes (default: none, one dynamic-shape graph)",
     )
     parser.add_argument(
         "--prefill-tokens",

@@ -113,4 +113,9 @@ def test_shipped_plugins_declare_what_they_read():
     from cuda_graph_runner_tc_piecewise import plugin as tc
 
     reads = {s.name: s.options for m in (full, breakable, tc, npu) for s in m.cuda_graph_runner_backend_specs()}
-    assert reads == {"full": ("tc_compiler",), "breakable": (), "tc_piecewise": ("tc_compiler",), "npu": ()}
+    assert reads == {
+        "full": ("tc_compiler", "compile_sizes"),
+        "breakable": (),
+        "tc_piecewise": ("tc_compiler",),
+        "npu": (),
+    }

@@ -61,6 +61,7 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
     assert code == 0, err
     report = json.loads(out)
     checks = {
+        "compile_sizes": None,
         "owned_outputs": False,
         "host_value_guard": True,
         "verify": False,

@@ -131,7 +131,8 @@ def plan_phase(
     max_bs = phase_config.max_bs or (None if phase_config.bs else default_max)
     choices = []
     cannot_run: Optional[BenchRequestError] = None
-    for name, compiler in parse_backends(selection, phase_config.backend):
+    parsed = parse_backends(selection, phase_config.backend)
+    for name, compiler in parsed:
         explicit = name is not None
         where = f"--{phase}-backends" if selection else "the config"
         chosen = name or reg.default_backend(phase, device.type)
@@ -143,6 +144,13 @@ def plan_phase(
             "max_bs": max_bs,
             **({"tc_compiler": compiler} if compiler else {}),
         }
+        if (
+            phase_config.compile_sizes
+            and (compiler or phase_config.tc_compiler) == "eager"
+            and any(c for _, c in parsed)
+        ):
+            # ``full,full:inductor`` with compile sizes: they are the compiled label's.
+            fields["compile_sizes"] = None
         if chosen == "disabled":
             choices.append(
                 BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)

@@ -27,8 +27,17 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
 ``tc_compiler``
     ``eager`` or ``inductor``; a *backend option* (``BACKEND_OPTION_KEYS``): read
     only by backends whose spec lists it in ``BackendSpec.options``
-    (``tc_piecewise``). Setting an option that the selected backend does not read
-    is an error at resolve time (see ``cuda_graph_runner.backend_options``).
+    (``tc_piecewise``: its pieces; ``full``: the whole forward, compiled full).
+    Setting an option that the selected backend does not read is an error at
+    resolve time (see ``cuda_graph_runner.backend_options``).
+``compile_sizes``
+    ``null`` (default: one dynamic-shape compiled graph serves every size) or a list
+    of captured sizes that each get a graph compiled with static shapes (vLLM's
+    ``compile_sizes``): inductor specializes its kernels to the size, a few percent
+    faster per step for seconds of compile time per size. A backend option (read by
+    ``full``). With ``tc_compiler`` ``eager`` it is an error when the backend is
+    built (nothing would compile); a size that is not captured, when the backend
+    prepares its capture.
 ``owned_outputs``
     ``false`` (default, zero-copy: a replayed output is valid until the next replay
     of any graph in the same pool) or ``true`` (the runner returns owned copies, one
@@ -98,6 +107,8 @@ Flags added by :func:`add_cuda_graph_args`
     The phase's ``tc_compiler``.
 ``--cuda-graph-tc-compiler {eager,inductor}``
     ``tc_compiler`` of both phases.
+``--cuda-graph-compile-sizes-{decode,prefill} N [N ...]``
+    The phase's ``compile_sizes``; space and/or comma separated.
 ``--disable-cuda-graph-{decode,prefill}``
     The phase's backend is ``disabled``.
 

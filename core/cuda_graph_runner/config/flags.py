@@ -34,6 +34,8 @@ __all__ = ["add_cuda_graph_args", "source_phases"]
 _TIER_LEGACY = "legacy"
 _TIER_FLAG = "flag"
 _NO_CONST = object()
+#: Keys whose flags take sizes, space or comma separated.
+_SIZE_LIST_KEYS = ("bs", "compile_sizes")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class _Flag:
     def value_from(self, raw: Any) -> Any:
         if self.const is not _NO_CONST:
             return self.const
-        if self.key == "bs" and isinstance(raw, (list, tuple)):
+        if self.key in _SIZE_LIST_KEYS and isinstance(raw, (list, tuple)):
             # nargs="+" of comma lists: [[1, 2], [4]] -> [1, 2, 4]
             flat: List[Any] = []
             for item in raw:
@@ -94,8 +96,16 @@ def _phase_flags(p: str) -> List[_Flag]:
             _TIER_FLAG,
             (p,),
             "tc_compiler",
-            f"compiler of the tc_piecewise pieces for {p} (default: eager); an error with a backend that "
-            "does not read it",
+            f"compiler of tc_piecewise's pieces or of full's forward for {p} (default: eager); an error "
+            "with a backend that does not read it",
+        ),
+        _Flag(
+            f"--cuda-graph-compile-sizes-{p}",
+            _TIER_FLAG,
+            (p,),
+            "compile_sizes",
+            f"{p} {size}s compiled with static shapes, each in its own compiled graph (vLLM's compile_sizes; "
+            "needs a compiler, default: none, one dynamic-shape graph serves every size)",
         ),
         _Flag(
             f"--disable-cuda-graph-{p}",
@@ -120,7 +130,7 @@ _FLAGS: Tuple[_Flag, ...] = (
         _TIER_FLAG,
         Phase.ALL,
         "tc_compiler",
-        "compiler of the tc_piecewise pieces for both phases (default: eager)",
+        "compiler of tc_piecewise's pieces or of full's forward for both phases (default: eager)",
     ),
     _legacy(
         "--disable-cuda-graph",
@@ -292,7 +302,7 @@ def add_cuda_graph_args(parser: Any) -> Any:
         kwargs: Dict[str, Any] = dict(dest=flag.dest, default=None, help=flag.help)
         if flag.const is not _NO_CONST:
             kwargs["nargs"] = 0
-        elif flag.key == "bs":
+        elif flag.key in _SIZE_LIST_KEYS:
             kwargs.update(nargs="+", type=_sizes_arg, metavar="N")
         elif flag.key == "max_bs":
             kwargs.update(type=_positive_int_arg, metavar="N")

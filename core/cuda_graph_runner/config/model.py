@@ -63,6 +63,7 @@ PHASE_KEYS = (
     "max_bs",
     "bs",
     "tc_compiler",
+    "compile_sizes",
     "owned_outputs",
     "host_value_guard",
     "verify",
@@ -74,7 +75,7 @@ PHASE_KEYS = (
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
-BACKEND_OPTION_KEYS = ("tc_compiler",)
+BACKEND_OPTION_KEYS = ("tc_compiler", "compile_sizes")
 
 SOURCE_DEFAULT = "default"
 SOURCE_API = "api"
@@ -105,6 +106,28 @@ def _positive_int(value: Any, key: str) -> int:
     return int(value)
 
 
+def _sizes(value: Any, key: str) -> List[int]:
+    """``value`` (a non-empty list or tuple of sizes) sorted, duplicates dropped, as a new
+    list. Raises CudaGraphConfigError naming ``key``."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise CudaGraphConfigError(
+            "must be null or a non-empty list of sizes", key=key, value=value, accepted=_SIZES_ACCEPTED
+        )
+    for size in value:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or int(size) < 1:
+            raise CudaGraphConfigError(
+                f"element {_short_repr(size)} is not a positive integer", key=key, value=value, accepted=_SIZES_ACCEPTED
+            )
+        if int(size) > MAX_CAPTURE_SIZE:
+            raise CudaGraphConfigError(
+                f"element {_short_repr(size)} is above the maximum capture size {MAX_CAPTURE_SIZE}",
+                key=key,
+                value=value,
+                accepted=_SIZES_ACCEPTED,
+            )
+    return sorted({int(size) for size in value})
+
+
 @dataclass
 class PhaseConfig:
     """Settings of one phase; validated and normalised on construction.
@@ -117,7 +140,8 @@ class PhaseConfig:
         CudaGraphConfigError (``phase`` None; :class:`CudaGraphConfig` adds it):
         backend not None nor an identifier string; max_bs or an element of bs
         not an int >= 1 (bools refused); bs not a non-empty list/tuple;
-        max_bs < max(bs); tc_compiler not in ``TC_COMPILERS``; owned_outputs not a bool.
+        max_bs < max(bs); tc_compiler not in ``TC_COMPILERS``; compile_sizes not null nor
+        a non-empty list of sizes; owned_outputs not a bool.
 
     Assigning a field later skips these checks; :meth:`CudaGraphConfig.validate`
     runs them again. Prefer :meth:`CudaGraphConfig.with_phase`.
@@ -127,6 +151,7 @@ class PhaseConfig:
     max_bs: Optional[int] = None
     bs: Optional[List[int]] = None
     tc_compiler: str = "eager"
+    compile_sizes: Optional[List[int]] = None
     owned_outputs: bool = False
     host_value_guard: bool = True
     verify: bool = False
@@ -149,29 +174,7 @@ class PhaseConfig:
         if self.max_bs is not None:
             self.max_bs = _positive_int(self.max_bs, "max_bs")
         if self.bs is not None:
-            if not isinstance(self.bs, (list, tuple)) or not self.bs:
-                raise CudaGraphConfigError(
-                    "must be null or a non-empty list of sizes",
-                    key="bs",
-                    value=self.bs,
-                    accepted=_SIZES_ACCEPTED,
-                )
-            for size in self.bs:
-                if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
-                    raise CudaGraphConfigError(
-                        f"element {_short_repr(size)} is not a positive integer",
-                        key="bs",
-                        value=self.bs,
-                        accepted=_SIZES_ACCEPTED,
-                    )
-                if size > MAX_CAPTURE_SIZE:
-                    raise CudaGraphConfigError(
-                        f"element {_short_repr(size)} is above the maximum capture size {MAX_CAPTURE_SIZE}",
-                        key="bs",
-                        value=self.bs,
-                        accepted=_SIZES_ACCEPTED,
-                    )
-            self.bs = sorted({int(size) for size in self.bs})
+            self.bs = _sizes(self.bs, "bs")
         if self.max_bs is not None and self.bs is not None and self.max_bs < self.bs[-1]:
             raise CudaGraphConfigError(
                 f"is smaller than the largest size in bs ({self.bs[-1]})",
@@ -183,6 +186,8 @@ class PhaseConfig:
             raise CudaGraphConfigError(
                 "unknown compiler", key="tc_compiler", value=self.tc_compiler, accepted=", ".join(TC_COMPILERS)
             )
+        if self.compile_sizes is not None:
+            self.compile_sizes = _sizes(self.compile_sizes, "compile_sizes")
         if not isinstance(self.owned_outputs, bool):
             raise CudaGraphConfigError(
                 "must be a boolean", key="owned_outputs", value=self.owned_outputs, accepted="true or false"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.capture_plan import CapturePlan
+from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_batch import ForwardBatch
 
 from .compiled import CompiledForward
@@ -36,6 +37,12 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
             :mod:`cuda_graph_runner_full.compiled`); None reads ``phase_config.tc_compiler``.
         inductor_options: inductor config patches for ``"inductor"`` (None: the defaults
             of :mod:`~cuda_graph_runner_full.compiled`).
+        compile_sizes: sizes compiled with static shapes (``"inductor"`` only); None
+            reads ``phase_config.compile_sizes``.
+
+    Raises:
+        CudaGraphConfigError: compile sizes given while the compiler is ``"eager"``.
+        ValueError: a compiler value that does not compile (:class:`CompiledForward`).
 
     Everything the forward reads must live at the addresses it had at capture: the
     runner's static buffers, the model's weights and KV cache. Data-dependent control
@@ -48,6 +55,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         weak_ref_outputs: bool = True,
         compiler: Any = None,
         inductor_options: Optional[dict] = None,
+        compile_sizes: Optional[Sequence[int]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -55,8 +63,20 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         self.compiler = compiler or getattr(self.phase_config, "tc_compiler", None) or "eager"
         #: The compiled forward (``compiler`` inductor), else None; see :mod:`.compiled`.
         self.compiled_forward: Optional[CompiledForward] = None
+        if compile_sizes is None:
+            compile_sizes = getattr(self.phase_config, "compile_sizes", None)
         if self.compiler != "eager":
-            self.compiled_forward = CompiledForward(self.compiler, tag=self.phase, inductor_options=inductor_options)
+            self.compiled_forward = CompiledForward(
+                self.compiler, tag=self.phase, inductor_options=inductor_options, static_sizes=compile_sizes or ()
+            )
+        elif compile_sizes:
+            raise CudaGraphConfigError(
+                "needs a compiler: with tc_compiler 'eager' nothing is compiled",
+                phase=self.phase,
+                key="compile_sizes",
+                value=list(compile_sizes),
+                accepted="null, or a list of captured sizes with tc_compiler 'inductor' (compiled full)",
+            )
         #: Seconds of the last compile pass (compiled full), else None.
         self.compile_seconds: Optional[float] = None
 
@@ -67,20 +87,22 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
             for key in plan.keys:
                 self.note_kernels_ran(key)
 
-    def _compiled_active(self) -> ContextManager[None]:
-        return self.compiled_forward.active() if self.compiled_forward is not None else contextlib.nullcontext()
+    def _compiled_active(self, key: Optional[ShapeKey] = None) -> ContextManager[None]:
+        if self.compiled_forward is None:
+            return contextlib.nullcontext()
+        return self.compiled_forward.active(key.size if key is not None else None)
 
     def verify_reference(self, eager_fn: Callable[[], Any], key: ShapeKey, static_batch: ForwardBatch) -> Any:
         """Compiled full: the compiled forward run without the graph (same kernels). The
         live batch is a plain ``ForwardBatch`` where capture saw the runner's static
         batches, so the first verified replay costs Dynamo one more graph (verify mode only)."""
-        with self._compiled_active():
+        with self._compiled_active(key):
             return eager_fn()
 
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up, then record ``forward_fn`` for ``key`` (``record_graph``); compiled
         full records inductor's kernels."""
-        with self._compiled_active():
+        with self._compiled_active(key):
             self.record_graph(
                 key, forward_fn, self.device_module.CUDAGraph, post_warmup_hook, weak_ref_outputs=self.weak_ref_outputs
             )

@@ -15,12 +15,17 @@ How it runs (:class:`CompiledForward`):
     ``plan.static_batch(key)``, with dim 0 of the batch's tensors marked dynamic.
     The first call (largest size) compiles one graph that serves every size >= 2 (the
     token axis symbolic); size 1, which Dynamo always specializes, costs one more
-    compile. Nothing recompiles per captured size. The pass runs inside
+    compile. Nothing recompiles per captured size. Each size of ``compile_sizes``
+    (vLLM's option of that name) instead gets a graph compiled with static shapes, from
+    a code object of its own (``dynamic=False``): inductor specializes its kernels' launch
+    configs and masks to the size, as ``torch.compile(mode="reduce-overhead")`` does
+    for every size it sees. The pass runs inside
     :func:`cuda_graph_runner.compile_cache.compile_cache_scope`, so a second process
     compiles from the disk cache.
 ``capture_one`` / verify
     While ``full`` warms up and records a size, and while verify mode computes its
-    reference, the compiled forward stands in for ``model.forward`` (an instance
+    reference, the size's compiled forward (static, else the dynamic one) stands in for
+    ``model.forward`` (an instance
     attribute, removed afterwards): the graph records inductor's kernels with the marked
     ops (attention) as opaque custom ops in between. A replay runs no Python at all.
 
@@ -34,12 +39,13 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
 from cuda_graph_runner import progress
 from cuda_graph_runner.compile_cache import compile_cache_scope
+from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.model_forward import entry_function, forward_replaced
 
@@ -64,18 +70,35 @@ class CompiledForward:
             two backends on one model never evict each other's entries).
         inductor_options: inductor config patches; None means
             :data:`DEFAULT_INDUCTOR_OPTIONS` (``triton.cudagraphs`` is always off).
+        static_sizes: sizes (batch sizes or token counts) compiled with static shapes,
+            each its own Dynamo graph (config ``compile_sizes``); every one must be a
+            captured size (checked by :meth:`compile_pass`).
 
     Attributes:
         compile_seconds: duration of the last compile pass (None before one).
-        dynamo_graphs: graphs Dynamo handed the compiler so far (1, plus 1 when size 1
-            is captured; more means a recompile).
+        dynamo_graphs: graphs Dynamo handed the compiler so far: 1 for the dynamic sizes
+            >= 2, 1 for size 1 when captured, 1 per static size; more means a recompile.
+
+    Raises:
+        ValueError: ``compiler`` does not compile; a static size is not a positive int.
     """
 
-    def __init__(self, compiler: Any = "inductor", *, tag: str = "", inductor_options: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        compiler: Any = "inductor",
+        *,
+        tag: str = "",
+        inductor_options: Optional[dict] = None,
+        static_sizes: Sequence[int] = (),
+    ) -> None:
         if not callable(compiler) and compiler not in COMPILING:
             raise ValueError(f"full: tc_compiler {compiler!r} does not compile; compiling values: {COMPILING}")
+        for size in static_sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"full: compile size {size!r} is not a positive int")
         self.compiler = compiler
         self.tag = tag
+        self.static_sizes = tuple(sorted(set(static_sizes)))
         options = dict(DEFAULT_INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
         options["triton.cudagraphs"] = False
         self.inductor_options = options
@@ -83,6 +106,7 @@ class CompiledForward:
         self.dynamo_graphs = 0
         self._model: Any = None
         self._compiled: Optional[Callable[..., Any]] = None
+        self._static: Dict[int, Callable[..., Any]] = {}
 
     def _dynamo_backend(self) -> Callable[..., Any]:
         inner: Callable[..., Any]
@@ -116,17 +140,48 @@ class CompiledForward:
             if not has_triton():
                 raise RuntimeError("full: tc_compiler 'inductor' on CUDA needs Triton (pip install triton)")
         self._model = model
+        backend = self._dynamo_backend()
         entry = entry_function(model.forward, f"full_compiled_forward_full_{self.tag}")
-        self._compiled = torch.compile(entry, backend=self._dynamo_backend(), fullgraph=True)
+        self._compiled = torch.compile(entry, backend=backend, fullgraph=True)
+        # A code object per static size: Dynamo's cache (and automatic dynamic shapes) is
+        # per code object, so each sees one size only and stays static.
+        self._static = {
+            size: torch.compile(
+                entry_function(model.forward, f"full_compiled_forward_full_{self.tag}_static_{size}"),
+                backend=backend,
+                fullgraph=True,
+                dynamic=False,
+            )
+            for size in self.static_sizes
+        }
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """``model.forward`` is the compiled forward for the block, then what it was."""
+    def active(self, size: Optional[int] = None) -> Iterator[None]:
+        """``model.forward`` is the compiled forward for the block, then what it was:
+        ``size``'s static graph when ``size`` is a static size, else the dynamic one."""
         if self._model is None or self._compiled is None:
             yield
             return
-        with forward_replaced(self._model, self._compiled):
+        with forward_replaced(self._model, self._static.get(size, self._compiled) if size else self._compiled):
             yield
+
+    def check_sizes(self, plan: Any) -> None:
+        """Every static size is one of ``plan``'s captured sizes (a size never captured
+        would only cost a compile: its graph would never run).
+
+        Raises:
+            CudaGraphConfigError: names the size, the key ``compile_sizes`` and the captured sizes.
+        """
+        captured = sorted({key.size for key in plan.keys})
+        missing = [size for size in self.static_sizes if size not in captured]
+        if missing:
+            raise CudaGraphConfigError(
+                f"size(s) {missing} not captured, so never replayed",
+                phase=plan.phase,
+                key="compile_sizes",
+                value=list(self.static_sizes),
+                accepted=f"sizes among the captured sizes {captured}",
+            )
 
     def compile_pass(self, plan: Any) -> float:
         """Bind ``plan.model`` and run one compiled forward per planned key (largest
@@ -136,13 +191,16 @@ class CompiledForward:
             plan: the runner's :class:`~cuda_graph_runner.capture_plan.CapturePlan`.
 
         Raises:
+            CudaGraphConfigError: a static size is not among the plan's sizes (before
+                anything compiles).
             whatever Dynamo or inductor raise (a graph break under ``fullgraph``, a
             failed lowering), unchanged.
         """
         start = time.perf_counter()
+        self.check_sizes(plan)
         self.bind(plan.model)
         keys = list(plan.keys)
-        with compile_cache_scope() if not callable(self.compiler) else contextlib.nullcontext(), self.active():
+        with compile_cache_scope() if not callable(self.compiler) else contextlib.nullcontext():
             for key in progress.bar(
                 keys,
                 desc=f"compile {plan.phase} (full, inductor)",
@@ -150,8 +208,9 @@ class CompiledForward:
                 show=getattr(plan, "show_progress", None),
             ):
                 batch = plan.static_batch(key)  # init_forward_metadata_capture already called
-                mark_dynamic_tokens(batch)
-                with forward_context(batch):
+                if key.size not in self._static:
+                    mark_dynamic_tokens(batch)
+                with self.active(key.size), forward_context(batch):
                     plan.forward(batch)
         self.compile_seconds = time.perf_counter() - start
         logger.info(

@@ -13,7 +13,7 @@ cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hoo
         # devices: ("cuda",), the default
         probe=probe,
         api_version="1.1",
-        options=("tc_compiler",),  # inductor: compiled full (cuda_graph_runner_full.compiled)
+        options=("tc_compiler", "compile_sizes"),  # inductor: compiled full (cuda_graph_runner_full.compiled)
         description="one CUDA graph per batch size, shared memory pool (tc_compiler inductor: compiled first)",
     ),
     default_for=[("decode", "cuda")],

@@ -82,3 +82,103 @@ def test_eager_compiler_compiles_nothing_and_unknown_values_are_refused():
     assert backend.compiler == "eager" and backend.compiled_forward is None and backend.compile_seconds is None
     with pytest.raises(ValueError, match=r"tc_compiler 'tvm' does not compile; compiling values: \('inductor',\)"):
         CompiledForward("tvm")
+
+
+class ShapeRecordingCompiler(CountingCompiler):
+    """Also records, per Dynamo graph, whether it has a symbolic size input (dynamic
+    shapes) and the rows of the 1-d tensors each call got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.symbolic: list = []
+        self.rows: list = []
+
+    def __call__(self, gm, example_inputs):
+        index = len(self.symbolic)
+        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.symbolic.append(any(isinstance(v, torch.SymInt) for v in placeholders))
+        self.rows.append(set())
+        inner = super().__call__(gm, example_inputs)
+
+        def run(*args):
+            self.rows[index].update(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 1)
+            return inner(*args)
+
+        return run
+
+
+def _static_runner(compile_sizes, bs=(1, 2, 4, 8)):
+    torch._dynamo.reset()
+    model = ToyModel()
+    compiler = ShapeRecordingCompiler()
+    backend = FullCudaGraphBackend(
+        "cpu",
+        phase="decode",
+        device_module=FakeGraphDeviceModule(),
+        memory_pool="pool",
+        compiler=compiler,
+        compile_sizes=compile_sizes,
+    )
+    runner = DecodeCudaGraphRunner(model, {"decode": {"bs": list(bs)}}, device="cpu", backend=backend)
+    runner.show_progress = False
+    return model, runner, compiler
+
+
+def test_compile_sizes_get_static_graphs_of_their_own_and_capture_recompiles_nothing():
+    model, runner, compiler = _static_runner([8, 2])
+    try:
+        with torch.no_grad():
+            runner.capture()
+        compiled = runner.backend.compiled_forward
+        assert compiled.static_sizes == (2, 8)
+        # Compile pass, largest first: static 8, dynamic (first at 4), static 2, size 1.
+        assert compiler.graphs == 4 == compiled.dynamo_graphs
+        assert compiler.symbolic == [False, True, False, False]
+        # Each static graph ran only at its size (compile pass, warm-ups, recording); the
+        # dynamic one served 4 only.
+        assert [rows for rows, symbolic in zip(compiler.rows, compiler.symbolic) if not symbolic][:2] == [{8}, {2}]
+        assert compiler.rows[1] == {4}
+        calls = compiler.calls
+        with forward_context(batch := decode_batch(2)):
+            runner.backend.verify_reference(
+                lambda: model.compute_logits(model.forward(batch), batch), ShapeKey(2, "decode"), batch
+            )
+        assert compiler.calls == calls + 1 and compiler.rows[2] == {2}  # verify ran size 2's static graph
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_sizes_without_a_dynamic_size_compile_no_dynamic_graph():
+    _, runner, compiler = _static_runner([1, 4], bs=(1, 4))
+    try:
+        with torch.no_grad():
+            runner.capture()
+        assert compiler.graphs == 2 and compiler.symbolic == [False, False]
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_compile_size_that_is_not_captured_is_refused_before_compiling():
+    from cuda_graph_runner.config import CudaGraphConfigError
+
+    _, runner, compiler = _static_runner([3, 4])
+    try:
+        with pytest.raises(CudaGraphConfigError) as info, torch.no_grad():
+            runner.capture()
+        message = str(info.value)
+        assert "compile_sizes=[3, 4]" in message and "[3] not captured" in message, message
+        assert "captured sizes [1, 2, 4, 8]" in message, message
+        assert compiler.graphs == 0
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_sizes_with_the_eager_compiler_are_an_error_naming_the_key():
+    from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
+
+    config = CudaGraphConfig.from_dict({"decode": {"compile_sizes": [4, 1]}})
+    assert config.decode.compile_sizes == [1, 4]
+    with pytest.raises(CudaGraphConfigError, match=r"decode.compile_sizes=\[1, 4\].*needs a compiler.*inductor"):
+        FullCudaGraphBackend("cpu", phase="decode", device_module=FakeGraphDeviceModule(), phase_config=config.decode)
+    with pytest.raises(ValueError, match="compile size 0 is not a positive int"):
+        CompiledForward(CountingCompiler(), static_sizes=[0])

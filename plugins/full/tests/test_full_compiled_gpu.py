@@ -4,7 +4,8 @@ inductor, then captured whole per size.
 Checks: one Dynamo graph for every size >= 2 plus one for size 1, none made while
 capturing or serving; a replay equals the compiled forward run without the graph (same
 kernels: near-exact); greedy tokens equal eager's in bf16; the bench's label
-``full:inductor`` resolves; a second process compiles from the disk cache.
+``full:inductor`` resolves; a second process compiles from the disk cache; sizes of
+``compile_sizes`` get static graphs that match eager.
 
 Run on the device machine: ``pytest -m gpu plugins/full/tests/test_full_compiled_gpu.py``
 (inductor builds Triton kernels: about a minute cold).
@@ -140,3 +141,27 @@ def test_second_start_compiles_from_the_disk_cache(tmp_path, monkeypatch):
     assert first["fx_miss"] >= 1 and first["fx_hit"] == 0, first
     assert second["fx_miss"] == 0 and second["aot_miss"] == 0, second
     assert second["fx_hit"] + second["aot_hit"] >= first["fx_miss"], counts
+
+
+def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles():
+    torch._dynamo.reset()
+    model = _model(torch.float32)
+    runner = DecodeCudaGraphRunner(
+        model,
+        {"decode": {"backend": "full", "bs": [1, 4, 16], "tc_compiler": "inductor", "compile_sizes": [4, 16]}},
+        show_progress=False,
+    )
+    runner.capture()
+    compiled = runner.backend.compiled_forward
+    assert compiled.static_sizes == (4, 16)
+    assert compiled.dynamo_graphs == 3  # static 16, static 4, size 1 (specialized anyway)
+    eager = eager_logits_fn(model)
+    with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+        for bs in (3, 4, 13, 16, 1):
+            session, batch = _step(model, bs, seed=300 + bs)
+            expected = eager(batch).clone()
+            got = runner.forward(batch)
+            torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3, msg=f"bs {bs}")
+            session.close()
+    assert compiled.dynamo_graphs == 3
+    runner.cleanup()
