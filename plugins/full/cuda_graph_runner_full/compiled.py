@@ -54,11 +54,14 @@ logger = logging.getLogger(__name__)
 #: Values of ``tc_compiler`` that make ``full`` compile (``eager``: no compilation).
 COMPILING = ("inductor",)
 
-#: Inductor options that pay for a graph-captured decode step: no CUDA-graph trees
-#: (``full`` captures the whole forward itself) and coordinate-descent tuning of the
-#: pointwise/reduction kernels' launch configs (seconds of compile time, a few percent
-#: per step; vLLM and sglang keep max-autotune off by default: minutes of GEMM tuning).
-DEFAULT_INDUCTOR_OPTIONS: Dict[str, Any] = {"triton.cudagraphs": False, "coordinate_descent_tuning": True}
+#: Inductor options for a graph-captured decode step: no CUDA-graph trees (``full``
+#: captures the whole forward itself), otherwise inductor's defaults. Measured on an H200
+#: (llama-3.2-1b, bf16, batch 1/32/128, ratios in one process: docs/benchmarks.md),
+#: neither tuning option paid inside a captured graph: coordinate-descent tuning
+#: 0.6-1.4% slower per step for 60 s more compile, ``max_autotune_gemm`` (Triton GEMM
+#: templates picked by micro-benchmark) 3-18% slower for 160 s more. Pass them through
+#: ``inductor_options`` to try them on another model or GPU.
+DEFAULT_INDUCTOR_OPTIONS: Dict[str, Any] = {"triton.cudagraphs": False}
 
 
 class CompiledForward:
