@@ -39,3 +39,19 @@ def test_an_unknown_name_is_reported_before_a_known_name_that_cannot_run():
         plan_phase("decode", "full,nope", CudaGraphConfig(), torch.device("cpu"), 4)
     assert exc.value.exit_code == 2
     assert "'nope'" in str(exc.value) and "installed:" in str(exc.value)
+
+
+def test_compile_sizes_go_to_the_compiled_label_only():
+    from cuda_graph_runner.bench_backends import label_fields
+    from cuda_graph_runner.config import CudaGraphConfig
+
+    config = CudaGraphConfig.from_dict({"decode": {"compile_sizes": [1, 32]}}).decode
+    # full,full:inductor: the eager label drops them, the compiled one keeps the config's.
+    assert label_fields(config, "full", None, 64, True) == {"backend": "full", "max_bs": 64, "compile_sizes": None}
+    assert label_fields(config, "full", "inductor", 64, True) == {
+        "backend": "full",
+        "max_bs": 64,
+        "tc_compiler": "inductor",
+    }
+    # A lone eager label keeps them, so its backend names the mistake.
+    assert "compile_sizes" not in label_fields(config, "full", None, 64, False)

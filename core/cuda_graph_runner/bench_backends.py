@@ -108,6 +108,19 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> s
     return f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
 
 
+def label_fields(
+    phase_config: Any, backend: str, compiler: Optional[str], max_bs: Optional[int], selection_compiles: bool
+) -> Dict[str, Any]:
+    """The config fields one bench label sets for its phase: backend, ``max_bs`` and the
+    label's ``tc_compiler``. ``compile_sizes`` belong to the compiled labels: a label that
+    compiles nothing, next to one that does (``full,full:inductor``), drops them (its
+    backend would refuse them: nothing to compile)."""
+    fields: Dict[str, Any] = {"backend": backend, "max_bs": max_bs, **({"tc_compiler": compiler} if compiler else {})}
+    if phase_config.compile_sizes and (compiler or phase_config.tc_compiler) == "eager" and selection_compiles:
+        fields["compile_sizes"] = None
+    return fields
+
+
 def plan_phase(
     phase: str, selection: Optional[str], config: CudaGraphConfig, device: torch.device, default_max: int
 ) -> List[BackendChoice]:
@@ -139,18 +152,7 @@ def plan_phase(
         if name is None and chosen == "disabled":
             chosen = bench_choice(reg, phase, device) or chosen
         label = chosen + (f":{compiler}" if compiler else "")
-        fields: Dict[str, Any] = {
-            "backend": chosen,
-            "max_bs": max_bs,
-            **({"tc_compiler": compiler} if compiler else {}),
-        }
-        if (
-            phase_config.compile_sizes
-            and (compiler or phase_config.tc_compiler) == "eager"
-            and any(c for _, c in parsed)
-        ):
-            # ``full,full:inductor`` with compile sizes: they are the compiled label's.
-            fields["compile_sizes"] = None
+        fields = label_fields(phase_config, chosen, compiler, max_bs, any(c for _, c in parsed))
         if chosen == "disabled":
             choices.append(
                 BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
