@@ -3,6 +3,9 @@ torch.compile reduce-overhead, interleaved in one process. Prints ms per decode 
 (median of rounds) and each variant's ratio to reduce-overhead.
 
     python3 benchmarks/probe_compiled_full.py --model llama-3.2-1b --batch-sizes 1 32 128
+
+Inductor is pinned as in ``run.py`` (timing-free kernel choices); a variant's options
+override that. Results of the H200 runs: docs/benchmarks.md (issue 22).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
 
+#: name -> (compile sizes: None for one dynamic graph, "sizes" for the batch sizes;
+#: inductor options passed to compiled full, on top of ``triton.cudagraphs=False``).
 VARIANTS = {
-    "dyn_cdt": (None, None),
+    "dyn_cdt": (None, {"coordinate_descent_tuning": True}),
     "dyn": (None, {}),
     "static": ("sizes", {}),
     "static_mag": ("sizes", {"max_autotune_gemm": True}),
