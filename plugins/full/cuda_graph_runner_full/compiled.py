@@ -19,15 +19,17 @@ How it runs (:class:`CompiledForward`):
     (vLLM's option of that name) instead gets a graph compiled with static shapes, from
     a code object of its own (``dynamic=False``): inductor specializes its kernels' launch
     configs and masks to the size, as ``torch.compile(mode="reduce-overhead")`` does
-    for every size it sees. The pass runs inside
+    for every size it sees (H200, llama-3.2-1b: 1-2% faster than the dynamic graph at
+    batch 32, the same kernels as reduce-overhead; a few seconds of compile per size).
+    The pass runs inside
     :func:`cuda_graph_runner.compile_cache.compile_cache_scope`, so a second process
     compiles from the disk cache.
 ``capture_one`` / verify
     While ``full`` warms up and records a size, and while verify mode computes its
     reference, the size's compiled forward (static, else the dynamic one) stands in for
-    ``model.forward`` (an instance
-    attribute, removed afterwards): the graph records inductor's kernels with the marked
-    ops (attention) as opaque custom ops in between. A replay runs no Python at all.
+    ``model.forward`` (an instance attribute, removed afterwards): the graph records
+    inductor's kernels with the marked ops (attention) as opaque custom ops in between.
+    A replay runs no Python at all.
 
 Marked ops must be capture-safe for the phase, exactly as for plain ``full``.
 """
