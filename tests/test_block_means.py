@@ -72,3 +72,14 @@ def test_paired_ms_interleaves_rounds_and_takes_the_median_per_round_ratio(clock
 def test_paired_ms_refuses_no_rounds():
     with pytest.raises(ValueError, match=r"rounds >= 1 and iters >= 1, got rounds=0, iters=2"):
         bench_measure.paired_ms(lambda: None, lambda: None, iters=2, warmup=0, sync=lambda: None, rounds=0)
+
+
+@pytest.mark.parametrize(
+    "threads, cpus, load, noted",
+    [(2, 2, 1.5, True), (2, 2, 0.3, False), (1, 2, 5.0, False), (4, 16, 3.0, False), (16, 16, 2.0, True)],
+)
+def test_a_busy_machine_is_noted_when_its_load_leaves_the_threads_no_cpus(threads, cpus, load, noted):
+    note = bench_measure.cpu_contention_note(threads, cpus=cpus, load=load)
+    assert bool(note) == noted
+    if noted:
+        assert f"load average {load:.1f} on {cpus} CPUs" in note and "OMP_NUM_THREADS=1" in note

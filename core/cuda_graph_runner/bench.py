@@ -269,6 +269,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)
         return 2
     max_bs, max_tokens = max(batch_sizes), max(token_counts)
+    cpu_load = os.getloadavg()[0] if on_cpu and hasattr(os, "getloadavg") else None  # before our own work counts
     from . import real_model
 
     if model_spec in real_model.REAL_MODELS:
@@ -330,6 +331,14 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         "prefill": [],
         "notes": [],
     }
+    if on_cpu:
+        from .bench_measure import cpu_contention_note
+
+        env["threads"] = torch.get_num_threads()
+        busy = cpu_contention_note(env["threads"], load=cpu_load)
+        if busy:
+            say(f"note: {busy}")
+            results["notes"].append(busy)
 
     after_decode = None
     if tokenizer is not None:

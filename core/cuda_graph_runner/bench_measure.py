@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,6 +60,35 @@ def block_means_s(
 #: a machine others share) more rounds, which cost little next to compilation.
 PAIRED_ROUNDS = {"cpu": 15}
 DEFAULT_PAIRED_ROUNDS = 5
+
+
+def cpu_contention_note(threads: int, *, cpus: Optional[int] = None, load: Optional[float] = None) -> str:
+    """A note when other processes keep the CPUs the bench's ``threads`` intra-op threads
+    need busy (1-minute load average + ``threads`` > CPUs), else "".
+
+    Why: an OpenMP parallel region waits for all its threads; with one of them
+    descheduled by another process it waits a scheduler time slice (milliseconds), so a
+    decode step of a small model (about a millisecond) takes 5-20x longer at random,
+    eager and compiled alike, and no count of rounds makes their ratio steady. One thread
+    (``OMP_NUM_THREADS=1``) is steady there and loses little on a model this small.
+    ``cpus`` / ``load`` default to the CPUs this process may run on / ``os.getloadavg()[0]``.
+    """
+    import os
+
+    if cpus is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform
+            return ""
+    if threads <= 1 or load + threads <= cpus + 0.5:
+        return ""
+    return (
+        f"the machine is busy (load average {load:.1f} on {cpus} CPUs, torch uses {threads} threads): "
+        "CPU timings stall at random; for steady ratios run with OMP_NUM_THREADS=1"
+    )
 
 
 def paired_ms(
