@@ -33,6 +33,24 @@ the sizes still to capture are left uncompiled (a warning names them); the runne
 them eagerly (``can_run`` is False), or pads them to a compiled bucket when the caller
 captures only the compiled sizes.
 
+What pays on the CPU (``tiny`` preset, float32, batch 1, one thread, 2-core machine;
+eager / compiled per step, the median of 9 interleaved rounds,
+:func:`cuda_graph_runner.bench_measure.paired_ms`):
+
+* ``cpp_wrapper`` (kept, :data:`DEFAULT_INDUCTOR_OPTIONS`): the compiled graph's host
+  code in C++ (numbers there).
+* dispatch below autograd in ``replay`` (kept): 0.86 -> 0.66 ms per step, 1.6x -> 2.0x
+  over eager; see :func:`_below_autograd`. ``torch.inference_mode()`` instead saves less
+  (0.80 ms) and makes the outputs inference tensors a caller cannot write into.
+* ``freezing`` (sglang's CPU runner sets it; not kept): weights folded as constants and
+  prepacked; 1.58x / 1.56x against 1.63x / 1.54x without, in the same session, while the
+  compile took up to 3x longer: a small model's linears gain nothing from prepacking.
+* ``dynamic=False`` per bucket (kept): one static specialization per size, what
+  sglang's CPU runner compiles too; a dynamic compile would pay symbolic-shape guards.
+* Threads: with more intra-op threads than the CPUs other processes leave free, every
+  OpenMP region waits for a descheduled thread (5-20x per step, eager alike);
+  ``OMP_NUM_THREADS=1`` suits a small model on a shared CPU (the bench notes it).
+
 Compilers (``compiler=``): ``"inductor"`` (the default and the point: fused C++ kernels,
 needs a C++ toolchain, see :mod:`.toolchain`), ``"aot_eager"`` and ``"eager"`` (cheap,
 for tests: the same Dynamo trace without code generation), or a callable Dynamo backend.
