@@ -16,6 +16,7 @@ from cuda_graph_runner.results_schema import (
     SCHEMA,
     ResultsSchemaError,
     document,
+    from_bench_rows,
     from_json,
     from_run_models,
     nested_view,
@@ -143,3 +144,43 @@ def test_make_docs_refuses_a_broken_file_naming_the_field(tmp_path, capsys):
     path.write_text(json.dumps(doc))
     assert make_docs.main([str(path), "--print"]) == 2
     assert "timings[0].median_ms" in capsys.readouterr().err
+
+
+def test_bench_rows_timed_in_rounds_give_samples_and_a_ratio_against_eager():
+    rows = {
+        "env": {"device": "cpu", "model": "tiny"},
+        "decode": [
+            {
+                "batch_size": 1,
+                "backend": "compiled",
+                "eager_ms": 2.0,
+                "graph_ms": 1.0,
+                "speedup": 2.0,
+                "speedup_lo": 1.6,
+                "speedup_hi": 2.5,
+                "graph_samples_ms": [1.0, 1.25, 0.8],
+            }
+        ],
+        # prefill rows have a request count the ratio record cannot hold: samples only
+        "prefill": [
+            {
+                "num_tokens": 8,
+                "requests": 2,
+                "backend": "compiled",
+                "eager_ms": 3.0,
+                "graph_ms": 1.5,
+                "speedup": 2.0,
+                "speedup_lo": 1.5,
+                "speedup_hi": 2.2,
+                "graph_samples_ms": [1.5],
+            }
+        ],
+    }
+    doc = from_json(from_bench_rows(rows), "bench")
+    decode, prefill = doc["timings"]
+    assert (decode["samples_ms"], decode["min_ms"], decode["max_ms"]) == ([1.0, 1.25, 0.8], 0.8, 1.25)
+    assert prefill["samples_ms"] == [1.5]
+    (ratio,) = doc["ratios"]
+    assert (ratio["method"], ratio["reference"], ratio["batch_size"]) == ("compiled", "eager", 1)
+    assert ratio["median"] == pytest.approx(0.5)
+    assert (ratio["lo"], ratio["hi"]) == (pytest.approx(1 / 2.5), pytest.approx(1 / 1.6))

@@ -10,8 +10,10 @@ directory), then for each selected backend:
   through the runner, and checks the last-token logits agree.
 
 Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one device
-synchronize per measurement); capture seconds and graph memory are per runner (all
-sizes).
+synchronize per measurement). Eager and the backend are timed interleaved, round by round
+(:func:`cuda_graph_runner.bench_measure.paired_ms`: 5 rounds, 15 on the CPU): the times
+are the median rounds, ``speedup`` the median of the per-round ratios and ``range`` their
+min-max. Capture seconds and graph memory are per runner (all sizes).
 
 Output: tables on stdout (``--format table``), or the JSON document (the schema of
 :mod:`cuda_graph_runner.results_schema`, shared with benchmarks/run.py; also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
@@ -72,6 +74,12 @@ class RunnerStats:
     #: ``runner.run_stats()`` after the measurements (replays, eager fallbacks by reason,
     #: padding waste per captured size; :mod:`cuda_graph_runner.runner.stats`).
     run_stats: Optional[Dict[str, Any]] = None
+
+
+def _speedup_range(row: Dict[str, Any]) -> Optional[str]:
+    """``"lo-hi"`` of a row's per-round speedups (:func:`bench_measure.paired_ms`), or None."""
+    lo, hi = row.get("speedup_lo"), row.get("speedup_hi")
+    return None if lo is None or hi is None else f"{lo:.2f}-{hi:.2f}"
 
 
 def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None) -> Any:
@@ -253,11 +261,15 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     batch_sizes = sorted(set(args.batch_sizes or ([1, 2, 4] if on_cpu else [1, 4, 16, 64])))
     token_counts = sorted(set(args.prefill_tokens or ([16, 48] if on_cpu else [64, 256, 1024])))
     iters = args.iters or (2 if on_cpu else 20)
+    from .bench_measure import DEFAULT_PAIRED_ROUNDS, PAIRED_ROUNDS
+
+    rounds = PAIRED_ROUNDS.get(device.type, DEFAULT_PAIRED_ROUNDS)
     bad = [n for n in batch_sizes + token_counts if n <= 0]
     if bad:
         print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)
         return 2
     max_bs, max_tokens = max(batch_sizes), max(token_counts)
+    cpu_load = os.getloadavg()[0] if on_cpu and hasattr(os, "getloadavg") else None  # before our own work counts
     from . import real_model
 
     if model_spec in real_model.REAL_MODELS:
@@ -319,6 +331,14 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         "prefill": [],
         "notes": [],
     }
+    if on_cpu:
+        from .bench_measure import cpu_contention_note
+
+        env["threads"] = torch.get_num_threads()
+        busy = cpu_contention_note(env["threads"], load=cpu_load)
+        if busy:
+            say(f"note: {busy}")
+            results["notes"].append(busy)
 
     after_decode = None
     if tokenizer is not None:
@@ -333,12 +353,13 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say(real_model.format_generations(rows, GENERATED_TOKENS))
 
     decode_table = (
-        ["batch", "eager ms", "graph ms", "speedup", "prepare us", "tokens match", "max |diff|", "within tol"],
+        ["batch", "eager ms", "graph ms", "speedup", "range", "prepare us", "tokens match", "max |diff|", "within tol"],
         lambda r: [
             r["batch_size"],
             r["eager_ms"],
             r.get("graph_ms"),
             r.get("speedup"),
+            _speedup_range(r),
             r.get("replay_prepare_us"),
             r.get("tokens_match"),
             r.get("max_abs_diff"),
@@ -360,6 +381,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             steps=args.steps,
             iters=iters,
             warmup=args.warmup,
+            rounds=rounds,
         ),
         say,
         after_decode,
@@ -374,6 +396,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 "eager ms",
                 "graph ms",
                 "speedup",
+                "range",
                 "replayed",
                 "argmax match",
                 "max |diff|",
@@ -385,6 +408,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 r["eager_ms"],
                 r.get("graph_ms"),
                 r.get("speedup"),
+                _speedup_range(r),
                 r.get("replayed"),
                 r.get("argmax_match"),
                 r.get("max_abs_diff"),
@@ -405,6 +429,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 requests=args.prefill_requests,
                 iters=iters,
                 warmup=args.warmup,
+                rounds=rounds,
             ),
             say,
         )

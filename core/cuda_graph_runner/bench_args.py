@@ -73,7 +73,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--iters",
         type=int,
         default=None,
-        help="calls per timed block; the median of 5 blocks is reported (default 20 on CUDA, 2 on CPU)",
+        help="calls per timed block; eager and the backend alternate over 5 rounds (15 on CPU) of one block "
+        "each, the median round and per-round ratio are reported (default 20 on CUDA, 2 on CPU)",
     )
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
     parser.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +56,87 @@ def block_means_s(
     return samples
 
 
+#: Rounds of :func:`paired_ms` the bench runs per size: on the CPU (blocks of a few ms on
+#: a machine others share) more rounds, which cost little next to compilation.
+PAIRED_ROUNDS = {"cpu": 15}
+DEFAULT_PAIRED_ROUNDS = 5
+
+
+def cpu_contention_note(threads: int, *, cpus: Optional[int] = None, load: Optional[float] = None) -> str:
+    """A note when other processes keep the CPUs the bench's ``threads`` intra-op threads
+    need busy (1-minute load average + ``threads`` > CPUs), else "".
+
+    Why: an OpenMP parallel region waits for all its threads; with one of them
+    descheduled by another process it waits a scheduler time slice (milliseconds), so a
+    decode step of a small model (about a millisecond) takes 5-20x longer at random,
+    eager and compiled alike, and no count of rounds makes their ratio steady. One thread
+    (``OMP_NUM_THREADS=1``) is steady there and loses little on a model this small.
+    ``cpus`` / ``load`` default to the CPUs this process may run on / ``os.getloadavg()[0]``.
+    """
+    import os
+
+    if cpus is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform
+            return ""
+    if threads <= 1 or load + threads <= cpus + 0.5:
+        return ""
+    return (
+        f"the machine is busy (load average {load:.1f} on {cpus} CPUs, torch uses {threads} threads): "
+        "CPU timings stall at random; for steady ratios run with OMP_NUM_THREADS=1"
+    )
+
+
+def paired_ms(
+    eager_fn: Callable[[], Any],
+    graph_fn: Callable[[], Any],
+    *,
+    iters: int,
+    warmup: int,
+    sync: Callable[[], None],
+    rounds: int = DEFAULT_PAIRED_ROUNDS,
+) -> Dict[str, Any]:
+    """Eager and graph timed interleaved in one run: ``rounds`` rounds, each one timed block
+    of ``iters`` calls of each (eager first in even rounds, graph first in odd ones, so a
+    drift of the machine within a round cancels), after ``warmup`` untimed calls of each.
+
+    Returns ``{"eager_ms", "graph_ms", "speedup", "speedup_lo", "speedup_hi",
+    "eager_samples_ms", "graph_samples_ms"}``: the times are the median block means in ms;
+    ``speedup`` is the median of the per-round ratios eager / graph (a stall of a shared
+    machine spoils one round, not the ratio), ``speedup_lo`` / ``speedup_hi`` their min and
+    max (the spread); samples are the per-round block means in ms, in round order.
+    ``benchmarks/bench_summary.py`` pairs run.py's rounds the same way.
+
+    Raises:
+        ValueError: ``rounds`` or ``iters`` below 1.
+    """
+    if rounds < 1 or iters < 1:
+        raise ValueError(f"paired timing needs rounds >= 1 and iters >= 1, got rounds={rounds}, iters={iters}")
+    for _ in range(warmup):
+        eager_fn()
+        graph_fn()
+    eager_s: List[float] = []
+    graph_s: List[float] = []
+    for r in range(rounds):
+        order = ((eager_fn, eager_s), (graph_fn, graph_s))
+        for fn, out in order if r % 2 == 0 else order[::-1]:
+            out.extend(block_means_s(fn, iters=iters, warmup=0, sync=sync, repeats=1))
+    ratios = [e / g for e, g in zip(eager_s, graph_s) if g > 0]
+    return {
+        "eager_ms": statistics.median(eager_s) * 1000.0,
+        "graph_ms": statistics.median(graph_s) * 1000.0,
+        "speedup": statistics.median(ratios) if ratios else None,
+        "speedup_lo": min(ratios) if ratios else None,
+        "speedup_hi": max(ratios) if ratios else None,
+        "eager_samples_ms": [s * 1000.0 for s in eager_s],
+        "graph_samples_ms": [s * 1000.0 for s in graph_s],
+    }
+
+
 def replay_prepare_us(runner: Any, batch: ForwardBatch, *, sync: Callable[[], None], iters: int = 200) -> float:
     """Host time of one ``runner.replay_prepare(batch)`` in µs: the median of ``iters``
     single calls (the copies it enqueues are not waited for; one synchronize after)."""
@@ -85,6 +166,7 @@ def bench_decode(
     iters: int,
     warmup: int,
     seed: int = 0,
+    rounds: int = DEFAULT_PAIRED_ROUNDS,
 ) -> List[Dict[str, Any]]:
     """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff,
     within_tolerance}``, plus ``replay_prepare_us`` (host µs of ``replay_prepare``, median)
@@ -114,9 +196,19 @@ def bench_decode(
             timing = GreedySession(model, cache)
             timing.prefill(prompts)
             batch = make_decode_batch(cache, timing.rows, None, [t[-1] for t in timing.tokens])
-            row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync)
-            if runner is not None:
-                row["graph_ms"] = time_ms(lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync)
+            if runner is None:
+                row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync, repeats=rounds)
+            else:
+                row.update(
+                    paired_ms(
+                        lambda: eager(batch),
+                        lambda: runner.forward(batch),
+                        iters=iters,
+                        warmup=warmup,
+                        sync=sync,
+                        rounds=rounds,
+                    )
+                )
                 row["replayed"] = runner.can_run(batch)
                 if row["replayed"]:
                     row["replay_prepare_us"] = replay_prepare_us(runner, batch, sync=sync)
@@ -129,7 +221,7 @@ def bench_decode(
                 row["tokens_match"] = got.tokens == ref_tokens
                 got.close()
                 row.update(_teacher_forced_check(model, cache, runner, eager, prompts, steps))
-        row["speedup"] = row["eager_ms"] / row["graph_ms"] if row.get("graph_ms") else None
+        row.setdefault("speedup", None)
         rows.append(row)
     return rows
 
@@ -188,6 +280,7 @@ def bench_prefill(
     iters: int,
     warmup: int,
     seed: int = 0,
+    rounds: int = DEFAULT_PAIRED_ROUNDS,
 ) -> List[Dict[str, Any]]:
     """Rows ``{num_tokens, requests, eager_ms, graph_ms, speedup, replayed, max_abs_diff,
     within_tolerance, argmax_match}`` (``within_tolerance``: against the backend's tolerance,
@@ -209,17 +302,29 @@ def bench_prefill(
             row: Dict[str, Any] = {"num_tokens": total, "requests": n_req}
             with torch.no_grad():
                 ref = eager(batch).clone()
-                row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync)
-                if runner is not None:
+                if runner is None:
+                    row["eager_ms"] = time_ms(
+                        lambda: eager(batch), iters=iters, warmup=warmup, sync=sync, repeats=rounds
+                    )
+                else:
                     got = runner.forward(batch).clone()
                     row["replayed"] = runner.can_run(batch)
                     atol, rtol = backend_tolerance(model, runner)
                     row["max_abs_diff"] = float((got - ref).abs().max())
                     row["within_tolerance"] = bool(torch.allclose(got, ref, atol=atol, rtol=rtol))
                     row["argmax_match"] = bool((got.argmax(-1) == ref.argmax(-1)).all())
-                    row["graph_ms"] = time_ms(lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync)
+                    row.update(
+                        paired_ms(
+                            lambda: eager(batch),
+                            lambda: runner.forward(batch),
+                            iters=iters,
+                            warmup=warmup,
+                            sync=sync,
+                            rounds=rounds,
+                        )
+                    )
             for r in reqs:
                 cache.free_request(r)
-            row["speedup"] = row["eager_ms"] / row["graph_ms"] if row.get("graph_ms") else None
+            row.setdefault("speedup", None)
             rows.append(row)
     return rows

@@ -255,10 +255,15 @@ def from_bench_rows(old: Mapping[str, Any]) -> Dict[str, Any]:
     eager_ms, graph_ms, speedup, ...}`` (the layout of :data:`LEGACY_BENCH`). The bench
     writes with it; :func:`upgrade` reads its older files with it. A row of backend
     ``disabled`` (eager only) becomes an ``eager`` timing; any other row a timing of its
-    backend whose ``eager_ms`` is the eager time measured next to it."""
+    backend whose ``eager_ms`` is the eager time measured next to it; a row timed in
+    interleaved rounds (``speedup_lo``/``speedup_hi``, ``graph_samples_ms``:
+    ``bench_measure.paired_ms``) also gives its samples and a ratio record of the backend
+    over ``eager`` for decode (``median`` = 1 / speedup, ``lo``/``hi`` from the per-round
+    speedups)."""
     env = dict(old.get("env") or {})
     model = str(env.get("model", "?"))
     timings = []
+    ratios = []
     for phase in PHASES:
         for row in old.get(phase) or []:
             rec: Dict[str, Any] = {"model": model, "phase": phase}
@@ -280,6 +285,23 @@ def from_bench_rows(old: Mapping[str, Any]) -> Dict[str, Any]:
                 "replay_prepare_us",
             ):
                 rec[key] = row.get(key)
+            samples = row.get("graph_samples_ms")
+            if samples:
+                rec.update(samples_ms=list(samples), min_ms=min(samples), max_ms=max(samples))
+            # decode only: a ratio record has no field for a prefill row's request count
+            if phase == "decode" and row.get("speedup") and row.get("speedup_lo") and row.get("speedup_hi"):
+                ratios.append(
+                    {
+                        "model": model,
+                        "phase": phase,
+                        "method": row["backend"],
+                        "reference": "eager",
+                        size: row.get(size),
+                        "median": 1.0 / row["speedup"],
+                        "lo": 1.0 / row["speedup_hi"],
+                        "hi": 1.0 / row["speedup_lo"],
+                    }
+                )
             timings.append(rec)
     runners = []
     for r in old.get("runners") or []:
@@ -298,7 +320,8 @@ def from_bench_rows(old: Mapping[str, Any]) -> Dict[str, Any]:
             }
         )
     extra = {"generations": old["generations"]} if old.get("generations") else None
-    return document("bench", env, timings=timings, runners=runners, notes=old.get("notes") or [], extra=extra)
+    notes = old.get("notes") or []
+    return document("bench", env, timings=timings, ratios=ratios, runners=runners, notes=notes, extra=extra)
 
 
 #: run.py's capture keys; a prefill runner is ``"NAME (prefill)"`` there.

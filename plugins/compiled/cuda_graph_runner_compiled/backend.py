@@ -24,13 +24,32 @@ How it runs:
     ``model.forward`` (only for the duration of the call: the runner's eager fallback, and
     any other backend on the model, see the forward as written), with Dynamo's guard
     checks skipped (one entry per bucket, always called on the same static buffers: a
-    third of the host time of a ``tiny`` decode step). The output is fresh tensors per
-    call, which the contract allows.
+    third of the host time of a ``tiny`` decode step) and with dispatch below the
+    autograd and ADInplaceOrView keys (:func:`_below_autograd`). The output is fresh
+    tensors per call, which the contract allows.
 
 Compile time is bounded: once this backend has compiled for ``compile_budget_s`` seconds
 the sizes still to capture are left uncompiled (a warning names them); the runner runs
 them eagerly (``can_run`` is False), or pads them to a compiled bucket when the caller
 captures only the compiled sizes.
+
+What pays on the CPU (``tiny`` preset, float32, batch 1, one thread, 2-core machine;
+eager / compiled per step, the median of 9 interleaved rounds,
+:func:`cuda_graph_runner.bench_measure.paired_ms`):
+
+* ``cpp_wrapper`` (kept, :data:`DEFAULT_INDUCTOR_OPTIONS`): the compiled graph's host
+  code in C++ (numbers there).
+* dispatch below autograd in ``replay`` (kept): 0.86 -> 0.66 ms per step, 1.6x -> 2.0x
+  over eager; see :func:`_below_autograd`. ``torch.inference_mode()`` instead saves less
+  (0.80 ms) and makes the outputs inference tensors a caller cannot write into.
+* ``freezing`` (sglang's CPU runner sets it; not kept): weights folded as constants and
+  prepacked; 1.58x / 1.56x against 1.63x / 1.54x without, in the same session, while the
+  compile took up to 3x longer: a small model's linears gain nothing from prepacking.
+* ``dynamic=False`` per bucket (kept): one static specialization per size, what
+  sglang's CPU runner compiles too; a dynamic compile would pay symbolic-shape guards.
+* Threads: with more intra-op threads than the CPUs other processes leave free, every
+  OpenMP region waits for a descheduled thread (5-20x per step, eager alike);
+  ``OMP_NUM_THREADS=1`` suits a small model on a shared CPU (the bench notes it).
 
 Compilers (``compiler=``): ``"inductor"`` (the default and the point: fused C++ kernels,
 needs a C++ toolchain, see :mod:`.toolchain`), ``"aot_eager"`` and ``"eager"`` (cheap,
@@ -191,7 +210,7 @@ class CompiledBackend(BaseCudaGraphBackend):
         if compiled is None:
             raise KeyError(f"no compiled forward for {key}; compiled: {sorted(self._compiled)}")
         assert self._graph_forward is not None
-        with forward_replaced(self._model, compiled), _SKIP_GUARDS():
+        with forward_replaced(self._model, compiled), _SKIP_GUARDS(), _below_autograd():
             return self._graph_forward(static_batch)
 
     def cleanup(self) -> None:
@@ -219,3 +238,16 @@ def _SKIP_GUARDS() -> ContextManager[Any]:
     # The caller's stance (a test's "fail_on_recompile") is kept.
     stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
     return torch.compiler.set_stance(stance, skip_guard_eval_unsafe=True)
+
+
+def _below_autograd() -> ContextManager[Any]:
+    # The runner replays under no_grad, yet every op the compiled code calls back into
+    # (the opaque custom ops: attention, and its own ops run eagerly) still passes the
+    # Autograd and ADInplaceOrView dispatch keys; for a torch.library custom op those
+    # are two Python layers per call (torch/_library/autograd.py, custom_ops.py). Below
+    # them (PyTorch's AutoDispatchBelowADInplaceOrView, what InferenceMode does, without
+    # making the outputs inference tensors, so callers may still write into them) a
+    # ``tiny`` decode step at batch 1 costs ~25% less host time. Nothing is recorded
+    # for autograd here anyway (no_grad); in-place writes (the KV cache) run as before,
+    # only their version counters are not bumped, which only autograd reads.
+    return torch._C._AutoDispatchBelowADInplaceOrView()

@@ -117,6 +117,45 @@ def test_eager_forward_is_the_model_own_outside_calls(captured):
     assert model.forward.__func__ is type(model).forward
 
 
+class DispatchRecordingCompiler:
+    """A Dynamo backend whose compiled graphs record, per call, whether the autograd and
+    ADInplaceOrView dispatch keys are excluded (what the opaque custom ops then skip)."""
+
+    def __init__(self) -> None:
+        self.below: List[bool] = []
+
+    def __call__(self, gm, example_inputs):
+        def run(*args):
+            keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+            self.below.append(all(torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys))
+            return gm.forward(*args)
+
+        return run
+
+
+def test_replay_dispatches_below_autograd_and_its_output_is_an_ordinary_tensor():
+    model = small_model(layers=1)
+    compiler = DispatchRecordingCompiler()
+    runner = runner_for(model, [2], compiler=compiler)
+    with torch.no_grad():
+        runner.capture()
+    compiler.below.clear()
+    prompts = make_dummy_prompts(2, [4, 7], model.config.vocab_size, seed=5)
+    with torch.no_grad():
+        expected = greedy_generate(model, model.kv_cache, prompts, 4)  # KV writes of the replays land
+        got = greedy_generate(model, model.kv_cache, prompts, 4, decode_fn=lambda b: runner.forward(b).clone())
+        session, batch = decode_step(model, 2, seed=6)
+        out = runner.forward(batch)
+    session.close()
+    assert got == expected
+    assert compiler.below and all(compiler.below), compiler.below
+    # Only for the replay: the caller's dispatch state is its own again.
+    assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView)
+    # Not an inference tensor (InferenceMode's would refuse this in-place write outside it).
+    assert not out.is_inference() and not out.requires_grad
+    out.mul_(0.5)
+
+
 def test_compile_budget_leaves_the_rest_eager(caplog):
     model = small_model(layers=1)
     runner = runner_for(model, [1, 2], compile_budget_s=0)
