@@ -334,8 +334,9 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     if on_cpu:
         from .bench_measure import cpu_contention_note
 
-        env["threads"] = torch.get_num_threads()
-        busy = cpu_contention_note(env["threads"], load=cpu_load)
+        threads = torch.get_num_threads()
+        env["threads"] = threads
+        busy = cpu_contention_note(threads, load=cpu_load)
         if busy:
             say(f"note: {busy}")
             results["notes"].append(busy)
