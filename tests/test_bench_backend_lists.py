@@ -41,17 +41,46 @@ def test_an_unknown_name_is_reported_before_a_known_name_that_cannot_run():
     assert "'nope'" in str(exc.value) and "installed:" in str(exc.value)
 
 
-def test_compile_sizes_go_to_the_compiled_label_only():
-    from cuda_graph_runner.bench_backends import label_fields
-    from cuda_graph_runner.config import CudaGraphConfig
+READERS = {"tc_compiler": ["full", "tc_piecewise"], "compile_sizes": ["full"]}
 
-    config = CudaGraphConfig.from_dict({"decode": {"compile_sizes": [1, 32]}}).decode
-    # full,full:inductor: the eager label drops them, the compiled one keeps the config's.
-    assert label_fields(config, "full", None, 64, True) == {"backend": "full", "max_bs": 64, "compile_sizes": None}
-    assert label_fields(config, "full", "inductor", 64, True) == {
-        "backend": "full",
-        "max_bs": 64,
-        "tc_compiler": "inductor",
-    }
-    # A lone eager label keeps them, so its backend names the mistake.
-    assert "compile_sizes" not in label_fields(config, "full", None, 64, False)
+
+@pytest.mark.parametrize(
+    "backend, compiler, takes",
+    [("full", "inductor", True), ("full", "eager", False), ("full", None, False), ("tc_piecewise", "inductor", False)],
+)
+def test_only_a_compiling_label_of_a_reading_backend_takes_compile_sizes(backend, compiler, takes):
+    from cuda_graph_runner.bench_backends import takes_compile_sizes
+
+    assert takes_compile_sizes(backend, compiler, READERS) is takes
+
+
+def _flag_config():
+    from cuda_graph_runner.config import CudaGraphConfig, add_cuda_graph_args
+
+    parser = argparse.ArgumentParser()
+    add_cuda_graph_args(parser)
+    return CudaGraphConfig.from_args(parser.parse_args(["--cuda-graph-compile-sizes-decode", "1,32"]))
+
+
+@pytest.mark.parametrize("backend, compiler", [("full", None), ("full", "eager"), ("breakable", None), ("tc_piecewise", "inductor")])
+def test_compile_sizes_are_dropped_for_the_other_labels_as_if_never_set(backend, compiler):
+    """``full,full:inductor`` or ``breakable,full:inductor`` with compile sizes: the label
+    that does not use them runs without them, value and source (the backend options check
+    would otherwise name a value the user never gave that label)."""
+    from cuda_graph_runner.backend_options import _set_options
+    from cuda_graph_runner.bench_backends import label_config
+
+    out = label_config(_flag_config(), "decode", backend, compiler, 64, READERS, True)
+    assert out.decode.compile_sizes is None and ("decode", "compile_sizes") not in out.sources
+    assert "compile_sizes" not in [key for key, _, _ in _set_options(out, "decode")]
+
+
+def test_the_compiling_label_keeps_them_and_a_lone_eager_label_keeps_them_to_be_refused():
+    from cuda_graph_runner.bench_backends import label_config
+
+    config = _flag_config()
+    kept = label_config(config, "decode", "full", "inductor", 64, READERS, True)
+    assert kept.decode.compile_sizes == [1, 32] and kept.decode.tc_compiler == "inductor"
+    assert kept.sources[("decode", "compile_sizes")] == "flag:--cuda-graph-compile-sizes-decode"
+    lone = label_config(config, "decode", "full", None, 64, READERS, False)
+    assert lone.decode.compile_sizes == [1, 32]

@@ -4,10 +4,11 @@ device checked, explicit names checked before any work, each backend resolved on
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from .backend_options import option_readers
 from .config import CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError, UnknownBackendError
 
@@ -108,17 +109,47 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> s
     return f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
 
 
-def label_fields(
-    phase_config: Any, backend: str, compiler: Optional[str], max_bs: Optional[int], selection_compiles: bool
-) -> Dict[str, Any]:
-    """The config fields one bench label sets for its phase: backend, ``max_bs`` and the
-    label's ``tc_compiler``. ``compile_sizes`` belong to the compiled labels: a label that
-    compiles nothing, next to one that does (``full,full:inductor``), drops them (its
-    backend would refuse them: nothing to compile)."""
+def takes_compile_sizes(backend: str, compiler: Optional[str], readers: Mapping[str, List[str]]) -> bool:
+    """Whether a bench label uses ``compile_sizes``: it compiles (``compiler`` set, not
+    ``eager``) and its backend reads the option (``readers``:
+    :func:`cuda_graph_runner.backend_options.option_readers`). ``cuda-graph-runner bench``
+    and ``benchmarks/run.py`` give the sizes to such labels only."""
+    return compiler not in (None, "eager") and backend in readers.get("compile_sizes", [])
+
+
+def label_config(
+    config: CudaGraphConfig,
+    phase: str,
+    backend: str,
+    compiler: Optional[str],
+    max_bs: Optional[int],
+    readers: Mapping[str, List[str]],
+    selection_takes: bool,
+) -> CudaGraphConfig:
+    """The config one bench label runs with: ``config`` with the phase's backend,
+    ``max_bs`` and the label's ``tc_compiler`` (None: the config's).
+
+    ``compile_sizes`` belong to the labels that use them (:func:`takes_compile_sizes`):
+    when ``selection_takes`` (some label of the selection uses them), the others run
+    without them, as if never set (value and source dropped), so ``full,full:inductor``
+    or ``breakable,full:inductor`` with compile sizes run. When no label uses them they
+    stay, and the backend options check names the mistake.
+
+    Raises:
+        CudaGraphConfigError: an invalid field.
+    """
     fields: Dict[str, Any] = {"backend": backend, "max_bs": max_bs, **({"tc_compiler": compiler} if compiler else {})}
-    if phase_config.compile_sizes and (compiler or phase_config.tc_compiler) == "eager" and selection_compiles:
+    drop = (
+        bool(config[phase].compile_sizes)
+        and selection_takes
+        and not takes_compile_sizes(backend, compiler or config[phase].tc_compiler, readers)
+    )
+    if drop:
         fields["compile_sizes"] = None
-    return fields
+    out = config.with_phase(phase, **fields)
+    if drop:
+        out.sources.pop((phase, "compile_sizes"), None)
+    return out
 
 
 def plan_phase(
@@ -145,6 +176,11 @@ def plan_phase(
     choices = []
     cannot_run: Optional[BenchRequestError] = None
     parsed = parse_backends(selection, phase_config.backend)
+    readers = option_readers(reg)
+    selection_takes = any(
+        takes_compile_sizes(name or reg.default_backend(phase, device.type), c or phase_config.tc_compiler, readers)
+        for name, c in parsed
+    )
     for name, compiler in parsed:
         explicit = name is not None
         where = f"--{phase}-backends" if selection else "the config"
@@ -152,14 +188,13 @@ def plan_phase(
         if name is None and chosen == "disabled":
             chosen = bench_choice(reg, phase, device) or chosen
         label = chosen + (f":{compiler}" if compiler else "")
-        fields = label_fields(phase_config, chosen, compiler, max_bs, any(c for _, c in parsed))
         if chosen == "disabled":
             choices.append(
                 BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
             )
             continue
         try:
-            phase_cfg = config.with_phase(phase, **fields)
+            phase_cfg = label_config(config, phase, chosen, compiler, max_bs, readers, selection_takes)
             backend = reg.resolve(phase, phase_cfg, device=str(device))
         except (UnknownBackendError, CudaGraphConfigError) as exc:
             if explicit:

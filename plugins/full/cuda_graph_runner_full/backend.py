@@ -93,10 +93,12 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         return self.compiled_forward.active(key.size if key is not None else None)
 
     def verify_reference(self, eager_fn: Callable[[], Any], key: ShapeKey, static_batch: ForwardBatch) -> Any:
-        """Compiled full: the compiled forward run without the graph (same kernels). The
-        live batch is a plain ``ForwardBatch`` where capture saw the runner's static
-        batches, so the first verified replay costs Dynamo one more graph (verify mode only)."""
-        with self._compiled_active(key):
+        """Compiled full: the compiled forward run without the graph, on the live
+        (unpadded) batch. Always the dynamic-shape graph: a static size's graph would
+        recompile for every live size padded to it. The live batch is a plain
+        ``ForwardBatch`` where capture saw the runner's static batches, so the first
+        verified replay costs Dynamo one more graph (verify mode only)."""
+        with self._compiled_active():
             return eager_fn()
 
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:

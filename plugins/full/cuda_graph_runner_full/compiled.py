@@ -81,8 +81,9 @@ class CompiledForward:
 
     Attributes:
         compile_seconds: duration of the last compile pass (None before one).
-        dynamo_graphs: graphs Dynamo handed the compiler so far: 1 for the dynamic sizes
-            >= 2, 1 for size 1 when captured, 1 per static size; more means a recompile.
+        dynamo_graphs: graphs Dynamo handed the compiler so far: per graph variant, 1 for
+            the dynamic sizes >= 2, 1 for size 1 when captured, 1 per static size; more
+            means a recompile.
 
     Raises:
         ValueError: ``compiler`` does not compile; a static size is not a positive int.
@@ -167,7 +168,7 @@ class CompiledForward:
         if self._model is None or self._compiled is None:
             yield
             return
-        with forward_replaced(self._model, self._static.get(size, self._compiled) if size else self._compiled):
+        with forward_replaced(self._model, self._static.get(size, self._compiled)):
             yield
 
     def check_sizes(self, plan: Any) -> None:
