@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 
 from cuda_graph_runner import progress
-from cuda_graph_runner.compile_cache import compile_cache_scope, compile_key
+from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.model_forward import entry_function, forward_replaced
 
@@ -140,13 +140,9 @@ class CompiledForward:
             failed lowering), unchanged.
         """
         start = time.perf_counter()
+        self.bind(plan.model)
         keys = list(plan.keys)
-        with contextlib.ExitStack() as scope:
-            if not callable(self.compiler):  # bind (torch.compile) inside: it loads Dynamo's cached code
-                options = sorted(self.inductor_options.items())
-                scope.enter_context(compile_cache_scope(compile_key(plan.model, "full", self.tag, options)))
-            self.bind(plan.model)
-            scope.enter_context(self.active())
+        with compile_cache_scope() if not callable(self.compiler) else contextlib.nullcontext(), self.active():
             for key in progress.bar(
                 keys,
                 desc=f"compile {plan.phase} (full, inductor)",
