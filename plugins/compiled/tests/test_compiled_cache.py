@@ -122,3 +122,38 @@ def test_another_config_dtype_phase_or_option_gets_another_key():
     other_size._model = base
     assert key != other_size._cache_key(ShapeKey(4))
     assert CompiledBackend("cpu", phase="decode", compiler="aot_eager")._cache_key(ShapeKey(2)) is None
+
+
+def _small(x):
+    return torch.sin(x) * 2 + 1
+
+
+@pytest.mark.skipif(toolchain.probe("cpu") is not None, reason=f"inductor cannot build here: {toolchain.probe('cpu')}")
+def test_a_guard_miss_after_a_load_traces_again_instead_of_failing(tmp_path, monkeypatch):
+    """A loaded package brings the global names its process gave its code (a counter from
+    0); a trace in the loading process after a guard miss (another input shape) must not
+    pick one of them. A fresh process is simulated by restarting torch's counter."""
+    import itertools
+
+    import torch._dynamo.bytecode_transformation as bytecode_transformation
+
+    from cuda_graph_runner.compile_cache import compile_cache_scope
+
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
+    options = {"cpp_wrapper": False}
+    results = []
+    for shapes in ([4], [4, 6]):  # the cold start, then a warm one that also meets a new shape
+        torch._dynamo.reset()
+        monkeypatch.setattr(bytecode_transformation, "_unique_id_counter", itertools.count())
+        before = cache_counters()
+        with compile_cache_scope("guard-miss-test"):
+            compiled = torch.compile(_small, backend="inductor", dynamic=False, fullgraph=True, options=options)
+            for n in shapes:
+                x = torch.arange(n, dtype=torch.float32)
+                torch.testing.assert_close(compiled(x), _small(x))
+        results.append({k: v - before[k] for k, v in cache_counters().items()})
+    torch._dynamo.reset()
+    cold, warm = results
+    assert cold["dynamo_miss"] == 1 and warm["dynamo_hit"] == 1, results
+    assert warm["fx_miss"] == 1, results  # only the new shape generated code
