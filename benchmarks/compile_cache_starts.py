@@ -91,6 +91,7 @@ def main(argv: List[str] | None = None) -> int:
             env = dict(os.environ, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
             # torch's own default folder must not serve as a second, unscoped cache
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "torch-default")
+            env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")  # each pair's cold start is cold
             seconds = []
             for which in ("cold", "warm"):
                 proc = subprocess.run(me, env=env, capture_output=True, text=True)
