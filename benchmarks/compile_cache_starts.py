@@ -55,6 +55,21 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     runner = DecodeCudaGraphRunner(model, {"decode": decode}, device=args.device, backend=backend, show_progress=False)
     with torch.no_grad():
         runner.capture()
+    step_ms = None
+    if args.replays:
+        # A warm start must replay as fast as a cold one (loaded code, same guards).
+        from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
+
+        with torch.no_grad():
+            session = GreedySession(model, model.kv_cache)
+            session.prefill(make_dummy_prompts(1, [5], model.config.vocab_size, seed=1))
+            batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
+            runner.forward(batch)
+            start = time.perf_counter()
+            for _ in range(args.replays):
+                runner.forward(batch)
+            step_ms = (time.perf_counter() - start) * 1e3 / args.replays
+            session.close()
     from torch._dynamo.utils import compile_times, counters, guard_failures
 
     misses = [f"{code.co_name}: {reasons}" for code, reasons in guard_failures.items()]
@@ -66,6 +81,7 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
         "process_s": time.perf_counter() - wall,
         "dynamo_frames": int(counters["stats"]["unique_graphs"]),
         "guard_misses": misses,
+        "replay_ms_bs1": step_ms,
         **cache_counters(),
         "compile_times": compile_times(repr="str", aggregate=True),
     }
@@ -79,6 +95,7 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--replays", type=int, default=0, help="also time this many batch-1 steps after capture")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -86,6 +103,7 @@ def main(argv: List[str] | None = None) -> int:
         return 0
     me = [sys.executable, os.path.abspath(__file__), "--child", "--backend", args.backend, "--model", args.model]
     me += ["--device", args.device, "--dtype", args.dtype, "--sizes", *map(str, args.sizes)]
+    me += ["--replays", str(args.replays)]
     for pair in range(args.pairs):
         with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
             env = dict(os.environ, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
