@@ -84,13 +84,15 @@ class CompiledBackend(BaseCudaGraphBackend):
             ``"inductor"``; None means :data:`DEFAULT_INDUCTOR_OPTIONS`.
         cache: compile inside :func:`cuda_graph_runner.compile_cache.compile_cache_scope`
             (inductor's and AOTAutograd's caches under this project's cache root, so a
-            second process compiles from them); False leaves torch's settings alone.
+            second process compiles from them; with inductor, Dynamo's traced code too,
+            keyed by model, phase, size and options); False leaves torch's settings alone.
 
     Raises:
         ValueError: unknown ``compiler``, or a negative ``compile_budget_s``.
 
     Attributes:
-        compile_seconds: seconds spent in the first (compiling) call of every size so far.
+        compile_seconds: seconds spent compiling every size so far (torch.compile, which
+            may load cached code, and the first call).
         skipped_keys: keys left uncompiled because the budget was spent.
     """
 
@@ -152,7 +154,8 @@ class CompiledBackend(BaseCudaGraphBackend):
         # not serializable (and cost little to redo).
         if self.compiler != "inductor":
             return None
-        return compile_key(self._model, "compiled", self.phase, key.size, key.variant, sorted(self.inductor_options.items()))
+        options = sorted(self.inductor_options.items())
+        return compile_key(self._model, "compiled", self.phase, key.size, key.variant, options)
 
     # -- the contract -----------------------------------------------------------------
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
