@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 
 from cuda_graph_runner import progress
-from cuda_graph_runner.compile_cache import compile_cache_scope
+from cuda_graph_runner.compile_cache import cache_counters, compile_cache_scope, compile_key
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.model_forward import entry_function, forward_replaced
 
@@ -68,7 +68,8 @@ class CompiledForward:
     Attributes:
         compile_seconds: duration of the last compile pass (None before one).
         dynamo_graphs: graphs Dynamo handed the compiler so far (1, plus 1 when size 1
-            is captured; more means a recompile).
+            is captured; more means a recompile; 0 when the compile cache had Dynamo's
+            code, :mod:`cuda_graph_runner.compile_cache_dynamo`).
     """
 
     def __init__(self, compiler: Any = "inductor", *, tag: str = "", inductor_options: Optional[dict] = None) -> None:
@@ -140,9 +141,15 @@ class CompiledForward:
             failed lowering), unchanged.
         """
         start = time.perf_counter()
-        self.bind(plan.model)
         keys = list(plan.keys)
-        with compile_cache_scope() if not callable(self.compiler) else contextlib.nullcontext(), self.active():
+        with contextlib.ExitStack() as scope:
+            if not callable(self.compiler):  # bind (torch.compile) inside: it loads Dynamo's cached code
+                options = sorted(self.inductor_options.items())
+                scope.enter_context(compile_cache_scope(compile_key(plan.model, "full", self.tag, options)))
+            hits = cache_counters()["dynamo_hit"]
+            self.bind(plan.model)
+            loaded = cache_counters()["dynamo_hit"] > hits
+            scope.enter_context(self.active())
             for key in progress.bar(
                 keys,
                 desc=f"compile {plan.phase} (full, inductor)",
@@ -150,7 +157,8 @@ class CompiledForward:
                 show=getattr(plan, "show_progress", None),
             ):
                 batch = plan.static_batch(key)  # init_forward_metadata_capture already called
-                mark_dynamic_tokens(batch)
+                if not loaded:  # loaded code's guards take the batch unmarked (torch 2.13 saves no marks)
+                    mark_dynamic_tokens(batch)
                 with forward_context(batch):
                     plan.forward(batch)
         self.compile_seconds = time.perf_counter() - start
