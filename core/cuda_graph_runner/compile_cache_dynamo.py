@@ -20,6 +20,12 @@ device), and every key gets a folder of its own, so a package is only ever loade
 the model and options it was traced for. Torch's version is in the folder above
 (:func:`cuda_graph_runner.compile_cache.compile_cache_dir`).
 
+A loaded package's guards were saved without the dim marks of ``mark_dynamic`` (torch
+2.13: "present on runtime tensor but absent at compile time"), so a caller that marks
+its inputs dynamic before the first call must not mark them once the package loaded
+(compiled ``full`` checks :func:`counters`' ``dynamo_hit`` around ``torch.compile``);
+unmarked inputs pass the guard in either case.
+
 Torch without these internals (an older or newer release that moved them): the scope
 logs once that Dynamo traces every start and the inductor caches still apply.
 """
