@@ -14,6 +14,9 @@
 #                 --inject-sleep-ms METHOD=MS, compared with run 1: the compare must flag it
 #                 (exit 1 if it does not)
 #   BENCH_COLD_CACHE=1  (with BENCH_RUNS) each run gets an empty inductor cache, as on a fresh machine
+#   COMPILE_CACHE_STARTS=N  also N pairs of cold and warm starts (fresh processes, an empty cache
+#                 per pair) of full:inductor and tc_piecewise:inductor on `tiny`
+#                 (benchmarks/compile_cache_starts.py) into $OUT/compile-cache-starts.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -75,6 +78,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   plot=(); $PY -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
   # shellcheck disable=SC2086
   cuda-graph-runner -v bench --json "$OUT/bench.json" "${plot[@]}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" || status=1
+fi
+if [ "${COMPILE_CACHE_STARTS:-0}" -gt 0 ]; then
+  for b in full:inductor tc_piecewise:inductor; do
+    $PY benchmarks/compile_cache_starts.py --backend "$b" --device cuda --dtype bfloat16 \
+      --sizes 1 2 4 8 12 16 --pairs "$COMPILE_CACHE_STARTS" 2>&1 | tee -a "$OUT/compile-cache-starts.txt" || status=1
+  done
 fi
 if [ "${RUN_BENCHMARKS:-0}" = 1 ] && [ -f benchmarks/run.py ]; then
   $PY benchmarks/run.py --out "$OUT" 2>&1 | tee "$OUT/benchmarks.log" || status=1

@@ -62,7 +62,9 @@ def _flag_config():
     return CudaGraphConfig.from_args(parser.parse_args(["--cuda-graph-compile-sizes-decode", "1,32"]))
 
 
-@pytest.mark.parametrize("backend, compiler", [("full", None), ("full", "eager"), ("breakable", None), ("tc_piecewise", "inductor")])
+@pytest.mark.parametrize(
+    "backend, compiler", [("full", None), ("full", "eager"), ("breakable", None), ("tc_piecewise", "inductor")]
+)
 def test_compile_sizes_are_dropped_for_the_other_labels_as_if_never_set(backend, compiler):
     """``full,full:inductor`` or ``breakable,full:inductor`` with compile sizes: the label
     that does not use them runs without them, value and source (the backend options check

@@ -1,7 +1,8 @@
 """The compile cache scope (cuda_graph_runner.compile_cache): where it puts torch.compile's
-caches, that it is scoped, and the switch. The hit counts of a second start are measured
-with real compiles in plugins/compiled/tests/test_compiled.py (inductor on the CPU) and
-plugins/full/tests/test_full_compiled_gpu.py."""
+caches, that it is scoped, and the switches; the key of Dynamo's cached code. The hit
+counts of a second start are measured with real compiles in
+plugins/compiled/tests/test_compiled.py and test_compiled_cache.py (inductor on the CPU,
+a fresh process) and plugins/full/tests/test_full_compiled_gpu.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.compile_cache import cache_counters, compile_cache_dir, compile_cache_scope
+from cuda_graph_runner import compile_cache_dynamo, envs
+from cuda_graph_runner.compile_cache import cache_counters, compile_cache_dir, compile_cache_scope, compile_key
 
 
 def test_cache_root_from_the_variable_else_xdg_else_home(tmp_path):
@@ -59,7 +60,15 @@ def test_an_unwritable_root_names_the_folder_and_the_fixes(tmp_path, monkeypatch
 
 
 def test_counters_are_integers():
-    assert set(cache_counters()) == {"fx_hit", "fx_miss", "aot_hit", "aot_miss"}
+    assert set(cache_counters()) == {
+        "fx_hit",
+        "fx_miss",
+        "aot_hit",
+        "aot_miss",
+        "dynamo_hit",
+        "dynamo_miss",
+        "dynamo_error",
+    }
     assert all(isinstance(v, int) for v in cache_counters().values())
 
 
@@ -74,3 +83,68 @@ def test_ranks_of_a_tensor_parallel_group_get_a_folder_each(tmp_path, monkeypatc
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     assert compile_cache_dir() == os.path.join(alone, "rank_1")
+
+
+def _dynamo_state():
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.package import DynamoCache
+
+    return dynamo_config.caching_precompile, DynamoCache.path_prefix()
+
+
+def test_with_a_key_dynamo_code_goes_under_the_key_only_inside(tmp_path, monkeypatch):
+    assert compile_cache_dynamo.supported() is None  # this torch has the feature: the layer is tested
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
+    outside = _dynamo_state()
+    with compile_cache_scope("k1") as folder:
+        assert _dynamo_state() == (True, os.path.join(folder, "dynamo", "k1"))
+    assert _dynamo_state() == outside
+    unkeyed = (False, os.path.join(compile_cache_dir(), "dynamo"))  # torch's own place under the folder
+    with compile_cache_scope():  # no key: the inductor caches only
+        assert _dynamo_state() == unkeyed
+    monkeypatch.setenv(envs.COMPILE_CACHE_DYNAMO, "0")
+    with compile_cache_scope("k1"):
+        assert _dynamo_state() == unkeyed
+
+
+def test_a_failed_save_is_logged_and_the_block_goes_on(tmp_path, monkeypatch, caplog):
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    def broken():
+        raise OSError("disk full")
+
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", broken)
+    with caplog.at_level("WARNING", logger="cuda_graph_runner.compile_cache_dynamo"):
+        with compile_cache_scope("k2"):
+            pass
+    assert "Dynamo's package not saved" in caplog.text and "disk full" in caplog.text
+
+
+def test_a_torch_without_the_feature_falls_back_and_says_so(tmp_path, monkeypatch, caplog):
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    monkeypatch.delattr(dynamo_config, "caching_precompile", raising=False)
+    monkeypatch.setattr(compile_cache_dynamo, "_said", set())
+    assert "no caching_precompile" in compile_cache_dynamo.supported()
+    with caplog.at_level("INFO", logger="cuda_graph_runner.compile_cache_dynamo"):
+        with compile_cache_scope("k3") as folder:
+            assert folder == compile_cache_dir()
+    assert "Dynamo traces every start" in caplog.text
+
+
+def test_the_key_follows_model_config_dtype_and_options():
+    from cuda_graph_runner.testing.model import ModelConfig, ReferenceLlamaForCausalLM
+
+    config = ModelConfig(num_hidden_layers=1)
+    model = ReferenceLlamaForCausalLM.from_config(config)
+    key = compile_key(model, "opts", 1)
+    assert key == compile_key(ReferenceLlamaForCausalLM.from_config(config, seed=5), "opts", 1)
+    assert key != compile_key(model, "opts", 2)
+    assert key != compile_key(
+        ReferenceLlamaForCausalLM.from_config(ModelConfig(num_hidden_layers=1, hidden_size=32)), "opts", 1
+    )
+    assert key != compile_key(ReferenceLlamaForCausalLM.from_config(config, dtype=torch.bfloat16), "opts", 1)
+    assert key != compile_key(torch.nn.Linear(2, 2), "opts", 1)

@@ -4,15 +4,18 @@ A second start of the same model compiles from disk instead of from scratch: ind
 FX graph cache (the generated code of each graph, keyed by the graph, its inputs' shapes
 and the inductor config) and AOTAutograd's cache (the traced forward) are both stored
 under ``torch._inductor``'s cache folder (PyTorch "Compile Time Caching in torch.compile"
-recipe). Dynamo still traces every start; what the cache saves is lowering and code
-generation, most of a compile (inductor's C++ builds on the CPU, Triton on CUDA).
+recipe): lowering and code generation, most of a cold compile (inductor's C++ builds on
+the CPU, Triton on CUDA). Given a :func:`compile_key`, the scope keeps Dynamo's traced
+code as well (:mod:`.compile_cache_dynamo`), and a second start does not trace either.
 
 :func:`compile_cache_scope` points that folder at ``<cache root>/compile/torch-<version>``
 (:func:`cuda_graph_runner.envs.cache_root`) for the compile calls inside it, and turns both
-caches on; backends wrap their compile calls in it (``compiled``, ``tc_piecewise`` with
-``inductor``). Outside the scope torch's own folder and settings apply, so other
-torch.compile users in the process are untouched. ``CUDA_GRAPH_RUNNER_COMPILE_CACHE=0``
-makes the scope a no-op (torch's defaults then decide).
+caches on; backends wrap their compile calls in it (``compiled`` and compiled ``full``
+with a key; ``tc_piecewise`` with ``inductor`` without one: its Dynamo backend splits the
+graph and is not serializable). Outside the scope torch's own folder and settings apply,
+so other torch.compile users in the process are untouched.
+``CUDA_GRAPH_RUNNER_COMPILE_CACHE=0`` makes the scope a no-op (torch's defaults then
+decide); ``CUDA_GRAPH_RUNNER_COMPILE_CACHE_DYNAMO=0`` keeps the inductor caches only.
 
 :func:`cache_counters` reads torch's hit/miss counters, which tests compare across two
 compiles (a second start compiles from the cache: hits, no misses).
@@ -25,6 +28,10 @@ import os
 from typing import Dict, Iterator, Optional
 
 from . import envs
+from .compile_cache_dynamo import compile_key, dynamo_cache_scope
+from .compile_cache_dynamo import counters as _dynamo_counters
+
+__all__ = ["cache_counters", "compile_cache_dir", "compile_cache_scope", "compile_key"]
 
 
 def compile_cache_dir(environ: Optional[Dict[str, str]] = None, rank: Optional[int] = None) -> str:
@@ -51,10 +58,17 @@ def _process_group_rank() -> Optional[int]:
 
 
 @contextlib.contextmanager
-def compile_cache_scope() -> Iterator[Optional[str]]:
+def compile_cache_scope(key: Optional[str] = None) -> Iterator[Optional[str]]:
     """Within the block, torch.compile reads and writes its caches under
     :func:`compile_cache_dir` (yielded), with the FX graph and AOTAutograd caches on.
     Yields None and changes nothing when ``CUDA_GRAPH_RUNNER_COMPILE_CACHE`` is off.
+
+    Args:
+        key: :func:`compile_key` of the model and compile options: Dynamo's traced code
+            is kept too, under that key (:mod:`.compile_cache_dynamo`), unless
+            ``CUDA_GRAPH_RUNNER_COMPILE_CACHE_DYNAMO`` is off. Then ``torch.compile``
+            must be called inside the block, not only the compiled function. None: the
+            inductor caches only (Dynamo traces every start).
 
     Raises:
         cuda_graph_runner.envs.EnvVarError: a malformed ``CUDA_GRAPH_RUNNER_COMPILE_CACHE``.
@@ -81,15 +95,20 @@ def compile_cache_scope() -> Iterator[Optional[str]]:
         if hasattr(functorch_config, "enable_autograd_cache"):
             stack.enter_context(functorch_config.patch({"enable_autograd_cache": True}))
         stack.enter_context(temporary_cache_dir(folder))
+        if key is not None and envs.get(envs.COMPILE_CACHE_DYNAMO):
+            stack.enter_context(dynamo_cache_scope(folder, key))
         yield folder
 
 
 def cache_counters() -> Dict[str, int]:
-    """``{"fx_hit", "fx_miss", "aot_hit", "aot_miss"}``: torch's counters of FX graph cache
-    and AOTAutograd cache lookups in this process so far (``torch._dynamo.utils.counters``)."""
+    """``{"fx_hit", "fx_miss", "aot_hit", "aot_miss", "dynamo_hit", "dynamo_miss",
+    "dynamo_error"}``: torch's counters of FX graph cache, AOTAutograd cache and Dynamo
+    package cache lookups in this process so far (``torch._dynamo.utils.counters``). A
+    Dynamo hit loads the compiled code with it: no FX or AOTAutograd lookup follows."""
     from torch._dynamo.utils import counters
 
     return {
+        **_dynamo_counters(),
         "fx_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
         "fx_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
         "aot_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),

@@ -319,6 +319,14 @@ COMPILE_CACHE = define(
     "Keep torch.compile's caches (inductor FX graphs, AOTAutograd) under the cache root so a second "
     "process compiles from them (compiled, tc_piecewise:inductor). Read when a backend compiles.",
 ).name
+COMPILE_CACHE_DYNAMO = define(
+    "CUDA_GRAPH_RUNNER_COMPILE_CACHE_DYNAMO",
+    "bool",
+    True,
+    "With the compile cache on, also keep Dynamo's traced code (torch's caching precompile), keyed by "
+    "model, config and compile options, so a second start skips tracing (compiled, full:inductor; "
+    "off: Dynamo traces every start). Read when a backend compiles.",
+).name
 
 
 def cache_root(environ: Optional[Mapping[str, str]] = None) -> str:

@@ -68,7 +68,7 @@ import torch
 from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.capture_plan import CapturePlan
-from cuda_graph_runner.compile_cache import compile_cache_scope
+from cuda_graph_runner.compile_cache import compile_cache_scope, compile_key
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.model_forward import entry_function, forward_replaced
 
@@ -103,13 +103,15 @@ class CompiledBackend(BaseCudaGraphBackend):
             ``"inductor"``; None means :data:`DEFAULT_INDUCTOR_OPTIONS`.
         cache: compile inside :func:`cuda_graph_runner.compile_cache.compile_cache_scope`
             (inductor's and AOTAutograd's caches under this project's cache root, so a
-            second process compiles from them); False leaves torch's settings alone.
+            second process compiles from them; with inductor, Dynamo's traced code too,
+            keyed by model, phase, size and options); False leaves torch's settings alone.
 
     Raises:
         ValueError: unknown ``compiler``, or a negative ``compile_budget_s``.
 
     Attributes:
-        compile_seconds: seconds spent in the first (compiling) call of every size so far.
+        compile_seconds: seconds spent compiling every size so far (torch.compile, which
+            may load cached code, and the first call).
         skipped_keys: keys left uncompiled because the budget was spent.
     """
 
@@ -166,6 +168,14 @@ class CompiledBackend(BaseCudaGraphBackend):
             kwargs["options"] = self.inductor_options
         return torch.compile(entry, **kwargs)
 
+    def _cache_key(self, key: ShapeKey) -> Optional[str]:
+        # Dynamo's traced code is kept only for inductor: other compilers' results are
+        # not serializable (and cost little to redo).
+        if self.compiler != "inductor":
+            return None
+        options = sorted(self.inductor_options.items())
+        return compile_key(self._model, "compiled", self.phase, key.size, key.variant, options)
+
     # -- the contract -----------------------------------------------------------------
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Compile the forward for ``key`` (first call of ``forward_fn``), then warm it up.
@@ -188,13 +198,15 @@ class CompiledBackend(BaseCudaGraphBackend):
                 key.size,
             )
             return
-        compiled = self._compile(key)
-        scope = compile_cache_scope() if self.cache else contextlib.nullcontext()
-        with forward_replaced(self._model, compiled):
-            start = time.perf_counter()
-            with scope:
+        # torch.compile itself inside the scope: that is when it loads Dynamo's cached code.
+        scope = compile_cache_scope(self._cache_key(key)) if self.cache else contextlib.nullcontext()
+        start = time.perf_counter()
+        with scope:
+            compiled = self._compile(key)
+            with forward_replaced(self._model, compiled):
                 forward_fn()  # compiles
-            self.compile_seconds += time.perf_counter() - start
+        self.compile_seconds += time.perf_counter() - start
+        with forward_replaced(self._model, compiled):
             self.note_kernels_ran(key)
             for _ in range(self.warmup_runs(key)):
                 forward_fn()

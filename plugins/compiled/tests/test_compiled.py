@@ -253,6 +253,8 @@ def test_inductor_equals_eager_and_a_second_start_compiles_from_the_cache(tmp_pa
     from cuda_graph_runner.compile_cache import cache_counters, compile_cache_dir
 
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
+    # The inductor caches alone here; Dynamo's cached code: test_compiled_cache.py.
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_COMPILE_CACHE_DYNAMO", "0")
     model = small_model(layers=1)
     counts = []
     for start in range(2):

@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 import torch
 
 from cuda_graph_runner import progress
-from cuda_graph_runner.compile_cache import compile_cache_scope
+from cuda_graph_runner.compile_cache import cache_counters, compile_cache_scope, compile_key
 from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.model_forward import entry_function, forward_replaced
@@ -83,7 +83,10 @@ class CompiledForward:
         compile_seconds: duration of the last compile pass (None before one).
         dynamo_graphs: graphs Dynamo handed the compiler so far: per graph variant, 1 for
             the dynamic sizes >= 2, 1 for size 1 when captured, 1 per static size; more
-            means a recompile.
+            means a recompile; 0 when the compile cache had Dynamo's code
+            (:mod:`cuda_graph_runner.compile_cache_dynamo`).
+        loaded: whether the dynamic-shape forward's Dynamo code came from the compile
+            cache at the last :meth:`bind`.
 
     Raises:
         ValueError: ``compiler`` does not compile; a static size is not a positive int.
@@ -113,6 +116,7 @@ class CompiledForward:
         self._model: Any = None
         self._compiled: Optional[Callable[..., Any]] = None
         self._static: Dict[int, Callable[..., Any]] = {}
+        self.loaded = False
 
     def _dynamo_backend(self) -> Callable[..., Any]:
         inner: Callable[..., Any]
@@ -148,7 +152,9 @@ class CompiledForward:
         self._model = model
         backend = self._dynamo_backend()
         entry = entry_function(model.forward, f"full_compiled_forward_full_{self.tag}")
-        self._compiled = torch.compile(entry, backend=backend, fullgraph=True)
+        hits = cache_counters()["dynamo_hit"]
+        self._compiled = torch.compile(entry, backend=backend, fullgraph=True)  # loads cached Dynamo code, if any
+        self.loaded = cache_counters()["dynamo_hit"] > hits
         # A code object per static size: Dynamo's cache (and automatic dynamic shapes) is
         # per code object, so each sees one size only and stays static.
         self._static = {
@@ -168,7 +174,9 @@ class CompiledForward:
         if self._model is None or self._compiled is None:
             yield
             return
-        with forward_replaced(self._model, self._static.get(size, self._compiled)):
+        with forward_replaced(
+            self._model, self._static.get(size, self._compiled) if size is not None else self._compiled
+        ):
             yield
 
     def check_sizes(self, plan: Any) -> None:
@@ -204,9 +212,12 @@ class CompiledForward:
         """
         start = time.perf_counter()
         self.check_sizes(plan)
-        self.bind(plan.model)
         keys = list(plan.keys)
-        with compile_cache_scope() if not callable(self.compiler) else contextlib.nullcontext():
+        with contextlib.ExitStack() as scope:
+            if not callable(self.compiler):  # bind (torch.compile) inside: it loads Dynamo's cached code
+                options = [*sorted(self.inductor_options.items()), ("static_sizes", self.static_sizes)]
+                scope.enter_context(compile_cache_scope(compile_key(plan.model, "full", self.tag, options)))
+            self.bind(plan.model)
             for key in progress.bar(
                 keys,
                 desc=f"compile {plan.phase} (full, inductor)",
@@ -214,7 +225,8 @@ class CompiledForward:
                 show=getattr(plan, "show_progress", None),
             ):
                 batch = plan.static_batch(key)  # init_forward_metadata_capture already called
-                if key.size not in self._static:
+                if key.size not in self._static and not self.loaded:
+                    # Loaded code's guards take the batch unmarked (torch 2.13 saves no marks).
                     mark_dynamic_tokens(batch)
                 with self.active(key.size), forward_context(batch):
                     plan.forward(batch)

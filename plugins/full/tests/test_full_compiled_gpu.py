@@ -4,7 +4,8 @@ inductor, then captured whole per size.
 Checks: one Dynamo graph for every size >= 2 plus one for size 1, none made while
 capturing or serving; a replay equals the compiled forward run without the graph (same
 kernels: near-exact); greedy tokens equal eager's in bf16; the bench's label
-``full:inductor`` resolves; a second process compiles from the disk cache; sizes of
+``full:inductor`` resolves; a second start compiles from the disk cache (Dynamo's traced
+code loaded, nothing traced or generated) and computes what eager does; sizes of
 ``compile_sizes`` get static graphs that match eager.
 
 Run on the device machine: ``pytest -m gpu plugins/full/tests/test_full_compiled_gpu.py``
@@ -43,13 +44,15 @@ def _model(dtype):
 
 
 @pytest.fixture(scope="module")
-def compiled_fp32():
+def compiled_fp32(tmp_path_factory):
     torch._dynamo.reset()
     model = _model(torch.float32)
     runner = DecodeCudaGraphRunner(
         model, {"decode": {"backend": "full", "bs": SIZES, "tc_compiler": "inductor"}}, show_progress=False
     )
-    runner.capture()
+    with pytest.MonkeyPatch.context() as mp:  # an empty compile cache: Dynamo traces (graph counts below)
+        mp.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path_factory.mktemp("compile-cache")))
+        runner.capture()
     yield model, runner
     runner.cleanup()
 
@@ -135,15 +138,27 @@ def test_second_start_compiles_from_the_disk_cache(tmp_path, monkeypatch):
             model, {"decode": {"backend": "full", "bs": [1, 4], "tc_compiler": "inductor"}}, show_progress=False
         )
         runner.capture()
-        runner.cleanup()
         counts.append({k: v - before[k] for k, v in cache_counters().items()})
+        if not counts[1:]:
+            runner.cleanup()
     first, second = counts
-    assert first["fx_miss"] >= 1 and first["fx_hit"] == 0, first
-    assert second["fx_miss"] == 0 and second["aot_miss"] == 0, second
-    assert second["fx_hit"] + second["aot_hit"] >= first["fx_miss"], counts
+    assert first["fx_miss"] >= 1 and first["fx_hit"] == 0 and first["dynamo_miss"] == 1, first
+    # The second start loads Dynamo's traced code (cuda_graph_runner.compile_cache_dynamo):
+    # no trace, so no FX or AOTAutograd lookup either; nothing generated.
+    assert second["dynamo_hit"] == 1 and second["fx_miss"] == 0 and second["aot_miss"] == 0, second
+    assert runner.backend.compiled_forward.dynamo_graphs == 0, "Dynamo traced again in the second start"
+    for bs in (1, 3):  # the loaded code, captured, computes what eager does
+        with torch.no_grad():
+            session, batch = _step(model, bs, seed=300 + bs)
+            expected = eager_logits_fn(model)(batch).clone()
+            got = runner.forward(batch)
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3, msg=f"bs {bs}")
+        session.close()
+    runner.cleanup()
 
 
-def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles():
+def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))  # a cold cache: every graph compiled here
     torch._dynamo.reset()
     model = _model(torch.float32)
     runner = DecodeCudaGraphRunner(

@@ -1,0 +1,134 @@
+"""Cold and warm starts of one compiling backend, each in a fresh process: the compile
+cache's second-start ratio (issue 22's target: a warm start compiles in at most 25% of
+the cold start's time).
+
+Each pair: an empty cache folder, a first start (cold: everything compiles), then a
+second start in a new process with the same folder (warm). Each start builds the preset,
+captures the given sizes with the backend and prints one JSON line: compile seconds,
+capture seconds, torch's cache counters, Dynamo's frame count and where the compile time
+went (``torch._dynamo.utils.compile_times``).
+
+    python benchmarks/compile_cache_starts.py --backend compiled --sizes 1 2 4 --pairs 3
+    python benchmarks/compile_cache_starts.py --backend full:inductor --sizes 1 2 4 8  # CPU, fake graphs
+    python benchmarks/compile_cache_starts.py --backend full:inductor --device cuda \\
+        --dtype bfloat16 --sizes 1 2 4 8 12 16 --pairs 3
+
+Prints one line per start and a last ``ratio`` line per pair (warm / cold compile seconds).
+Exit status 0 always when every start ran (the ratio is a measurement, not a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+
+def _start(args: argparse.Namespace) -> Dict[str, Any]:
+    import torch
+
+    from cuda_graph_runner.compile_cache import cache_counters
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+    from cuda_graph_runner.testing.reference_setup import reference_model
+
+    wall = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    model = reference_model(args.model, requests=max(args.sizes), dtype=dtype, device=args.device)
+    name, _, compiler = args.backend.partition(":")
+    decode: Dict[str, Any] = {"backend": name, "bs": list(args.sizes)}
+    if compiler:
+        decode["tc_compiler"] = compiler
+    backend = None
+    if name == "full" and args.device == "cpu":
+        # compiled full's own code path on the CPU: the recording fake graph module
+        # stands in for CUDA graphs (the compile pass is what is measured).
+        from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+        from cuda_graph_runner_full.backend import FullCudaGraphBackend
+
+        fake = FakeGraphDeviceModule()
+        backend = FullCudaGraphBackend("cpu", phase="decode", device_module=fake, memory_pool="pool", compiler=compiler)
+    runner = DecodeCudaGraphRunner(model, {"decode": decode}, device=args.device, backend=backend, show_progress=False)
+    with torch.no_grad():
+        runner.capture()
+    step_ms = None
+    if args.replays:
+        # A warm start must replay as fast as a cold one (loaded code, same guards).
+        from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
+
+        with torch.no_grad():
+            session = GreedySession(model, model.kv_cache)
+            session.prefill(make_dummy_prompts(1, [5], model.config.vocab_size, seed=1))
+            batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
+            runner.forward(batch)
+            start = time.perf_counter()
+            for _ in range(args.replays):
+                runner.forward(batch)
+            step_ms = (time.perf_counter() - start) * 1e3 / args.replays
+            session.close()
+    from torch._dynamo.utils import compile_times, counters, guard_failures
+
+    misses = [f"{code.co_name}: {reasons}" for code, reasons in guard_failures.items()]
+
+    return {
+        "backend": args.backend,
+        "compile_s": getattr(runner.backend, "compile_seconds", None),
+        "capture_s": runner.capture_seconds,
+        "process_s": time.perf_counter() - wall,
+        "dynamo_frames": int(counters["stats"]["unique_graphs"]),
+        "guard_misses": misses,
+        "replay_ms_bs1": step_ms,
+        **cache_counters(),
+        "compile_times": compile_times(repr="str", aggregate=True),
+    }
+
+
+def main(argv: List[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="compiled", help="compiled, full:inductor, tc_piecewise:inductor")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--replays", type=int, default=0, help="also time this many batch-1 steps after capture")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(_start(args)), flush=True)
+        return 0
+    me = [sys.executable, os.path.abspath(__file__), "--child", "--backend", args.backend, "--model", args.model]
+    me += ["--device", args.device, "--dtype", args.dtype, "--sizes", *map(str, args.sizes)]
+    me += ["--replays", str(args.replays)]
+    for pair in range(args.pairs):
+        with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
+            env = dict(os.environ, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
+            # torch's own default folder must not serve as a second, unscoped cache
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "torch-default")
+            env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")  # each pair's cold start is cold
+            seconds = []
+            for which in ("cold", "warm"):
+                proc = subprocess.run(me, env=env, capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if proc.returncode or not lines:
+                    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+                    return 1
+                result = json.loads(lines[-1][len("RESULT ") :])
+                times = result.pop("compile_times")
+                print(f"pair {pair + 1} {which}: " + json.dumps(result), flush=True)
+                print(f"  compile_times: {times}", flush=True)
+                seconds.append(result["compile_s"])
+            print(
+                f"ratio pair {pair + 1}: warm/cold compile = {seconds[1]:.2f}/{seconds[0]:.2f} s = "
+                f"{seconds[1] / seconds[0]:.0%}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
