@@ -42,7 +42,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--out", default=None)

@@ -77,6 +77,7 @@ from bench_summary import ratios_for  # noqa: E402
 from make_docs import render  # noqa: E402
 
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
+from cuda_graph_runner.bench_backends import takes_compile_sizes  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
@@ -196,11 +197,11 @@ def available(phase: str, names: Sequence[str]) -> Dict[str, str]:
 
 def phase_options(label: str, compile_sizes: Sequence[int] = ()) -> Dict[str, Any]:
     """``"tc_piecewise:inductor"`` -> ``{"backend": "tc_piecewise", "tc_compiler": "inductor"}``;
-    ``compile_sizes`` (``--compile-sizes``) go to a label with a compiler whose backend
-    reads that option (compiled ``full``), and to no other."""
+    ``compile_sizes`` (``--compile-sizes``) go to the labels that use them, by the rule of
+    ``cuda-graph-runner bench`` (:func:`~cuda_graph_runner.bench_backends.takes_compile_sizes`)."""
     name, _, compiler = label.partition(":")
     options: Dict[str, Any] = {"backend": name, **({"tc_compiler": compiler} if compiler else {})}
-    if compile_sizes and compiler and name in option_readers(get_registry()).get("compile_sizes", []):
+    if compile_sizes and takes_compile_sizes(name, compiler or None, option_readers(get_registry())):
         options["compile_sizes"] = sorted(compile_sizes)
     return options
 

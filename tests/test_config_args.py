@@ -439,3 +439,29 @@ def test_help_marks_legacy_flags_deprecated_and_docstring_documents_every_flag()
         assert re.search(re.escape(option) + r"(?![\w-])", help_text), option
         assert re.search(re.escape(option) + r"(?![\w-])", expanded), option
     assert help_text.count("deprecated: use") == 9
+
+
+def test_compile_sizes_flag_takes_space_and_comma_separated_sizes_and_names_bad_ones(capsys):
+    import argparse
+
+    from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, add_cuda_graph_args
+
+    parser = argparse.ArgumentParser()
+    add_cuda_graph_args(parser)
+    config = CudaGraphConfig.from_args(parser.parse_args(["--cuda-graph-compile-sizes-decode", "8,1", "4"]))
+    assert config.decode.compile_sizes == [1, 4, 8]
+    assert config.source_of("decode", "compile_sizes") == "flag:--cuda-graph-compile-sizes-decode"
+    assert config.prefill.compile_sizes is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cuda-graph-compile-sizes-decode", "0"])
+    assert "--cuda-graph-compile-sizes-decode" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no shipped prefill backend reads it: no prefill flag
+        parser.parse_args(["--cuda-graph-compile-sizes-prefill", "16"])
+    for bad in ([], 4, [True], [0]):
+        with pytest.raises(CudaGraphConfigError, match=r"decode\.compile_sizes="):
+            CudaGraphConfig.from_dict({"decode": {"compile_sizes": bad}})
+    # A size the phase never captures is refused against bs, or max_bs when bs is unset.
+    with pytest.raises(CudaGraphConfigError, match=r"\[3\] not captured.*accepted: sizes among bs \[1, 2, 4\]"):
+        CudaGraphConfig.from_dict({"decode": {"bs": [1, 2, 4], "compile_sizes": [3, 4]}})
+    with pytest.raises(CudaGraphConfigError, match=r"\[64\] not captured.*max_bs 32"):
+        CudaGraphConfig.from_dict({"decode": {"max_bs": 32, "compile_sizes": [64]}})

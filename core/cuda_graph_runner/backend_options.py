@@ -1,7 +1,7 @@
 """Backend options: config keys a backend (not the runner) reads, declared per backend.
 
 A backend lists the options it reads in ``BackendSpec.options`` (``tc_piecewise``:
-``("tc_compiler",)``; ``full``: none). The list lives in each plugin's spec, so a vendor's
+``("tc_compiler",)``; ``full``: ``("tc_compiler", "compile_sizes")``; ``breakable``: none). The list lives in each plugin's spec, so a vendor's
 backend can read an option too, without a list in the core. An option counts as *set*
 for a phase when a source (flag, JSON, API) recorded it, or when it differs from its
 default. Setting one the selected backend does not read is an error naming the backends

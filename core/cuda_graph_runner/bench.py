@@ -44,7 +44,7 @@ import torch
 
 from .bench_args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here, as before
 from .bench_backends import BackendChoice, BenchRequestError, device_problem, plan_phase
-from .bench_measure import bench_decode, bench_prefill, replay_prepare_us, time_ms  # noqa: F401
+from .bench_measure import bench_decode, bench_prefill, load_average, replay_prepare_us, time_ms  # noqa: F401
 from .bench_output import CSV_COLUMNS, results_csv, results_document  # noqa: F401 - importable from here, as before
 from .config import CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError
@@ -269,7 +269,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)
         return 2
     max_bs, max_tokens = max(batch_sizes), max(token_counts)
-    cpu_load = os.getloadavg()[0] if on_cpu and hasattr(os, "getloadavg") else None  # before our own work counts
+    cpu_load = load_average() if on_cpu else None  # before our own work counts
     from . import real_model
 
     if model_spec in real_model.REAL_MODELS:

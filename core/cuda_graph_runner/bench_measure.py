@@ -62,6 +62,16 @@ PAIRED_ROUNDS = {"cpu": 15}
 DEFAULT_PAIRED_ROUNDS = 5
 
 
+def load_average() -> Optional[float]:
+    """The 1-minute load average, or None where the platform has none."""
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def cpu_contention_note(threads: int, *, cpus: Optional[int] = None, load: Optional[float] = None) -> str:
     """A note when other processes keep the CPUs the bench's ``threads`` intra-op threads
     need busy (1-minute load average + ``threads`` > CPUs), else "".
@@ -79,9 +89,8 @@ def cpu_contention_note(threads: int, *, cpus: Optional[int] = None, load: Optio
         affinity = getattr(os, "sched_getaffinity", None)
         cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):  # no load average on this platform
+        load = load_average()
+        if load is None:
             return ""
     if threads <= 1 or load + threads <= cpus + 0.5:
         return ""

@@ -107,8 +107,9 @@ Flags added by :func:`add_cuda_graph_args`
     The phase's ``tc_compiler``.
 ``--cuda-graph-tc-compiler {eager,inductor}``
     ``tc_compiler`` of both phases.
-``--cuda-graph-compile-sizes-{decode,prefill} N [N ...]``
-    The phase's ``compile_sizes``; space and/or comma separated.
+``--cuda-graph-compile-sizes-decode N [N ...]``
+    Decode's ``compile_sizes``; space and/or comma separated (no shipped prefill
+    backend reads the key; JSON sets it for prefill).
 ``--disable-cuda-graph-{decode,prefill}``
     The phase's backend is ``disabled``.
 

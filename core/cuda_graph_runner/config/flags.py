@@ -99,13 +99,21 @@ def _phase_flags(p: str) -> List[_Flag]:
             f"compiler of tc_piecewise's pieces or of full's forward for {p} (default: eager); an error "
             "with a backend that does not read it",
         ),
-        _Flag(
-            f"--cuda-graph-compile-sizes-{p}",
-            _TIER_FLAG,
-            (p,),
-            "compile_sizes",
-            f"{p} {size}s compiled with static shapes, each in its own compiled graph (vLLM's compile_sizes; "
-            "needs a compiler, default: none, one dynamic-shape graph serves every size)",
+        # Decode only: no shipped prefill backend reads compile_sizes (JSON can still set it).
+        *(
+            [
+                _Flag(
+                    f"--cuda-graph-compile-sizes-{p}",
+                    _TIER_FLAG,
+                    (p,),
+                    "compile_sizes",
+                    f"{p} {size}s compiled with static shapes, each in its own graph (vLLM's compile_sizes; "
+                    "read by full with tc_compiler inductor; each must be a captured size; default: none, one "
+                    "dynamic-shape graph serves every size)",
+                )
+            ]
+            if p == Phase.DECODE
+            else []
         ),
         _Flag(
             f"--disable-cuda-graph-{p}",

@@ -141,7 +141,7 @@ class PhaseConfig:
         backend not None nor an identifier string; max_bs or an element of bs
         not an int >= 1 (bools refused); bs not a non-empty list/tuple;
         max_bs < max(bs); tc_compiler not in ``TC_COMPILERS``; compile_sizes not null nor
-        a non-empty list of sizes; owned_outputs not a bool.
+        a non-empty list of sizes, or a size outside bs (or above max_bs); owned_outputs not a bool.
 
     Assigning a field later skips these checks; :meth:`CudaGraphConfig.validate`
     runs them again. Prefer :meth:`CudaGraphConfig.with_phase`.
@@ -188,6 +188,16 @@ class PhaseConfig:
             )
         if self.compile_sizes is not None:
             self.compile_sizes = _sizes(self.compile_sizes, "compile_sizes")
+            outside = [s for s in self.compile_sizes if (self.bs is not None and s not in self.bs)]
+            if self.bs is None and self.max_bs is not None:
+                outside = [s for s in self.compile_sizes if s > self.max_bs]
+            if outside:
+                raise CudaGraphConfigError(
+                    f"element(s) {outside} not captured, so never replayed",
+                    key="compile_sizes",
+                    value=self.compile_sizes,
+                    accepted=f"sizes among bs {self.bs}" if self.bs is not None else f"sizes <= max_bs {self.max_bs}",
+                )
         if not isinstance(self.owned_outputs, bool):
             raise CudaGraphConfigError(
                 "must be a boolean", key="owned_outputs", value=self.owned_outputs, accepted="true or false"

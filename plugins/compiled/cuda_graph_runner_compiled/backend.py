@@ -253,13 +253,21 @@ def _SKIP_GUARDS() -> ContextManager[Any]:
 
 
 def _below_autograd() -> ContextManager[Any]:
-    # The runner replays under no_grad, yet every op the compiled code calls back into
-    # (the opaque custom ops: attention, and its own ops run eagerly) still passes the
-    # Autograd and ADInplaceOrView dispatch keys; for a torch.library custom op those
-    # are two Python layers per call (torch/_library/autograd.py, custom_ops.py). Below
-    # them (PyTorch's AutoDispatchBelowADInplaceOrView, what InferenceMode does, without
-    # making the outputs inference tensors, so callers may still write into them) a
-    # ``tiny`` decode step at batch 1 costs ~25% less host time. Nothing is recorded
-    # for autograd here anyway (no_grad); in-place writes (the KV cache) run as before,
-    # only their version counters are not bumped, which only autograd reads.
-    return torch._C._AutoDispatchBelowADInplaceOrView()
+    """Dispatch below the Autograd and ADInplaceOrView keys while grad is off (the runner
+    replays under no_grad); with grad on, or without the (private) guard, nothing changes.
+
+    Why: every op the compiled code calls back into (the opaque custom ops: attention,
+    and its own ops run eagerly) still passes those keys under no_grad, and for a
+    ``torch.library`` custom op they are two Python layers per call
+    (torch/_library/autograd.py, custom_ops.py); below them a ``tiny`` decode step at
+    batch 1 costs ~25% less host time. It is PyTorch's AutoDispatchBelowADInplaceOrView,
+    what InferenceMode does, without making the outputs inference tensors (callers may
+    write into them). In-place writes (the KV cache) run as before but bump no version
+    counter, exactly as a CUDA graph replay's kernels do: a tensor saved for backward by
+    an earlier grad-enabled forward and then overwritten is not detected, with any
+    graph backend.
+    """
+    guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+    if guard is None or torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    return guard()

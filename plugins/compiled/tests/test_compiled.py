@@ -154,6 +154,15 @@ def test_replay_dispatches_below_autograd_and_its_output_is_an_ordinary_tensor()
     # Not an inference tensor (InferenceMode's would refuse this in-place write outside it).
     assert not out.is_inference() and not out.requires_grad
     out.mul_(0.5)
+    # With grad on (not through the runner, which always turns it off) the autograd keys
+    # stay: nothing is silently cut out of a graph autograd would record.
+    from cuda_graph_runner_compiled.backend import _below_autograd
+
+    key = torch._C.DispatchKey.ADInplaceOrView
+    with torch.enable_grad(), _below_autograd():
+        assert not torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    with torch.no_grad(), _below_autograd():
+        assert torch._C._dispatch_tls_is_dispatch_key_excluded(key)
 
 
 def test_compile_budget_leaves_the_rest_eager(caplog):
