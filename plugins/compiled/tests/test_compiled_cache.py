@@ -1,8 +1,7 @@
-"""Backend ``compiled``'s warm start across processes: Dynamo's traced code comes from
-the compile cache (cuda_graph_runner.compile_cache_dynamo), so a fresh process neither
-traces nor generates code, computes what the cold start computed, still reads the
-model's live weights, and a model of another config or dtype, or other compile options,
-gets another key (never this entry).
+"""Backend ``compiled``'s warm start across processes: the inductor caches under the
+compile cache root, so a fresh process generates no code (Dynamo traces again: the
+traced-code layer is off for this backend, see its ``capture_one``), computes what the
+cold start computed, and still reads the model's live weights.
 
 One inductor compile in this process (cold, ~15 s on two cores) and one fresh process
 (warm, a few seconds); skipped with the reason where inductor cannot build here.
@@ -20,12 +19,10 @@ import pytest
 import torch
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.compile_cache import cache_counters
-from cuda_graph_runner.testing.model import ModelConfig, ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.model import ModelConfig
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_compiled import toolchain
-from cuda_graph_runner_compiled.backend import CompiledBackend
 
 CONFIG = ModelConfig(num_hidden_layers=1)
 TOL = model_tolerance(CONFIG, torch.float32, context_len=64)
@@ -72,7 +69,7 @@ START = textwrap.dedent(
 
 
 @pytest.mark.skipif(toolchain.probe("cpu") is not None, reason=f"inductor cannot build here: {toolchain.probe('cpu')}")
-def test_a_fresh_process_loads_the_traced_code_and_computes_what_the_cold_start_did(tmp_path, monkeypatch):
+def test_a_fresh_process_compiles_from_the_inductor_cache_and_computes_what_the_cold_start_did(tmp_path, monkeypatch):
     monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
     monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
     namespace: dict = {}
@@ -82,8 +79,7 @@ def test_a_fresh_process_loads_the_traced_code_and_computes_what_the_cold_start_
     cold = namespace["start"]()
     torch._dynamo.reset()
     cold_counts = {k: v - before[k] for k, v in cold["counters"].items()}
-    assert cold_counts["dynamo_miss"] == 1 and cold_counts["dynamo_hit"] == 0, cold_counts
-    assert any((tmp_path / "compile").rglob("dynamo/*/*/entry")), "no Dynamo package was written"
+    assert cold_counts["fx_miss"] >= 1 and cold_counts["dynamo_hit"] == 0, cold_counts
 
     env = dict(os.environ, **{envs.CACHE_DIR: str(tmp_path)})
     script = START + "\nprint('RESULT ' + json.dumps(start()))\n"
@@ -93,67 +89,10 @@ def test_a_fresh_process_loads_the_traced_code_and_computes_what_the_cold_start_
     warm = json.loads(results[-1][len("RESULT ") :])
 
     counts = warm["counters"]
-    assert counts["dynamo_hit"] == 1 and counts["dynamo_miss"] == 0 and counts["dynamo_error"] == 0, counts
-    assert warm["traced"] == 0, "Dynamo traced again in the warm start"
-    assert counts["fx_miss"] == 0 and counts["aot_miss"] == 0, counts  # and generated no code
+    # The inductor caches only (capture_one says why): Dynamo traces again, no package is
+    # looked up, and no code is generated (FX graph cache hit).
+    assert counts["dynamo_hit"] == 0 and counts["dynamo_miss"] == 0, counts
+    assert counts["fx_miss"] == 0 and counts["fx_hit"] >= 1, counts
     torch.testing.assert_close(torch.tensor(warm["logits"]), torch.tensor(cold["logits"]), **TOL)
     for start in (cold, warm):
         assert start["changed_weights_close"], start["changed_weights_max_diff"]
-
-
-def _key(model, **backend_options) -> str:
-    backend = CompiledBackend(
-        "cpu", phase=backend_options.pop("phase", "decode"), compiler="inductor", **backend_options
-    )
-    backend._model = model  # what prepare(plan) sets; the key needs nothing else
-    return backend._cache_key(ShapeKey(2))
-
-
-def test_another_config_dtype_phase_or_option_gets_another_key():
-    base = ReferenceLlamaForCausalLM.from_config(CONFIG)
-    key = _key(base)
-    assert key == _key(ReferenceLlamaForCausalLM.from_config(CONFIG, seed=3))  # weights' values are inputs
-    assert key != _key(ReferenceLlamaForCausalLM.from_config(ModelConfig(num_hidden_layers=1, hidden_size=128)))
-    assert key != _key(ReferenceLlamaForCausalLM.from_config(CONFIG, dtype=torch.bfloat16))
-    assert key != _key(ReferenceLlamaForCausalLM.from_config(ModelConfig(num_hidden_layers=1, rms_norm_eps=1e-5)))
-    assert key != _key(base, phase="prefill")
-    assert key != _key(base, inductor_options={"cpp_wrapper": False})
-    other_size = CompiledBackend("cpu", phase="decode", compiler="inductor")
-    other_size._model = base
-    assert key != other_size._cache_key(ShapeKey(4))
-    assert CompiledBackend("cpu", phase="decode", compiler="aot_eager")._cache_key(ShapeKey(2)) is None
-
-
-def _small(x):
-    return torch.sin(x) * 2 + 1
-
-
-@pytest.mark.skipif(toolchain.probe("cpu") is not None, reason=f"inductor cannot build here: {toolchain.probe('cpu')}")
-def test_a_guard_miss_after_a_load_traces_again_instead_of_failing(tmp_path, monkeypatch):
-    """A loaded package brings the global names its process gave its code (a counter from
-    0); a trace in the loading process after a guard miss (another input shape) must not
-    pick one of them. A fresh process is simulated by restarting torch's counter."""
-    import itertools
-
-    import torch._dynamo.bytecode_transformation as bytecode_transformation
-
-    from cuda_graph_runner.compile_cache import compile_cache_scope
-
-    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
-    monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
-    options = {"cpp_wrapper": False}
-    results = []
-    for shapes in ([4], [4, 6]):  # the cold start, then a warm one that also meets a new shape
-        torch._dynamo.reset()
-        monkeypatch.setattr(bytecode_transformation, "_unique_id_counter", itertools.count())
-        before = cache_counters()
-        with compile_cache_scope("guard-miss-test"):
-            compiled = torch.compile(_small, backend="inductor", dynamic=False, fullgraph=True, options=options)
-            for n in shapes:
-                x = torch.arange(n, dtype=torch.float32)
-                torch.testing.assert_close(compiled(x), _small(x))
-        results.append({k: v - before[k] for k, v in cache_counters().items()})
-    torch._dynamo.reset()
-    cold, warm = results
-    assert cold["dynamo_miss"] == 1 and warm["dynamo_hit"] == 1, results
-    assert warm["fx_miss"] == 1, results  # only the new shape generated code
