@@ -165,6 +165,19 @@ def sync_fn(device: torch.device) -> Callable[[], None]:
     return lambda: module.synchronize(device)  # this device, not whichever is current
 
 
+def row_times(
+    eager: Callable[[Any], Any], runner: Any, batch: Any, *, iters: int, warmup: int, sync: Any, rounds: int
+) -> Dict[str, Any]:
+    """One bench row's times for ``batch``: eager alone (``eager_ms``, :func:`time_ms`)
+    when ``runner`` is None, else eager and ``runner.forward`` interleaved in rounds
+    (:func:`paired_ms`). Milliseconds per call."""
+    if runner is None:
+        return {"eager_ms": time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync, repeats=rounds)}
+    return paired_ms(
+        lambda: eager(batch), lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync, rounds=rounds
+    )
+
+
 def bench_decode(
     model: Any,
     runner: Any,
@@ -205,19 +218,8 @@ def bench_decode(
             timing = GreedySession(model, cache)
             timing.prefill(prompts)
             batch = make_decode_batch(cache, timing.rows, None, [t[-1] for t in timing.tokens])
-            if runner is None:
-                row["eager_ms"] = time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync, repeats=rounds)
-            else:
-                row.update(
-                    paired_ms(
-                        lambda: eager(batch),
-                        lambda: runner.forward(batch),
-                        iters=iters,
-                        warmup=warmup,
-                        sync=sync,
-                        rounds=rounds,
-                    )
-                )
+            row.update(row_times(eager, runner, batch, iters=iters, warmup=warmup, sync=sync, rounds=rounds))
+            if runner is not None:
                 row["replayed"] = runner.can_run(batch)
                 if row["replayed"]:
                     row["replay_prepare_us"] = replay_prepare_us(runner, batch, sync=sync)
@@ -311,27 +313,14 @@ def bench_prefill(
             row: Dict[str, Any] = {"num_tokens": total, "requests": n_req}
             with torch.no_grad():
                 ref = eager(batch).clone()
-                if runner is None:
-                    row["eager_ms"] = time_ms(
-                        lambda: eager(batch), iters=iters, warmup=warmup, sync=sync, repeats=rounds
-                    )
-                else:
+                if runner is not None:
                     got = runner.forward(batch).clone()
                     row["replayed"] = runner.can_run(batch)
                     atol, rtol = backend_tolerance(model, runner)
                     row["max_abs_diff"] = float((got - ref).abs().max())
                     row["within_tolerance"] = bool(torch.allclose(got, ref, atol=atol, rtol=rtol))
                     row["argmax_match"] = bool((got.argmax(-1) == ref.argmax(-1)).all())
-                    row.update(
-                        paired_ms(
-                            lambda: eager(batch),
-                            lambda: runner.forward(batch),
-                            iters=iters,
-                            warmup=warmup,
-                            sync=sync,
-                            rounds=rounds,
-                        )
-                    )
+                row.update(row_times(eager, runner, batch, iters=iters, warmup=warmup, sync=sync, rounds=rounds))
             for r in reqs:
                 cache.free_request(r)
             row.setdefault("speedup", None)
