@@ -119,3 +119,28 @@ def test_shipped_plugins_declare_what_they_read():
         "tc_piecewise": ("tc_compiler",),
         "npu": (),
     }
+
+
+def test_check_with_registry_reads_the_options_of_a_registry_not_yet_scanned():
+    """``bench --cuda-graph-backend-decode full --cuda-graph-tc-compiler-decode inductor``
+    once said full does not read tc_compiler: the selected backend's options were read
+    from the entries before the first scan filled them."""
+    from types import SimpleNamespace
+
+    from cuda_graph_runner.backend_options import check_with_registry
+    from cuda_graph_runner.config import CudaGraphConfig
+
+    class LazyRegistry:
+        def __init__(self):
+            self._entries = {}
+
+        def names(self):
+            spec = SimpleNamespace(options=("tc_compiler", "compile_sizes"))
+            self._entries = {"full": SimpleNamespace(name="full", spec=spec)}
+            return ["full"]
+
+        def default_backend(self, phase, device_type):
+            return "full"
+
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "full", "tc_compiler": "inductor"}})
+    check_with_registry(config, LazyRegistry(), "cpu")  # no error: full reads it
