@@ -44,7 +44,16 @@ import torch
 
 from .bench_args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here, as before
 from .bench_backends import BackendChoice, BenchRequestError, device_problem, plan_phase
-from .bench_measure import bench_decode, bench_prefill, load_average, replay_prepare_us, time_ms  # noqa: F401
+from .bench_measure import (  # noqa: F401
+    DEFAULT_PAIRED_ROUNDS,
+    PAIRED_ROUNDS,
+    bench_decode,
+    bench_prefill,
+    cpu_contention_note,
+    load_average,
+    replay_prepare_us,
+    time_ms,
+)
 from .bench_output import CSV_COLUMNS, results_csv, results_document  # noqa: F401 - importable from here, as before
 from .config import CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError
@@ -261,8 +270,6 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     batch_sizes = sorted(set(args.batch_sizes or ([1, 2, 4] if on_cpu else [1, 4, 16, 64])))
     token_counts = sorted(set(args.prefill_tokens or ([16, 48] if on_cpu else [64, 256, 1024])))
     iters = args.iters or (2 if on_cpu else 20)
-    from .bench_measure import DEFAULT_PAIRED_ROUNDS, PAIRED_ROUNDS
-
     rounds = PAIRED_ROUNDS.get(device.type, DEFAULT_PAIRED_ROUNDS)
     bad = [n for n in batch_sizes + token_counts if n <= 0]
     if bad:
@@ -332,8 +339,6 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         "notes": [],
     }
     if on_cpu:
-        from .bench_measure import cpu_contention_note
-
         threads = torch.get_num_threads()
         env["threads"] = threads
         busy = cpu_contention_note(threads, load=cpu_load)

@@ -3,6 +3,7 @@ prefill through a runner compared with eager (:mod:`cuda_graph_runner.bench`).""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -64,8 +65,6 @@ DEFAULT_PAIRED_ROUNDS = 5
 
 def load_average() -> Optional[float]:
     """The 1-minute load average, or None where the platform has none."""
-    import os
-
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -83,8 +82,6 @@ def cpu_contention_note(threads: int, *, cpus: Optional[int] = None, load: Optio
     (``OMP_NUM_THREADS=1``) is steady there and loses little on a model this small.
     ``cpus`` / ``load`` default to the CPUs this process may run on / ``os.getloadavg()[0]``.
     """
-    import os
-
     if cpus is None:
         affinity = getattr(os, "sched_getaffinity", None)
         cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)

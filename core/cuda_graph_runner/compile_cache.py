@@ -10,8 +10,9 @@ code as well (:mod:`.compile_cache_dynamo`), and a second start does not trace e
 
 :func:`compile_cache_scope` points that folder at ``<cache root>/compile/torch-<version>``
 (:func:`cuda_graph_runner.envs.cache_root`) for the compile calls inside it, and turns both
-caches on; backends wrap their compile calls in it (``compiled`` and compiled ``full``
-with a key; ``tc_piecewise`` with ``inductor`` without one: its Dynamo backend splits the
+caches on; backends wrap their compile calls in it (compiled ``full`` with a key;
+``compiled`` without one: its replay runs below autograd, which a loaded trace's guards
+refuse; ``tc_piecewise`` with ``inductor`` without one: its Dynamo backend splits the
 graph and is not serializable). Outside the scope torch's own folder and settings apply,
 so other torch.compile users in the process are untouched.
 ``CUDA_GRAPH_RUNNER_COMPILE_CACHE=0`` makes the scope a no-op (torch's defaults then

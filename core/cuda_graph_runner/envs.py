@@ -324,8 +324,8 @@ COMPILE_CACHE_DYNAMO = define(
     "bool",
     True,
     "With the compile cache on, also keep Dynamo's traced code (torch's caching precompile), keyed by "
-    "model, config and compile options, so a second start skips tracing (compiled, full:inductor; "
-    "off: Dynamo traces every start). Read when a backend compiles.",
+    "model, config and compile options, so a second start skips tracing (full:inductor; compiled keeps "
+    "the inductor caches only; off: Dynamo traces every start). Read when a backend compiles.",
 ).name
 
 

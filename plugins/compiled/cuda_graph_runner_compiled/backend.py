@@ -110,8 +110,7 @@ class CompiledBackend(BaseCudaGraphBackend):
         ValueError: unknown ``compiler``, or a negative ``compile_budget_s``.
 
     Attributes:
-        compile_seconds: seconds spent compiling every size so far (torch.compile, which
-            may load cached code, and the first call).
+        compile_seconds: seconds spent in the first (compiling) call of every size so far.
         skipped_keys: keys left uncompiled because the budget was spent.
     """
 
@@ -190,19 +189,16 @@ class CompiledBackend(BaseCudaGraphBackend):
                 key.size,
             )
             return
-        # The inductor caches only (no key): Dynamo's traced code loaded from the cache
-        # checks its dispatch-state guard even where replay skips guard evaluation, and
-        # replay runs below autograd (_below_autograd), so a loaded entry would refuse
-        # every replay. Measured on the CPU: warm start 19% of cold this way, 9-11% with
-        # the traced code, while replay below autograd is 1.6x -> 2.0x over eager.
+        # The inductor caches only (no compile key): Dynamo's traced code loaded from the
+        # cache checks its dispatch-state guard even where replay skips guard evaluation,
+        # so a loaded entry would refuse every replay below autograd (_below_autograd).
+        compiled = self._compile(key)
         scope = compile_cache_scope() if self.cache else contextlib.nullcontext()
-        start = time.perf_counter()
-        with scope:
-            compiled = self._compile(key)
-            with forward_replaced(self._model, compiled):
-                forward_fn()  # compiles
-        self.compile_seconds += time.perf_counter() - start
         with forward_replaced(self._model, compiled):
+            start = time.perf_counter()
+            with scope:
+                forward_fn()  # compiles
+            self.compile_seconds += time.perf_counter() - start
             self.note_kernels_ran(key)
             for _ in range(self.warmup_runs(key)):
                 forward_fn()
