@@ -14,6 +14,10 @@ went (``torch._dynamo.utils.compile_times``).
         --dtype bfloat16 --sizes 1 2 4 8 12 16 --pairs 3
 
 Prints one line per start and a last ``ratio`` line per pair (warm / cold compile seconds).
+A first start is discarded (``--no-prime`` skips it): it compiles torch's own Python
+sources to bytecode, which every later start on a machine reads from ``__pycache__``
+(where torch's folder is not writable, as on the lent H200 machine, the starts share a
+``PYTHONPYCACHEPREFIX`` folder instead).
 Exit status 0 always when every start ran (the ratio is a measurement, not a test).
 """
 
@@ -96,6 +100,12 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--replays", type=int, default=0, help="also time this many batch-1 steps after capture")
+    p.add_argument(
+        "--prime",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first one discarded start (Python's bytecode and the file cache warm); --no-prime: none",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -104,9 +114,28 @@ def main(argv: List[str] | None = None) -> int:
     me = [sys.executable, os.path.abspath(__file__), "--child", "--backend", args.backend, "--model", args.model]
     me += ["--device", args.device, "--dtype", args.dtype, "--sizes", *map(str, args.sizes)]
     me += ["--replays", str(args.replays)]
+    env_base = dict(os.environ)
+    import torch
+
+    pycache = os.path.join(os.path.dirname(torch.__file__), "__pycache__")
+    if sys.flags.dont_write_bytecode or not os.access(pycache, os.W_OK):
+        # Without a writable bytecode cache every start compiles torch's Python sources
+        # again (seconds in the lazy torch._dynamo / torch._inductor imports, in cold and
+        # warm starts alike); a user's installation keeps its .pyc files.
+        env_base["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="cgr-pycache-")
+        env_base.pop("PYTHONDONTWRITEBYTECODE", None)
+        print(f"note: {pycache} is not writable; Python's bytecode cache is {env_base['PYTHONPYCACHEPREFIX']}")
+    if args.prime:
+        # One start whose numbers are discarded: Python's bytecode and the OS file cache
+        # warm, as on a machine where torch was imported before.
+        with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
+            env = dict(env_base, CUDA_GRAPH_RUNNER_CACHE_DIR=folder, TORCHINDUCTOR_CACHE_DIR=folder + "/td")
+            env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+            proc = subprocess.run(me, env=env, capture_output=True, text=True)
+            print(f"prime start (discarded): exit {proc.returncode}", flush=True)
     for pair in range(args.pairs):
         with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
-            env = dict(os.environ, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
+            env = dict(env_base, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
             # torch's own default folder must not serve as a second, unscoped cache
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "torch-default")
             env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")  # each pair's cold start is cold

@@ -73,7 +73,8 @@ def main() -> None:
         keep.append(runner)
         for bs in bs_list:
             methods[bs][name] = lambda r=runner, b=batches[bs]: r.forward(b)
-        print(f"{name}: compiled+captured in {compile_s[name]} s", flush=True)
+        graphs = (backend.compiled_forward.dynamo_graphs, backend.compiled_forward.op_body_graphs)
+        print(f"{name}: compiled+captured in {compile_s[name]} s, graphs (forward, op bodies) {graphs}", flush=True)
     for bs in bs_list:
         start = time.perf_counter()
         fn = run.reduce_overhead_fn(model, batches[bs])

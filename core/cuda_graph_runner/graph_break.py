@@ -62,7 +62,7 @@ import dataclasses
 import functools
 import threading
 import types
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -148,6 +148,7 @@ class EagerOp:
 
 class _State(threading.local):
     handler: Optional[BreakHandler] = None
+    bodies: Optional[Mapping[str, Callable[..., Any]]] = None
 
 
 _state = _State()
@@ -208,7 +209,7 @@ def register_eager_op(
             "pick another name"
         )
     qualname = f"{NAMESPACE}::{name}"
-    op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(_lifting_host_guard(fn))
+    op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args))(_lifting_host_guard(fn, name))
     # Out-ops return nothing, so the fake (meta) implementation has nothing to compute.
     op.register_fake(lambda *args, **kwargs: None)
     marked = EagerOp(
@@ -255,19 +256,48 @@ def normalize_capture_safe(
     return frozenset(modes) if modes else False
 
 
-def _lifting_host_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _lifting_host_guard(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``fn`` run with the host-value guard lifted (:func:`cuda_graph_runner.host_guard.run_marked_op`):
     a marked op reads live host metadata, which is fine wherever the backend runs it eagerly
-    at replay. torch infers the custom op's schema from ``fn``'s annotations, evaluated in
+    at replay. Inside :func:`marked_op_bodies` the body given for ``name`` runs instead of
+    ``fn``. torch infers the custom op's schema from ``fn``'s annotations, evaluated in
     the wrapper's globals when they are strings: the wrapper gets ``fn``'s globals (it uses
     closure variables only) and ``functools.wraps`` its signature."""
     call = run_marked_op
+    state = _state
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        return call(fn, args, kwargs)
+        bodies = state.bodies
+        return call(bodies.get(name, fn) if bodies else fn, args, kwargs)
 
     wrapper = types.FunctionType(run.__code__, fn.__globals__, fn.__name__, None, run.__closure__)
     return functools.wraps(fn)(wrapper)
+
+
+@contextlib.contextmanager
+def marked_op_bodies(bodies: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
+    """In this thread, for the block, a call of the marked op named ``name`` runs
+    ``bodies[name]`` (same arguments, same contract) in place of the op's Python
+    implementation; ops not named run their own. The op stays the same opaque custom op
+    to Dynamo and to graph captures: only what runs inside it changes.
+
+    Compiled ``full`` gives each capture-safe op a body compiled with inductor for the
+    size it records (regional compilation, as sglang's attention backends ``torch.compile``
+    their own helpers), so what ``torch.compile`` sees as one opaque call still becomes
+    fused kernels. Blocks nest; the inner mapping wins for the block.
+
+    Raises:
+        KeyError: a name in ``bodies`` is not a registered marked op (lists the registered ones).
+    """
+    unknown = sorted(set(bodies) - set(_registry))
+    if unknown:
+        raise KeyError(f"marked_op_bodies: no marked op named {unknown}; registered: {sorted(_registry)}")
+    previous = _state.bodies
+    _state.bodies = dict(bodies)
+    try:
+        yield
+    finally:
+        _state.bodies = previous
 
 
 def registered_eager_ops() -> Dict[str, EagerOp]:

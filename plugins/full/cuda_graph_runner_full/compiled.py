@@ -21,6 +21,7 @@ How it runs (:class:`CompiledForward`):
     configs and masks to the size, as ``torch.compile(mode="reduce-overhead")`` does
     for every size it sees (H200, llama-3.2-1b: 1-2% faster than the dynamic graph at
     batch 32, the same kernels as reduce-overhead; a few seconds of compile per size).
+    At a compile size the *bodies* of the marked ops get compiled too (next section).
     The pass runs inside
     :func:`cuda_graph_runner.compile_cache.compile_cache_scope`, so a second process
     compiles from the disk cache.
@@ -30,6 +31,19 @@ How it runs (:class:`CompiledForward`):
     ``model.forward`` (an instance attribute, removed afterwards): the graph records
     inductor's kernels with the marked ops (attention) as opaque custom ops in between.
     A replay runs no Python at all.
+
+Marked op bodies (regional compilation)
+    A marked op (attention) is one opaque custom op to the compiled forward, so inductor
+    cannot fuse what runs inside it; reduce-overhead runs it as written too. At each
+    compile size, compiled full runs every marked op's Python body through a
+    ``torch.compile`` of its own (same compiler and options, static shapes, a code object
+    per op and size: :func:`cuda_graph_runner.graph_break.marked_op_bodies`): the op stays
+    opaque to the forward's graph, while its gathers, mask conversion and output copy
+    become a few Triton kernels around the attention kernel. H200, llama-3.2-1b's
+    reference attention, 16 layers at batch 32: 345 us eager, 262 us compiled per step
+    (``benchmarks/probe_step_kernels.py``). An op whose body must not be compiled
+    (a hand-written kernel gains nothing) says so with ``torch.compiler.disable``.
+    Dynamic sizes and verify's reference run the bodies as written.
 
 Marked ops must be capture-safe for the phase, exactly as for plain ``full``.
 """
@@ -49,6 +63,7 @@ from cuda_graph_runner import progress
 from cuda_graph_runner.compile_cache import cache_counters, compile_cache_scope, compile_key
 from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.graph_break import marked_op_bodies, registered_eager_ops
 from cuda_graph_runner.model_forward import entry_function, forward_replaced
 
 logger = logging.getLogger(__name__)
@@ -81,10 +96,13 @@ class CompiledForward:
 
     Attributes:
         compile_seconds: duration of the last compile pass (None before one).
-        dynamo_graphs: graphs Dynamo handed the compiler so far: per graph variant, 1 for
+        dynamo_graphs: graphs of the forward Dynamo handed the compiler so far: 1 for
             the dynamic sizes >= 2, 1 for size 1 when captured, 1 per static size; more
             means a recompile; 0 when the compile cache had Dynamo's code
             (:mod:`cuda_graph_runner.compile_cache_dynamo`).
+        op_body_graphs: graphs of marked-op bodies compiled so far (static sizes only; an
+            op body may take a few: the first layer's call computes the step's metadata,
+            the others reuse it).
         loaded: whether the dynamic-shape forward's Dynamo code came from the compile
             cache at the last :meth:`bind`.
 
@@ -113,12 +131,14 @@ class CompiledForward:
         self.inductor_options = options
         self.compile_seconds: Optional[float] = None
         self.dynamo_graphs = 0
+        self.op_body_graphs = 0
         self._model: Any = None
         self._compiled: Optional[Callable[..., Any]] = None
         self._static: Dict[int, Callable[..., Any]] = {}
+        self._op_bodies: Dict[int, Dict[str, Callable[..., Any]]] = {}
         self.loaded = False
 
-    def _dynamo_backend(self) -> Callable[..., Any]:
+    def _dynamo_backend(self, counter: str = "dynamo_graphs") -> Callable[..., Any]:
         inner: Callable[..., Any]
         if callable(self.compiler):
             inner = self.compiler
@@ -128,7 +148,7 @@ class CompiledForward:
             inner = functools.partial(compile_fx, config_patches=self.inductor_options)
 
         def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-            self.dynamo_graphs += 1
+            setattr(self, counter, getattr(self, counter) + 1)
             return inner(gm, example_inputs)
 
         return backend
@@ -156,27 +176,50 @@ class CompiledForward:
         self._compiled = torch.compile(entry, backend=backend, fullgraph=True)  # loads cached Dynamo code, if any
         self.loaded = cache_counters()["dynamo_hit"] > hits
         # A code object per static size: Dynamo's cache (and automatic dynamic shapes) is
-        # per code object, so each sees one size only and stays static.
+        # per code object, so each sees one size only and stays static. Not fullgraph:
+        # code compiled with fullgraph=True runs nested frames without Dynamo, which would
+        # leave the marked ops' compiled bodies uncompiled; compile_pass checks instead
+        # that each static forward stayed one graph.
         self._static = {
             size: torch.compile(
                 entry_function(model.forward, f"full_compiled_forward_full_{self.tag}_static_{size}"),
                 backend=backend,
-                fullgraph=True,
+                fullgraph=False,
                 dynamic=False,
             )
+            for size in self.static_sizes
+        }
+        ops = registered_eager_ops()
+        op_backend = self._dynamo_backend("op_body_graphs")
+        self._op_bodies = {
+            size: {
+                name: torch.compile(
+                    entry_function(op.fn, f"full_compiled_op_{name}_{self.tag}_{size}"),
+                    backend=op_backend,
+                    dynamic=False,
+                )
+                for name, op in ops.items()
+            }
             for size in self.static_sizes
         }
 
     @contextlib.contextmanager
     def active(self, size: Optional[int] = None) -> Iterator[None]:
         """``model.forward`` is the compiled forward for the block, then what it was:
-        ``size``'s static graph when ``size`` is a static size, else the dynamic one."""
+        ``size``'s static graph when ``size`` is a static size, else the dynamic one;
+        at a static size the marked ops run their compiled bodies too."""
         if self._model is None or self._compiled is None:
             yield
             return
-        with forward_replaced(
-            self._model, self._static.get(size, self._compiled) if size is not None else self._compiled
-        ):
+        bodies = self._op_bodies.get(size) if size is not None else None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                forward_replaced(
+                    self._model, self._static.get(size, self._compiled) if size is not None else self._compiled
+                )
+            )
+            if bodies:
+                stack.enter_context(marked_op_bodies(bodies))
             yield
 
     def check_sizes(self, plan: Any) -> None:
@@ -207,6 +250,7 @@ class CompiledForward:
         Raises:
             CudaGraphConfigError: a static size is not among the plan's sizes (before
                 anything compiles).
+            RuntimeError: the forward at a compile size broke into several graphs.
             whatever Dynamo or inductor raise (a graph break under ``fullgraph``, a
             failed lowering), unchanged.
         """
@@ -228,15 +272,22 @@ class CompiledForward:
                 if key.size not in self._static and not self.loaded:
                     # Loaded code's guards take the batch unmarked (torch 2.13 saves no marks).
                     mark_dynamic_tokens(batch)
+                graphs = self.dynamo_graphs
                 with self.active(key.size), forward_context(batch):
                     plan.forward(batch)
+                if key.size in self._static and self.dynamo_graphs - graphs > 1:
+                    raise RuntimeError(
+                        f"full: the forward at compile size {key.size} broke into {self.dynamo_graphs - graphs} "
+                        "graphs; compiled full records one graph per size (TORCH_LOGS=graph_breaks shows where)"
+                    )
         self.compile_seconds = time.perf_counter() - start
         logger.info(
-            "full: forward compiled (%s) for %d shapes in %.2f s, %d Dynamo graph(s)",
+            "full: forward compiled (%s) for %d shapes in %.2f s, %d Dynamo graph(s), %d of marked-op bodies",
             self.compiler if isinstance(self.compiler, str) else "custom",
             len(keys),
             self.compile_seconds,
             self.dynamo_graphs,
+            self.op_body_graphs,
         )
         return self.compile_seconds
 

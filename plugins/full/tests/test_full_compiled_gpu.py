@@ -6,7 +6,8 @@ capturing or serving; a replay equals the compiled forward run without the graph
 kernels: near-exact); greedy tokens equal eager's in bf16; the bench's label
 ``full:inductor`` resolves; a second start compiles from the disk cache (Dynamo's traced
 code loaded, nothing traced or generated) and computes what eager does; sizes of
-``compile_sizes`` get static graphs that match eager.
+``compile_sizes`` get static graphs, with the marked ops' bodies compiled too, that match
+eager.
 
 Run on the device machine: ``pytest -m gpu plugins/full/tests/test_full_compiled_gpu.py``
 (inductor builds Triton kernels: about a minute cold).
@@ -170,6 +171,10 @@ def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles(tm
     compiled = runner.backend.compiled_forward
     assert compiled.static_sizes == (4, 16)
     assert compiled.dynamo_graphs == 3  # static 16, static 4, size 1 (specialized anyway)
+    # The attention op's body compiled per compile size (a few graphs each: the first
+    # layer's metadata, the rest of the body, the last layer's call).
+    body_graphs = compiled.op_body_graphs
+    assert body_graphs >= 2 * 2, body_graphs
     eager = eager_logits_fn(model)
     with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
         for bs in (3, 4, 13, 16, 1):
@@ -178,5 +183,5 @@ def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles(tm
             got = runner.forward(batch)
             torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3, msg=f"bs {bs}")
             session.close()
-    assert compiled.dynamo_graphs == 3
+    assert compiled.dynamo_graphs == 3 and compiled.op_body_graphs == body_graphs
     runner.cleanup()
