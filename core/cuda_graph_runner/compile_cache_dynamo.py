@@ -185,6 +185,25 @@ def dynamo_cache_scope(folder: str, key: str) -> Iterator[Optional[str]]:
 
 
 @contextlib.contextmanager
+def precompile_paused() -> Iterator[None]:
+    """Inside a :func:`dynamo_cache_scope`, a block whose ``torch.compile`` wrappers and
+    compiles Dynamo neither loads from nor records into the package.
+
+    For functions torch cannot file under a qualified name: a marked op's body is one
+    (its module attribute is the :class:`~cuda_graph_runner.graph_break.EagerOp`, not the
+    function, and torch refuses to save a package holding its code: ``PackageError``).
+    Such functions trace again at every start; inductor's caches still serve them. No
+    effect where torch lacks the feature."""
+    if supported() is not None:
+        yield
+        return
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(caching_precompile=False):
+        yield
+
+
+@contextlib.contextmanager
 def _path_prefix(cache: Any, path: str) -> Iterator[None]:
     # torch's DiskDynamoCache puts packages under <inductor cache dir>/dynamo/<qualname hash>;
     # an instance attribute shadows that method for the block (the instance is the one

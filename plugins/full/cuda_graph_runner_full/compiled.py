@@ -43,7 +43,9 @@ Marked op bodies (regional compilation)
     reference attention, 16 layers at batch 32: 345 us eager, 262 us compiled per step
     (``benchmarks/probe_step_kernels.py``). An op whose body must not be compiled
     (a hand-written kernel gains nothing) says so with ``torch.compiler.disable``.
-    Dynamic sizes and verify's reference run the bodies as written.
+    Dynamic sizes and verify's reference run the bodies as written. The bodies stay out
+    of Dynamo's package cache (torch cannot file them under their names), so a warm start
+    traces them again; inductor's caches serve their code.
 
 Marked ops must be capture-safe for the phase, exactly as for plain ``full``.
 """
@@ -61,6 +63,7 @@ import torch
 
 from cuda_graph_runner import progress
 from cuda_graph_runner.compile_cache import cache_counters, compile_cache_scope, compile_key
+from cuda_graph_runner.compile_cache_dynamo import precompile_paused
 from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.graph_break import marked_op_bodies, registered_eager_ops
@@ -193,11 +196,7 @@ class CompiledForward:
         op_backend = self._dynamo_backend("op_body_graphs")
         self._op_bodies = {
             size: {
-                name: torch.compile(
-                    entry_function(op.fn, f"full_compiled_op_{name}_{self.tag}_{size}"),
-                    backend=op_backend,
-                    dynamic=False,
-                )
+                name: _compiled_body(op.fn, f"full_compiled_op_{name}_{self.tag}_{size}", op_backend)
                 for name, op in ops.items()
             }
             for size in self.static_sizes
@@ -290,6 +289,20 @@ class CompiledForward:
             self.op_body_graphs,
         )
         return self.compile_seconds
+
+
+def _compiled_body(fn: Callable[..., Any], name: str, backend: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a marked op's body) compiled with static shapes under a code object named
+    ``name``, kept out of Dynamo's package cache (torch cannot file a marked op's body
+    under its name: :func:`~cuda_graph_runner.compile_cache_dynamo.precompile_paused`)."""
+    with precompile_paused():
+        compiled = torch.compile(entry_function(fn, name), backend=backend, dynamic=False)
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        with precompile_paused():
+            return compiled(*args, **kwargs)
+
+    return body
 
 
 def mark_dynamic_tokens(batch: Any) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.compile_cache import compile_cache_scope, compile_key
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
@@ -111,3 +112,13 @@ def test_a_static_forward_that_breaks_into_several_graphs_is_refused():
             runner.capture()
     finally:
         torch._dynamo.reset()
+
+
+def test_op_bodies_compile_inside_the_dynamo_package_cache_scope(reference, tmp_path, monkeypatch):
+    # torch cannot file a marked op's body under its module name (the name is the
+    # EagerOp): recording it into Dynamo's package raised PackageError at the compile pass.
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
+    runner = _runner(reference, [2], (2,))
+    with torch.no_grad(), compile_cache_scope(compile_key(reference, "full", "op-bodies-test")):
+        runner.capture()
+    assert runner.backend.compiled_forward.op_body_graphs >= 2
