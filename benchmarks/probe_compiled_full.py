@@ -11,11 +11,13 @@ override that. Results of the H200 runs: docs/benchmarks.md (issue 22).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -32,6 +34,7 @@ VARIANTS = {
     "dyn_cdt": (None, {"coordinate_descent_tuning": True}),
     "dyn": (None, {}),
     "static": ("sizes", {}),
+    "static_eager_ops": ("sizes", {}),  # the marked ops' bodies as written (not compiled)
     "static_mag": ("sizes", {"max_autotune_gemm": True}),
     "static_mag_aggr": ("sizes", {"max_autotune_gemm": True, "aggressive_fusion": True}),
     "dyn_mag": (None, {"max_autotune_gemm": True}),
@@ -68,7 +71,12 @@ def main() -> None:
         )
         runner = DecodeCudaGraphRunner(model, {"decode": cfg}, show_progress=False, backend=backend)
         start = time.perf_counter()
-        runner.capture()
+        with contextlib.ExitStack() as stack:
+            if name == "static_eager_ops":
+                import cuda_graph_runner_full.compiled as compiled_module
+
+                stack.enter_context(mock.patch.object(compiled_module, "registered_eager_ops", dict))
+            runner.capture()
         compile_s[name] = round(time.perf_counter() - start, 1)
         keep.append(runner)
         for bs in bs_list:
