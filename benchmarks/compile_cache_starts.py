@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,6 +135,18 @@ def main(argv: List[str] | None = None) -> int:
             env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
             proc = subprocess.run(me, env=env, capture_output=True, text=True)
             print(f"prime start (discarded): exit {proc.returncode}", flush=True)
+            if proc.returncode:
+                print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+                return 1
+    try:
+        return _pairs(args, me, env_base)
+    finally:
+        if "PYTHONPYCACHEPREFIX" in env_base and "PYTHONPYCACHEPREFIX" not in os.environ:
+            shutil.rmtree(env_base["PYTHONPYCACHEPREFIX"], ignore_errors=True)
+
+
+def _pairs(args: argparse.Namespace, me: List[str], env_base: Dict[str, str]) -> int:
+    ratios = []
     for pair in range(args.pairs):
         with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
             env = dict(env_base, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
@@ -156,6 +170,9 @@ def main(argv: List[str] | None = None) -> int:
                 f"{seconds[1] / seconds[0]:.0%}",
                 flush=True,
             )
+            ratios.append(seconds[1] / seconds[0])
+    if ratios:
+        print(f"median warm/cold compile over {len(ratios)} pair(s): {statistics.median(ratios):.0%}", flush=True)
     return 0
 
 

@@ -3,7 +3,8 @@
 Profiles the compiled forward (static sizes, run without the graph) kernel by kernel,
 times the captured replay, and times the reference attention op's decode body
 eager against the same body compiled with inductor (both recorded in a CUDA graph of
-one call per layer).
+one call per layer). The H200 numbers that made compiled full compile the marked ops'
+bodies: ``benchmarks/results/2026-12-01-h200-session7-op-bodies/attention_probe.txt``.
 
     python3 benchmarks/probe_step_kernels.py --model llama-3.2-1b --batch-sizes 1 32
 """
@@ -161,8 +162,10 @@ def main() -> None:
             b = batches[bs]
 
             def step(b=b, bs=bs):
-                with compiled.active(bs):
-                    return eager(b)
+                # model.forward (the instance attribute active() installs), not run.py's
+                # eager path, which calls the class's forward
+                with compiled.active(bs), forward_context(b):
+                    return model.compute_logits(model.forward(b), b)
 
             table = kernel_table(step)
             table["replay_us"] = timed(lambda b=b: runner.forward(b))

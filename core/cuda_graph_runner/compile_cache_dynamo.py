@@ -33,6 +33,7 @@ logs once that Dynamo traces every start and the inductor caches still apply.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -193,14 +194,28 @@ def precompile_paused() -> Iterator[None]:
     (its module attribute is the :class:`~cuda_graph_runner.graph_break.EagerOp`, not the
     function, and torch refuses to save a package holding its code: ``PackageError``).
     Such functions trace again at every start; inductor's caches still serve them. No
-    effect where torch lacks the feature."""
-    if supported() is not None:
+    effect outside a scope, or where torch lacks the feature. The setting is Dynamo's
+    process-wide config: not for blocks running in several threads at once."""
+    if not _precompile_on():
         yield
         return
     import torch._dynamo.config as dynamo_config
 
     with dynamo_config.patch(caching_precompile=False):
         yield
+
+
+def _precompile_on() -> bool:
+    if _supported_once() is not None:
+        return False
+    import torch._dynamo.config as dynamo_config
+
+    return bool(dynamo_config.caching_precompile)
+
+
+@functools.cache
+def _supported_once() -> Optional[str]:
+    return supported()
 
 
 @contextlib.contextmanager

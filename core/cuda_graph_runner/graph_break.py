@@ -281,10 +281,12 @@ def marked_op_bodies(bodies: Mapping[str, Callable[..., Any]]) -> Iterator[None]
     implementation; ops not named run their own. The op stays the same opaque custom op
     to Dynamo and to graph captures: only what runs inside it changes.
 
-    Compiled ``full`` gives each capture-safe op a body compiled with inductor for the
-    size it records (regional compilation, as sglang's attention backends ``torch.compile``
-    their own helpers), so what ``torch.compile`` sees as one opaque call still becomes
-    fused kernels. Blocks nest; the inner mapping wins for the block.
+    Compiled ``full`` gives every registered op a body compiled with inductor for each
+    compile size (regional compilation, as sglang's attention backends ``torch.compile``
+    their own helpers; only the ops the forward calls ever compile), so what the
+    forward's graph sees as one opaque call still becomes fused kernels. A body must
+    keep the op's contract (write ``output``, return None). Blocks nest; the inner
+    mapping wins for the block.
 
     Raises:
         KeyError: a name in ``bodies`` is not a registered marked op (lists the registered ones).

@@ -11,7 +11,8 @@ How it runs (:class:`CompiledForward`):
 
 ``prepare(plan)``
     ``torch.compile(model.forward, backend=inductor, fullgraph=True)`` with a code object
-    of its own, and the *compile pass*: one forward per planned key, largest first, on
+    of its own (a compile size's: ``fullgraph=False``, so the op bodies' own compiles
+    run inside it, with graph breaks refused all the same), and the *compile pass*: one forward per planned key, largest first, on
     ``plan.static_batch(key)``, with dim 0 of the batch's tensors marked dynamic.
     The first call (largest size) compiles one graph that serves every size >= 2 (the
     token axis symbolic); size 1, which Dynamo always specializes, costs one more
@@ -33,19 +34,10 @@ How it runs (:class:`CompiledForward`):
     A replay runs no Python at all.
 
 Marked op bodies (regional compilation)
-    A marked op (attention) is one opaque custom op to the compiled forward, so inductor
-    cannot fuse what runs inside it; reduce-overhead runs it as written too. At each
-    compile size, compiled full runs every marked op's Python body through a
-    ``torch.compile`` of its own (same compiler and options, static shapes, a code object
-    per op and size: :func:`cuda_graph_runner.graph_break.marked_op_bodies`): the op stays
-    opaque to the forward's graph, while its gathers, mask conversion and output copy
-    become a few Triton kernels around the attention kernel. H200, llama-3.2-1b's
-    reference attention, 16 layers at batch 32: 345 us eager, 262 us compiled per step
-    (``benchmarks/probe_step_kernels.py``). An op whose body must not be compiled
-    (a hand-written kernel gains nothing) says so with ``torch.compiler.disable``.
-    Dynamic sizes and verify's reference run the bodies as written. The bodies stay out
-    of Dynamo's package cache (torch cannot file them under their names), so a warm start
-    traces them again; inductor's caches serve their code.
+    At each compile size the marked ops (attention) run bodies compiled with the same
+    compiler: the op stays opaque to the forward's graph, while what runs inside it
+    fuses (:mod:`.op_bodies`). Dynamic sizes and verify's reference run the bodies as
+    written.
 
 Marked ops must be capture-safe for the phase, exactly as for plain ``full``.
 """
@@ -63,11 +55,12 @@ import torch
 
 from cuda_graph_runner import progress
 from cuda_graph_runner.compile_cache import cache_counters, compile_cache_scope, compile_key
-from cuda_graph_runner.compile_cache_dynamo import precompile_paused
 from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.graph_break import marked_op_bodies, registered_eager_ops
+from cuda_graph_runner.graph_break import marked_op_bodies
 from cuda_graph_runner.model_forward import entry_function, forward_replaced
+
+from .op_bodies import compiled_op_bodies
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +96,11 @@ class CompiledForward:
             the dynamic sizes >= 2, 1 for size 1 when captured, 1 per static size; more
             means a recompile; 0 when the compile cache had Dynamo's code
             (:mod:`cuda_graph_runner.compile_cache_dynamo`).
-        op_body_graphs: graphs of marked-op bodies compiled so far (static sizes only; an
-            op body may take a few: the first layer's call computes the step's metadata,
-            the others reuse it).
+        op_body_graphs: graphs of marked-op bodies compiled so far (compile sizes only;
+            a body may take a few per size: it graph-breaks where it reads the forward
+            context, and its first layer's call computes the step's metadata).
+        op_body_graphs_by_size: per compile size, the body graphs its compile pass made
+            (equal for every size; a warning is logged when not).
         loaded: whether the dynamic-shape forward's Dynamo code came from the compile
             cache at the last :meth:`bind`.
 
@@ -135,6 +130,7 @@ class CompiledForward:
         self.compile_seconds: Optional[float] = None
         self.dynamo_graphs = 0
         self.op_body_graphs = 0
+        self.op_body_graphs_by_size: Dict[int, int] = {}
         self._model: Any = None
         self._compiled: Optional[Callable[..., Any]] = None
         self._static: Dict[int, Callable[..., Any]] = {}
@@ -181,26 +177,22 @@ class CompiledForward:
         # A code object per static size: Dynamo's cache (and automatic dynamic shapes) is
         # per code object, so each sees one size only and stays static. Not fullgraph:
         # code compiled with fullgraph=True runs nested frames without Dynamo, which would
-        # leave the marked ops' compiled bodies uncompiled; compile_pass checks instead
-        # that each static forward stayed one graph.
+        # leave the marked ops' compiled bodies uncompiled; graph breaks are refused by
+        # error_on_graph_break where torch has it, and compile_pass counts graphs too.
         self._static = {
             size: torch.compile(
-                entry_function(model.forward, f"full_compiled_forward_full_{self.tag}_static_{size}"),
+                _refusing_graph_breaks(
+                    entry_function(model.forward, f"full_compiled_forward_full_{self.tag}_static_{size}")
+                ),
                 backend=backend,
                 fullgraph=False,
                 dynamic=False,
             )
             for size in self.static_sizes
         }
-        ops = registered_eager_ops()
-        op_backend = self._dynamo_backend("op_body_graphs")
-        self._op_bodies = {
-            size: {
-                name: _compiled_body(op.fn, f"full_compiled_op_{name}_{self.tag}_{size}", op_backend)
-                for name, op in ops.items()
-            }
-            for size in self.static_sizes
-        }
+        self._op_bodies = compiled_op_bodies(
+            self.static_sizes, tag=self.tag, phase=self.tag or "decode", backend=self._dynamo_backend("op_body_graphs")
+        )
 
     @contextlib.contextmanager
     def active(self, size: Optional[int] = None) -> Iterator[None]:
@@ -250,8 +242,8 @@ class CompiledForward:
             CudaGraphConfigError: a static size is not among the plan's sizes (before
                 anything compiles).
             RuntimeError: the forward at a compile size broke into several graphs.
-            whatever Dynamo or inductor raise (a graph break under ``fullgraph``, a
-            failed lowering), unchanged.
+            CudaGraphHostValueError: a marked op's body read a host value at a compile size.
+            whatever Dynamo or inductor raise (a graph break, a failed lowering), unchanged.
         """
         start = time.perf_counter()
         self.check_sizes(plan)
@@ -271,15 +263,25 @@ class CompiledForward:
                 if key.size not in self._static and not self.loaded:
                     # Loaded code's guards take the batch unmarked (torch 2.13 saves no marks).
                     mark_dynamic_tokens(batch)
-                graphs = self.dynamo_graphs
+                graphs, body_graphs = self.dynamo_graphs, self.op_body_graphs
                 with self.active(key.size), forward_context(batch):
                     plan.forward(batch)
+                if key.size in self._op_bodies:
+                    self.op_body_graphs_by_size[key.size] = self.op_body_graphs - body_graphs
                 if key.size in self._static and self.dynamo_graphs - graphs > 1:
                     raise RuntimeError(
                         f"full: the forward at compile size {key.size} broke into {self.dynamo_graphs - graphs} "
                         "graphs; compiled full records one graph per size (TORCH_LOGS=graph_breaks shows where)"
                     )
         self.compile_seconds = time.perf_counter() - start
+        if len(set(self.op_body_graphs_by_size.values())) > 1:
+            # Static shapes: every size should trace the same body graphs; fewer for a later
+            # size means Dynamo fell back to running part of a body as written.
+            logger.warning(
+                "full: marked-op bodies compiled into different numbers of graphs per compile size %s; "
+                "some sizes may run part of a body uncompiled (TORCH_LOGS=recompiles shows why)",
+                self.op_body_graphs_by_size,
+            )
         logger.info(
             "full: forward compiled (%s) for %d shapes in %.2f s, %d Dynamo graph(s), %d of marked-op bodies",
             self.compiler if isinstance(self.compiler, str) else "custom",
@@ -291,18 +293,12 @@ class CompiledForward:
         return self.compile_seconds
 
 
-def _compiled_body(fn: Callable[..., Any], name: str, backend: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a marked op's body) compiled with static shapes under a code object named
-    ``name``, kept out of Dynamo's package cache (torch cannot file a marked op's body
-    under its name: :func:`~cuda_graph_runner.compile_cache_dynamo.precompile_paused`)."""
-    with precompile_paused():
-        compiled = torch.compile(entry_function(fn, name), backend=backend, dynamic=False)
-
-    def body(*args: Any, **kwargs: Any) -> Any:
-        with precompile_paused():
-            return compiled(*args, **kwargs)
-
-    return body
+def _refusing_graph_breaks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch._dynamo.error_on_graph_break(True)`` (a graph break raises, as
+    under ``fullgraph=True``, while nested ``torch.compile`` calls still compile); ``fn``
+    unchanged on a torch without it."""
+    refuse = getattr(torch._dynamo, "error_on_graph_break", None)
+    return refuse(True)(fn) if callable(refuse) else fn
 
 
 def mark_dynamic_tokens(batch: Any) -> None:

@@ -13,7 +13,9 @@ import torch
 
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.compile_cache import compile_cache_scope, compile_key
-from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.errors import CudaGraphHostValueError
+from cuda_graph_runner.forward_context import forward_context, get_forward_batch
+from cuda_graph_runner.graph_break import eager_op
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
@@ -25,10 +27,16 @@ from cuda_graph_runner_full.backend import FullCudaGraphBackend
 class CountingCompiler:
     def __init__(self) -> None:
         self.graphs = 0
+        self.calls = 0
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        return gm.forward
+
+        def run(*args):
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
 
 
 def _runner(model, compile_sizes, bs):
@@ -61,17 +69,26 @@ def _live_batch(model, bs, seed):
 def test_compile_sizes_compile_the_marked_op_bodies_once_and_they_compute_the_op_s_result(reference):
     model = reference
     runner = _runner(model, [2, 4], (1, 2, 4))
-    plans = []
+    plans, after_prepare = [], []
     prepare = runner.backend.prepare
-    runner.backend.prepare = lambda plan: (plans.append(plan), prepare(plan))[1]
+
+    def spy(plan):
+        plans.append(plan)
+        prepare(plan)
+        after_prepare.append(runner.backend.compiled_forward.op_body_graphs)
+
+    runner.backend.prepare = spy
     with torch.no_grad():
         runner.capture()
         compiled = runner.backend.compiled_forward
         assert compiled.dynamo_graphs == 3  # static 4, static 2, size 1: op bodies are counted apart
-        # Per size: the first layer's call (metadata, up to the data_ptr break), the rest
-        # of its body, the last layer's (it releases the metadata).
+        # The body graph-breaks where it reads the forward context; its pieces compile per
+        # size, the same number for each size; the capture compiled none.
         body_graphs = compiled.op_body_graphs
-        assert body_graphs >= 2 * 2, body_graphs
+        by_size = compiled.op_body_graphs_by_size
+        assert sorted(by_size) == [2, 4] and by_size[2] == by_size[4] >= 2, by_size
+        assert after_prepare == [body_graphs]
+        compiler = runner.backend.compiled_forward.compiler
         for bs in (4, 2, 1):
             # A live batch's values in the size's static batch, as a replay fills it.
             session, live = _live_batch(model, bs, seed=bs)
@@ -80,8 +97,11 @@ def test_compile_sizes_compile_the_marked_op_bodies_once_and_they_compute_the_op
                 getattr(batch, name).copy_(getattr(live, name))
             with forward_context(batch):
                 expected = model.forward(batch).clone()
+            calls = compiler.calls
             with compiled.active(bs), forward_context(batch):
                 got = model.forward(batch)
+            # The forward's graph, plus the bodies' graphs at a compile size (2 layers).
+            assert (compiler.calls - calls > 1 + 1) == (bs in (2, 4)), (bs, compiler.calls - calls)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"bs {bs}")
             session.close()
         # A new forward of a compile size (a new scratch, new values) and size 1 (no
@@ -98,20 +118,72 @@ def test_without_compile_sizes_no_op_body_is_compiled(reference):
 
 
 class _BreakingModel(ToyModel):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
     def forward(self, batch):
+        if self.where == "start":
+            torch._dynamo.graph_break()  # the piece before it is empty: no graph of its own
         batch.input_ids.add_(0)
-        torch._dynamo.graph_break()
+        if self.where == "middle":
+            torch._dynamo.graph_break()
         return super().forward(batch)
 
 
-def test_a_static_forward_that_breaks_into_several_graphs_is_refused():
+@pytest.mark.parametrize("where", ["start", "middle"])
+def test_a_static_forward_that_breaks_into_several_graphs_is_refused(where):
     torch._dynamo.reset()
     try:
-        runner = _runner(_BreakingModel(), [2], (2,))
-        with torch.no_grad(), pytest.raises(RuntimeError, match=r"compile size 2 broke into \d graphs"):
+        runner = _runner(_BreakingModel(where), [2], (2,))
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"graph_break\(\)|compile size 2 broke into"):
             runner.capture()
     finally:
         torch._dynamo.reset()
+
+
+@eager_op("op_bodies_test_host_reader", capture_safe=("decode",))
+def _host_reader(output: torch.Tensor, x: torch.Tensor) -> None:
+    # Breaks the capture promise: a host field of the batch.
+    output.copy_(x + len(get_forward_batch().seq_lens_cpu))
+
+
+class _HostReadingModel(ToyModel):
+    def forward(self, batch):
+        h = super().forward(batch)
+        out = torch.empty_like(h)
+        _host_reader(out, h)
+        return out
+
+
+@pytest.mark.parametrize("compile_sizes", [None, [2]])
+def test_a_body_reading_a_host_value_is_refused_at_compile_sizes_too(compile_sizes):
+    # The guard's checks are folded in when Dynamo traces a body: traced unguarded in the
+    # compile pass, the body froze seq_lens_cpu into the graph silently.
+    torch._dynamo.reset()
+    try:
+        runner = _runner(_HostReadingModel(), compile_sizes, (2,))
+        with torch.no_grad(), pytest.raises(Exception) as caught:
+            runner.capture()
+        chain, exc = [], caught.value
+        while exc is not None:
+            chain.append(exc)
+            exc = exc.__cause__ or exc.__context__
+        assert any(isinstance(e, CudaGraphHostValueError) for e in chain), repr(caught.value)
+        assert "seq_lens_cpu" in str(caught.value)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_every_compile_size_compiles_its_bodies_whole_past_dynamo_s_recompile_limit(reference):
+    # The bodies' inner frames are shared by all sizes (a few cache entries each): with
+    # Dynamo's default limit of 8 the later sizes ran part of the body as written.
+    sizes = [2, 3, 4, 5, 6, 7]
+    runner = _runner(reference, sizes, sizes)
+    with torch.no_grad():
+        runner.capture()
+    by_size = runner.backend.compiled_forward.op_body_graphs_by_size
+    assert sorted(by_size) == sizes and len(set(by_size.values())) == 1 and by_size[2] >= 2, by_size
 
 
 def test_op_bodies_compile_inside_the_dynamo_package_cache_scope(reference, tmp_path, monkeypatch):
