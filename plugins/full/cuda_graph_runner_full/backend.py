@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
-import torch
-
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.config import CudaGraphConfigError
@@ -94,12 +92,17 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
             return contextlib.nullcontext()
         return self.compiled_forward.active(key.size if key is not None else None)
 
-    def _no_compiling(self) -> ContextManager[None]:
-        # The compile pass compiled everything a capture runs; a guard miss now would
-        # compile inside the stream capture (and record nothing sane): raise instead.
-        if self.compiled_forward is None or self.compiled_forward.compile_seconds is None:
-            return contextlib.nullcontext()
-        return torch.compiler.set_stance("fail_on_recompile")
+    def warmup_runs(self, key: Optional[ShapeKey] = None) -> int:
+        """The policy's count (:meth:`BaseCudaGraphBackend.warmup_runs`), but at least one
+        at a compile size: its marked-op bodies may still meet a Dynamo guard they did
+        not see in the compile pass (H200: the stride of a size-1 dim of a tensor the
+        first layer made), and that recompile must happen in a warm-up, not inside the
+        stream capture."""
+        runs = super().warmup_runs(key)
+        compiled = self.compiled_forward
+        if compiled is not None and key is not None and key.size in compiled.static_sizes:
+            return max(runs, 1)
+        return runs
 
     def verify_reference(self, eager_fn: Callable[[], Any], key: ShapeKey, static_batch: ForwardBatch) -> Any:
         """Compiled full: the compiled forward run without the graph, on the live
@@ -113,7 +116,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up, then record ``forward_fn`` for ``key`` (``record_graph``); compiled
         full records inductor's kernels."""
-        with self._compiled_active(key), self._no_compiling():
+        with self._compiled_active(key):
             self.record_graph(
                 key, forward_fn, self.device_module.CUDAGraph, post_warmup_hook, weak_ref_outputs=self.weak_ref_outputs
             )

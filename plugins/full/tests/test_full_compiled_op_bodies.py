@@ -194,3 +194,22 @@ def test_op_bodies_compile_inside_the_dynamo_package_cache_scope(reference, tmp_
     with torch.no_grad(), compile_cache_scope(compile_key(reference, "full", "op-bodies-test")):
         runner.capture()
     assert runner.backend.compiled_forward.op_body_graphs >= 2
+
+
+@pytest.mark.parametrize("policy", ["first_size", "auto"])
+def test_a_compile_size_warms_up_before_its_recording_under_every_policy(policy):
+    # A guard its bodies did not meet in the compile pass then recompiles in the warm-up,
+    # not inside the stream capture (seen on the H200 under the auto policy).
+    backend = FullCudaGraphBackend(
+        "cpu",
+        phase="decode",
+        device_module=FakeGraphDeviceModule(),
+        memory_pool="pool",
+        compiler=CountingCompiler(),
+        compile_sizes=[2],
+    )
+    backend.new_capture_session(policy)
+    for size in (4, 2, 1):
+        backend.note_kernels_ran(ShapeKey(size, "decode"))  # what the compile pass records
+    runs = [backend.warmup_runs(ShapeKey(size, "decode")) for size in (4, 2, 1)]
+    assert runs[0] == backend.num_warmups and runs[1] == 1 and runs[2] == 0, runs
