@@ -100,7 +100,7 @@ class CompiledForward:
             a body may take a few per size: it graph-breaks where it reads the forward
             context, and its first layer's call computes the step's metadata).
         op_body_graphs_by_size: per compile size, the body graphs its compile pass made
-            (equal for every size; a warning is logged when not).
+            (a size whose pieces are empty, e.g. batch 1, may make fewer).
         loaded: whether the dynamic-shape forward's Dynamo code came from the compile
             cache at the last :meth:`bind`.
 
@@ -274,14 +274,6 @@ class CompiledForward:
                         "graphs; compiled full records one graph per size (TORCH_LOGS=graph_breaks shows where)"
                     )
         self.compile_seconds = time.perf_counter() - start
-        if len(set(self.op_body_graphs_by_size.values())) > 1:
-            # Static shapes: every size should trace the same body graphs; fewer for a later
-            # size means Dynamo fell back to running part of a body as written.
-            logger.warning(
-                "full: marked-op bodies compiled into different numbers of graphs per compile size %s; "
-                "some sizes may run part of a body uncompiled (TORCH_LOGS=recompiles shows why)",
-                self.op_body_graphs_by_size,
-            )
         logger.info(
             "full: forward compiled (%s) for %d shapes in %.2f s, %d Dynamo graph(s), %d of marked-op bodies",
             self.compiler if isinstance(self.compiler, str) else "custom",
