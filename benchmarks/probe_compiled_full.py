@@ -41,6 +41,18 @@ VARIANTS = {
 }
 
 
+def setup(name: str, batch_sizes):
+    """Inductor pinned, the preset on CUDA in bf16 with a KV cache of 48 positions, and one
+    live decode batch per size (32-token prompts prefilled): ``(model, sizes, batches)``."""
+    run.pin_inductor("pinned")
+    model = ReferenceLlamaForCausalLM.from_preset(name, dtype=torch.bfloat16, device="cuda")
+    bs_list = sorted(batch_sizes)
+    context = 48
+    max_reqs = sum(bs_list) + 2
+    model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
+    return model, bs_list, run.decode_batches(model, bs_list, 32)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.2-1b")
@@ -50,13 +62,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    run.pin_inductor("pinned")
-    model = ReferenceLlamaForCausalLM.from_preset(a.model, dtype=torch.bfloat16, device="cuda")
-    bs_list = sorted(a.batch_sizes)
-    context = 48
-    max_reqs = sum(bs_list) + 2
-    model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
-    batches = run.decode_batches(model, bs_list, 32)
+    model, bs_list, batches = setup(a.model, a.batch_sizes)
     methods = {bs: {} for bs in bs_list}
     compile_s = {}
     keep = []

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import probe_compiled_full  # noqa: E402
 import run  # noqa: E402
 
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
 from cuda_graph_runner.testing.model.attention import _decode_metadata  # noqa: E402
 
 
@@ -141,13 +141,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    run.pin_inductor("pinned")
-    model = ReferenceLlamaForCausalLM.from_preset(a.model, dtype=torch.bfloat16, device="cuda")
-    bs_list = sorted(a.batch_sizes)
-    context = 48
-    max_reqs = sum(bs_list) + 2
-    model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
-    batches = run.decode_batches(model, bs_list, 32)
+    model, bs_list, batches = probe_compiled_full.setup(a.model, a.batch_sizes)
     result = {}
     with torch.no_grad():
         for bs in bs_list:

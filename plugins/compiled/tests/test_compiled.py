@@ -25,6 +25,7 @@ from cuda_graph_runner.testing.batches import (
     make_decode_batch,
     make_dummy_prompts,
 )
+from cuda_graph_runner.testing.fakes import CountingCompiler
 from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_compiled import toolchain
@@ -32,17 +33,6 @@ from cuda_graph_runner_compiled.backend import CompiledBackend
 
 # Compiled (padded shape) against eager (live shape): the same math, summed in another order.
 TOL = model_tolerance(PRESETS["tiny"], torch.float32, context_len=64)
-
-
-class CountingCompiler:
-    """A Dynamo backend that counts the graphs it is handed and runs them as traced."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return gm.forward
 
 
 def small_model(layers: int = 2) -> ReferenceLlamaForCausalLM:

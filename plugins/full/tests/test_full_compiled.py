@@ -12,25 +12,10 @@ import torch
 from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 from cuda_graph_runner_full.compiled import CompiledForward
-
-
-class CountingCompiler:
-    def __init__(self) -> None:
-        self.graphs = 0
-        self.calls = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-
-        def run(*args):
-            self.calls += 1
-            return gm.forward(*args)
-
-        return run
 
 
 @pytest.fixture()

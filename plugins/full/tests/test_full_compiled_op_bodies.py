@@ -18,25 +18,10 @@ from cuda_graph_runner.forward_context import forward_context, get_forward_batch
 from cuda_graph_runner.graph_break import eager_op
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.reference_setup import reference_model
 from cuda_graph_runner.testing.toy_model import ToyModel
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
-
-
-class CountingCompiler:
-    def __init__(self) -> None:
-        self.graphs = 0
-        self.calls = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-
-        def run(*args):
-            self.calls += 1
-            return gm.forward(*args)
-
-        return run
 
 
 def _runner(model, compile_sizes, bs):
@@ -200,14 +185,7 @@ def test_op_bodies_compile_inside_the_dynamo_package_cache_scope(reference, tmp_
 def test_a_compile_size_warms_up_before_its_recording_under_every_policy(policy):
     # A guard its bodies did not meet in the compile pass then recompiles in the warm-up,
     # not inside the stream capture (seen on the H200 under the auto policy).
-    backend = FullCudaGraphBackend(
-        "cpu",
-        phase="decode",
-        device_module=FakeGraphDeviceModule(),
-        memory_pool="pool",
-        compiler=CountingCompiler(),
-        compile_sizes=[2],
-    )
+    backend = _runner(ToyModel(), [2], (1, 2, 4)).backend
     backend.new_capture_session(policy)
     for size in (4, 2, 1):
         backend.note_kernels_ran(ShapeKey(size, "decode"))  # what the compile pass records
