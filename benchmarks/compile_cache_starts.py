@@ -116,7 +116,15 @@ def main(argv: List[str] | None = None) -> int:
     me = [sys.executable, os.path.abspath(__file__), "--child", "--backend", args.backend, "--model", args.model]
     me += ["--device", args.device, "--dtype", args.dtype, "--sizes", *map(str, args.sizes)]
     me += ["--replays", str(args.replays)]
-    env_base = dict(os.environ)
+    owned: List[str] = []  # folders made here, removed at the end whatever happens
+    try:
+        return _starts(args, me, dict(os.environ), owned)
+    finally:
+        for folder in owned:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _starts(args: argparse.Namespace, me: List[str], env_base: Dict[str, str], owned: List[str]) -> int:
     import torch
 
     pycache = os.path.join(os.path.dirname(torch.__file__), "__pycache__")
@@ -125,6 +133,7 @@ def main(argv: List[str] | None = None) -> int:
         # again (seconds in the lazy torch._dynamo / torch._inductor imports, in cold and
         # warm starts alike); a user's installation keeps its .pyc files.
         env_base["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="cgr-pycache-")
+        owned.append(env_base["PYTHONPYCACHEPREFIX"])
         env_base.pop("PYTHONDONTWRITEBYTECODE", None)
         print(f"note: {pycache} is not writable; Python's bytecode cache is {env_base['PYTHONPYCACHEPREFIX']}")
     if args.prime:
@@ -138,11 +147,7 @@ def main(argv: List[str] | None = None) -> int:
             if proc.returncode:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
                 return 1
-    try:
-        return _pairs(args, me, env_base)
-    finally:
-        if "PYTHONPYCACHEPREFIX" in env_base and "PYTHONPYCACHEPREFIX" not in os.environ:
-            shutil.rmtree(env_base["PYTHONPYCACHEPREFIX"], ignore_errors=True)
+    return _pairs(args, me, env_base)
 
 
 def _pairs(args: argparse.Namespace, me: List[str], env_base: Dict[str, str]) -> int:

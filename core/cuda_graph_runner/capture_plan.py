@@ -56,6 +56,9 @@ class CapturePlan:
         forward: ``batch -> output``, the forward one graph records (no forward context
             entered: the caller enters it, the runner does at capture and replay).
         legacy: the object answering the 1.0 runner attributes (the runner), or None.
+        host_value_guard: the host-value guard scope the runner captures under
+            (:mod:`cuda_graph_runner.host_guard`; ``"off"`` when the config turned it
+            off): a backend that traces or runs bodies ahead of the capture arms it there.
 
     Raises:
         TypeError: ``keys`` holds something other than ``ShapeKey``.
@@ -70,6 +73,7 @@ class CapturePlan:
         static_batch: Callable[[ShapeKey], ForwardBatch],
         forward: Callable[[ForwardBatch], Any],
         legacy: Any = None,
+        host_value_guard: str = "off",
     ) -> None:
         bad = [k for k in keys if not isinstance(k, ShapeKey)]
         if bad:
@@ -80,6 +84,7 @@ class CapturePlan:
         self._static_batch = static_batch
         self._forward = forward
         self._legacy = legacy
+        self.host_value_guard = host_value_guard
 
     @property
     def sizes(self) -> List[int]:

@@ -43,4 +43,5 @@ def build_capture_plan(runner: Any) -> CapturePlan:
         static_batch=static_batch,
         forward=runner.graph_forward,
         legacy=runner,
+        host_value_guard=runner.host_value_guard_scope(),
     )

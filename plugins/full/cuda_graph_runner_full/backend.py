@@ -83,7 +83,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
     def prepare(self, plan: CapturePlan) -> None:
         """Compiled full: the compile pass over every planned key (:mod:`.compiled`)."""
         if self.compiled_forward is not None:
-            self.compile_seconds = self.compiled_forward.compile_pass(plan)
+            self.compile_seconds = self.compiled_forward.compile_pass(plan, label=self.name or "full")
             for key in plan.keys:
                 self.note_kernels_ran(key)
 

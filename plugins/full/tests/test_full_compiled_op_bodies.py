@@ -116,13 +116,24 @@ class _BreakingModel(ToyModel):
         return super().forward(batch)
 
 
-@pytest.mark.parametrize("where", ["start", "middle"])
-def test_a_static_forward_that_breaks_into_several_graphs_is_refused(where):
+def test_a_static_forward_that_breaks_into_several_graphs_is_refused():
     torch._dynamo.reset()
     try:
-        runner = _runner(_BreakingModel(where), [2], (2,))
-        with torch.no_grad(), pytest.raises(RuntimeError, match=r"graph_break\(\)|compile size 2 broke into"):
+        runner = _runner(_BreakingModel("middle"), [2], (2,))
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"compile size 2 broke into 2 graphs"):
             runner.capture()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_break_with_nothing_before_it_leaves_one_graph_and_is_accepted():
+    # The piece before it is empty: one graph, no Python runs between graphs.
+    torch._dynamo.reset()
+    try:
+        runner = _runner(_BreakingModel("start"), [2], (2,))
+        with torch.no_grad():
+            runner.capture()
+        assert runner.backend.compiled_forward.dynamo_graphs == 1
     finally:
         torch._dynamo.reset()
 
@@ -139,6 +150,23 @@ class _HostReadingModel(ToyModel):
         out = torch.empty_like(h)
         _host_reader(out, h)
         return out
+
+
+def test_with_the_guard_turned_off_a_body_s_host_read_is_left_free():
+    # host_value_guard: false in the config: the capture leaves host reads free, so the
+    # compiled bodies must not arm the guard on their own.
+    torch._dynamo.reset()
+    try:
+        backend = _runner(_HostReadingModel(), [2], (2,)).backend
+        runner = DecodeCudaGraphRunner(
+            _HostReadingModel(), {"decode": {"bs": [2], "host_value_guard": False}}, device="cpu", backend=backend
+        )
+        runner.show_progress = False
+        with torch.no_grad():
+            runner.capture()
+        assert backend.compiled_forward.op_body_graphs >= 1
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("compile_sizes", [None, [2]])
@@ -162,8 +190,9 @@ def test_a_body_reading_a_host_value_is_refused_at_compile_sizes_too(compile_siz
 
 def test_every_compile_size_compiles_its_bodies_whole_past_dynamo_s_recompile_limit(reference):
     # The bodies' inner frames are shared by all sizes (a few cache entries each): with
-    # Dynamo's default limit of 8 the later sizes ran part of the body as written.
-    sizes = [2, 3, 4, 5, 6, 7]
+    # Dynamo's default limit of 8 the later sizes ran part of the body as written. And
+    # more than 8 sizes: each static forward keeps a code object (and a limit) of its own.
+    sizes = list(range(2, 12))
     runner = _runner(reference, sizes, sizes)
     with torch.no_grad():
         runner.capture()
@@ -191,3 +220,30 @@ def test_a_compile_size_warms_up_before_its_recording_under_every_policy(policy)
         backend.note_kernels_ran(ShapeKey(size, "decode"))  # what the compile pass records
     runs = [backend.warmup_runs(ShapeKey(size, "decode")) for size in (4, 2, 1)]
     assert runs[0] == backend.num_warmups and runs[1] == 1 and runs[2] == 0, runs
+
+
+@eager_op("op_bodies_test_opted_out", capture_safe=("decode",))
+@torch.compiler.disable
+def _opted_out(output: torch.Tensor, x: torch.Tensor) -> None:
+    output.copy_(x * 2)
+
+
+class _OptedOutModel(ToyModel):
+    def forward(self, batch):
+        h = super().forward(batch)
+        out = torch.empty_like(h)
+        _opted_out(out, h)
+        return out
+
+
+def test_a_body_under_torch_compiler_disable_is_not_compiled():
+    torch._dynamo.reset()
+    try:
+        model = _OptedOutModel()
+        runner = _runner(model, [2], (2,))
+        with torch.no_grad():
+            runner.capture()
+        compiled = runner.backend.compiled_forward
+        assert compiled.op_body_graphs == 0 and compiled.dynamo_graphs == 1
+    finally:
+        torch._dynamo.reset()
