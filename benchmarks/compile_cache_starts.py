@@ -135,7 +135,8 @@ def _starts(args: argparse.Namespace, me: List[str], env_base: Dict[str, str], o
         env_base["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="cgr-pycache-")
         owned.append(env_base["PYTHONPYCACHEPREFIX"])
         env_base.pop("PYTHONDONTWRITEBYTECODE", None)
-        print(f"note: {pycache} is not writable; Python's bytecode cache is {env_base['PYTHONPYCACHEPREFIX']}")
+        why = "PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else f"{pycache} is not writable"
+        print(f"note: {why}; the starts keep Python's bytecode in {env_base['PYTHONPYCACHEPREFIX']}")
     if args.prime:
         # One start whose numbers are discarded: Python's bytecode and the OS file cache
         # warm, as on a machine where torch was imported before.

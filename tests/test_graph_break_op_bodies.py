@@ -1,7 +1,8 @@
 """``marked_op_bodies``: a backend runs another body for a marked op inside a block
 (compiled ``full`` gives each op a compiled body per compile size) while the op stays the
 same custom op: the body runs with the op's arguments, only inside the block and thread,
-blocks nest, and unknown names are refused naming the registered ops."""
+blocks nest (adding to the outer block), keys are names or the ops; unknown names, bad
+keys, non-callable bodies and bodies that return a value are refused, naming the op."""
 
 from __future__ import annotations
 
@@ -72,3 +73,39 @@ def test_an_unknown_op_name_is_refused_naming_the_registered_ops():
     x, out = torch.arange(3.0), torch.empty(3)
     ADD_ONE(out, x)  # nothing was left installed
     torch.testing.assert_close(out, x + 1)
+
+
+def test_an_inner_block_adds_to_the_outer_one_and_eager_op_keys_are_accepted():
+    x, one, two = torch.arange(3.0), torch.empty(3), torch.empty(3)
+    with marked_op_bodies({ADD_TWO: _times_ten}):  # the EagerOp as the key
+        with marked_op_bodies({ADD_ONE.name: _negate}):
+            ADD_ONE(one, x)
+            ADD_TWO(two, x)
+        torch.testing.assert_close(one, -x)
+        torch.testing.assert_close(two, x * 10)  # the outer entry stays inside the inner block
+        ADD_ONE(one, x)
+    torch.testing.assert_close(one, x + 1)
+
+
+@pytest.mark.parametrize(
+    "bodies,message",
+    [
+        ({1: _times_ten, "x": _times_ten}, r"key 1 is not a marked op's name; give op.name or the EagerOp"),
+        ({ADD_ONE.name: 42}, r"the body for 'op_bodies_add_one' is 42, not a callable"),
+    ],
+)
+def test_a_bad_key_or_body_is_refused_when_the_block_starts(bodies, message):
+    with pytest.raises(TypeError, match=message):
+        with marked_op_bodies(bodies):
+            pass
+
+
+def test_a_body_returning_a_value_is_an_error_naming_the_op():
+    def returns_output(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        output.copy_(x)
+        return output
+
+    x, out = torch.arange(3.0), torch.empty(3)
+    with marked_op_bodies({ADD_ONE.name: returns_output}):
+        with pytest.raises(TypeError, match=r"body for marked op 'op_bodies_add_one' returned a value.*returns None"):
+            ADD_ONE(out, x)

@@ -268,14 +268,22 @@ def _lifting_host_guard(fn: Callable[..., Any], name: str) -> Callable[..., Any]
 
     def run(*args: Any, **kwargs: Any) -> Any:
         bodies = state.bodies
-        return call(bodies.get(name, fn) if bodies else fn, args, kwargs)
+        body = bodies.get(name) if bodies else None
+        if body is None:
+            return call(fn, args, kwargs)
+        if call(body, args, kwargs) is not None:
+            raise TypeError(
+                f"the marked_op_bodies body for marked op {name!r} returned a value; "
+                "a body writes its outputs (the op's mutated arguments) and returns None"
+            )
+        return None
 
     wrapper = types.FunctionType(run.__code__, fn.__globals__, fn.__name__, None, run.__closure__)
     return functools.wraps(fn)(wrapper)
 
 
 @contextlib.contextmanager
-def marked_op_bodies(bodies: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
+def marked_op_bodies(bodies: Mapping[Any, Callable[..., Any]]) -> Iterator[None]:
     """In this thread, for the block, a call of the marked op named ``name`` runs
     ``bodies[name]`` (same arguments, same contract) in place of the op's Python
     implementation; ops not named run their own. The op stays the same opaque custom op
@@ -285,17 +293,31 @@ def marked_op_bodies(bodies: Mapping[str, Callable[..., Any]]) -> Iterator[None]
     compile size (regional compilation, as sglang's attention backends ``torch.compile``
     their own helpers; only the ops the forward calls ever compile), so what the
     forward's graph sees as one opaque call still becomes fused kernels. A body must
-    keep the op's contract (write ``output``, return None). Blocks nest; the inner
-    mapping wins for the block.
+    keep the op's contract (write ``output``, return None). Keys are op names or the
+    :class:`EagerOp` objects. Blocks nest: the inner block's entries are added to the
+    outer ones (and win for the same op) until it ends.
 
     Raises:
-        KeyError: a name in ``bodies`` is not a registered marked op (lists the registered ones).
+        KeyError: a key names no registered marked op (lists the registered ones).
+        TypeError: a key is neither a name nor an :class:`EagerOp`, or a body is not a
+            callable; at a call, a body returned something else than None.
     """
-    unknown = sorted(set(bodies) - set(_registry))
+    named: Dict[str, Callable[..., Any]] = {}
+    for key, body in bodies.items():
+        name = key.name if isinstance(key, EagerOp) else key
+        if not isinstance(name, str):
+            raise TypeError(
+                f"marked_op_bodies: key {key!r} is not a marked op's name; give op.name or the EagerOp; "
+                f"registered: {sorted(_registry)}"
+            )
+        if not callable(body):
+            raise TypeError(f"marked_op_bodies: the body for {name!r} is {body!r}, not a callable")
+        named[name] = body
+    unknown = sorted(set(named) - set(_registry))
     if unknown:
         raise KeyError(f"marked_op_bodies: no marked op named {unknown}; registered: {sorted(_registry)}")
     previous = _state.bodies
-    _state.bodies = dict(bodies)
+    _state.bodies = {**(previous or {}), **named}
     try:
         yield
     finally:
