@@ -141,9 +141,7 @@ def _starts(args: argparse.Namespace, me: List[str], env_base: Dict[str, str], o
         # One start whose numbers are discarded: Python's bytecode and the OS file cache
         # warm, as on a machine where torch was imported before.
         with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
-            env = dict(env_base, CUDA_GRAPH_RUNNER_CACHE_DIR=folder, TORCHINDUCTOR_CACHE_DIR=folder + "/td")
-            env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
-            proc = subprocess.run(me, env=env, capture_output=True, text=True)
+            proc = subprocess.run(me, env=_cache_env(env_base, folder), capture_output=True, text=True)
             print(f"prime start (discarded): exit {proc.returncode}", flush=True)
             if proc.returncode:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
@@ -151,14 +149,20 @@ def _starts(args: argparse.Namespace, me: List[str], env_base: Dict[str, str], o
     return _pairs(args, me, env_base)
 
 
+def _cache_env(env_base: Dict[str, str], folder: str) -> Dict[str, str]:
+    """The environment of a start whose every cache lives in ``folder`` (empty: cold)."""
+    env = dict(env_base, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
+    # torch's own default folder must not serve as a second, unscoped cache
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "torch-default")
+    env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")  # each pair's cold start is cold
+    return env
+
+
 def _pairs(args: argparse.Namespace, me: List[str], env_base: Dict[str, str]) -> int:
     ratios = []
     for pair in range(args.pairs):
         with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
-            env = dict(env_base, CUDA_GRAPH_RUNNER_CACHE_DIR=folder)
-            # torch's own default folder must not serve as a second, unscoped cache
-            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "torch-default")
-            env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")  # each pair's cold start is cold
+            env = _cache_env(env_base, folder)
             seconds = []
             for which in ("cold", "warm"):
                 proc = subprocess.run(me, env=env, capture_output=True, text=True)

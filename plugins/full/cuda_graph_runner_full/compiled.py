@@ -211,15 +211,12 @@ class CompiledForward:
         if self._model is None or self._compiled is None:
             yield
             return
-        bodies = self._op_bodies.get(size) if size is not None else None
         with contextlib.ExitStack() as stack:
-            stack.enter_context(
-                forward_replaced(
-                    self._model, self._static.get(size, self._compiled) if size is not None else self._compiled
-                )
-            )
-            if bodies:
-                stack.enter_context(marked_op_bodies(bodies))
+            if size is not None and size in self._static:  # the op bodies exist at exactly these sizes
+                stack.enter_context(forward_replaced(self._model, self._static[size]))
+                stack.enter_context(marked_op_bodies(self._op_bodies[size]))
+            else:
+                stack.enter_context(forward_replaced(self._model, self._compiled))
             yield
 
     def check_sizes(self, plan: Any) -> None:

@@ -41,7 +41,7 @@ import torch
 
 from cuda_graph_runner.compile_cache_dynamo import precompile_paused
 from cuda_graph_runner.graph_break import registered_eager_ops
-from cuda_graph_runner.host_guard import SCOPE_FORWARD, SCOPE_OFF, host_value_guard
+from cuda_graph_runner.host_guard import SCOPE_FORWARD, host_value_guard
 from cuda_graph_runner.model_forward import entry_function
 
 #: Dynamo cache entries allowed per body frame and compile size (first, middle and last
@@ -106,10 +106,9 @@ def _body_settings(label: str, phase: str, guard_scope: str, limit: int) -> Iter
     patch = {key: max(limit, getattr(dynamo_config, key))}
     if hasattr(dynamo_config, "accumulated_recompile_limit"):
         patch["accumulated_recompile_limit"] = max(4 * limit, dynamo_config.accumulated_recompile_limit)
-    scope = SCOPE_OFF if guard_scope == SCOPE_OFF else SCOPE_FORWARD
     with (
         dynamo_config.patch(**patch),
         precompile_paused(),
-        host_value_guard(label, phase, scope),
+        host_value_guard(label, phase, guard_scope),
     ):
         yield

@@ -144,12 +144,20 @@ def _host_reader(output: torch.Tensor, x: torch.Tensor) -> None:
     output.copy_(x + len(get_forward_batch().seq_lens_cpu))
 
 
-class _HostReadingModel(ToyModel):
-    def forward(self, batch):
-        h = super().forward(batch)
-        out = torch.empty_like(h)
-        _host_reader(out, h)
-        return out
+def _model_calling(op):
+    """A ToyModel whose forward ends in ``op(out, hidden)``."""
+
+    class Model(ToyModel):
+        def forward(self, batch):
+            h = super().forward(batch)
+            out = torch.empty_like(h)
+            op(out, h)
+            return out
+
+    return Model
+
+
+_HostReadingModel = _model_calling(_host_reader)
 
 
 def test_with_the_guard_turned_off_a_body_s_host_read_is_left_free():
@@ -228,12 +236,7 @@ def _opted_out(output: torch.Tensor, x: torch.Tensor) -> None:
     output.copy_(x * 2)
 
 
-class _OptedOutModel(ToyModel):
-    def forward(self, batch):
-        h = super().forward(batch)
-        out = torch.empty_like(h)
-        _opted_out(out, h)
-        return out
+_OptedOutModel = _model_calling(_opted_out)
 
 
 def test_a_body_under_torch_compiler_disable_is_not_compiled():
