@@ -98,7 +98,7 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--backend", default="compiled", help="compiled, full:inductor, tc_piecewise:inductor")
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--replays", type=int, default=0, help="also time this many batch-1 steps after capture")
@@ -175,6 +175,13 @@ def _pairs(args: argparse.Namespace, me: List[str], env_base: Dict[str, str]) ->
                 print(f"pair {pair + 1} {which}: " + json.dumps(result), flush=True)
                 print(f"  compile_times: {times}", flush=True)
                 seconds.append(result["compile_s"])
+            if not seconds[0] or seconds[1] is None:
+                print(
+                    f"backend {args.backend!r} compiled nothing (compile seconds {seconds}): no ratio; "
+                    "give a compiling backend: compiled, full:inductor, tc_piecewise:inductor",
+                    file=sys.stderr,
+                )
+                return 2
             print(
                 f"ratio pair {pair + 1}: warm/cold compile = {seconds[1]:.2f}/{seconds[0]:.2f} s = "
                 f"{seconds[1] / seconds[0]:.0%}",

@@ -156,9 +156,9 @@ def check_with_registry(config: CudaGraphConfig, registry: Any, device_type: str
     Raises:
         CudaGraphConfigError: see :func:`check_config`.
     """
-    readers = option_readers(registry)  # first: it scans the installed plugins, which _entry does not
+    readers = option_readers(registry)
     selected = {}
     for phase in Phase.ALL:
         name = config[phase].backend or registry.default_backend(phase, device_type)
-        selected[phase] = (name, reads_of(_entry(registry, name)))
+        selected[phase] = (name, {option for option, names in readers.items() if name in names})
     check_config(config, selected, readers)

@@ -177,16 +177,20 @@ def plan_phase(
     cannot_run: Optional[BenchRequestError] = None
     parsed = parse_backends(selection, phase_config.backend)
     readers = option_readers(reg)
-    selection_takes = any(
-        takes_compile_sizes(name or reg.default_backend(phase, device.type), c or phase_config.tc_compiler, readers)
-        for name, c in parsed
-    )
-    for name, compiler in parsed:
-        explicit = name is not None
-        where = f"--{phase}-backends" if selection else "the config"
+
+    def backend_of(name: Optional[str]) -> str:
         chosen = name or reg.default_backend(phase, device.type)
         if name is None and chosen == "disabled":
             chosen = bench_choice(reg, phase, device) or chosen
+        return chosen
+
+    resolved = [(name, compiler, backend_of(name)) for name, compiler in parsed]
+    selection_takes = any(
+        takes_compile_sizes(chosen, compiler or phase_config.tc_compiler, readers) for _, compiler, chosen in resolved
+    )
+    for name, compiler, chosen in resolved:
+        explicit = name is not None
+        where = f"--{phase}-backends" if selection else "the config"
         label = chosen + (f":{compiler}" if compiler else "")
         if chosen == "disabled":
             choices.append(

@@ -58,7 +58,8 @@ class CapturePlan:
         legacy: the object answering the 1.0 runner attributes (the runner), or None.
         host_value_guard: the host-value guard scope the runner captures under
             (:mod:`cuda_graph_runner.host_guard`; ``"off"`` when the config turned it
-            off): a backend that traces or runs bodies ahead of the capture arms it there.
+            off; default ``"forward"``, the base backend's): a backend that traces or runs
+            bodies ahead of the capture arms it there.
 
     Raises:
         TypeError: ``keys`` holds something other than ``ShapeKey``.
@@ -73,7 +74,7 @@ class CapturePlan:
         static_batch: Callable[[ShapeKey], ForwardBatch],
         forward: Callable[[ForwardBatch], Any],
         legacy: Any = None,
-        host_value_guard: str = "off",
+        host_value_guard: str = "forward",
     ) -> None:
         bad = [k for k in keys if not isinstance(k, ShapeKey)]
         if bad:

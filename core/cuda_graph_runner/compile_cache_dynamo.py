@@ -33,7 +33,6 @@ logs once that Dynamo traces every start and the inductor caches still apply.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import itertools
 import logging
@@ -206,16 +205,9 @@ def precompile_paused() -> Iterator[None]:
 
 
 def _precompile_on() -> bool:
-    if _supported_once() is not None:
-        return False
     import torch._dynamo.config as dynamo_config
 
-    return bool(dynamo_config.caching_precompile)
-
-
-@functools.cache
-def _supported_once() -> Optional[str]:
-    return supported()
+    return bool(getattr(dynamo_config, "caching_precompile", False))
 
 
 @contextlib.contextmanager

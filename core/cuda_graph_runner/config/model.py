@@ -188,9 +188,12 @@ class PhaseConfig:
             )
         if self.compile_sizes is not None:
             self.compile_sizes = _sizes(self.compile_sizes, "compile_sizes")
-            outside = [s for s in self.compile_sizes if (self.bs is not None and s not in self.bs)]
-            if self.bs is None and self.max_bs is not None:
+            if self.bs is not None:
+                outside = [s for s in self.compile_sizes if s not in self.bs]
+            elif self.max_bs is not None:
                 outside = [s for s in self.compile_sizes if s > self.max_bs]
+            else:
+                outside = []
             if outside:
                 raise CudaGraphConfigError(
                     f"element(s) {outside} not captured, so never replayed",

@@ -259,7 +259,10 @@ def _below_autograd() -> ContextManager[Any]:
     an earlier grad-enabled forward and then overwritten is not detected, with any
     graph backend.
     """
-    guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
-    if guard is None or torch.is_grad_enabled():
+    if _DISPATCH_BELOW_AUTOGRAD is None or torch.is_grad_enabled():
         return contextlib.nullcontext()
-    return guard()
+    return _DISPATCH_BELOW_AUTOGRAD()
+
+
+#: PyTorch's AutoDispatchBelowADInplaceOrView guard (private; None where torch lacks it).
+_DISPATCH_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)

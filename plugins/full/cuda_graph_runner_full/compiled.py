@@ -154,10 +154,10 @@ class CompiledForward:
 
         return backend
 
-    def bind(self, model: Any, *, label: str = "full", guard_scope: str = "forward") -> None:
+    def bind(self, model: Any, *, label: str = "full", phase: str = "decode", guard_scope: str = "forward") -> None:
         """Compile ``model.forward`` lazily (first call); idempotent for the same model.
-        ``label`` and ``guard_scope`` (the runner's host-value guard scope) go to the
-        marked-op bodies (:func:`.op_bodies.compiled_op_bodies`).
+        ``label``, ``phase`` and ``guard_scope`` (the runner's host-value guard scope) go
+        to the marked-op bodies (:func:`.op_bodies.compiled_op_bodies`).
 
         Raises:
             RuntimeError: bound to another model already; or inductor on CUDA without Triton.
@@ -197,7 +197,7 @@ class CompiledForward:
         self._op_bodies = compiled_op_bodies(
             self.static_sizes,
             tag=self.tag,
-            phase=self.tag or "decode",
+            phase=phase,
             backend=self._dynamo_backend("op_body_graphs"),
             label=label,
             guard_scope=guard_scope,
@@ -258,7 +258,7 @@ class CompiledForward:
             if not callable(self.compiler):  # bind (torch.compile) inside: it loads Dynamo's cached code
                 options = [*sorted(self.inductor_options.items()), ("static_sizes", self.static_sizes)]
                 scope.enter_context(compile_cache_scope(compile_key(plan.model, "full", self.tag, options)))
-            self.bind(plan.model, label=label, guard_scope=getattr(plan, "host_value_guard", "forward"))
+            self.bind(plan.model, label=label, phase=plan.phase, guard_scope=plan.host_value_guard)
             for key in progress.bar(
                 keys,
                 desc=f"compile {plan.phase} (full, inductor)",
