@@ -18,7 +18,9 @@ A first start is discarded (``--no-prime`` skips it): it compiles torch's own Py
 sources to bytecode, which every later start on a machine reads from ``__pycache__``
 (where torch's folder is not writable, as on the lent H200 machine, the starts share a
 ``PYTHONPYCACHEPREFIX`` folder instead).
-Exit status 0 always when every start ran (the ratio is a measurement, not a test).
+Exit status 0 when every start ran (the ratio is a measurement, not a test); 2 for a
+user's mistake (an unknown preset or backend, a backend that cannot run on the device or
+compiles nothing), named in one line; 1 when a start failed otherwise (its output shown).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 
 def _start(args: argparse.Namespace) -> Dict[str, Any]:
@@ -93,15 +95,31 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def _count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
+        return value
+
+    return parse
+
+
 def main(argv: List[str] | None = None) -> int:
+    from cuda_graph_runner.registry import get_registry
+    from cuda_graph_runner.testing.model import PRESETS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="compiled", help="compiled, full:inductor, tc_piecewise:inductor")
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--replays", type=int, default=0, help="also time this many batch-1 steps after capture")
+    p.add_argument("--sizes", type=_count(1), nargs="+", default=[1, 2, 4])
+    p.add_argument("--pairs", type=_count(1), default=3)
+    p.add_argument("--replays", type=_count(0), default=0, help="also time this many batch-1 steps after capture")
     p.add_argument(
         "--prime",
         action=argparse.BooleanOptionalAction,
@@ -111,8 +129,18 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(_start(args)), flush=True)
+        from cuda_graph_runner.config import CudaGraphConfigError
+        from cuda_graph_runner.errors import CudaGraphRunnerError
+
+        try:
+            print("RESULT " + json.dumps(_start(args)), flush=True)
+        except (CudaGraphRunnerError, CudaGraphConfigError) as exc:  # the user's choice cannot run here
+            print(f"compile_cache_starts: {exc}", file=sys.stderr)
+            return 2
         return 0
+    names = get_registry().names()
+    if args.backend.partition(":")[0] not in names:
+        p.error(f"--backend {args.backend!r}: unknown backend; installed: {', '.join(names)}")
     me = [sys.executable, os.path.abspath(__file__), "--child", "--backend", args.backend, "--model", args.model]
     me += ["--device", args.device, "--dtype", args.dtype, "--sizes", *map(str, args.sizes)]
     me += ["--replays", str(args.replays)]
@@ -141,12 +169,25 @@ def _starts(args: argparse.Namespace, me: List[str], env_base: Dict[str, str], o
         # One start whose numbers are discarded: Python's bytecode and the OS file cache
         # warm, as on a machine where torch was imported before.
         with tempfile.TemporaryDirectory(prefix="cgr-cache-") as folder:
-            proc = subprocess.run(me, env=_cache_env(env_base, folder), capture_output=True, text=True)
-            print(f"prime start (discarded): exit {proc.returncode}", flush=True)
-            if proc.returncode:
-                print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
-                return 1
+            rc, _ = _run_start(me, _cache_env(env_base, folder))
+            print(f"prime start (discarded): exit {rc}", flush=True)
+            if rc:
+                return rc
     return _pairs(args, me, env_base)
+
+
+def _run_start(me: List[str], env: Dict[str, str]) -> Tuple[int, Optional[Dict[str, Any]]]:
+    """One start in a fresh process: ``(0, its JSON result)``, or the exit status after
+    saying why (2: the child named a user's mistake in one line; 1: its output)."""
+    proc = subprocess.run(me, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode == 2 and proc.stderr.strip():
+        print(proc.stderr.strip().splitlines()[-1], file=sys.stderr)
+        return 2, None
+    if proc.returncode or not lines:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+        return 1, None
+    return 0, json.loads(lines[-1][len("RESULT ") :])
 
 
 def _cache_env(env_base: Dict[str, str], folder: str) -> Dict[str, str]:
@@ -165,23 +206,21 @@ def _pairs(args: argparse.Namespace, me: List[str], env_base: Dict[str, str]) ->
             env = _cache_env(env_base, folder)
             seconds = []
             for which in ("cold", "warm"):
-                proc = subprocess.run(me, env=env, capture_output=True, text=True)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode or not lines:
-                    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
-                    return 1
-                result = json.loads(lines[-1][len("RESULT ") :])
+                rc, result = _run_start(me, env)
+                if result is None:
+                    return rc
                 times = result.pop("compile_times")
                 print(f"pair {pair + 1} {which}: " + json.dumps(result), flush=True)
                 print(f"  compile_times: {times}", flush=True)
+                compile_s = result["compile_s"]
+                if compile_s is None or (which == "cold" and compile_s <= 0):
+                    print(
+                        f"backend {args.backend!r} compiled nothing (compile seconds {compile_s}): "
+                        "no ratio; give a compiling backend: compiled, full:inductor, tc_piecewise:inductor",
+                        file=sys.stderr,
+                    )
+                    return 2
                 seconds.append(result["compile_s"])
-            if not seconds[0] or seconds[1] is None:
-                print(
-                    f"backend {args.backend!r} compiled nothing (compile seconds {seconds}): no ratio; "
-                    "give a compiling backend: compiled, full:inductor, tc_piecewise:inductor",
-                    file=sys.stderr,
-                )
-                return 2
             print(
                 f"ratio pair {pair + 1}: warm/cold compile = {seconds[1]:.2f}/{seconds[0]:.2f} s = "
                 f"{seconds[1] / seconds[0]:.0%}",

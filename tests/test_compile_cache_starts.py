@@ -41,8 +41,38 @@ def test_compile_seconds_give_the_ratio(monkeypatch, capsys):
     assert "= 100%" in capsys.readouterr().out
 
 
-def test_an_unknown_dtype_is_a_usage_error(capsys):
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--dtype", "foo"], "invalid choice: 'foo'"),
+        (["--model", "nope"], "invalid choice: 'nope'"),
+        (["--backend", "bogus"], "--backend 'bogus': unknown backend; installed:"),
+        (["--sizes", "0"], "'0' is not an integer >= 1"),
+        (["--pairs", "0"], "'0' is not an integer >= 1"),
+        (["--replays", "x"], "'x' is not an integer >= 0"),
+    ],
+)
+def test_a_bad_argument_is_a_usage_error_before_any_start(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(compile_cache_starts.subprocess, "run", pytest.fail)  # no start may run
     with pytest.raises(SystemExit) as info:
-        compile_cache_starts.main(["--dtype", "foo"])
+        compile_cache_starts.main(argv)
     assert info.value.code == 2
-    assert "invalid choice: 'foo'" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_a_start_that_names_a_user_s_mistake_is_one_line_and_exit_2(monkeypatch, capsys):
+    def run(cmd, **kwargs):
+        stderr = "compile_cache_starts: backend 'breakable' runs on cuda, not on cpu\n"
+        return subprocess.CompletedProcess(cmd, 2, stdout="", stderr=stderr)
+
+    monkeypatch.setattr(compile_cache_starts.subprocess, "run", run)
+    assert compile_cache_starts.main(["--backend", "breakable", "--pairs", "1", "--no-prime"]) == 2
+    assert capsys.readouterr().err.strip() == "compile_cache_starts: backend 'breakable' runs on cuda, not on cpu"
+
+
+def test_the_child_turns_an_unusable_backend_into_one_line_and_exit_2(capsys):
+    # a real child start: npu cannot run on the CPU device (nothing compiles)
+    rc = compile_cache_starts.main(["--child", "--backend", "npu", "--sizes", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compile_cache_starts: ") and "Traceback" not in err

@@ -26,11 +26,12 @@ CORE = pathlib.Path(__file__).resolve().parents[1] / "core"
 
 def test_constants():
     assert Phase.ALL == ("decode", "prefill")
-    assert (Backend.FULL, Backend.BREAKABLE, Backend.TC_PIECEWISE, Backend.NPU, Backend.DISABLED) == (
+    assert (Backend.FULL, Backend.BREAKABLE, Backend.TC_PIECEWISE, Backend.NPU, Backend.COMPILED, Backend.DISABLED) == (
         "full",
         "breakable",
         "tc_piecewise",
         "npu",
+        "compiled",
         "disabled",
     )
     assert WELL_KNOWN_DISTRIBUTIONS == {
@@ -38,6 +39,7 @@ def test_constants():
         "breakable": "cuda-graph-runner-breakable",
         "tc_piecewise": "cuda-graph-runner-tc-piecewise",
         "npu": "cuda-graph-runner-npu",
+        "compiled": "cuda-graph-runner-compiled",
         "disabled": "cuda-graph-runner",
     }
     assert TC_COMPILERS == ("eager", "inductor")

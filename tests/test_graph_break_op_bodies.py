@@ -92,6 +92,8 @@ def test_an_inner_block_adds_to_the_outer_one_and_eager_op_keys_are_accepted():
     [
         ({1: _times_ten, "x": _times_ten}, r"key 1 is not a marked op's name; give op.name or the EagerOp"),
         ({ADD_ONE.name: 42}, r"the body for 'op_bodies_add_one' is 42, not a callable"),
+        ([(ADD_ONE.name, _times_ten)], r"bodies is \[.*\], not a mapping; give \{op name or EagerOp: body\}"),
+        (_times_ten, r"not a mapping"),
     ],
 )
 def test_a_bad_key_or_body_is_refused_when_the_block_starts(bodies, message):

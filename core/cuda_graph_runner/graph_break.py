@@ -299,9 +299,15 @@ def marked_op_bodies(bodies: Mapping[Any, Callable[..., Any]]) -> Iterator[None]
 
     Raises:
         KeyError: a key names no registered marked op (lists the registered ones).
-        TypeError: a key is neither a name nor an :class:`EagerOp`, or a body is not a
-            callable; at a call, a body returned something else than None.
+        TypeError: ``bodies`` is not a mapping; a key is neither a name nor an
+            :class:`EagerOp`, or a body is not a callable; at a call, a body returned
+            something else than None.
     """
+    if not isinstance(bodies, Mapping):
+        raise TypeError(
+            f"marked_op_bodies: bodies is {bodies!r}, not a mapping; give {{op name or EagerOp: body}}; "
+            f"registered: {sorted(_registry)}"
+        )
     named: Dict[str, Callable[..., Any]] = {}
     for key, body in bodies.items():
         name = key.name if isinstance(key, EagerOp) else key

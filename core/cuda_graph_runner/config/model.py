@@ -31,8 +31,9 @@ class Backend:
     BREAKABLE = "breakable"
     TC_PIECEWISE = "tc_piecewise"
     NPU = "npu"
+    COMPILED = "compiled"
     DISABLED = "disabled"
-    WELL_KNOWN = (FULL, BREAKABLE, TC_PIECEWISE, NPU, DISABLED)
+    WELL_KNOWN = (FULL, BREAKABLE, TC_PIECEWISE, NPU, COMPILED, DISABLED)
 
 
 #: Distribution to ``pip install`` for each well-known backend name.
@@ -41,6 +42,7 @@ WELL_KNOWN_DISTRIBUTIONS: Dict[str, str] = {
     Backend.BREAKABLE: "cuda-graph-runner-breakable",
     Backend.TC_PIECEWISE: "cuda-graph-runner-tc-piecewise",
     Backend.NPU: "cuda-graph-runner-npu",
+    Backend.COMPILED: "cuda-graph-runner-compiled",
     Backend.DISABLED: "cuda-graph-runner",
 }
 
