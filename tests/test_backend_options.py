@@ -144,3 +144,55 @@ def test_check_with_registry_reads_the_options_of_a_registry_not_yet_scanned():
 
     config = CudaGraphConfig.from_dict({"decode": {"backend": "full", "tc_compiler": "inductor"}})
     check_with_registry(config, LazyRegistry(), "cpu")  # no error: full reads it
+
+
+@pytest.fixture()
+def compiling_reg(reg):
+    reg.register(
+        BackendSpec(
+            name="sized",
+            backend_class=ReaderBackend,
+            phases=("decode", "prefill"),
+            devices=("*",),
+            api_version="1.0",
+            options=("tc_compiler", "compile_sizes"),
+        )
+    )
+    return reg
+
+
+@pytest.mark.parametrize("compiler", [None, "eager"])
+def test_compile_sizes_without_a_compiler_are_refused_at_resolve(compiling_reg, compiler):
+    """``full`` with compile sizes and tc_compiler eager compiles nothing: refused when the
+    backend is resolved (before any model work), naming the value and what to set."""
+    decode = {"backend": "sized", "compile_sizes": [1, 2], **({"tc_compiler": compiler} if compiler else {})}
+    config = CudaGraphConfig.from_dict({"decode": decode})
+    with pytest.raises(CudaGraphConfigError) as info:
+        compiling_reg.resolve("decode", config, device="cpu")
+    text = str(info.value)
+    assert "decode.compile_sizes=[1, 2]" in text and "compiles nothing with tc_compiler 'eager'" in text
+    assert "set decode.tc_compiler to a compiler" in text
+
+
+def test_compile_sizes_with_a_compiler_resolve(compiling_reg):
+    config = CudaGraphConfig.from_dict(
+        {"decode": {"backend": "sized", "tc_compiler": "inductor", "compile_sizes": [1]}}
+    )
+    assert compiling_reg.resolve("decode", config, device="cpu").name == "sized"
+
+
+def test_compile_sizes_rule_only_for_backends_reading_both(compiling_reg):
+    """A backend reading ``compile_sizes`` but not ``tc_compiler`` (its own compiler) is
+    not held to the tc_compiler rule."""
+    compiling_reg.register(
+        BackendSpec(
+            name="own_compiler",
+            backend_class=ReaderBackend,
+            phases=("decode",),
+            devices=("*",),
+            api_version="1.0",
+            options=("compile_sizes",),
+        )
+    )
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "own_compiler", "compile_sizes": [4]}})
+    assert compiling_reg.resolve("decode", config, device="cpu").name == "own_compiler"

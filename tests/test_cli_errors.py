@@ -84,6 +84,35 @@ def test_bench_with_an_option_the_named_backend_does_not_read_exits_2(capsys):
     assert "Traceback" not in err
 
 
+def test_bench_label_compiler_error_names_the_flag_it_came_from(capsys):
+    """A compiler written in ``--decode-backends`` is reported as from that flag, not as
+    from "api" (which the user never wrote)."""
+    assert main(["bench", "--decode-backends", "breakable:bogus", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "decode.tc_compiler='bogus' (from flag:--decode-backends): unknown compiler" in err
+    assert "(from api)" not in err and "Traceback" not in err
+
+
+def test_bench_size_flags_take_spaces_and_commas_like_the_config_flags():
+    from cuda_graph_runner.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "--batch-sizes", "1,2", "4", "--prefill-tokens", "8,16", "--prefill-requests", "1,3"]
+    )
+    assert (args.batch_sizes, args.prefill_tokens, args.prefill_requests) == ([1, 2, 4], [8, 16], [1, 3])
+
+
+@pytest.mark.parametrize("flag", ["--batch-sizes", "--prefill-tokens", "--prefill-requests"])
+@pytest.mark.parametrize("value", ["0", "1,x", "-3"])
+def test_bench_bad_sizes_are_one_argparse_error_naming_the_value(capsys, flag, value):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid sizes '{value}'; accepted: integers >= 1" in err
+    assert "Traceback" not in err
+
+
 @needs_no_cuda
 def test_bench_chosen_backends_keep_notes_and_the_table_names_the_backend(capsys):
     assert main(["bench", *TINY]) == 0

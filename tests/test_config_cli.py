@@ -157,3 +157,26 @@ def test_legacy_flag_warning_reaches_the_user(fake_registry, capsys):
         args = parser.parse_args(["config", "--cuda-graph-max-bs", "16"])
     assert run_config(args) == 0
     assert json.loads(capsys.readouterr().out)["config"]["decode"]["max_bs"] == 16
+
+
+def test_compile_sizes_without_a_compiler_exit_2_with_the_real_registry(capsys):
+    """``full`` reads tc_compiler and compile_sizes: sizes with tc_compiler eager would
+    compile nothing, so ``config`` refuses them (before, only building the backend did)."""
+    pytest.importorskip("cuda_graph_runner_full", reason="the full plugin is not installed")
+    code, out, err = run(["--cuda-graph-backend-decode", "full", "--cuda-graph-compile-sizes-decode", "1,2"], capsys)
+    assert code == 2 and out == ""
+    assert "decode.compile_sizes=[1, 2] (from flag:--cuda-graph-compile-sizes-decode)" in err
+    assert "compiles nothing with tc_compiler 'eager'" in err
+    code, out, err = run(
+        [
+            "--cuda-graph-backend-decode",
+            "full",
+            "--cuda-graph-compile-sizes-decode",
+            "1,2",
+            "--cuda-graph-tc-compiler-decode",
+            "inductor",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert json.loads(out)["config"]["decode"]["compile_sizes"] == [1, 2]

@@ -16,6 +16,8 @@ Rules:
   ``--piecewise-cuda-graph-compiler``) only needs one of the two phases' backends to read
   it; resolve sees one phase, so that case is checked over the whole config by
   :func:`check_config` (``cuda-graph-runner config`` and ``bench``);
+* a backend that reads both ``tc_compiler`` and ``compile_sizes`` refuses compile sizes
+  with ``tc_compiler`` ``eager`` (nothing would compile);
 * backend ``disabled`` reads nothing and is exempt: turning graphs off for a phase keeps
   the rest of a command line valid (sglang's ``--disable-cuda-graph`` habit).
 
@@ -102,10 +104,33 @@ def check_phase(
     """
     if backend == DISABLED:
         return
-    for key, value, source in _set_options(config, phase):
+    options = _set_options(config, phase)
+    for key, value, source in options:
         if key in reads or len(source_phases(source)) > 1:
             continue
         raise _error(phase, key, value, source, f"backend {backend!r} does not read", readers)
+    _check_compile_sizes(phase, config, backend, reads, options)
+
+
+def _check_compile_sizes(
+    phase: str, config: Any, backend: str, reads: Collection[str], options: List[Tuple[str, Any, Optional[str]]]
+) -> None:
+    # A backend that reads both options compiles only with a compiler: sizes "compiled with
+    # static shapes" under tc_compiler eager would compile nothing (the backend refuses them
+    # when built; this says so before anything is loaded).
+    if not {"tc_compiler", "compile_sizes"} <= set(reads):
+        return
+    phase_config = config[phase] if isinstance(config, CudaGraphConfig) else config
+    for key, value, source in options:
+        if key == "compile_sizes" and value and getattr(phase_config, "tc_compiler", None) == "eager":
+            raise CudaGraphConfigError(
+                f"backend {backend!r} compiles nothing with tc_compiler 'eager'",
+                phase=phase,
+                key=key,
+                value=value,
+                source=source,
+                accepted=f"leave compile_sizes unset, or set {phase}.tc_compiler to a compiler (inductor)",
+            )
 
 
 def check_config(

@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from .config import add_cuda_graph_args
+from .config.flags import FlattenSizes, sizes_arg
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("table", "json", "csv")
@@ -37,10 +38,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-sizes",
-        type=int,
+        type=sizes_arg,
+        action=FlattenSizes,
         nargs="+",
+        metavar="N",
         default=None,
-        help="decode batch sizes to time (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)",
+        help="decode batch sizes to time, space or comma separated (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)",
     )
     parser.add_argument(
         "--decode-backends",
@@ -58,13 +61,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-tokens",
-        type=int,
+        type=sizes_arg,
+        action=FlattenSizes,
         nargs="+",
+        metavar="N",
         default=None,
-        help="prefill token counts to time (default: 64 256 1024 on CUDA, 16 48 on CPU)",
+        help="prefill token counts to time, space or comma separated (default: 64 256 1024 on CUDA, 16 48 on CPU)",
     )
     parser.add_argument(
-        "--prefill-requests", type=int, nargs="+", default=[1, 4], help="requests per prefill batch (default: 1 4)"
+        "--prefill-requests",
+        type=sizes_arg,
+        action=FlattenSizes,
+        nargs="+",
+        metavar="N",
+        default=[1, 4],
+        help="requests per prefill batch, space or comma separated (default: 1 4)",
     )
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decoding (default 32)")

@@ -138,7 +138,7 @@ def label_config(
     Raises:
         CudaGraphConfigError: an invalid field.
     """
-    fields: Dict[str, Any] = {"backend": backend, "max_bs": max_bs, **({"tc_compiler": compiler} if compiler else {})}
+    fields: Dict[str, Any] = {"backend": backend, "max_bs": max_bs}
     drop = (
         bool(config[phase].compile_sizes)
         and selection_takes
@@ -147,6 +147,8 @@ def label_config(
     if drop:
         fields["compile_sizes"] = None
     out = config.with_phase(phase, **fields)
+    if compiler:  # only ``--{phase}-backends`` labels carry a compiler
+        out = out.with_phase(phase, source=f"flag:--{phase}-backends", tc_compiler=compiler)
     if drop:
         out.sources.pop((phase, "compile_sizes"), None)
     return out

@@ -35,9 +35,9 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     of captured sizes that each get a graph compiled with static shapes (vLLM's
     ``compile_sizes``): inductor specializes its kernels to the size, a few percent
     faster per step for seconds of compile time per size. A backend option (read by
-    ``full``). With ``tc_compiler`` ``eager`` it is an error when the backend is
-    built (nothing would compile); a size that is not captured, when the backend
-    prepares its capture.
+    ``full``). With ``tc_compiler`` ``eager`` it is an error for a backend that reads
+    both (nothing would compile), from ``cuda-graph-runner config`` and at resolve
+    time; a size that is not captured, when the backend prepares its capture.
 ``owned_outputs``
     ``false`` (default, zero-copy: a replayed output is valid until the next replay
     of any graph in the same pool) or ``true`` (the runner returns owned copies, one

@@ -29,7 +29,7 @@ from .model import (
     _build_phase,
 )
 
-__all__ = ["add_cuda_graph_args", "source_phases"]
+__all__ = ["FlattenSizes", "add_cuda_graph_args", "sizes_arg", "source_phases"]
 
 _TIER_LEGACY = "legacy"
 _TIER_FLAG = "flag"
@@ -263,13 +263,26 @@ def _positive_int_arg(text: str) -> int:
     return value
 
 
-def _sizes_arg(text: str) -> List[int]:
+def sizes_arg(text: str) -> List[int]:
+    """argparse ``type`` of a sizes flag: ``"1,2,4"`` -> ``[1, 2, 4]`` (with ``nargs="+"``,
+    ``1 2,4`` works too; :class:`FlattenSizes` joins the lists).
+
+    Raises:
+        argparse.ArgumentTypeError: a part that is not an integer in 1..``MAX_CAPTURE_SIZE``.
+    """
     try:
         return [_positive_int_arg(part) for part in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"invalid sizes {_short_repr(text)}; accepted: integers >= 1 and <= {MAX_CAPTURE_SIZE}, space or comma separated"
         ) from None
+
+
+class FlattenSizes(argparse.Action):
+    """Stores the lists of :func:`sizes_arg` as one list: ``1,2 4`` -> ``[1, 2, 4]``."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Optional[str] = None) -> None:
+        setattr(namespace, self.dest, [size for part in values for size in part])
 
 
 def _backend_arg(text: str) -> str:
@@ -311,7 +324,7 @@ def add_cuda_graph_args(parser: Any) -> Any:
         if flag.const is not _NO_CONST:
             kwargs["nargs"] = 0
         elif flag.key in _SIZE_LIST_KEYS:
-            kwargs.update(nargs="+", type=_sizes_arg, metavar="N")
+            kwargs.update(nargs="+", type=sizes_arg, metavar="N")
         elif flag.key == "max_bs":
             kwargs.update(type=_positive_int_arg, metavar="N")
         elif flag.key == "backend":

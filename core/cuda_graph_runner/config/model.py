@@ -395,8 +395,10 @@ class CudaGraphConfig:
 
     # -- derivation and validation ---------------------------------------------------
 
-    def with_phase(self, phase: str, **fields: Any) -> "CudaGraphConfig":
-        """A copy with ``fields`` of ``phase`` replaced (recorded as source ``"api"``).
+    def with_phase(self, phase: str, *, source: str = SOURCE_API, **fields: Any) -> "CudaGraphConfig":
+        """A copy with ``fields`` of ``phase`` replaced, recorded as from ``source``
+        (default ``"api"``; a command line that sets a key its own way names its flag,
+        ``"flag:--decode-backends"``, so an error points at what the user wrote).
 
         Raises:
             CudaGraphConfigError: unknown phase or key; invalid value.
@@ -408,7 +410,7 @@ class CudaGraphConfig:
                     "unknown key", phase=phase, key=key, value=value, accepted="keys " + ", ".join(PHASE_KEYS)
                 )
         sources = dict(self.sources)
-        sources.update({(phase, key): SOURCE_API for key in fields})
+        sources.update({(phase, key): source for key in fields})
         merged = {key: getattr(current, key) for key in PHASE_KEYS}
         merged.update(fields)
         phases = {p: dataclasses.replace(self[p]) for p in Phase.ALL}  # copies: no shared bs lists
