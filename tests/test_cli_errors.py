@@ -87,10 +87,19 @@ def test_bench_with_an_option_the_named_backend_does_not_read_exits_2(capsys):
 def test_bench_label_compiler_error_names_the_flag_it_came_from(capsys):
     """A compiler written in ``--decode-backends`` is reported as from that flag, not as
     from "api" (which the user never wrote)."""
-    assert main(["bench", "--decode-backends", "breakable:bogus", *TINY]) == 2
+    assert main(["bench", "--decode-backends", "full:bogus", *TINY]) == 2
     err = capsys.readouterr().err
     assert "decode.tc_compiler='bogus' (from flag:--decode-backends): unknown compiler" in err
     assert "(from api)" not in err and "Traceback" not in err
+
+
+def test_bench_label_compiler_for_a_backend_that_reads_none_is_refused_for_the_option(capsys):
+    """``breakable:bogus`` once answered "accepted: eager, inductor", and ``breakable:inductor``
+    was then refused: a backend that reads no compiler is refused for the option itself."""
+    assert main(["bench", "--decode-backends", "breakable:bogus", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "backend 'breakable' does not read option 'tc_compiler'" in err and "(from flag:--decode-backends)" in err
+    assert "accepted: eager, inductor" not in err and "Traceback" not in err
 
 
 def test_bench_size_flags_take_spaces_and_commas_like_the_config_flags():
@@ -119,6 +128,17 @@ def test_bench_chosen_backends_keep_notes_and_the_table_names_the_backend(capsys
     out = capsys.readouterr().out
     assert "note: no decode graph backend is usable on cpu" in out
     assert "decode, backend disabled" in out and "backend eager" not in out
+
+
+@needs_no_cuda
+def test_bench_note_names_the_backend_the_environment_turned_off(capsys, monkeypatch):
+    """With CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED=0 (as in these tests) the bench runs eager
+    on the CPU; its note must not leave out the usable backend it did not pick."""
+    pytest.importorskip("cuda_graph_runner_compiled", reason="the compiled plugin is not installed")
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "0")
+    assert main(["bench", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "running eager only (compiled is usable but not picked: CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED=0)" in out
 
 
 @needs_no_cuda

@@ -50,6 +50,10 @@ def test_compile_seconds_give_the_ratio(monkeypatch, capsys):
         (["--sizes", "0"], "'0' is not an integer >= 1"),
         (["--pairs", "0"], "'0' is not an integer >= 1"),
         (["--replays", "x"], "'x' is not an integer >= 0"),
+        (["--backend", "disabled"], "--backend 'disabled' compiles nothing"),
+        (["--device", "foo"], "--device 'foo': not a torch device"),
+        (["--device", "meta"], "--device 'meta': a meta tensor has no data"),
+        (["--device", "cuda:99"], "--device 'cuda:99': "),  # no CUDA here, or no device 99 on a GPU machine
     ],
 )
 def test_a_bad_argument_is_a_usage_error_before_any_start(monkeypatch, capsys, argv, message):

@@ -180,3 +180,25 @@ def test_compile_sizes_without_a_compiler_exit_2_with_the_real_registry(capsys):
     )
     assert code == 0, err
     assert json.loads(out)["config"]["decode"]["compile_sizes"] == [1, 2]
+
+
+def test_compile_size_above_the_runners_default_max_is_refused_by_config(fake_registry, capsys):
+    """With neither bs nor max_bs the runner captures up to 256 (decode): ``config`` once
+    printed compile size 512 as valid though it would never be captured."""
+    code, out, err = run(["--cuda-graph-compile-sizes-decode", "512"], capsys)
+    assert code == 2 and out == ""
+    assert "decode.compile_sizes=[512]" in err and "the runner's default 256" in err
+    assert "accepted: sizes <= 256, or set max_bs (or bs)" in err
+    code, out, err = run(["--cuda-graph-compile-sizes-decode", "512", "--cuda-graph-max-bs-decode", "512"], capsys)
+    assert code == 0, err
+
+
+def test_parsing_alone_keeps_a_compile_size_above_the_default_max():
+    """The bench sets max_bs to its largest size after parsing, so only validate() refuses it."""
+    from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
+
+    config = CudaGraphConfig.from_dict({"decode": {"compile_sizes": [512]}})
+    assert config.decode.compile_sizes == [512]
+    with pytest.raises(CudaGraphConfigError, match="not captured"):
+        config.validate()
+    config.with_phase("decode", max_bs=512).validate()

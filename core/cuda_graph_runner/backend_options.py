@@ -93,6 +93,15 @@ def _error(
     )
 
 
+def option_not_read(
+    phase: str, key: str, value: Any, source: Optional[str], backend: str, readers: Mapping[str, List[str]]
+) -> CudaGraphConfigError:
+    """The error for option ``key`` set for ``backend``, which does not read it (whatever
+    the value: ``compiled:bogus`` is refused for the option, not offered compilers the
+    backend would then refuse)."""
+    return _error(phase, key, value, source, f"backend {backend!r} does not read", readers)
+
+
 def check_phase(
     phase: str, config: Any, backend: str, reads: Collection[str], readers: Mapping[str, List[str]]
 ) -> None:
@@ -108,7 +117,7 @@ def check_phase(
     for key, value, source in options:
         if key in reads or len(source_phases(source)) > 1:
             continue
-        raise _error(phase, key, value, source, f"backend {backend!r} does not read", readers)
+        raise option_not_read(phase, key, value, source, backend, readers)
     _check_compile_sizes(phase, config, backend, reads, options)
 
 

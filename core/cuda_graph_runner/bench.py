@@ -178,7 +178,7 @@ def _bench_phase(
         header = f"\n{phase}, backend {label}"
         if stats is not None:
             header += (
-                f": captured {len(stats.sizes)} sizes in {stats.capture_s:.2f} s"
+                f": captured {len(stats.sizes)} size{'' if len(stats.sizes) == 1 else 's'} in {stats.capture_s:.2f} s"
                 + (
                     f" (compile {stats.compile_s:.2f} s, capture {max(0.0, stats.capture_s - stats.compile_s):.2f} s)"
                     if stats.compile_s is not None and stats.capture_s is not None

@@ -50,7 +50,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=_backend_list,
         default=None,
         help="comma-separated decode backends to bench, each name[:tc_compiler], e.g. "
-        "full,tc_piecewise:inductor (default: the config's decode backend)",
+        "full,tc_piecewise:inductor (default: the config's decode backend; where that is "
+        "the device's default and the default is disabled, as on the CPU, the bench runs "
+        "compiled when installed, unless CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED=0)",
     )
     parser.add_argument(
         "--prefill-backends",

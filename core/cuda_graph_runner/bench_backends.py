@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .backend_options import option_readers
+from .backend_options import option_not_read, option_readers
 from .config import CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError, UnknownBackendError
 
@@ -102,11 +102,21 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> s
 
     if name is not None:
         return f"{phase} backend 'disabled': running eager only"
-    blocked = [
-        f"{e.name}: {e.reason}" for e in list_backends() if phase in e.phases and e.name != "disabled" and not e.ok
+    from . import envs
+
+    entries = [e for e in list_backends() if phase in e.phases and e.name != "disabled"]
+    blocked = [f"{e.name}: {e.reason}" for e in entries if not e.ok]
+    # A backend the bench would pick itself but the environment turned off is usable: say so.
+    off = [
+        e.name
+        for e in entries
+        if e.ok and e.name in BENCH_PREFERRED.get(device.type, ()) and not envs.get(envs.BENCH_CPU_COMPILED)
     ]
     why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
-    return f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
+    note = f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
+    if off:
+        note += f" ({', '.join(off)} is usable but not picked: {envs.BENCH_CPU_COMPILED}=0)"
+    return note
 
 
 def takes_compile_sizes(backend: str, compiler: Optional[str], readers: Mapping[str, List[str]]) -> bool:
@@ -179,6 +189,7 @@ def plan_phase(
     cannot_run: Optional[BenchRequestError] = None
     parsed = parse_backends(selection, phase_config.backend)
     readers = option_readers(reg)
+    known = set(reg.names())
 
     def backend_of(name: Optional[str]) -> str:
         chosen = name or reg.default_backend(phase, device.type)
@@ -200,6 +211,9 @@ def plan_phase(
             )
             continue
         try:
+            if compiler and chosen in known and chosen not in readers.get("tc_compiler", []):
+                # Before the value is checked: "accepted: eager, inductor" would be refused next.
+                raise option_not_read(phase, "tc_compiler", compiler, f"flag:--{phase}-backends", chosen, readers)
             phase_cfg = label_config(config, phase, chosen, compiler, max_bs, readers, selection_takes)
             backend = reg.resolve(phase, phase_cfg, device=str(device))
         except (UnknownBackendError, CudaGraphConfigError) as exc:

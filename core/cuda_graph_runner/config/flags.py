@@ -97,7 +97,8 @@ def _phase_flags(p: str) -> List[_Flag]:
             (p,),
             "tc_compiler",
             f"compiler of tc_piecewise's pieces or of full's forward for {p} (default: eager); an error "
-            "with a backend that does not read it",
+            "with a backend that does not read it (backend disabled excepted: turning graphs off keeps a "
+            "command line valid)",
         ),
         # Decode only: no shipped prefill backend reads compile_sizes (JSON can still set it).
         *(
@@ -108,8 +109,8 @@ def _phase_flags(p: str) -> List[_Flag]:
                     (p,),
                     "compile_sizes",
                     f"{p} {size}s compiled with static shapes, each in its own graph (vLLM's compile_sizes; "
-                    "read by full with tc_compiler inductor; each must be a captured size; default: none, one "
-                    "dynamic-shape graph serves every size)",
+                    "read by full with tc_compiler inductor, an error with tc_compiler eager; each must be a captured "
+                    "size; default: none, one dynamic-shape graph serves every size)",
                 )
             ]
             if p == Phase.DECODE

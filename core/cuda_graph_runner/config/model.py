@@ -275,6 +275,23 @@ def _build_phase(phase: str, values: Mapping[str, Any], sources: Mapping[Tuple[s
         raise err.with_context(phase=phase, source=sources.get((phase, err.key or ""))) from None
 
 
+def _check_default_max(phase: str, phase_config: PhaseConfig) -> None:
+    # With neither bs nor max_bs a runner captures up to DEFAULT_MAX_BS[phase]; a compile
+    # size above it would never be captured. Only validate() checks it: the bench sets
+    # max_bs itself (to the largest size it measures), so parsing must not refuse it.
+    if phase_config.compile_sizes is None or phase_config.bs is not None or phase_config.max_bs is not None:
+        return
+    limit = DEFAULT_MAX_BS[phase]
+    outside = [s for s in phase_config.compile_sizes if s > limit]
+    if outside:
+        raise CudaGraphConfigError(
+            f"element(s) {outside} not captured, so never replayed (max_bs unset: the runner's default {limit})",
+            key="compile_sizes",
+            value=phase_config.compile_sizes,
+            accepted=f"sizes <= {limit}, or set max_bs (or bs) to capture larger ones",
+        )
+
+
 @dataclass
 class CudaGraphConfig:
     """CUDA-graph settings of both phases, plus where each explicit value came from.
@@ -434,7 +451,9 @@ class CudaGraphConfig:
                 reported with that cause, not as "not installed".
 
         Raises:
-            CudaGraphConfigError: an invalid field (e.g. assigned after construction);
+            CudaGraphConfigError: an invalid field (e.g. assigned after construction); a
+            compile size above the runner's default max (``DEFAULT_MAX_BS``) when neither
+            ``bs`` nor ``max_bs`` is set;
             a backend that is not installed (the message lists the installed ones and
             the distribution providing a well-known name); a backend that does not
             support the phase.
@@ -442,6 +461,7 @@ class CudaGraphConfig:
         for phase in Phase.ALL:
             try:
                 self[phase]._check()
+                _check_default_max(phase, self[phase])
             except CudaGraphConfigError as err:
                 raise err.with_context(phase=phase, source=self.sources.get((phase, err.key or ""))) from None
         if backend_phases is None:
