@@ -52,7 +52,7 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     if compiler:
         decode["tc_compiler"] = compiler
     backend = None
-    if name == "full" and args.device == "cpu":
+    if name == "full" and torch.device(args.device).type == "cpu":
         # compiled full's own code path on the CPU: the recording fake graph module
         # stands in for CUDA graphs (the compile pass is what is measured).
         from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
@@ -128,6 +128,7 @@ def _device_problem(text: str) -> Optional[str]:
 
 
 def main(argv: List[str] | None = None) -> int:
+    from cuda_graph_runner.backend_options import declared_reads, option_readers
     from cuda_graph_runner.registry import get_registry
     from cuda_graph_runner.testing.model import PRESETS
 
@@ -163,8 +164,15 @@ def main(argv: List[str] | None = None) -> int:
     name = args.backend.partition(":")[0]
     if name not in names:
         p.error(f"--backend {args.backend!r}: unknown backend; installed: {', '.join(names)}")
-    if name == "disabled":
-        p.error("--backend 'disabled' compiles nothing; accepted: a compiling backend (compiled, full:inductor, ...)")
+    compiler = args.backend.partition(":")[2]
+    reads = declared_reads(get_registry(), name)
+    if name == "disabled" or (reads is not None and "tc_compiler" in reads and compiler in ("", "eager")):
+        # A backend that takes a compiler compiles nothing without one; found out only after
+        # two starts otherwise (minutes on a GPU).
+        p.error(
+            f"--backend {args.backend!r} compiles nothing; accepted: a compiling backend "
+            f"(compiled, or name:inductor for {', '.join(option_readers(get_registry())['tc_compiler'])})"
+        )
     problem = _device_problem(args.device)
     if problem:
         p.error(f"--device {args.device!r}: {problem}")

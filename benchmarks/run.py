@@ -78,6 +78,7 @@ from make_docs import render  # noqa: E402
 
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
 from cuda_graph_runner.bench_backends import takes_compile_sizes  # noqa: E402
+from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
@@ -729,7 +730,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--models", nargs="+", default=None, help="presets (default llama-3.2-1b qwen2.5-0.5b; tiny with --device cpu)"
     )
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=DECODE_BS)
+    parser.add_argument(
+        "--batch-sizes",
+        type=sizes_arg,
+        action=FlattenSizes,
+        nargs="+",
+        default=DECODE_BS,
+        help="space or comma separated",
+    )
     parser.add_argument(
         "--backends",
         default="full,breakable,tc_piecewise,tc_piecewise:inductor",
@@ -737,14 +745,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument(
         "--reduce-overhead-bs",
-        type=int,
+        type=sizes_arg,
+        action=FlattenSizes,
         nargs="*",
         default=[1, 32],
         help="batch sizes for the torch.compile reduce-overhead baseline (slow to compile)",
     )
     parser.add_argument(
         "--compile-sizes",
-        type=int,
+        type=sizes_arg,
+        action=FlattenSizes,
         nargs="*",
         default=[],
         help="decode batch sizes that compiled full (full:inductor) compiles with static shapes, e.g. the "
@@ -752,7 +762,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument(
         "--prefill-tokens",
-        type=int,
+        type=sizes_arg,
+        action=FlattenSizes,
         nargs="*",
         default=PREFILL_TOKENS,
         help="prefill token counts; none (the flag alone) skips prefill",

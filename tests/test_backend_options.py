@@ -196,3 +196,25 @@ def test_compile_sizes_rule_only_for_backends_reading_both(compiling_reg):
     )
     config = CudaGraphConfig.from_dict({"decode": {"backend": "own_compiler", "compile_sizes": [4]}})
     assert compiling_reg.resolve("decode", config, device="cpu").name == "own_compiler"
+
+
+def test_declared_reads_say_nothing_for_unknown_failed_or_contested_names():
+    """The bench refuses ``name:compiler`` for a backend whose spec reads no compiler; a
+    plugin that failed or is in conflict must keep its own error (review: a failed
+    ``tc_piecewise`` was reported as not reading ``tc_compiler``)."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(options=("tc_compiler",))
+    registry = SimpleNamespace(
+        _entries={
+            "ok": SimpleNamespace(spec=spec, status="available"),
+            "plain": SimpleNamespace(spec=SimpleNamespace(options=()), status="unavailable"),
+            "broken": SimpleNamespace(spec=spec, status="failed"),
+            "nospec": SimpleNamespace(spec=None, status="failed"),
+            "twice": SimpleNamespace(spec=spec, status="conflict"),
+        }
+    )
+    assert backend_options.declared_reads(registry, "ok") == ("tc_compiler",)
+    assert backend_options.declared_reads(registry, "plain") == ()
+    for name in ("broken", "nospec", "twice", "unknown"):
+        assert backend_options.declared_reads(registry, name) is None, name

@@ -38,3 +38,43 @@ def test_each_backend_is_resolved_once_and_the_runner_gets_that_instance(monkeyp
     assert runner.backend is backend and any(e[0] == "replay" for e in backend.events)
     doc = json.load(open(path))
     assert {t["method"] for t in doc["timings"]} == {"recording"}
+
+
+def _entry(name, ok, reason=""):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, phases=("decode",), ok=ok, reason=reason)
+
+
+def test_eager_note_names_why_each_backend_cannot_run_or_which_one_was_turned_off(monkeypatch):
+    """The bench's note when it runs eager only on the CPU: the reasons of the backends that
+    cannot run there, or, where one it would pick is usable but the environment turned it
+    off, that one (not "no backend is usable")."""
+    import torch
+
+    from cuda_graph_runner import bench_backends, registry
+
+    seen = []
+
+    def fake_list(device_type=None):
+        seen.append(device_type)
+        return [
+            _entry("full", False, "needs cuda"),
+            _entry("compiled", compiled_ok, "" if compiled_ok else "not built"),
+        ]
+
+    monkeypatch.setattr(registry, "list_backends", fake_list)
+    cpu = torch.device("cpu")
+    compiled_ok = False
+    note = bench_backends._no_backend_note("decode", None, cpu)
+    assert (
+        note == "no decode graph backend is usable on cpu (full: needs cuda; compiled: not built); running eager only"
+    )
+    compiled_ok = True
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "0")
+    note = bench_backends._no_backend_note("decode", None, cpu)
+    assert note == (
+        "decode backend compiled not picked (CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED=0) and no other decode graph "
+        "backend is usable on cpu (full: needs cuda); running eager only"
+    )
+    assert seen == ["cpu", "cpu"]  # probed for the bench's device, not each backend's first one

@@ -29,10 +29,10 @@ def _fake_start(compile_s):
 @pytest.mark.parametrize("compile_s", [None, 0.0])
 def test_a_backend_that_compiles_nothing_gets_a_message_and_exit_2(monkeypatch, capsys, compile_s):
     monkeypatch.setattr(compile_cache_starts.subprocess, "run", _fake_start(compile_s))
-    rc = compile_cache_starts.main(["--backend", "full", "--sizes", "1", "--pairs", "1", "--no-prime"])
+    rc = compile_cache_starts.main(["--backend", "breakable", "--sizes", "1", "--pairs", "1", "--no-prime"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "'full' compiled nothing" in err and "full:inductor" in err
+    assert "'breakable' compiled nothing" in err and "full:inductor" in err
 
 
 def test_compile_seconds_give_the_ratio(monkeypatch, capsys):
@@ -51,6 +51,11 @@ def test_compile_seconds_give_the_ratio(monkeypatch, capsys):
         (["--pairs", "0"], "'0' is not an integer >= 1"),
         (["--replays", "x"], "'x' is not an integer >= 0"),
         (["--backend", "disabled"], "--backend 'disabled' compiles nothing"),
+        (
+            ["--backend", "full"],
+            "--backend 'full' compiles nothing; accepted: a compiling backend (compiled, or name:inductor",
+        ),
+        (["--backend", "tc_piecewise:eager"], "--backend 'tc_piecewise:eager' compiles nothing"),
         (["--device", "foo"], "--device 'foo': not a torch device"),
         (["--device", "meta"], "--device 'meta': a meta tensor has no data"),
         (["--device", "cuda:99"], "--device 'cuda:99': "),  # no CUDA here, or no device 99 on a GPU machine

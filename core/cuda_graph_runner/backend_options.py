@@ -51,6 +51,18 @@ def _entry(registry: Any, name: str) -> Any:
     return getattr(registry, "_entries", {}).get(name)
 
 
+def declared_reads(registry: Any, name: str) -> Optional[Tuple[str, ...]]:
+    """The options backend ``name``'s spec declares, or None when nothing can be said from
+    the spec: an unknown name, a plugin that failed (before or after giving a spec) or a
+    name in conflict (their own errors say why, and must not be hidden by an option's)."""
+    entry = _entry(registry, name)
+    if entry is None or getattr(entry, "spec", None) is None:
+        return None
+    if getattr(entry, "status", "") in ("failed", "conflict"):  # EntryStatus is a str
+        return None
+    return reads_of(entry)
+
+
 def option_readers(registry: Any) -> Dict[str, List[str]]:
     """``{option: sorted backend names whose spec reads it}`` over the registered backends."""
     readers: Dict[str, List[str]] = {key: [] for key in BACKEND_OPTION_KEYS}

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .backend_options import option_not_read, option_readers
+from .backend_options import declared_reads, option_not_read, option_readers
 from .config import CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError, UnknownBackendError
 
@@ -104,19 +104,26 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> s
         return f"{phase} backend 'disabled': running eager only"
     from . import envs
 
-    entries = [e for e in list_backends() if phase in e.phases and e.name != "disabled"]
-    blocked = [f"{e.name}: {e.reason}" for e in entries if not e.ok]
+    entries = [e for e in list_backends(device.type) if phase in e.phases and e.name != "disabled"]
     # A backend the bench would pick itself but the environment turned off is usable: say so.
     off = [
         e.name
         for e in entries
         if e.ok and e.name in BENCH_PREFERRED.get(device.type, ()) and not envs.get(envs.BENCH_CPU_COMPILED)
     ]
+    blocked = [f"{e.name}: {e.reason}" for e in entries if not e.ok]
     why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
-    note = f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
     if off:
-        note += f" ({', '.join(off)} is usable but not picked: {envs.BENCH_CPU_COMPILED}=0)"
-    return note
+        return (
+            f"{phase} backend {', '.join(off)} not picked ({envs.BENCH_CPU_COMPILED}=0) and no other {phase} "
+            f"graph backend is usable on {device.type} ({why}); running eager only"
+        )
+    return f"no {phase} graph backend is usable on {device.type} ({why}); running eager only"
+
+
+def label_source(phase: str) -> str:
+    """The source recorded for a label's compiler (``full:inductor``): the flag it came from."""
+    return f"flag:--{phase}-backends"
 
 
 def takes_compile_sizes(backend: str, compiler: Optional[str], readers: Mapping[str, List[str]]) -> bool:
@@ -158,7 +165,7 @@ def label_config(
         fields["compile_sizes"] = None
     out = config.with_phase(phase, **fields)
     if compiler:  # only ``--{phase}-backends`` labels carry a compiler
-        out = out.with_phase(phase, source=f"flag:--{phase}-backends", tc_compiler=compiler)
+        out = out.with_phase(phase, source=label_source(phase), tc_compiler=compiler)
     if drop:
         out.sources.pop((phase, "compile_sizes"), None)
     return out
@@ -189,7 +196,7 @@ def plan_phase(
     cannot_run: Optional[BenchRequestError] = None
     parsed = parse_backends(selection, phase_config.backend)
     readers = option_readers(reg)
-    known = set(reg.names())
+    known = set(reg.names())  # after option_readers: its scan fills the registry
 
     def backend_of(name: Optional[str]) -> str:
         chosen = name or reg.default_backend(phase, device.type)
@@ -211,9 +218,13 @@ def plan_phase(
             )
             continue
         try:
-            if compiler and chosen in known and chosen not in readers.get("tc_compiler", []):
-                # Before the value is checked: "accepted: eager, inductor" would be refused next.
-                raise option_not_read(phase, "tc_compiler", compiler, f"flag:--{phase}-backends", chosen, readers)
+            if compiler:
+                if chosen not in known:
+                    reg.get(chosen)  # the unknown name is the mistake, not its compiler
+                reads = declared_reads(reg, chosen)
+                if reads is not None and "tc_compiler" not in reads:
+                    # Before the value is checked: "accepted: eager, inductor" would be refused next.
+                    raise option_not_read(phase, "tc_compiler", compiler, label_source(phase), chosen, readers)
             phase_cfg = label_config(config, phase, chosen, compiler, max_bs, readers, selection_takes)
             backend = reg.resolve(phase, phase_cfg, device=str(device))
         except (UnknownBackendError, CudaGraphConfigError) as exc:

@@ -73,7 +73,10 @@ class BackendSpec:
         options: the backend options (config keys in
             ``cuda_graph_runner.config.BACKEND_OPTION_KEYS``, such as ``"tc_compiler"``)
             this backend reads. A config that sets an option the selected backend does not
-            read is rejected at resolve time, naming the backends that read it.
+            read is rejected at resolve time, naming the backends that read it. A backend
+            declaring both ``"tc_compiler"`` and ``"compile_sizes"`` is taken to compile
+            only with a compiler: compile sizes with ``tc_compiler: eager`` are rejected
+            for it (declare ``"compile_sizes"`` alone where the backend compiles by itself).
     """
 
     name: str

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
+import torch
+
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, compiled_verify_tolerance
 from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_batch import ForwardBatch
@@ -112,6 +114,15 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         verified replay costs Dynamo one more graph (verify mode only)."""
         with self._compiled_active():
             return eager_fn()
+
+    def verify_tolerance(self, dtype: torch.dtype) -> Tuple[float, float]:
+        """The base's near-exact tolerance; compiled full: inductor's
+        (:func:`~cuda_graph_runner.backend.compiled_verify_tolerance`, ten times the base),
+        for verify mode (a static size's kernels against the dynamic graph's) and for the
+        bench's comparison with eager."""
+        if self.compiled_forward is not None:
+            return compiled_verify_tolerance(dtype)
+        return super().verify_tolerance(dtype)
 
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
         """Warm up, then record ``forward_fn`` for ``key`` (``record_graph``); compiled

@@ -77,7 +77,7 @@ import torch
 import torch._dynamo
 
 from cuda_graph_runner import envs, progress
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, compiled_verify_tolerance
 from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
@@ -496,10 +496,9 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         """Verify mode compares with eager (the base reference). ``eager`` pieces run the same
         ops as eager: the base tolerance. ``inductor`` fuses and reorders reductions: ten
         times the base tolerance (float32: atol 1e-3, rtol 1e-2; bfloat16: 0.5)."""
-        atol, rtol = super().verify_tolerance(dtype)
         if self.compiler == "inductor":
-            return atol * 10, rtol * 10
-        return atol, rtol
+            return compiled_verify_tolerance(dtype)
+        return super().verify_tolerance(dtype)
 
     def forward_compiled(self, batch: ForwardBatch, key: Optional[ShapeKey] = None) -> Any:
         """``model.forward(batch)`` through the compiled pieces, outside the runner.
