@@ -19,8 +19,8 @@ sources to bytecode, which every later start on a machine reads from ``__pycache
 (where torch's folder is not writable, as on the lent H200 machine, the starts share a
 ``PYTHONPYCACHEPREFIX`` folder instead).
 Exit status 0 when every start ran (the ratio is a measurement, not a test); 2 for a
-user's mistake (an unknown preset or backend, a backend that cannot run on the device or
-compiles nothing), named in one line; 1 when a start failed otherwise (its output shown).
+user's mistake (an unknown preset, backend, compiler or device, a backend that cannot run
+on the device or compiles nothing), named in one error line; 1 when a start failed otherwise (its output shown).
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def _device_problem(text: str) -> Optional[str]:
 
 def main(argv: List[str] | None = None) -> int:
     from cuda_graph_runner.backend_options import declared_reads, option_readers
+    from cuda_graph_runner.config import TC_COMPILERS
     from cuda_graph_runner.registry import get_registry
     from cuda_graph_runner.testing.model import PRESETS
 
@@ -166,6 +167,10 @@ def main(argv: List[str] | None = None) -> int:
         p.error(f"--backend {args.backend!r}: unknown backend; installed: {', '.join(names)}")
     compiler = args.backend.partition(":")[2]
     reads = declared_reads(get_registry(), name)
+    if compiler and compiler not in TC_COMPILERS:
+        p.error(f"--backend {args.backend!r}: unknown compiler {compiler!r}; accepted: {', '.join(TC_COMPILERS)}")
+    if compiler and reads is not None and "tc_compiler" not in reads:
+        p.error(f"--backend {args.backend!r}: backend {name!r} takes no compiler; accepted: {name!r} alone")
     if name == "disabled" or (reads is not None and "tc_compiler" in reads and compiler in ("", "eager")):
         # A backend that takes a compiler compiles nothing without one; found out only after
         # two starts otherwise (minutes on a GPU).

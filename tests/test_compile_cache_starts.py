@@ -51,6 +51,8 @@ def test_compile_seconds_give_the_ratio(monkeypatch, capsys):
         (["--pairs", "0"], "'0' is not an integer >= 1"),
         (["--replays", "x"], "'x' is not an integer >= 0"),
         (["--backend", "disabled"], "--backend 'disabled' compiles nothing"),
+        (["--backend", "full:bogus"], "--backend 'full:bogus': unknown compiler 'bogus'; accepted: eager, inductor"),
+        (["--backend", "compiled:inductor"], "backend 'compiled' takes no compiler; accepted: 'compiled' alone"),
         (
             ["--backend", "full"],
             "--backend 'full' compiles nothing; accepted: a compiling backend (compiled, or name:inductor",
