@@ -20,24 +20,17 @@ class ReaderBackend(DisabledBackend):
     pass
 
 
+def _spec(name, backend_class=ReaderBackend, options=(), phases=("decode", "prefill")):
+    return BackendSpec(
+        name=name, backend_class=backend_class, phases=phases, devices=("*",), api_version="1.0", options=options
+    )
+
+
 @pytest.fixture()
 def reg():
     r = BackendRegistry(autoload=False)
-    r.register(
-        BackendSpec(
-            name="plain", backend_class=PlainBackend, phases=("decode", "prefill"), devices=("*",), api_version="1.0"
-        )
-    )
-    r.register(
-        BackendSpec(
-            name="reader",
-            backend_class=ReaderBackend,
-            phases=("decode", "prefill"),
-            devices=("*",),
-            api_version="1.0",
-            options=("tc_compiler",),
-        )
-    )
+    r.register(_spec("plain", PlainBackend))
+    r.register(_spec("reader", options=("tc_compiler",)))
     return r
 
 
@@ -148,16 +141,7 @@ def test_check_with_registry_reads_the_options_of_a_registry_not_yet_scanned():
 
 @pytest.fixture()
 def compiling_reg(reg):
-    reg.register(
-        BackendSpec(
-            name="sized",
-            backend_class=ReaderBackend,
-            phases=("decode", "prefill"),
-            devices=("*",),
-            api_version="1.0",
-            options=("tc_compiler", "compile_sizes"),
-        )
-    )
+    reg.register(_spec("sized", options=("tc_compiler", "compile_sizes")))
     return reg
 
 
@@ -184,16 +168,7 @@ def test_compile_sizes_with_a_compiler_resolve(compiling_reg):
 def test_compile_sizes_rule_only_for_backends_reading_both(compiling_reg):
     """A backend reading ``compile_sizes`` but not ``tc_compiler`` (its own compiler) is
     not held to the tc_compiler rule."""
-    compiling_reg.register(
-        BackendSpec(
-            name="own_compiler",
-            backend_class=ReaderBackend,
-            phases=("decode",),
-            devices=("*",),
-            api_version="1.0",
-            options=("compile_sizes",),
-        )
-    )
+    compiling_reg.register(_spec("own_compiler", options=("compile_sizes",), phases=("decode",)))
     config = CudaGraphConfig.from_dict({"decode": {"backend": "own_compiler", "compile_sizes": [4]}})
     assert compiling_reg.resolve("decode", config, device="cpu").name == "own_compiler"
 
