@@ -74,6 +74,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rounds import run_rounds  # noqa: E402
 from bench_summary import ratios_for  # noqa: E402
+from portable import portable_argv, portable_path  # noqa: E402
 from make_docs import render  # noqa: E402
 
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
@@ -267,7 +268,7 @@ def inductor_cache_state() -> Dict[str, Any]:
         entries = len(os.listdir(path))
     except OSError:
         entries = 0
-    return {"dir": path, "entries_at_start": entries, "warm": entries > 0}
+    return {"dir": portable_path(path), "entries_at_start": entries, "warm": entries > 0}
 
 
 def gpu_state() -> Dict[str, Any]:
@@ -857,7 +858,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
-        "argv": sys.argv[1:] if argv is None else list(argv),
+        "argv": portable_argv(sys.argv[1:] if argv is None else list(argv)),
         "cpus": os.cpu_count(),
         "pinned_cpus": args.pin_cpu,
         "gc_freeze": args.gc_freeze,
