@@ -3,7 +3,7 @@
 Torch-free (the caller passes ``sync``), so its logic is tested on any CPU
 (tests/test_bench_compare.py) with a fake clock.
 
-Why this shape (issue 12): one backend timed after another lets a drift of the machine
+Why this shape: one backend timed after another lets a drift of the machine
 (clocks, another process, a background compile, the garbage collector) land on one backend
 only; a fixed count of warm-up calls can end before a cold start is over. Here every
 method is timed once per round, in an order rotated from round to round (round-robin,

@@ -5,7 +5,7 @@ baseline) and ``make_docs.py`` (tables).
 
 A ratio is ``method time / reference time`` at one batch size, both from the same run
 (references: the hand-written CUDA graph and ``torch.compile(mode="reduce-overhead")``,
-never eager: eager is bound by the host's launch rate and moved 2x between runs, issue 12).
+never eager: eager is bound by the host's launch rate and moved 2x between runs).
 Because ``bench_rounds.run_rounds`` times every method once per round, each round gives a
 paired ratio in which a drift of the machine cancels; the reported spread is the min and
 max of those per-round ratios.

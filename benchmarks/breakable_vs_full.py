@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Breakable against full, from one ``run.py`` result: the check of issue 23.
+"""Breakable against full, from one ``run.py`` result: the check of its decode target.
 
 Usage::
 

@@ -11,7 +11,7 @@ reference, the ratio ``backend time / reference time`` that ``run.py`` stored un
 ``ratios`` (references: ``hand_graph``, the hand-written CUDA graph, and
 ``reduce_overhead``, ``torch.compile(mode="reduce-overhead")``, where the run has them).
 Never absolute times (they follow the machine's clocks and load) and never eager (it is
-bound by the host's launch rate and moved 2x between runs of the same commit, issue 12).
+bound by the host's launch rate and moved 2x between runs of the same commit).
 
 The rule (``judge``): a ratio is a REGRESSION when both
 

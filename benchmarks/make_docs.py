@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Generate the tables of docs/benchmarks.md from benchmark JSON (no hand-pasted numbers).
+"""Generate the results of docs/benchmarks.md from benchmark JSON (no hand-pasted numbers).
 
 Usage::
 
+    python benchmarks/make_docs.py --results benchmarks/results [--doc docs/benchmarks.md]
+    python benchmarks/make_docs.py --results benchmarks/results --check   # exit 1 if the page differs
     python benchmarks/make_docs.py RUN.json [MORE_RUNS.json ...] [--doc docs/benchmarks.md]
     python benchmarks/make_docs.py RUN.json --print          # the markdown only
 
-The first JSON gives the main tables (decode median [min-max] ms, ratios to the
+``--results`` renders the page's results from the stored results (``benchmarks/results/``,
+folders ``DATE-GPU-CONTENT``, :mod:`make_docs_extra`): per kind of measurement the newest
+folder, each table with the file, GPU, torch version and date it comes from. With JSON files
+instead, the first gives the main tables (decode median [min-max] ms, ratios to the
 hand-written graph and to reduce-overhead, capture, prefill, targets); with several JSON
 (the same command run several times, e.g. ``scripts/gpu_check.sh`` with ``BENCH_RUNS=3``)
 a run-to-run table shows each run's median and how far apart the runs are. Only the
@@ -17,6 +22,8 @@ is kept. Torch-free.
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -24,8 +31,9 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_summary import REFERENCES, median_ms  # noqa: E402
 from bench_summary import format_ratio as _ratio  # noqa: E402
+import make_docs_extra as extra  # noqa: E402
 
-from cuda_graph_runner.results_schema import nested_view, read  # noqa: E402
+from cuda_graph_runner.results_schema import from_json, nested_view, read  # noqa: E402
 from cuda_graph_runner.tables import format_cell as _num  # noqa: E402
 from cuda_graph_runner.tables import markdown_table  # noqa: E402
 
@@ -130,7 +138,7 @@ def targets(m: Dict[str, Any]) -> List[str]:
         full = median_ms(dec.get("full"))
         for other in sorted(k for k in dec if k.startswith(("breakable", "tc_piecewise"))):
             o = median_ms(dec.get(other))
-            limit = 1.15 if other == "breakable" else 1.3  # breakable: issue 23's target
+            limit = 1.15 if other == "breakable" else 1.3  # breakable records its decode step whole
             if full and o:
                 rows.append(
                     [
@@ -275,6 +283,80 @@ def render_runs(runs: Sequence[Dict[str, Any]], names: Sequence[str]) -> str:
     return f"#### Run to run: {len(runs)} runs ({', '.join(names)})\n\n" + markdown_table(headers, cells) + "\n"
 
 
+
+def _json_files(folder: str, pattern: str) -> List[str]:
+    return sorted(glob.glob(os.path.join(folder, pattern)))
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def render_store(results: str) -> str:
+    """The page's results: per kind of measurement, the tables of its newest folder in the
+    results store ``results`` (:func:`make_docs_extra.newest`), each with its source line.
+
+    Raises:
+        ValueError: a folder name outside the store's layout, or a run.py file that breaks
+            the results schema (names the file and field).
+        OSError: a file cannot be read.
+    """
+    out: List[str] = []
+
+    def section(title: str, kind: str) -> Optional[str]:
+        folder = extra.newest(results, kind)
+        if folder:
+            out.extend([f"### {title}", ""])
+        return folder
+
+    folder = section("Decode: every backend against the hand-written graph", "decode")
+    if folder:
+        path = os.path.join(folder, "benchmarks.json")
+        # render()'s first line gives the GPU, torch and date.
+        out += [f"From `{extra.shown_path(path)}`.", "", render(nested_view(read(path))).rstrip(), ""]
+    folder = section("Run to run", "decode-run-to-run")
+    if folder:
+        paths = [p for p in _json_files(folder, "run-*.json") if os.path.basename(p)[4:-5].isdigit()]
+        runs = [nested_view(read(p)) for p in paths]
+        out += [extra.source_line(paths[0], _read_json(paths[0])), ""]
+        # render_runs' own heading is the section's.
+        out += render_runs(runs, [os.path.basename(p) for p in paths]).split("\n", 2)[2:] + [""]
+    folder = section("Compiled full against torch.compile reduce-overhead", "compiled-full")
+    if folder:
+        paths = [p for p in _json_files(folder, "*.json") if not os.path.basename(p).startswith("probe-")]
+        docs = [from_json(_read_json(p), p) for p in paths]
+        out += [extra.source_line(p, _read_json(p)) for p in paths] + [""]
+        out += extra.compiled_table(docs)
+        probes = _json_files(folder, "probe-*.json")
+        if probes:
+            out += [extra.source_line(p, _read_json(p)) for p in probes] + [""]
+            out += extra.probe_table(
+                [(os.path.basename(p)[len("probe-") : -len(".json")], _read_json(p)) for p in probes]
+            )
+    for title, kind, name, tables in (
+        ("replay_prepare: host time per step", "replay-prepare", "replay_prepare.json", extra.replay_prepare_table),
+        ("Capture of the default decode sizes by warm-up policy (full, llama-3.2-1b bf16)", "capture-warmup",
+         "capture_seconds.json", extra.capture_warmup_table),
+        ("breakable against full, decode ms per step (median)", "breakable-vs-full", "benchmarks.json",
+         lambda d: extra.breakable_table(from_json(d, "breakable-vs-full"))),
+        ("Graph variants: LoRA and no-LoRA graphs per size", "variants", "variants.json", extra.variants_tables),
+    ):
+        folder = section(title, kind)
+        if folder:
+            data = _read_json(os.path.join(folder, name))
+            out += [extra.source_line(os.path.join(folder, name), data), ""] + tables(data)
+    folder = section("Tensor parallel: decode ms per step", "tp")
+    if folder:
+        paths = [p for p in _json_files(folder, "tp*.json")]
+        out += [extra.source_line(p, _read_json(p)) for p in paths] + [""]
+        out += extra.tp_tables([_read_json(p) for p in paths])
+    # One blank line between blocks, none at the end.
+    text = "\n".join(out)
+    while "\n\n\n" in text:
+        text = text.replace("\n\n\n", "\n\n")
+    return text.strip() + "\n"
+
 def splice(doc: str, generated: str) -> str:
     """``doc`` with the text between :data:`BEGIN` and :data:`END` replaced by ``generated``.
 
@@ -289,25 +371,37 @@ def splice(doc: str, generated: str) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="benchmarks.json files (the first gives the main tables)")
+    parser.add_argument("runs", nargs="*", help="benchmarks.json files (the first gives the main tables)")
+    parser.add_argument("--results", help="the results store (benchmarks/results): the page's results from it")
     parser.add_argument(
         "--doc", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
     )
     parser.add_argument("--print", action="store_true", help="print the markdown instead of writing the doc")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when the doc's region differs")
     args = parser.parse_args(argv)
-    runs = []
-    for path in args.runs:
+    if bool(args.runs) == bool(args.results):
+        print("make_docs: give either JSON files or --results DIR (not both, not neither)", file=sys.stderr)
+        return 2
+    if args.results:
         try:
-            # Validated, older schemas converted, as per-model tables.
-            runs.append(nested_view(read(path)))
-        except (OSError, ValueError) as exc:  # ResultsSchemaError is a ValueError
-            print(f"make_docs: cannot read {path}: {exc}", file=sys.stderr)
+            text = render_store(args.results)
+        except (OSError, ValueError, KeyError) as exc:  # ResultsSchemaError is a ValueError
+            print(f"make_docs: cannot render {args.results}: {exc!r}", file=sys.stderr)
             return 2
-    text = render(runs[0])
-    if len(runs) > 1:
-        text += "\n" + render_runs(
-            runs, [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.runs]
-        )
+    else:
+        runs = []
+        for path in args.runs:
+            try:
+                # Validated, older schemas converted, as per-model tables.
+                runs.append(nested_view(read(path)))
+            except (OSError, ValueError) as exc:  # ResultsSchemaError is a ValueError
+                print(f"make_docs: cannot read {path}: {exc}", file=sys.stderr)
+                return 2
+        text = render(runs[0])
+        if len(runs) > 1:
+            text += "\n" + render_runs(
+                runs, [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.runs]
+            )
     if args.print:
         print(text)
         return 0
@@ -318,11 +412,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"make_docs: {args.doc}: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        if new != doc:
+            print(f"make_docs: {args.doc} differs from what the results give: rerun without --check", file=sys.stderr)
+            return 1
+        print(f"make_docs: {args.doc} matches the results")
+        return 0
     with open(args.doc, "w") as f:
         f.write(new)
-    print(f"make_docs: wrote the generated region of {args.doc} from {len(runs)} run(s)")
+    print(f"make_docs: wrote the generated region of {args.doc}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

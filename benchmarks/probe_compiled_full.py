@@ -5,18 +5,20 @@ torch.compile reduce-overhead, interleaved in one process. Prints ms per decode 
     python3 benchmarks/probe_compiled_full.py --model llama-3.2-1b --batch-sizes 1 32 128
 
 Inductor is pinned as in ``run.py`` (timing-free kernel choices); a variant's options
-override that. Results of the H200 runs: docs/benchmarks.md (issue 22).
+override that. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import statistics
 import sys
 import time
+from typing import Any, Dict
 from unittest import mock
 
 import torch
@@ -97,7 +99,12 @@ def main() -> None:
                 fn(batches[bs])
         methods[bs]["ro"] = lambda fn=fn, b=batches[bs]: fn(b)
         print(f"ro bs {bs}: {time.perf_counter() - start:.1f} s", flush=True)
-    result = {"compile_s": compile_s}
+    result: Dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "compile_s": compile_s,
+    }
     with torch.no_grad():
         for bs in bs_list:
             times = {m: [] for m in methods[bs]}

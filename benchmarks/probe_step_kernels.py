@@ -4,7 +4,7 @@ Profiles the compiled forward (static sizes, run without the graph) kernel by ke
 times the captured replay, and times the reference attention op's decode body
 eager against the same body compiled with inductor (both recorded in a CUDA graph of
 one call per layer). The H200 numbers that made compiled full compile the marked ops'
-bodies: ``benchmarks/results/2026-12-01-h200-session7-op-bodies/attention_probe.txt``.
+bodies: ``benchmarks/results/2026-12-01-h200-compiled-full/attention_probe.txt``.
 
     python3 benchmarks/probe_step_kernels.py --model llama-3.2-1b --batch-sizes 1 32
 """

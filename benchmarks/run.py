@@ -15,7 +15,7 @@ For each model preset (bfloat16, random weights; shapes of Llama-3.2-1B and Qwen
 * host-side time of ``replay_prepare`` (µs, median);
 * prefill latency (ms) over token counts, eager vs each prefill-capable backend.
 
-How the numbers are made to hold from run to run (issue 12; docs/benchmarks.md says why):
+How the numbers are made to hold from run to run (docs/benchmarks.md says why):
 
 1. Everything is built before anything is timed: every hand-written graph, every
    reduce-overhead compile, every backend's compile and capture (inductor's kernels and
@@ -599,7 +599,7 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         # 2. Time: interleaved rounds per batch size.
         m["gpu_before_timing"] = gpu_state()
         # How much a collection would have to walk: a cold inductor compile leaves a far
-        # bigger heap than a warm one (the suspect of the first-run slow mode, issue 12).
+        # bigger heap than a warm one (the suspect of the first-run slow mode).
         m["python_objects_before_timing"] = len(gc.get_objects())
         for bs in bs_list:
             m["decode"][str(bs)] = timer.time(f"{name} decode bs={bs}", methods[bs])

@@ -26,6 +26,7 @@ different times would deadlock their collectives), and ends in bounded time
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -128,7 +129,16 @@ def run(args: argparse.Namespace, tp: Any) -> None:
             sessions[bs] = s
             batches[bs] = make_decode_batch(cache, s.rows, None, [t[-1] for t in s.tokens])
             # One KV slot per step is enough: the timed step rewrites the same slots.
-    results: Dict[str, Any] = {"model": args.model, "dtype": args.dtype, "tp": size, "rows": [], "runners": {}}
+    results: Dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "tp": size,
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "rows": [],
+        "runners": {},
+    }
     with torch.no_grad():
         for bs in sizes:
             row = {
