@@ -319,18 +319,18 @@ def render_store(results: str) -> str:
     if folder:
         paths = [p for p in _json_files(folder, "run-*.json") if os.path.basename(p)[4:-5].isdigit()]
         runs = [nested_view(read(p)) for p in paths]
-        out += [extra.source_line(paths[0], _read_json(paths[0])), ""]
+        out += extra.source_lines([(p, _read_json(p)) for p in paths]) + [""]
         # render_runs' own heading is the section's.
         out += render_runs(runs, [os.path.basename(p) for p in paths]).split("\n", 2)[2:] + [""]
     folder = section("Compiled full against torch.compile reduce-overhead", "compiled-full")
     if folder:
         paths = [p for p in _json_files(folder, "*.json") if not os.path.basename(p).startswith("probe-")]
         docs = [from_json(_read_json(p), p) for p in paths]
-        out += [extra.source_line(p, _read_json(p)) for p in paths] + [""]
+        out += extra.source_lines([(p, _read_json(p)) for p in paths]) + [""]
         out += extra.compiled_table(docs)
         probes = _json_files(folder, "probe-*.json")
         if probes:
-            out += [extra.source_line(p, _read_json(p)) for p in probes] + [""]
+            out += extra.source_lines([(p, _read_json(p)) for p in probes]) + [""]
             out += extra.probe_table(
                 [(os.path.basename(p)[len("probe-") : -len(".json")], _read_json(p)) for p in probes]
             )
@@ -349,7 +349,7 @@ def render_store(results: str) -> str:
     folder = section("Tensor parallel: decode ms per step", "tp")
     if folder:
         paths = [p for p in _json_files(folder, "tp*.json")]
-        out += [extra.source_line(p, _read_json(p)) for p in paths] + [""]
+        out += extra.source_lines([(p, _read_json(p)) for p in paths]) + [""]
         out += extra.tp_tables([_read_json(p) for p in paths])
     # One blank line between blocks, none at the end.
     text = "\n".join(out)

@@ -109,14 +109,14 @@ def shown_path(path: str) -> str:
     return os.path.relpath(os.path.abspath(path), REPO).replace(os.sep, "/")
 
 
-def source_line(path: str, data: Optional[Dict[str, Any]] = None) -> str:
-    """``From `PATH`: GPU, torch VERSION, DATE.`` for one stored file: what the JSON records,
-    else the folder name's GPU and date (``torch not recorded`` when the JSON lacks it)."""
+def provenance(path: str, data: Optional[Dict[str, Any]] = None) -> str:
+    """``GPU, torch VERSION, DATE`` of one stored file: what the JSON records, else the
+    folder name's GPU and date (``torch not recorded`` when the JSON lacks it)."""
     data = data or {}
     env = data.get("env") or {}
     m = FOLDER_RE.match(os.path.basename(os.path.dirname(os.path.abspath(path))))
     gpu = next(
-        (v for v in (env.get("gpu"), env.get("device_name"), data.get("device")) if v and v not in ("cuda", "cpu")),
+        (v for v in (env.get("gpu"), env.get("device_name"), data.get("gpu"), data.get("device")) if v and not v.startswith(("cuda", "cpu"))),
         None,
     )
     if gpu is None and m:
@@ -124,7 +124,22 @@ def source_line(path: str, data: Optional[Dict[str, Any]] = None) -> str:
     torch_v = env.get("torch") or data.get("torch")
     date = env.get("date") or data.get("date") or (m["date"] if m else None)
     parts = [p for p in (gpu, f"torch {torch_v}" if torch_v else "torch not recorded", date) if p]
-    return f"From `{shown_path(path)}`: {', '.join(parts)}."
+    return ", ".join(parts)
+
+
+def source_line(path: str, data: Optional[Dict[str, Any]] = None) -> str:
+    """``From `PATH`: GPU, torch VERSION, DATE.`` for one stored file."""
+    return f"From `{shown_path(path)}`: {provenance(path, data)}."
+
+
+def source_lines(files: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
+    """One ``From `FOLDER/` A.json, B.json: GPU, torch, DATE.`` line per provenance shared by
+    ``(path, data)`` files of one folder."""
+    groups: Dict[str, List[str]] = {}
+    for path, data in files:
+        groups.setdefault(provenance(path, data), []).append(os.path.basename(path))
+    folder = shown_path(os.path.dirname(files[0][0])) + "/" if files else ""
+    return [f"From `{folder}` {', '.join(names)}: {prov}." for prov, names in groups.items()]
 
 
 def replay_prepare_table(rp: Dict[str, Any]) -> List[str]:

@@ -147,7 +147,9 @@ def main(argv: "List[str] | None" = None) -> int:
         print(f"  {name.ljust(width)}  median {r['median_us']:7.2f} µs   min {r['min_us']:7.2f} µs")
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"device": args.device, "torch": torch.__version__, "results": results}, f, indent=2)
+            gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+            doc = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "results": results}
+            json.dump(doc, f, indent=2)
     return 0
 
 

@@ -158,4 +158,4 @@ def test_capture_seconds_of_the_default_decode_sizes():
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "capture_seconds.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
