@@ -1,4 +1,4 @@
-"""CPU tests of the benchmark harness logic (issue 12): the interleaved steady-state rounds,
+"""CPU tests of the benchmark harness logic: the interleaved steady-state rounds,
 the in-run ratios, compare.py's regression rule and make_docs.py's splicing.
 
 All timings are synthetic (a fake clock, hand-made JSON): nothing here measures wall time.
