@@ -29,9 +29,9 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_docs_extra as extra  # noqa: E402
 from bench_summary import REFERENCES, median_ms  # noqa: E402
 from bench_summary import format_ratio as _ratio  # noqa: E402
-import make_docs_extra as extra  # noqa: E402
 
 from cuda_graph_runner.results_schema import from_json, nested_view, read  # noqa: E402
 from cuda_graph_runner.tables import format_cell as _num  # noqa: E402
@@ -283,7 +283,6 @@ def render_runs(runs: Sequence[Dict[str, Any]], names: Sequence[str]) -> str:
     return f"#### Run to run: {len(runs)} runs ({', '.join(names)})\n\n" + markdown_table(headers, cells) + "\n"
 
 
-
 def _json_files(folder: str, pattern: str) -> List[str]:
     return sorted(glob.glob(os.path.join(folder, pattern)))
 
@@ -336,10 +335,18 @@ def render_store(results: str) -> str:
             )
     for title, kind, name, tables in (
         ("replay_prepare: host time per step", "replay-prepare", "replay_prepare.json", extra.replay_prepare_table),
-        ("Capture of the default decode sizes by warm-up policy (full, llama-3.2-1b bf16)", "capture-warmup",
-         "capture_seconds.json", extra.capture_warmup_table),
-        ("breakable against full, decode ms per step (median)", "breakable-vs-full", "benchmarks.json",
-         lambda d: extra.breakable_table(from_json(d, "breakable-vs-full"))),
+        (
+            "Capture of the default decode sizes by warm-up policy (full, llama-3.2-1b bf16)",
+            "capture-warmup",
+            "capture_seconds.json",
+            extra.capture_warmup_table,
+        ),
+        (
+            "breakable against full, decode ms per step (median)",
+            "breakable-vs-full",
+            "benchmarks.json",
+            lambda d: extra.breakable_table(from_json(d, "breakable-vs-full")),
+        ),
         ("Graph variants: LoRA and no-LoRA graphs per size", "variants", "variants.json", extra.variants_tables),
     ):
         folder = section(title, kind)
@@ -356,6 +363,7 @@ def render_store(results: str) -> str:
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
     return text.strip() + "\n"
+
 
 def splice(doc: str, generated: str) -> str:
     """``doc`` with the text between :data:`BEGIN` and :data:`END` replaced by ``generated``.
@@ -422,6 +430,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         f.write(new)
     print(f"make_docs: wrote the generated region of {args.doc}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -116,7 +116,11 @@ def provenance(path: str, data: Optional[Dict[str, Any]] = None) -> str:
     env = data.get("env") or {}
     m = FOLDER_RE.match(os.path.basename(os.path.dirname(os.path.abspath(path))))
     gpu = next(
-        (v for v in (env.get("gpu"), env.get("device_name"), data.get("gpu"), data.get("device")) if v and not v.startswith(("cuda", "cpu"))),
+        (
+            v
+            for v in (env.get("gpu"), env.get("device_name"), data.get("gpu"), data.get("device"))
+            if v and not v.startswith(("cuda", "cpu"))
+        ),
         None,
     )
     if gpu is None and m:
@@ -194,7 +198,8 @@ def variants_tables(v: Dict[str, Any]) -> List[str]:
     """Step ms of the no-LoRA and LoRA graphs and their capture (``benchmarks/variants.py``)."""
     kinds = ("nolora graph", "lora graph", "lora eager")
     rows = [
-        [bs] + [f"{median_ms(cells.get(k)):.3f}" if median_ms(cells.get(k)) else "-" for k in kinds]
+        [bs]
+        + [f"{median_ms(cells.get(k)):.3f}" if median_ms(cells.get(k)) else "-" for k in kinds]
         + [f"{cells['lora_over_nolora']:.2f}"]
         for bs, cells in sorted(v["step_ms"].items(), key=lambda kv: int(kv[0]))
     ]
@@ -241,12 +246,23 @@ def compiled_table(runs: List[Dict[str, Any]]) -> List[str]:
                 verdict = "-" if not r or limit is None else ("met" if r["median"] <= limit else "**missed**")
                 rows.append(
                     [model, bs]
-                    + [f"{median_ms(cells.get(k)):.3f}" if median_ms(cells.get(k)) else "-"
-                       for k in ("hand_graph", "reduce_overhead", "full", "full:inductor")]
+                    + [
+                        f"{median_ms(cells.get(k)):.3f}" if median_ms(cells.get(k)) else "-"
+                        for k in ("hand_graph", "reduce_overhead", "full", "full:inductor")
+                    ]
                     + [format_ratio(r), f"<= {limit:.2f}" if limit else "-", verdict]
                 )
-    headers = ["model", "batch", "hand graph ms", "reduce-overhead ms", "full ms", "full:inductor ms",
-               "full:inductor / reduce-overhead", "target", "result"]
+    headers = [
+        "model",
+        "batch",
+        "hand graph ms",
+        "reduce-overhead ms",
+        "full ms",
+        "full:inductor ms",
+        "full:inductor / reduce-overhead",
+        "target",
+        "result",
+    ]
     out = [markdown_table(headers, rows), ""]
     for run in runs:
         for model, m in nested_view(run)["models"].items():
@@ -267,7 +283,12 @@ def render(folder: str) -> str:
     out: List[str] = [f"From `{shown_path(folder)}`.", ""]
     rp = _load(folder, "replay_prepare.json")
     if rp:
-        out += ["#### replay_prepare host time per step", "", source_line(os.path.join(folder, "replay_prepare.json"), rp), ""]
+        out += [
+            "#### replay_prepare host time per step",
+            "",
+            source_line(os.path.join(folder, "replay_prepare.json"), rp),
+            "",
+        ]
         out += replay_prepare_table(rp)
     cs = _load(folder, "capture_seconds.json")
     if cs:

@@ -74,8 +74,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rounds import run_rounds  # noqa: E402
 from bench_summary import ratios_for  # noqa: E402
-from portable import portable_argv, portable_path  # noqa: E402
 from make_docs import render  # noqa: E402
+from portable import portable_argv, portable_path  # noqa: E402
 
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
 from cuda_graph_runner.bench_backends import takes_compile_sizes  # noqa: E402

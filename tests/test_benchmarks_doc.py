@@ -92,7 +92,9 @@ def test_docs_carry_no_machine_path_or_development_narration():
     pages += [os.path.join(ROOT, "docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md")]
     plugins = os.path.join(ROOT, "plugins")
     pages += [os.path.join(plugins, p, "README.md") for p in os.listdir(plugins)]
-    narration = re.compile(r"\b(this|last|next|second|third) (round|session)\b|\bsession ?\d|\b[Ii]ssue \d+|nvidia-h200-x")
+    narration = re.compile(
+        r"\b(this|last|next|second|third) (round|session)\b|\bsession ?\d|\b[Ii]ssue \d+|nvidia-h200-x"
+    )
     bad = []
     for page in sorted(set(p for p in pages if os.path.exists(p))):
         with open(page) as f:
