@@ -319,6 +319,11 @@ def render_store(results: str) -> str:
         paths = [p for p in _json_files(folder, "run-*.json") if os.path.basename(p)[4:-5].isdigit()]
         runs = [nested_view(read(p)) for p in paths]
         out += extra.source_lines([(p, _read_json(p)) for p in paths]) + [""]
+        out += [
+            "How far apart runs of one command land (the harness's stability); the backends' "
+            "current times are the decode section's.",
+            "",
+        ]
         # render_runs' own heading is the section's.
         out += render_runs(runs, [os.path.basename(p) for p in paths]).split("\n", 2)[2:] + [""]
     folder = section("Compiled full against torch.compile reduce-overhead", "compiled-full")
