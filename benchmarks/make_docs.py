@@ -314,6 +314,15 @@ def render_store(results: str) -> str:
         path = os.path.join(folder, "benchmarks.json")
         # render()'s first line gives the GPU, torch and date.
         out += [f"From `{extra.shown_path(path)}`.", "", render(nested_view(read(path))).rstrip(), ""]
+    path = extra.newest_with_prefill(results)
+    if path:
+        out += [
+            "### Prefill: 4 requests per batch, ms (median [min-max])",
+            "",
+            extra.source_line(path, _read_json(path)),
+            "",
+        ]
+        out += extra.prefill_table(from_json(_read_json(path), path))
     folder = section("Run to run", "decode-run-to-run")
     if folder:
         paths = [p for p in _json_files(folder, "run-*.json") if os.path.basename(p)[4:-5].isdigit()]

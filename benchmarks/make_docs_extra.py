@@ -167,6 +167,56 @@ def breakable_table(bvf: Dict[str, Any]) -> List[str]:
     return [markdown_table(["model", "batch", "full", "breakable", "breakable / full"], rows), ""]
 
 
+def prefill_table(doc: Dict[str, Any]) -> List[str]:
+    """Prefill ms per batch (median [min-max]) of every method and each graph backend's time
+    over eager's, per model and token count, from a run.py results document (validated)."""
+    rows = []
+    found = {k for m in nested_view(doc)["models"].values() for row in m.get("prefill", {}).values() for k in row}
+    methods = sorted(found, key=lambda k: (k != "eager", k))
+    graphs = [k for k in methods if k != "eager"]
+    for model, m in nested_view(doc)["models"].items():
+        for tokens, cells in sorted(m.get("prefill", {}).items(), key=lambda kv: int(kv[0])):
+            eager = median_ms(cells.get("eager"))
+            rows.append(
+                [model, tokens]
+                + [_spread(cells.get(k)) for k in methods]
+                + [
+                    f"{median_ms(cells.get(k)) / eager:.3f}" if eager and median_ms(cells.get(k)) else "-"
+                    for k in graphs
+                ]
+            )
+    headers = ["model", "tokens", *methods, *(f"{k} / eager" for k in graphs)]
+    return [markdown_table(headers, rows), ""]
+
+
+def _spread(cell: Any) -> str:
+    if not isinstance(cell, dict) or cell.get("median_ms") is None:
+        return "-"
+    return f"{cell['median_ms']:.3f} [{cell['min_ms']:.3f}-{cell['max_ms']:.3f}]"
+
+
+def newest_with_prefill(results: str, kinds: Tuple[str, ...] = ("decode", "breakable-vs-full")) -> Optional[str]:
+    """The ``benchmarks.json`` of the newest folder of ``kinds`` that timed a graph backend's
+    prefill, or None."""
+    got = sorted(
+        ((date, os.path.basename(path), path) for date, _, k, path in folders(results) if k in kinds), reverse=True
+    )
+    for _, _, folder in got:
+        path = os.path.join(folder, "benchmarks.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            doc = from_json(json.load(f), path)
+        if any(
+            k != "eager"
+            for m in nested_view(doc)["models"].values()
+            for row in m.get("prefill", {}).values()
+            for k in row
+        ):
+            return path
+    return None
+
+
 def tp_tables(tps: List[Dict[str, Any]]) -> List[str]:
     """Decode ms per step and capture per tensor-parallel size, one pair of tables per set of
     backends (``benchmarks/tp.py --backends``)."""

@@ -46,6 +46,8 @@ def test_the_page_is_what_the_stored_results_give(capsys):
     for kind in ("decode", "decode-run-to-run", "compiled-full", "replay-prepare", "capture-warmup", "tp"):
         folder = make_docs_extra.newest(RESULTS, kind)
         assert folder and f"`{make_docs_extra.shown_path(folder)}" in generated, kind
+    # Prefill: the newest main run (benchmarks.json) that timed a graph backend's prefill.
+    assert f"`{make_docs_extra.shown_path(make_docs_extra.newest_with_prefill(RESULTS))}`" in generated
     assert len(doc.splitlines()) <= 300
 
 
