@@ -114,3 +114,17 @@ def test_portable_paths(tmp_path, monkeypatch):
     assert portable_path("/somewhere/else/cache") == "<abs>/cache"
     argv = portable_argv(["--out", str(tmp_path / "o"), f"--json={tmp_path}/t.json", "--models", "llama-3.2-1b"])
     assert argv == ["--out", "o", "--json=t.json", "--models", "llama-3.2-1b"]
+
+
+def test_every_results_folder_named_in_docs_and_scripts_exists():
+    named = re.compile(r"\b(\d{4}-\d{2}-\d{2}-[a-z0-9]+-[a-z0-9]+(?:-[a-z0-9]+)*)")
+    files = [os.path.join(ROOT, n) for n in ("README.md", "CHANGELOG.md")]
+    files += [os.path.join(ROOT, "docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md")]
+    files += [os.path.join(BENCH, n) for n in os.listdir(BENCH) if n.endswith(".py")]
+    missing = []
+    for path in files:
+        with open(path) as f:
+            for name in set(named.findall(f.read())):
+                if not os.path.isdir(os.path.join(RESULTS, name)):
+                    missing.append(f"{os.path.relpath(path, ROOT)}: {name}")
+    assert not missing, "\n".join(missing)
