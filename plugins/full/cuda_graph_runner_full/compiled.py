@@ -70,7 +70,8 @@ COMPILING = ("inductor",)
 
 #: Inductor options for a graph-captured decode step: no CUDA-graph trees (``full``
 #: captures the whole forward itself), otherwise inductor's defaults. Measured on an H200
-#: (llama-3.2-1b, bf16, batch 1/32/128, ratios in one process: docs/benchmarks.md),
+#: (llama-3.2-1b, bf16, batch 1/32/128, ratios in one process: CHANGELOG.md and
+#: benchmarks/results/2026-12-01-h200-compiled-full-options/),
 #: neither tuning option paid inside a captured graph: coordinate-descent tuning
 #: 0.6-1.4% slower per step for 60 s more compile, ``max_autotune_gemm`` (Triton GEMM
 #: templates picked by micro-benchmark) 3-18% slower for 160 s more. Pass them through
