@@ -344,7 +344,11 @@ def render(folder: str) -> str:
     if cs:
         out += ["#### full: capture of the default decode sizes, llama-3.2-1b bf16", ""]
         out += capture_warmup_table(cs)
-    name = "benchmarks.json" if os.path.basename(folder).endswith("-breakable-vs-full") else "breakable-vs-full.json"
+    name = (
+        "benchmarks.json"
+        if os.path.basename(os.path.normpath(folder)).endswith("-breakable-vs-full")
+        else "breakable-vs-full.json"
+    )
     bvf = _load(folder, name)
     if bvf:
         # benchmarks/run.py's output: the shared results schema, validated.
