@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Union
 
-from .model import PHASE_KEYS, SOURCE_API, CudaGraphConfig, Phase, PhaseConfig, _build_phase
+from .model import PHASE_KEYS, SOURCE_API, CudaGraphConfig, Phase, PhaseConfig, _build_phase, migrate_tc_compiler
 
 #: What :func:`as_config` accepts.
 ConfigInput = Union[CudaGraphConfig, PhaseConfig, Mapping[str, Any], str, None]
@@ -58,6 +58,11 @@ def as_config(config: ConfigInput, phase: str) -> CudaGraphConfig:
         default = PhaseConfig()
         values = {key: getattr(config, key) for key in PHASE_KEYS}
         sources = {(phase, key): SOURCE_API for key, value in values.items() if value != getattr(default, key)}
+        given = {phase: {key: values[key] for key in values if (phase, key) in sources}}
+        migrate_tc_compiler(given, sources)  # the deprecated spelling of compiled full
+        values.update(given[phase])
+        if "tc_compiler" not in given[phase]:
+            values["tc_compiler"] = default.tc_compiler
         # A new PhaseConfig: validated again (fields assigned later skip the checks), and
         # the caller's object stays theirs.
         return CudaGraphConfig(**{phase: _build_phase(phase, values, sources)}, sources=sources)

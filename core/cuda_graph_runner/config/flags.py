@@ -20,19 +20,24 @@ from .model import (
     _SIZE_ACCEPTED,
     DEFAULT_MAX_BS,
     MAX_CAPTURE_SIZE,
-    SOURCE_JSON,
     SOURCE_JSON_FLAG,
     TC_COMPILERS,
+    TORCH_COMPILE_MAX_BS,
     Backend,
     CudaGraphConfig,
     Phase,
     _build_phase,
+    migrate_tc_compiler,
 )
 
 __all__ = ["FlattenSizes", "add_cuda_graph_args", "sizes_arg", "source_phases"]
 
 _TIER_LEGACY = "legacy"
+_TIER_OFF = "off"
 _TIER_FLAG = "flag"
+#: Lowest first (sglang's ``parse_cuda_graph_config``): ``--disable-cuda-graph``, then the
+#: per-phase off switches, then the flags that name a value (the aliases among them).
+_TIERS = (_TIER_LEGACY, _TIER_OFF, _TIER_FLAG)
 _NO_CONST = object()
 #: Keys whose flags take sizes, space or comma separated.
 _SIZE_LIST_KEYS = ("bs", "compile_sizes")
@@ -49,10 +54,13 @@ class _Flag:
     help: str
     const: Any = _NO_CONST  # flags without a value set the key to this
     replacement: str = ""  # legacy flags: what to use instead
+    #: The option whose argparse storage this flag writes too (sglang's aliases and its
+    #: per-phase off switches share storage with their replacement: the one written last wins).
+    shares: str = ""
 
     @property
     def dest(self) -> str:
-        return self.option[2:].replace("-", "_")
+        return (self.shares or self.option)[2:].replace("-", "_")
 
     def value_from(self, raw: Any) -> Any:
         if self.const is not _NO_CONST:
@@ -117,18 +125,33 @@ def _phase_flags(p: str) -> List[_Flag]:
             else []
         ),
         _Flag(
-            f"--disable-cuda-graph-{p}",
-            _TIER_FLAG,
+            f"--disable-{p}-cuda-graph",
+            _TIER_OFF,
             (p,),
             "backend",
-            f"no graphs for {p} (backend disabled)",
+            f"no graphs for {p} (backend disabled) unless --cuda-graph-backend-{p} names one (sglang's off switch)",
             const=Backend.DISABLED,
+        ),
+        _Flag(
+            f"--disable-cuda-graph-{p}",
+            _TIER_OFF,
+            (p,),
+            "backend",
+            f"the same as --disable-{p}-cuda-graph",
+            const=Backend.DISABLED,
+            shares=f"--disable-{p}-cuda-graph",
         ),
     ]
 
 
-def _legacy(option: str, phases: Tuple[str, ...], key: str, replacement: str, const: Any = _NO_CONST) -> _Flag:
-    return _Flag(option, _TIER_LEGACY, phases, key, f"deprecated: use {replacement}", const, replacement)
+def _legacy(
+    option: str, phases: Tuple[str, ...], key: str, replacement: str, const: Any = _NO_CONST, shares: str = ""
+) -> _Flag:
+    """A deprecated sglang flag. With ``shares`` it is an alias of that flag (sglang's
+    ``DeprecatedAliasStoreAction`` / ``DeprecatedStoreConstAction``: the same storage, so
+    of the two the one written last wins); without, a tier of its own below every flag."""
+    tier = _TIER_FLAG if shares else _TIER_LEGACY
+    return _Flag(option, tier, phases, key, f"deprecated: use {replacement}", const, replacement, shares)
 
 
 _FLAGS: Tuple[_Flag, ...] = (
@@ -154,9 +177,15 @@ _FLAGS: Tuple[_Flag, ...] = (
         "backend",
         "--cuda-graph-backend-prefill breakable",
         Backend.BREAKABLE,
+        shares="--cuda-graph-backend-prefill",
     ),
     _legacy(
-        "--disable-piecewise-cuda-graph", (Phase.PREFILL,), "backend", "--disable-cuda-graph-prefill", Backend.DISABLED
+        "--disable-piecewise-cuda-graph",
+        (Phase.PREFILL,),
+        "backend",
+        "--cuda-graph-backend-prefill disabled",
+        Backend.DISABLED,
+        shares="--cuda-graph-backend-prefill",
     ),
     _legacy(
         "--enforce-piecewise-cuda-graph",
@@ -164,13 +193,57 @@ _FLAGS: Tuple[_Flag, ...] = (
         "backend",
         "--cuda-graph-backend-prefill tc_piecewise",
         Backend.TC_PIECEWISE,
+        shares="--cuda-graph-backend-prefill",
     ),
-    _legacy("--cuda-graph-max-bs", (Phase.DECODE,), "max_bs", "--cuda-graph-max-bs-decode"),
-    _legacy("--cuda-graph-bs", (Phase.DECODE,), "bs", "--cuda-graph-bs-decode"),
-    _legacy("--piecewise-cuda-graph-tokens", (Phase.PREFILL,), "bs", "--cuda-graph-bs-prefill"),
-    _legacy("--piecewise-cuda-graph-max-tokens", (Phase.PREFILL,), "max_bs", "--cuda-graph-max-bs-prefill"),
-    _legacy("--piecewise-cuda-graph-compiler", Phase.ALL, "tc_compiler", "--cuda-graph-tc-compiler"),
+    _legacy(
+        "--cuda-graph-max-bs", (Phase.DECODE,), "max_bs", "--cuda-graph-max-bs-decode", shares="--cuda-graph-max-bs-decode"
+    ),
+    _legacy("--cuda-graph-bs", (Phase.DECODE,), "bs", "--cuda-graph-bs-decode", shares="--cuda-graph-bs-decode"),
+    _legacy(
+        "--piecewise-cuda-graph-tokens", (Phase.PREFILL,), "bs", "--cuda-graph-bs-prefill", shares="--cuda-graph-bs-prefill"
+    ),
+    _legacy(
+        "--piecewise-cuda-graph-max-tokens",
+        (Phase.PREFILL,),
+        "max_bs",
+        "--cuda-graph-max-bs-prefill",
+        shares="--cuda-graph-max-bs-prefill",
+    ),
+    _legacy(
+        "--piecewise-cuda-graph-compiler",
+        Phase.ALL,
+        "tc_compiler",
+        "--cuda-graph-tc-compiler",
+        shares="--cuda-graph-tc-compiler",
+    ),
+    _Flag(
+        "--enable-torch-compile",
+        _TIER_FLAG,
+        (Phase.DECODE,),
+        "torch_compile",
+        "compile decode's forward with torch.compile (inductor) before full captures it: compiled full "
+        "(sglang's flag; decode backend full only)",
+        const=True,
+    ),
+    _Flag(
+        "--torch-compile-max-bs",
+        _TIER_FLAG,
+        (Phase.DECODE,),
+        "torch_compile_max_bs",
+        f"with --enable-torch-compile, the largest decode batch size captured from the compiled forward; "
+        f"larger ones capture the forward as written (sglang's flag; default {TORCH_COMPILE_MAX_BS})",
+    ),
 )
+
+
+def _writer(namespace: Any, flag: _Flag) -> bool:
+    """Whether ``flag`` wrote its storage last (flags that share storage: the last one
+    given wins, as in sglang). A namespace built by hand, without the parser, counts
+    every flag whose attribute is set."""
+    writers = getattr(namespace, _WRITERS, None)
+    if not isinstance(writers, dict) or flag.dest not in writers:
+        return not flag.shares
+    return writers[flag.dest] == flag.option
 
 
 def _resolve_tier(namespace: Any, tier: str) -> Dict[Tuple[str, str], Tuple[_Flag, Any]]:
@@ -182,7 +255,7 @@ def _resolve_tier(namespace: Any, tier: str) -> Dict[Tuple[str, str], Tuple[_Fla
     chosen: Dict[Tuple[str, str], Tuple[_Flag, Any]] = {}
     for flag in _FLAGS:
         raw = getattr(namespace, flag.dest, None)
-        if flag.tier != tier or raw is None or raw is False:
+        if flag.tier != tier or raw is None or raw is False or not _writer(namespace, flag):
             continue
         value = flag.value_from(raw)
         for phase in flag.phases:
@@ -201,15 +274,32 @@ def _resolve_tier(namespace: Any, tier: str) -> Dict[Tuple[str, str], Tuple[_Fla
     return chosen
 
 
+def _superseded(namespace: Any) -> Tuple[Tuple[str, str, str], ...]:
+    """``(phase, backend name, source)`` of every backend name a later flag replaced: sglang
+    checks each value a flag is given, so ``--cuda-graph-backend-decode npu
+    --cuda-graph-backend-decode full`` is refused where npu is not a decode backend
+    (:meth:`CudaGraphConfig.validate` checks them)."""
+    history = [(_BY_OPTION.get(option), value) for option, value in getattr(namespace, _HISTORY, None) or ()]
+    last = {flag.dest: index for index, (flag, _) in enumerate(history) if flag is not None}
+    out = []
+    for index, (flag, value) in enumerate(history):
+        if flag is None or flag.key != "backend" or flag.const is not _NO_CONST or last[flag.dest] == index:
+            continue
+        source = f"{'legacy' if flag.replacement else flag.tier}:{flag.option}"
+        out.extend((phase, value, source) for phase in flag.phases)
+    return tuple(out)
+
+
 def _from_args(cls: Any, namespace: Any) -> Any:
     """``cls.from_args(namespace)`` (:meth:`CudaGraphConfig.from_args`): the tiers applied
     lowest first, then ``--cuda-graph-config``. Raises CudaGraphConfigError."""
     values: Dict[str, Dict[str, Any]] = {phase: {} for phase in Phase.ALL}
     sources: Dict[Tuple[str, str], str] = {}
-    for tier in (_TIER_LEGACY, _TIER_FLAG):
+    for tier in _TIERS:
         for (phase, key), (flag, value) in _resolve_tier(namespace, tier).items():
             values[phase][key] = value
-            sources[(phase, key)] = f"{tier}:{flag.option}"
+            sources[(phase, key)] = f"{'legacy' if flag.replacement else tier}:{flag.option}"
+    migrate_tc_compiler(values, sources)
     raw = getattr(namespace, "cuda_graph_config", None)
     if raw is not None:
         if not isinstance(raw, Mapping):
@@ -219,20 +309,27 @@ def _from_args(cls: Any, namespace: Any) -> Any:
             values[phase][key] = getattr(from_json[phase], key)
             sources[(phase, key)] = SOURCE_JSON_FLAG
     phases = {phase: _build_phase(phase, values[phase], sources) for phase in Phase.ALL}
-    return cls(**phases, sources=sources)
+    return cls(**phases, sources=sources, superseded=_superseded(namespace))
+
+
+_BY_OPTION: Dict[str, _Flag] = {flag.option: flag for flag in _FLAGS}
 
 
 def source_phases(source: Optional[str]) -> Tuple[str, ...]:
     """The phases the flag behind ``source`` (``"flag:--x"``, ``"legacy:--y"``) sets at
     once; ``()`` for any other source (JSON, API, default)."""
     tier, _, option = (source or "").partition(":")
-    for flag in _FLAGS:
-        if flag.tier == tier and flag.option == option:
-            return flag.phases
-    return ()
+    flag = _BY_OPTION.get(option)
+    if flag is None or tier not in (*_TIERS, "legacy"):
+        return ()
+    return flag.phases
 
 
 _WARNED_FLAGS: set = set()  # legacy flags already warned about in this process
+#: Namespace attributes the flags' action keeps: which option wrote each storage last, and
+#: every (option, value) given in order.
+_WRITERS = "_cuda_graph_writers"
+_HISTORY = "_cuda_graph_history"
 
 
 def _warn_deprecated(option: str, replacement: str) -> None:
@@ -242,16 +339,26 @@ def _warn_deprecated(option: str, replacement: str) -> None:
     warnings.warn(f"{option} is deprecated and will be removed; use {replacement}", FutureWarning, stacklevel=3)
 
 
-class _DeprecatedAlias(argparse.Action):
-    """Stores like a plain flag after warning that the flag is deprecated."""
+class _Store(argparse.Action):
+    """Stores a flag's value (or its constant), records which option wrote the storage
+    and, for a deprecated flag, warns once that it is deprecated."""
 
-    def __init__(self, option_strings: List[str], dest: str, replacement: str, **kwargs: Any) -> None:
-        self.replacement = replacement
+    def __init__(self, option_strings: List[str], dest: str, flag: _Flag, **kwargs: Any) -> None:
+        self.flag = flag
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Optional[str] = None) -> None:
-        _warn_deprecated(self.option_strings[0], self.replacement)
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        flag = self.flag
+        if flag.replacement:
+            _warn_deprecated(flag.option, flag.replacement)
+        value = flag.const if flag.const is not _NO_CONST else values
+        if flag.key in _SIZE_LIST_KEYS and isinstance(value, list):
+            value = [size for part in value for size in (part if isinstance(part, list) else [part])]
+        setattr(namespace, self.dest, value)
+        writers = dict(getattr(namespace, _WRITERS, None) or {})
+        writers[self.dest] = flag.option
+        setattr(namespace, _WRITERS, writers)
+        setattr(namespace, _HISTORY, [*(getattr(namespace, _HISTORY, None) or ()), (flag.option, value)])
 
 
 def _positive_int_arg(text: str) -> int:
@@ -296,7 +403,7 @@ def _config_arg(text: str) -> Dict[str, Any]:
     """Parse and check ``--cuda-graph-config`` at parse time; keep the raw dict for from_args."""
     try:
         raw = _load_json(text, None)
-        CudaGraphConfig.from_dict(raw, source=SOURCE_JSON)
+        CudaGraphConfig.from_dict(raw, source=SOURCE_JSON_FLAG)
     except CudaGraphConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return raw
@@ -321,21 +428,16 @@ def add_cuda_graph_args(parser: Any) -> Any:
         help='JSON object (or file) like {"decode": {"backend": "full", "max_bs": 64}}; beats every other flag',
     )
     for flag in _FLAGS:
-        kwargs: Dict[str, Any] = dict(dest=flag.dest, default=None, help=flag.help)
+        kwargs: Dict[str, Any] = dict(dest=flag.dest, default=None, help=flag.help, action=_Store, flag=flag)
         if flag.const is not _NO_CONST:
             kwargs["nargs"] = 0
         elif flag.key in _SIZE_LIST_KEYS:
             kwargs.update(nargs="+", type=sizes_arg, metavar="N")
-        elif flag.key == "max_bs":
+        elif flag.key in ("max_bs", "torch_compile_max_bs"):
             kwargs.update(type=_positive_int_arg, metavar="N")
         elif flag.key == "backend":
             kwargs.update(type=_backend_arg, metavar="NAME")
         else:
             kwargs.update(choices=TC_COMPILERS)
-        if flag.tier == _TIER_LEGACY:
-            kwargs.update(action=_DeprecatedAlias, replacement=flag.replacement)
-        elif kwargs.get("nargs") == 0:
-            del kwargs["nargs"]
-            kwargs["action"] = "store_true"
         group.add_argument(flag.option, **kwargs)
     return group

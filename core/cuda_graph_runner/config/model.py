@@ -10,7 +10,8 @@ import dataclasses
 import numbers
 import re
 from dataclasses import dataclass, field
-from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
+import warnings
+from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple, Union
 
 from .exceptions import CudaGraphConfigError, _short_repr
 from .loading import _load_json
@@ -48,6 +49,13 @@ WELL_KNOWN_DISTRIBUTIONS: Dict[str, str] = {
 
 TC_COMPILERS = ("eager", "inductor")
 
+#: Compilers ``torch_compile`` names (``true`` means the first: sglang's ``--enable-torch-compile``).
+TORCH_COMPILERS = ("inductor",)
+
+#: The largest decode batch size compiled when ``torch_compile_max_bs`` is unset
+#: (sglang's ``--torch-compile-max-bs`` default).
+TORCH_COMPILE_MAX_BS = 32
+
 #: Values of the ``warmup`` key (see the module docstring).
 WARMUP_POLICIES = ("auto", "every_size", "first_size")
 
@@ -66,6 +74,8 @@ PHASE_KEYS = (
     "bs",
     "tc_compiler",
     "compile_sizes",
+    "torch_compile",
+    "torch_compile_max_bs",
     "owned_outputs",
     "host_value_guard",
     "verify",
@@ -77,7 +87,7 @@ PHASE_KEYS = (
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
-BACKEND_OPTION_KEYS = ("tc_compiler", "compile_sizes")
+BACKEND_OPTION_KEYS = ("tc_compiler", "compile_sizes", "torch_compile", "torch_compile_max_bs")
 
 SOURCE_DEFAULT = "default"
 SOURCE_API = "api"
@@ -134,6 +144,7 @@ def _sizes(value: Any, key: str) -> List[int]:
 class PhaseConfig:
     """Settings of one phase; validated and normalised on construction.
 
+    With ``bs`` set, ``max_bs`` is ignored (sglang: max_bs becomes max(bs)).
     ``bs`` is normalised, not rejected, when unsorted or duplicated: it is
     stored sorted ascending with duplicates dropped (``[8, 1, 8]`` -> ``[1, 8]``),
     as a new list. An empty ``bs`` is rejected (use backend ``disabled``).
@@ -142,7 +153,7 @@ class PhaseConfig:
         CudaGraphConfigError (``phase`` None; :class:`CudaGraphConfig` adds it):
         backend not None nor an identifier string; max_bs or an element of bs
         not an int >= 1 (bools refused); bs not a non-empty list/tuple;
-        max_bs < max(bs); tc_compiler not in ``TC_COMPILERS``; compile_sizes not null nor
+        tc_compiler not in ``TC_COMPILERS``; compile_sizes not null nor
         a non-empty list of sizes, or a size outside bs (or above max_bs); owned_outputs not a bool.
 
     Assigning a field later skips these checks; :meth:`CudaGraphConfig.validate`
@@ -154,6 +165,8 @@ class PhaseConfig:
     bs: Optional[List[int]] = None
     tc_compiler: str = "eager"
     compile_sizes: Optional[List[int]] = None
+    torch_compile: Union[bool, str] = False
+    torch_compile_max_bs: Optional[int] = None
     owned_outputs: bool = False
     host_value_guard: bool = True
     verify: bool = False
@@ -177,19 +190,34 @@ class PhaseConfig:
             self.max_bs = _positive_int(self.max_bs, "max_bs")
         if self.bs is not None:
             self.bs = _sizes(self.bs, "bs")
-        if self.max_bs is not None and self.bs is not None and self.max_bs < self.bs[-1]:
-            raise CudaGraphConfigError(
-                f"is smaller than the largest size in bs ({self.bs[-1]})",
-                key="max_bs",
-                value=self.max_bs,
-                accepted=f"max_bs >= max(bs) = {self.bs[-1]}, or max_bs unset",
-            )
+        # With bs set, max_bs is not a bound: sglang makes max_bs max(bs) (the runner
+        # captures exactly bs, :func:`cuda_graph_runner.runner.sizes.get_batch_sizes_to_capture`).
         if not isinstance(self.tc_compiler, str) or self.tc_compiler not in TC_COMPILERS:
             raise CudaGraphConfigError(
                 "unknown compiler", key="tc_compiler", value=self.tc_compiler, accepted=", ".join(TC_COMPILERS)
             )
+        if self.torch_compile is True:
+            self.torch_compile = TORCH_COMPILERS[0]
+        if self.torch_compile is not False and self.torch_compile not in TORCH_COMPILERS:
+            raise CudaGraphConfigError(
+                "unknown torch.compile setting",
+                key="torch_compile",
+                value=self.torch_compile,
+                accepted="false, true or a compiler name: " + ", ".join(TORCH_COMPILERS),
+            )
+        if self.torch_compile_max_bs is not None:
+            self.torch_compile_max_bs = _positive_int(self.torch_compile_max_bs, "torch_compile_max_bs")
         if self.compile_sizes is not None:
             self.compile_sizes = _sizes(self.compile_sizes, "compile_sizes")
+            limit = self.compiled_max_bs()
+            above = [s for s in self.compile_sizes if self.torch_compile and s > limit]
+            if above:
+                raise CudaGraphConfigError(
+                    f"element(s) {above} above torch_compile_max_bs {limit}, so captured uncompiled",
+                    key="compile_sizes",
+                    value=self.compile_sizes,
+                    accepted=f"sizes <= torch_compile_max_bs ({limit}), or raise torch_compile_max_bs",
+                )
             if self.bs is not None:
                 outside = [s for s in self.compile_sizes if s not in self.bs]
             elif self.max_bs is not None:
@@ -233,6 +261,11 @@ class PhaseConfig:
                 accepted="verify_first_n >= 1 or verify_every >= 1",
             )
 
+    def compiled_max_bs(self) -> int:
+        """The largest size captured from the compiled forward when ``torch_compile`` is
+        on: ``torch_compile_max_bs``, else :data:`TORCH_COMPILE_MAX_BS` (sglang's default)."""
+        return self.torch_compile_max_bs if self.torch_compile_max_bs is not None else TORCH_COMPILE_MAX_BS
+
     def to_dict(self) -> Dict[str, Any]:
         """The keys whose values differ from the defaults (``bs`` copied)."""
         default = PhaseConfig()
@@ -267,6 +300,53 @@ def _variant_labels(value: Any) -> List[str]:
     return labels
 
 
+#: Sources where a decode ``tc_compiler`` keeps sglang's meaning (tc_piecewise's compiler
+#: only, so backend ``full`` ignores it): sglang's own flags and ``--cuda-graph-config``.
+SGLANG_TC_COMPILER_SOURCES = (
+    "flag:--cuda-graph-tc-compiler",
+    "legacy:--piecewise-cuda-graph-compiler",
+    SOURCE_JSON_FLAG,
+)
+
+
+def migrate_tc_compiler(values: Dict[str, Dict[str, Any]], sources: Dict[Tuple[str, str], str]) -> None:
+    """The deprecated spelling of compiled full, rewritten in place: a decode ``tc_compiler``
+    other than ``eager`` with backend ``full`` (or auto) from a source that is not one of
+    sglang's (the API, a JSON file, ``--cuda-graph-tc-compiler-decode``) becomes
+    ``torch_compile`` with that compiler, every captured size compiled (as before), with a
+    ``DeprecationWarning`` naming the new spelling. sglang's sources
+    (:data:`SGLANG_TC_COMPILER_SOURCES`) keep sglang's meaning: full ignores the key.
+
+    Args:
+        values: ``{phase: {key: value}}`` before the phases are built.
+        sources: the ``(phase, key) -> source`` of ``values``; updated too.
+    """
+    decode = values.get(Phase.DECODE)
+    if not decode:
+        return
+    compiler = decode.get("tc_compiler")
+    source = sources.get((Phase.DECODE, "tc_compiler"))
+    if (
+        compiler in (None, "eager")
+        or decode.get("backend") not in (None, Backend.FULL)
+        or "torch_compile" in decode
+        or source in SGLANG_TC_COMPILER_SOURCES
+    ):
+        return
+    warnings.warn(
+        f"decode tc_compiler {compiler!r} on backend full is deprecated (tc_compiler is tc_piecewise's "
+        f"compiler, as in sglang); use torch_compile: {compiler!r} (--enable-torch-compile "
+        "--torch-compile-max-bs N)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    decode["torch_compile"] = decode.pop("tc_compiler")
+    decode.setdefault("torch_compile_max_bs", MAX_CAPTURE_SIZE)  # it compiled every captured size
+    sources.pop((Phase.DECODE, "tc_compiler"), None)
+    sources[(Phase.DECODE, "torch_compile")] = source or SOURCE_API
+    sources.setdefault((Phase.DECODE, "torch_compile_max_bs"), source or SOURCE_API)
+
+
 def _build_phase(phase: str, values: Mapping[str, Any], sources: Mapping[Tuple[str, str], str]) -> PhaseConfig:
     """``PhaseConfig(**values)``, with errors naming the phase and the source of the key."""
     try:
@@ -297,7 +377,7 @@ class CudaGraphConfig:
     """CUDA-graph settings of both phases, plus where each explicit value came from.
 
     ``sources`` maps each explicitly set ``(phase, key)`` to its source; it is
-    not part of equality or repr.
+    not part of equality or repr, nor is ``superseded``.
 
     Raises:
         CudaGraphConfigError: ``decode`` or ``prefill`` is not a PhaseConfig.
@@ -306,6 +386,9 @@ class CudaGraphConfig:
     decode: PhaseConfig = field(default_factory=PhaseConfig)
     prefill: PhaseConfig = field(default_factory=PhaseConfig)
     sources: Dict[Tuple[str, str], str] = field(default_factory=dict, compare=False, repr=False)
+    #: ``(phase, backend name, source)`` of backend names a later flag replaced; checked by
+    #: :meth:`validate` like the config's own (sglang checks every value a flag is given).
+    superseded: Tuple[Tuple[str, str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for phase in Phase.ALL:
@@ -347,7 +430,7 @@ class CudaGraphConfig:
                 accepted='an object like {"decode": {"backend": "full"}, "prefill": {...}}',
                 source=source,
             )
-        phases: Dict[str, PhaseConfig] = {}
+        values: Dict[str, Dict[str, Any]] = {}
         sources: Dict[Tuple[str, str], str] = {}
         for phase, settings in d.items():
             if not isinstance(phase, str) or phase not in Phase.ALL:
@@ -371,7 +454,10 @@ class CudaGraphConfig:
                         source=source,
                     )
                 sources[(phase, key)] = source
-            phases[phase] = _build_phase(phase, settings, sources)
+            values[phase] = dict(settings)
+        if source not in SGLANG_TC_COMPILER_SOURCES:
+            migrate_tc_compiler(values, sources)
+        phases = {phase: _build_phase(phase, settings, sources) for phase, settings in values.items()}
         return cls(**phases, sources=sources)
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
@@ -428,11 +514,15 @@ class CudaGraphConfig:
                 )
         sources = dict(self.sources)
         sources.update({(phase, key): source for key in fields})
+        if "tc_compiler" in fields and "torch_compile" not in fields:
+            given = {phase: {"backend": fields.get("backend", current.backend), **fields}}
+            migrate_tc_compiler(given, sources)
+            fields = {key: value for key, value in given[phase].items() if key in fields or key.startswith("torch_")}
         merged = {key: getattr(current, key) for key in PHASE_KEYS}
         merged.update(fields)
         phases = {p: dataclasses.replace(self[p]) for p in Phase.ALL}  # copies: no shared bs lists
         phases[phase] = _build_phase(phase, merged, sources)
-        return type(self)(**phases, sources=sources)
+        return type(self)(**phases, sources=sources, superseded=self.superseded)
 
     def validate(
         self,
@@ -466,19 +556,20 @@ class CudaGraphConfig:
                 raise err.with_context(phase=phase, source=self.sources.get((phase, err.key or ""))) from None
         if backend_phases is None:
             return
-        for phase in Phase.ALL:
-            name = self[phase].backend
+        named = [(phase, self[phase].backend, self.sources.get((phase, "backend")), "") for phase in Phase.ALL]
+        named += [(phase, name, source, " (a later flag replaced it)") for phase, name, source in self.superseded]
+        for phase, name, source, note in named:
             if name is None or name == Backend.DISABLED:
                 continue
             problem = _backend_problem(name, phase, backend_phases, unusable)
             if problem is not None:
                 raise CudaGraphConfigError(
-                    problem,
+                    problem + note,
                     phase=phase,
                     key="backend",
                     value=name,
                     accepted=_names_for(phase, backend_phases),
-                    source=self.sources.get((phase, "backend")),
+                    source=source,
                 )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ..backend import ShapeKey
 from ..buffers import TOKEN_AXIS, FusedFill
-from ..config import ConfigInput
+from ..config import ConfigInput, CudaGraphConfigError
 from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
 from ..forward_context import forward_context
 from ..model_protocol import GraphModel
@@ -44,7 +44,8 @@ MAX_PADDING_RATIO = 2
 
 
 def default_prefill_token_sizes(max_tokens: int) -> List[int]:
-    """sglang's prefill token buckets, cut at ``max_tokens`` (the caller adds ``max_tokens``).
+    """sglang's prefill token buckets, cut at ``max_tokens`` (``max_tokens`` itself is not
+    added: sglang's ``generate_prefill_cuda_graph_batch_sizes``).
 
     4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64,
     1280..4096 step 256, 4608.. step 512.
@@ -113,7 +114,22 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
 
     # -- policy ------------------------------------------------------------------------
     def get_sizes_to_capture(self) -> List[int]:
-        return get_batch_sizes_to_capture(self.phase_config, self.default_max_size, default_prefill_token_sizes)
+        if self.phase_config.bs or (self.phase_config.max_bs or self.default_max_size) >= 4:
+            return get_batch_sizes_to_capture(
+                self.phase_config, self.default_max_size, default_prefill_token_sizes, add_max=False
+            )
+        if self.is_disabled:  # captures nothing anyway; the size only bounds a replay
+            return [self.phase_config.max_bs or self.default_max_size]
+        # sglang captures no prefill graph here and runs every prefill eagerly; a graph
+        # config that captures nothing is refused instead (backend disabled says it).
+        raise CudaGraphConfigError(
+            "is below the smallest prefill bucket (4 tokens), so no graph would be captured",
+            phase=self.phase,
+            key="max_bs",
+            value=self.phase_config.max_bs,
+            accepted="max_bs >= 4, explicit bs, or backend disabled",
+            source=self.config.source_of(self.phase, "max_bs"),
+        )
 
     def init_buffers(self) -> None:
         for name, dtype in _PREFILL_SLOTS:

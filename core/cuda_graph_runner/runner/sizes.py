@@ -16,25 +16,29 @@ def get_batch_sizes_to_capture(
     phase_config: PhaseConfig,
     default_max: int,
     default_sizes: Callable[[int], list[int]],
+    *,
+    add_max: bool = True,
 ) -> list[int]:
-    """The sizes to capture, ascending.
+    """The sizes to capture, ascending (sglang's ``generate_*_cuda_graph_batch_sizes``).
 
-    Explicit ``phase_config.bs`` wins over ``default_sizes(max)``; the list is cut at
-    ``phase_config.max_bs`` and ``max_bs`` itself is always captured, even off the
-    stride (12, 20, 50), so the largest batch the user allowed never runs eagerly.
+    Explicit ``phase_config.bs`` is captured as it is, ``max_bs`` ignored (sglang makes
+    max_bs max(bs)). Otherwise ``default_sizes(max)``, cut at ``max_bs``; with
+    ``add_max`` (decode) ``max_bs`` itself is captured too, even off the stride (12, 20,
+    50), as sglang's decode does; prefill (``add_max=False``) stops at the last bucket
+    (``max_bs`` 5000: 4608), as sglang's prefill does.
 
     Raises:
-        ValueError: no size is left (e.g. every listed size exceeds ``max_bs``).
+        ValueError: no size is left (prefill ``max_bs`` below the smallest bucket).
     """
     max_bs = phase_config.max_bs
     if phase_config.bs:
         sizes = sorted(set(int(s) for s in phase_config.bs))
     else:
         sizes = default_sizes(max_bs if max_bs is not None else default_max)
-    if max_bs is not None:
-        sizes = [s for s in sizes if s <= max_bs]
-        if not phase_config.bs or max_bs not in sizes:
-            sizes.append(max_bs)
+        if max_bs is not None:
+            sizes = [s for s in sizes if s <= max_bs]
+            if add_max and max_bs not in sizes:
+                sizes.append(max_bs)
     sizes = sorted(set(sizes))
     if not sizes or sizes[0] <= 0:
         raise ValueError(f"no positive size to capture (bs={phase_config.bs}, max_bs={max_bs})")
