@@ -1,7 +1,8 @@
 """Backend options: config keys a backend (not the runner) reads, declared per backend.
 
 A backend lists the options it reads in ``BackendSpec.options`` (``tc_piecewise``:
-``("tc_compiler",)``; ``full``: ``("tc_compiler", "compile_sizes")``; ``breakable``: none). The list lives in each plugin's spec, so a vendor's
+``("tc_compiler",)``; ``full``: ``("compile_sizes", "torch_compile", "torch_compile_max_bs")``;
+``breakable``: none). The list lives in each plugin's spec, so a vendor's
 backend can read an option too, without a list in the core. An option counts as *set*
 for a phase when a source (flag, JSON, API) recorded it, or when it differs from its
 default. Setting one the selected backend does not read is an error naming the backends
@@ -16,8 +17,14 @@ Rules:
   ``--piecewise-cuda-graph-compiler``) only needs one of the two phases' backends to read
   it; resolve sees one phase, so that case is checked over the whole config by
   :func:`check_config` (``cuda-graph-runner config`` and ``bench``);
-* a backend that reads both ``tc_compiler`` and ``compile_sizes`` refuses compile sizes
-  with ``tc_compiler`` ``eager`` (nothing would compile);
+* ``tc_compiler`` from sglang's own spellings (``--cuda-graph-tc-compiler``,
+  ``--piecewise-cuda-graph-compiler``, ``--cuda-graph-config``) keeps sglang's meaning,
+  tc_piecewise's compiler: a backend that does not read it ignores it, with a warning
+  (sglang accepts those command lines; ``--enable-torch-compile`` compiles decode);
+* ``torch_compile_max_bs`` counts as set only with ``torch_compile`` on (sglang ignores
+  ``--torch-compile-max-bs`` without ``--enable-torch-compile``);
+* a backend that reads both ``torch_compile`` and ``compile_sizes`` refuses compile sizes
+  with ``torch_compile`` off (nothing would compile);
 * backend ``disabled`` reads nothing and is exempt: turning graphs off for a phase keeps
   the rest of a command line valid (sglang's ``--disable-cuda-graph`` habit).
 
@@ -26,6 +33,7 @@ Raises :class:`~cuda_graph_runner.config.CudaGraphConfigError` throughout.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 from .config import (
@@ -36,6 +44,7 @@ from .config import (
     PhaseConfig,
     source_phases,
 )
+from .config.model import SGLANG_TC_COMPILER_SOURCES
 
 DISABLED = "disabled"
 
@@ -86,8 +95,24 @@ def _set_options(config: Any, phase: str) -> List[Tuple[str, Any, Optional[str]]
         source = sources.get((phase, key))
         if source is None and value == getattr(default, key, None):
             continue
+        if key == "torch_compile_max_bs" and not getattr(phase_config, "torch_compile", False):
+            continue
         out.append((key, value, source))
     return out
+
+
+def _ignored(phase: str, key: str, value: Any, source: Optional[str], subject: str) -> bool:
+    """Warn and return True when ``key`` from ``source`` keeps sglang's meaning (ignored
+    by a backend that does not read it); else False (the caller raises)."""
+    if key != "tc_compiler" or source not in SGLANG_TC_COMPILER_SOURCES:
+        return False
+    warnings.warn(
+        f"{phase}: tc_compiler {value!r} ({source}) is ignored: {subject} it (tc_compiler is tc_piecewise's "
+        "compiler, as in sglang); to compile decode's forward use --enable-torch-compile",
+        UserWarning,
+        stacklevel=4,
+    )
+    return True
 
 
 def _error(
@@ -129,6 +154,8 @@ def check_phase(
     for key, value, source in options:
         if key in reads or len(source_phases(source)) > 1:
             continue
+        if _ignored(phase, key, value, source, f"backend {backend!r} does not read"):
+            continue
         raise option_not_read(phase, key, value, source, backend, readers)
     _check_compile_sizes(phase, config, backend, reads, options)
 
@@ -136,21 +163,21 @@ def check_phase(
 def _check_compile_sizes(
     phase: str, config: Any, backend: str, reads: Collection[str], options: List[Tuple[str, Any, Optional[str]]]
 ) -> None:
-    # A backend that reads both options compiles only with a compiler: sizes "compiled with
-    # static shapes" under tc_compiler eager would compile nothing (the backend refuses them
-    # when built; this says so before anything is loaded).
-    if not {"tc_compiler", "compile_sizes"} <= set(reads):
+    # A backend that reads both options compiles only with torch_compile on: sizes "compiled
+    # with static shapes" without it would compile nothing (the backend refuses them when
+    # built; this says so before anything is loaded).
+    if not {"torch_compile", "compile_sizes"} <= set(reads):
         return
     phase_config = config[phase] if isinstance(config, CudaGraphConfig) else config
     for key, value, source in options:
-        if key == "compile_sizes" and value and getattr(phase_config, "tc_compiler", None) == "eager":
+        if key == "compile_sizes" and value and not getattr(phase_config, "torch_compile", False):
             raise CudaGraphConfigError(
-                f"backend {backend!r} compiles nothing with tc_compiler 'eager'",
+                f"backend {backend!r} compiles nothing with torch_compile off",
                 phase=phase,
                 key=key,
                 value=value,
                 source=source,
-                accepted=f"leave compile_sizes unset, or set {phase}.tc_compiler to a compiler (inductor)",
+                accepted=f"leave compile_sizes unset, or set {phase}.torch_compile (--enable-torch-compile)",
             )
 
 
@@ -180,6 +207,8 @@ def check_config(
             continue
         names = " and ".join(f"{p} backend {selected[p][0]!r}" for p in phases)
         verb = "do not read" if len(phases) > 1 else "does not read"
+        if _ignored(phases[0], key, getattr(config[phases[0]], key), source, f"{names} {verb}"):
+            continue
         raise _error(phases[0], key, getattr(config[phases[0]], key), source, f"{names} {verb}", readers)
 
 

@@ -74,9 +74,9 @@ class BackendSpec:
             ``cuda_graph_runner.config.BACKEND_OPTION_KEYS``, such as ``"tc_compiler"``)
             this backend reads. A config that sets an option the selected backend does not
             read is rejected at resolve time, naming the backends that read it. A backend
-            declaring both ``"tc_compiler"`` and ``"compile_sizes"`` is taken to compile
-            only with a compiler: compile sizes with ``tc_compiler: eager`` are rejected
-            for it (declare ``"compile_sizes"`` alone where the backend compiles by itself).
+            declaring both ``"torch_compile"`` and ``"compile_sizes"`` is taken to compile
+            only with torch_compile on: compile sizes with ``torch_compile: false`` are
+            rejected for it (declare ``"compile_sizes"`` alone where the backend compiles by itself).
     """
 
     name: str

@@ -36,7 +36,11 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
             so the shapes share pool memory (:mod:`cuda_graph_runner.weak_ref`). An output
             is valid until the next replay either way.
         compiler: ``"eager"`` (the forward as written) or ``"inductor"`` (compiled full:
-            :mod:`cuda_graph_runner_full.compiled`); None reads ``phase_config.tc_compiler``.
+            :mod:`cuda_graph_runner_full.compiled`); None reads ``phase_config.torch_compile``
+            (sglang's ``--enable-torch-compile``).
+        compile_max_size: the largest size captured from the compiled forward; larger sizes
+            capture the forward as written (sglang's ``--torch-compile-max-bs``); None reads
+            ``phase_config.compiled_max_bs()`` (default 32, sglang's).
         inductor_options: inductor config patches for ``"inductor"`` (None: the defaults
             of :mod:`~cuda_graph_runner_full.compiled`).
         compile_sizes: sizes compiled with static shapes (``"inductor"`` only); None
@@ -58,26 +62,34 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         compiler: Any = None,
         inductor_options: Optional[dict] = None,
         compile_sizes: Optional[Sequence[int]] = None,
+        compile_max_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.weak_ref_outputs = weak_ref_outputs
-        self.compiler = compiler or getattr(self.phase_config, "tc_compiler", None) or "eager"
+        self.compiler = compiler or getattr(self.phase_config, "torch_compile", None) or "eager"
+        if compile_max_size is None:
+            limit = getattr(self.phase_config, "compiled_max_bs", None)
+            compile_max_size = limit() if callable(limit) else None
         #: The compiled forward (``compiler`` inductor), else None; see :mod:`.compiled`.
         self.compiled_forward: Optional[CompiledForward] = None
         if compile_sizes is None:
             compile_sizes = getattr(self.phase_config, "compile_sizes", None)
         if self.compiler != "eager":
             self.compiled_forward = CompiledForward(
-                self.compiler, tag=self.phase, inductor_options=inductor_options, static_sizes=compile_sizes or ()
+                self.compiler,
+                tag=self.phase,
+                inductor_options=inductor_options,
+                static_sizes=compile_sizes or (),
+                max_size=compile_max_size,
             )
         elif compile_sizes:
             raise CudaGraphConfigError(
-                "needs a compiler: with tc_compiler 'eager' nothing is compiled",
+                "needs a compiler: with torch_compile off nothing is compiled",
                 phase=self.phase,
                 key="compile_sizes",
                 value=list(compile_sizes),
-                accepted="null, or a list of captured sizes with tc_compiler 'inductor' (compiled full)",
+                accepted="null, or a list of captured sizes with torch_compile on (compiled full)",
             )
         #: Seconds of the last compile pass (compiled full), else None.
         self.compile_seconds: Optional[float] = None
@@ -87,7 +99,8 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         if self.compiled_forward is not None:
             self.compile_seconds = self.compiled_forward.compile_pass(plan, label=self.name or "full")
             for key in plan.keys:
-                self.note_kernels_ran(key)
+                if self.compiled_forward.compiles(key.size):
+                    self.note_kernels_ran(key)
 
     def _compiled_active(self, key: Optional[ShapeKey] = None) -> ContextManager[None]:
         if self.compiled_forward is None:
@@ -112,6 +125,8 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
         recompile for every live size padded to it. The live batch is a plain
         ``ForwardBatch`` where capture saw the runner's static batches, so the first
         verified replay costs Dynamo one more graph (verify mode only)."""
+        if self.compiled_forward is not None and not self.compiled_forward.compiles(key.size):
+            return eager_fn()  # above the compiled max size: captured as written
         with self._compiled_active():
             return eager_fn()
 

@@ -1,7 +1,10 @@
 """Compiled full: the model's forward compiled with inductor, then captured whole per size.
 
-``tc_compiler: inductor`` on backend ``full`` (the same key tc_piecewise reads; ``eager``,
-the default, leaves the forward as written). sglang's torch.compile + CUDA graph path and
+``torch_compile: inductor`` (or ``true``) on backend ``full``: sglang's
+``--enable-torch-compile``; the default, ``false``, leaves the forward as written. Sizes up
+to ``torch_compile_max_bs`` (sglang's ``--torch-compile-max-bs``, default 32) are captured
+from the compiled forward, larger ones from the forward as written, as in sglang.
+sglang's torch.compile + CUDA graph path and
 vLLM's FULL cudagraph mode with compilation: inductor fuses each layer's norms, RoPE and
 activation into a few Triton kernels, and the CUDA graph then removes the launch
 overhead of what is left, so a decode step beats ``torch.compile(mode="reduce-overhead")``
@@ -65,7 +68,7 @@ from .op_bodies import compiled_op_bodies
 
 logger = logging.getLogger(__name__)
 
-#: Values of ``tc_compiler`` that make ``full`` compile (``eager``: no compilation).
+#: Values of ``torch_compile`` that make ``full`` compile.
 COMPILING = ("inductor",)
 
 #: Inductor options for a graph-captured decode step: no CUDA-graph trees (``full``
@@ -91,6 +94,8 @@ class CompiledForward:
         static_sizes: sizes (batch sizes or token counts) compiled with static shapes,
             each its own Dynamo graph (config ``compile_sizes``); every one must be a
             captured size (checked by :meth:`compile_pass`).
+        max_size: the largest size run compiled (config ``torch_compile_max_bs``); larger
+            sizes run the forward as written. None: every size.
 
     Attributes:
         compile_seconds: duration of the last compile pass (None before one).
@@ -118,15 +123,17 @@ class CompiledForward:
         tag: str = "",
         inductor_options: Optional[dict] = None,
         static_sizes: Sequence[int] = (),
+        max_size: Optional[int] = None,
     ) -> None:
         if not callable(compiler) and compiler not in COMPILING:
-            raise ValueError(f"full: tc_compiler {compiler!r} does not compile; compiling values: {COMPILING}")
+            raise ValueError(f"full: torch_compile {compiler!r} does not compile; compiling values: {COMPILING}")
         for size in static_sizes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"full: compile size {size!r} is not a positive int")
         self.compiler = compiler
         self.tag = tag
         self.static_sizes = tuple(sorted(set(static_sizes)))
+        self.max_size = max_size
         options = dict(DEFAULT_INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
         options["triton.cudagraphs"] = False
         self.inductor_options = options
@@ -172,7 +179,7 @@ class CompiledForward:
             from torch.utils._triton import has_triton
 
             if not has_triton():
-                raise RuntimeError("full: tc_compiler 'inductor' on CUDA needs Triton (pip install triton)")
+                raise RuntimeError("full: torch_compile 'inductor' on CUDA needs Triton (pip install triton)")
         self._model = model
         backend = self._dynamo_backend()
         entry = entry_function(model.forward, f"full_compiled_forward_full_{self.tag}")
@@ -204,12 +211,17 @@ class CompiledForward:
             guard_scope=guard_scope,
         )
 
+    def compiles(self, size: int) -> bool:
+        """Whether ``size`` runs compiled (at most :attr:`max_size`)."""
+        return self.max_size is None or size <= self.max_size
+
     @contextlib.contextmanager
     def active(self, size: Optional[int] = None) -> Iterator[None]:
         """``model.forward`` is the compiled forward for the block, then what it was:
         ``size``'s static graph when ``size`` is a static size, else the dynamic one;
-        at a static size the marked ops run their compiled bodies too."""
-        if self._model is None or self._compiled is None:
+        at a static size the marked ops run their compiled bodies too. A size above
+        :attr:`max_size` keeps the forward as written."""
+        if self._model is None or self._compiled is None or (size is not None and not self.compiles(size)):
             yield
             return
         with contextlib.ExitStack() as stack:
@@ -254,7 +266,7 @@ class CompiledForward:
         """
         start = time.perf_counter()
         self.check_sizes(plan)
-        keys = list(plan.keys)
+        keys = [key for key in plan.keys if self.compiles(key.size)]
         with contextlib.ExitStack() as scope:
             if not callable(self.compiler):  # bind (torch.compile) inside: it loads Dynamo's cached code
                 options = [*sorted(self.inductor_options.items()), ("static_sizes", self.static_sizes)]

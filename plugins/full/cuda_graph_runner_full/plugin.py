@@ -13,8 +13,9 @@ cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hoo
         # devices: ("cuda",), the default
         probe=probe,
         api_version="1.1",
-        options=("tc_compiler", "compile_sizes"),  # inductor: compiled full (cuda_graph_runner_full.compiled)
-        description="one CUDA graph per batch size, shared memory pool (tc_compiler inductor: compiled first)",
+        # torch_compile: compiled full (cuda_graph_runner_full.compiled)
+        options=("compile_sizes", "torch_compile", "torch_compile_max_bs"),
+        description="one CUDA graph per batch size, shared memory pool (torch_compile: the forward compiled first)",
     ),
     default_for=[("decode", "cuda")],
 )
