@@ -83,11 +83,12 @@ def test_a_both_phase_flag_needs_one_phase_that_reads_it(reg):
     assert type(reg.resolve("decode", both, device="cpu")) is PlainBackend  # the other phase reads it
     backend_options.check_with_registry(both, reg, "cpu")
     neither = flags("plain")
-    with pytest.raises(CudaGraphConfigError) as info:
+    # sglang's flag keeps sglang's meaning (tc_piecewise's compiler): ignored, with a warning.
+    with pytest.warns(UserWarning) as record:
         backend_options.check_with_registry(neither, reg, "cpu")
-    text = str(info.value)
-    assert "decode backend 'plain' and prefill backend 'plain' do not read option 'tc_compiler'" in text
-    assert "flag:--cuda-graph-tc-compiler" in text and "reader" in text
+    text = str(record[0].message)
+    assert "decode backend 'plain' and prefill backend 'plain' do not read" in text and "ignored" in text
+    assert "flag:--cuda-graph-tc-compiler" in text and "--enable-torch-compile" in text
 
 
 def test_options_must_be_a_tuple_of_strings(reg):
@@ -107,7 +108,7 @@ def test_shipped_plugins_declare_what_they_read():
 
     reads = {s.name: s.options for m in (full, breakable, tc, npu) for s in m.cuda_graph_runner_backend_specs()}
     assert reads == {
-        "full": ("tc_compiler", "compile_sizes"),
+        "full": ("compile_sizes", "torch_compile", "torch_compile_max_bs"),
         "breakable": (),
         "tc_piecewise": ("tc_compiler",),
         "npu": (),
@@ -128,46 +129,46 @@ def test_check_with_registry_reads_the_options_of_a_registry_not_yet_scanned():
             self._entries = {}
 
         def names(self):
-            spec = SimpleNamespace(options=("tc_compiler", "compile_sizes"))
+            spec = SimpleNamespace(options=("compile_sizes", "torch_compile"))
             self._entries = {"full": SimpleNamespace(name="full", spec=spec)}
             return ["full"]
 
         def default_backend(self, phase, device_type):
             return "full"
 
-    config = CudaGraphConfig.from_dict({"decode": {"backend": "full", "tc_compiler": "inductor"}})
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "full", "torch_compile": "inductor"}})
     check_with_registry(config, LazyRegistry(), "cpu")  # no error: full reads it
 
 
 @pytest.fixture()
 def compiling_reg(reg):
-    reg.register(_spec("sized", options=("tc_compiler", "compile_sizes")))
+    reg.register(_spec("sized", options=("torch_compile", "compile_sizes")))
     return reg
 
 
-@pytest.mark.parametrize("compiler", [None, "eager"])
+@pytest.mark.parametrize("compiler", [None, False])
 def test_compile_sizes_without_a_compiler_are_refused_at_resolve(compiling_reg, compiler):
-    """``full`` with compile sizes and tc_compiler eager compiles nothing: refused when the
+    """``full`` with compile sizes and torch_compile off compiles nothing: refused when the
     backend is resolved (before any model work), naming the value and what to set."""
-    decode = {"backend": "sized", "compile_sizes": [1, 2], **({"tc_compiler": compiler} if compiler else {})}
+    decode = {"backend": "sized", "compile_sizes": [1, 2], **({"torch_compile": compiler} if compiler is False else {})}
     config = CudaGraphConfig.from_dict({"decode": decode})
     with pytest.raises(CudaGraphConfigError) as info:
         compiling_reg.resolve("decode", config, device="cpu")
     text = str(info.value)
-    assert "decode.compile_sizes=[1, 2]" in text and "compiles nothing with tc_compiler 'eager'" in text
-    assert "set decode.tc_compiler to a compiler" in text
+    assert "decode.compile_sizes=[1, 2]" in text and "compiles nothing with torch_compile off" in text
+    assert "set decode.torch_compile" in text
 
 
 def test_compile_sizes_with_a_compiler_resolve(compiling_reg):
     config = CudaGraphConfig.from_dict(
-        {"decode": {"backend": "sized", "tc_compiler": "inductor", "compile_sizes": [1]}}
+        {"decode": {"backend": "sized", "torch_compile": True, "compile_sizes": [1]}}
     )
     assert compiling_reg.resolve("decode", config, device="cpu").name == "sized"
 
 
 def test_compile_sizes_rule_only_for_backends_reading_both(compiling_reg):
-    """A backend reading ``compile_sizes`` but not ``tc_compiler`` (its own compiler) is
-    not held to the tc_compiler rule."""
+    """A backend reading ``compile_sizes`` but not ``torch_compile`` (its own compiler) is
+    not held to the torch_compile rule."""
     compiling_reg.register(_spec("own_compiler", options=("compile_sizes",), phases=("decode",)))
     config = CudaGraphConfig.from_dict({"decode": {"backend": "own_compiler", "compile_sizes": [4]}})
     assert compiling_reg.resolve("decode", config, device="cpu").name == "own_compiler"

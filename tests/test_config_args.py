@@ -87,7 +87,7 @@ CASES = [
         "flag-alone-disable-phase",
         ["--disable-cuda-graph-prefill"],
         {("prefill", "backend"): "disabled"},
-        {("prefill", "backend"): F + "--disable-cuda-graph-prefill"},
+        {("prefill", "backend"): "off:--disable-cuda-graph-prefill"},
     ),
     (
         "json-alone",
@@ -210,7 +210,7 @@ CASES = [
         },
     ),
     (
-        "same-value-same-tier-is-fine",
+        "backend-flag-beats-off-switch",
         ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "disabled"],
         {("decode", "backend"): "disabled"},
         {("decode", "backend"): F + "--cuda-graph-backend-decode"},
@@ -250,34 +250,16 @@ def test_json_path_and_sources(tmp_path):
     "argv, phase, key, fragments",
     [
         (
-            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "full"],
+            ["--cuda-graph-bs-decode", "4", "--cuda-graph-compile-sizes-decode", "8"],
             "decode",
-            "backend",
-            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "'full'"],
+            "compile_sizes",
+            ["decode.compile_sizes=[8]", "from flag:--cuda-graph-compile-sizes-decode", "sizes among bs [4]"],
         ),
         (
-            ["--enable-breakable-cuda-graph", "--enforce-piecewise-cuda-graph"],
-            "prefill",
-            "backend",
-            ["--enable-breakable-cuda-graph", "--enforce-piecewise-cuda-graph", "'tc_piecewise'"],
-        ),
-        (
-            ["--cuda-graph-max-bs-decode", "8", "--cuda-graph-config", j({"decode": {"bs": [16]}})],
+            ["--cuda-graph-bs-decode", "4", "--cuda-graph-config", j({"decode": {"compile_sizes": [16]}})],
             "decode",
-            "max_bs",
-            ["decode.max_bs=8", "from flag:--cuda-graph-max-bs-decode", ">= max(bs) = 16"],
-        ),
-        (
-            ["--cuda-graph-max-bs", "8", "--cuda-graph-bs-decode", "16"],
-            "decode",
-            "max_bs",
-            ["from legacy:--cuda-graph-max-bs", ">= max(bs) = 16"],
-        ),
-        (
-            ["--piecewise-cuda-graph-max-tokens", "8", "--piecewise-cuda-graph-tokens", "4", "32"],
-            "prefill",
-            "max_bs",
-            ["prefill.max_bs=8", "legacy:--piecewise-cuda-graph-max-tokens"],
+            "compile_sizes",
+            ["decode.compile_sizes=[16]", "json:--cuda-graph-config"],
         ),
     ],
 )
@@ -350,7 +332,7 @@ DEPRECATED = [
         {("prefill", "backend"): "breakable"},
         "--cuda-graph-backend-prefill breakable",
     ),
-    (["--disable-piecewise-cuda-graph"], {("prefill", "backend"): "disabled"}, "--disable-cuda-graph-prefill"),
+    (["--disable-piecewise-cuda-graph"], {("prefill", "backend"): "disabled"}, "--cuda-graph-backend-prefill disabled"),
     (
         ["--enforce-piecewise-cuda-graph"],
         {("prefill", "backend"): "tc_piecewise"},
@@ -381,7 +363,7 @@ DEPRECATED = [
 
 
 def test_every_legacy_flag_is_covered():
-    legacy = {f.option for f in flags_module._FLAGS if f.tier == "legacy"}
+    legacy = {f.option for f in flags_module._FLAGS if f.replacement}
     assert legacy == {argv[0] for argv, _, _ in DEPRECATED}
     assert len(legacy) == 9
 

@@ -62,6 +62,8 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
     report = json.loads(out)
     checks = {
         "compile_sizes": None,
+        "torch_compile": False,
+        "torch_compile_max_bs": None,
         "owned_outputs": False,
         "host_value_guard": True,
         "verify": False,
@@ -111,10 +113,9 @@ def test_defaults_print_auto(fake_registry, capsys):
         ),
         (["--cuda-graph-backend-prefill", "full"], ["does not support phase 'prefill'", "supports: decode"]),
         (
-            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode", "full"],
-            ["--disable-cuda-graph-decode", "--cuda-graph-backend-decode"],
+            ["--cuda-graph-backend-decode", "tc_piecewise", "--cuda-graph-backend-decode", "full"],
+            ["decode.backend='tc_piecewise'", "a later flag replaced it", "pip install cuda-graph-runner-tc-piecewise"],
         ),
-        (["--cuda-graph-max-bs-decode", "2", "--cuda-graph-bs-decode", "8"], ["decode.max_bs=2", ">= max(bs) = 8"]),
     ],
 )
 def test_invalid_config_exits_2_with_message_on_stderr(fake_registry, capsys, argv, fragments):
@@ -160,21 +161,20 @@ def test_legacy_flag_warning_reaches_the_user(fake_registry, capsys):
 
 
 def test_compile_sizes_without_a_compiler_exit_2_with_the_real_registry(capsys):
-    """``full`` reads tc_compiler and compile_sizes: sizes with tc_compiler eager would
+    """``full`` reads torch_compile and compile_sizes: sizes with torch_compile off would
     compile nothing, so ``config`` refuses them (before, only building the backend did)."""
     pytest.importorskip("cuda_graph_runner_full", reason="the full plugin is not installed")
     code, out, err = run(["--cuda-graph-backend-decode", "full", "--cuda-graph-compile-sizes-decode", "1,2"], capsys)
     assert code == 2 and out == ""
     assert "decode.compile_sizes=[1, 2] (from flag:--cuda-graph-compile-sizes-decode)" in err
-    assert "compiles nothing with tc_compiler 'eager'" in err
+    assert "compiles nothing with torch_compile off" in err
     code, out, err = run(
         [
             "--cuda-graph-backend-decode",
             "full",
             "--cuda-graph-compile-sizes-decode",
             "1,2",
-            "--cuda-graph-tc-compiler-decode",
-            "inductor",
+            "--enable-torch-compile",
         ],
         capsys,
     )

@@ -18,25 +18,41 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
 ``max_bs``
     Decode: the largest batch size; prefill: the largest token count.
     ``None``: the runner's default (``DEFAULT_MAX_BS``: 256 decode, 4096 prefill).
+    The default buckets are cut at it; decode captures ``max_bs`` itself too, prefill
+    stops at the last bucket (sglang: 5000 captures up to 4608).
     At most ``MAX_CAPTURE_SIZE`` (65,536: far above any engine's batch; a larger
     value would only build millions of capture sizes and gigabytes of buffers).
 ``bs``
-    Explicit capture sizes; ``None``: the runner's default buckets. Lists are
+    Explicit capture sizes, captured as given (``max_bs`` is then ignored: sglang makes
+    it max(bs)); ``None``: the runner's default buckets. Lists are
     normalised: sorted ascending, duplicates dropped. Each size is at most
     ``MAX_CAPTURE_SIZE``.
 ``tc_compiler``
-    ``eager`` or ``inductor``; a *backend option* (``BACKEND_OPTION_KEYS``): read
-    only by backends whose spec lists it in ``BackendSpec.options``
-    (``tc_piecewise``: its pieces; ``full``: the whole forward, compiled full).
-    Setting an option that the selected backend does not read is an error at
-    resolve time (see ``cuda_graph_runner.backend_options``).
+    ``eager`` or ``inductor``: tc_piecewise's compiler of its pieces (sglang's
+    meaning); a *backend option* (``BACKEND_OPTION_KEYS``): read only by backends
+    whose spec lists it in ``BackendSpec.options``. Setting an option that the selected
+    backend does not read is an error at resolve time (see
+    ``cuda_graph_runner.backend_options``), except ``tc_compiler`` from sglang's own
+    spellings (``--cuda-graph-tc-compiler``, ``--piecewise-cuda-graph-compiler``,
+    ``--cuda-graph-config``), ignored with a warning as sglang ignores it. Decode
+    ``tc_compiler`` with backend ``full`` (or auto) from any other source is the
+    deprecated spelling of ``torch_compile``: rewritten to it, with a
+    ``DeprecationWarning``.
+``torch_compile``
+    ``false`` (default), ``true`` or a compiler name (``inductor``; true means it): the
+    phase's forward compiled before ``full`` captures it (compiled full; sglang's
+    ``--enable-torch-compile``). Read by ``full``.
+``torch_compile_max_bs``
+    ``null`` (sglang's default, 32) or the largest size captured from the compiled
+    forward; larger sizes capture the forward as written (sglang's
+    ``--torch-compile-max-bs``). Counts as set only with ``torch_compile`` on.
 ``compile_sizes``
     ``null`` (default: one dynamic-shape compiled graph serves every size) or a list
     of captured sizes that each get a graph compiled with static shapes (vLLM's
     ``compile_sizes``): inductor specializes its kernels to the size, a few percent
     faster per step for seconds of compile time per size. A backend option (read by
-    ``full``). With ``tc_compiler`` ``eager`` it is an error for a backend that reads
-    both (nothing would compile), from ``cuda-graph-runner config`` and at resolve
+    ``full``). With ``torch_compile`` off it is an error for a backend that reads
+    both (nothing would compile), as is a size above ``torch_compile_max_bs``, from ``cuda-graph-runner config`` and at resolve
     time; a size that is not captured, when the backend prepares its capture.
 ``owned_outputs``
     ``false`` (default, zero-copy: a replayed output is valid until the next replay
@@ -79,9 +95,11 @@ which source (flag, JSON) set it.
 Precedence (lowest to highest)
 ------------------------------
 1. defaults;
-2. legacy sglang flags (deprecated aliases);
-3. per-phase convenience flags;
-4. ``--cuda-graph-config`` (JSON).
+2. ``--disable-cuda-graph`` (deprecated);
+3. the per-phase off switches (``--disable-{decode,prefill}-cuda-graph``);
+4. the flags that name a value, the deprecated aliases among them (an alias shares its
+   replacement's storage: the one written last wins);
+5. ``--cuda-graph-config`` (JSON).
 
 A higher tier overrides a lower one key by key. Within one tier, a flag for one
 phase beats a flag for both phases (``--cuda-graph-tc-compiler inductor
@@ -110,10 +128,20 @@ Flags added by :func:`add_cuda_graph_args`
 ``--cuda-graph-compile-sizes-decode N [N ...]``
     Decode's ``compile_sizes``; space and/or comma separated (no shipped prefill
     backend reads the key; JSON sets it for prefill).
-``--disable-cuda-graph-{decode,prefill}``
-    The phase's backend is ``disabled``.
+``--disable-{decode,prefill}-cuda-graph``, ``--disable-cuda-graph-{decode,prefill}``
+    The phase's backend is ``disabled`` unless ``--cuda-graph-backend-{decode,prefill}``
+    names one (sglang's off switches, below the backend flags; the two spellings are one).
+``--enable-torch-compile``
+    Decode ``torch_compile`` on: backend ``full`` compiles the forward with inductor
+    before capturing it (compiled full; sglang's flag).
+``--torch-compile-max-bs N``
+    Decode ``torch_compile_max_bs``: the largest batch size captured from the compiled
+    forward (default 32, sglang's); larger ones capture the forward as written.
 
-Deprecated sglang flags, each mapped onto the keys above:
+Deprecated sglang flags, each mapped onto the keys above. As in sglang, an alias writes
+the storage of the flag it replaces, so of an alias and its replacement the one written
+last wins (``--cuda-graph-max-bs-decode 16 --cuda-graph-max-bs 8``: 8);
+``--disable-cuda-graph`` alone is a tier below every other flag:
 
 =====================================  ===========================================
 ``--disable-cuda-graph``               decode and prefill backend ``disabled``
@@ -130,6 +158,9 @@ Deprecated sglang flags, each mapped onto the keys above:
 Using one emits a ``FutureWarning`` (shown to end users by default, unlike
 ``DeprecationWarning``) naming its replacement, once per flag per process: a
 second parse in the same process, or the flag repeated, does not warn again.
+
+Where a command line means something else in sglang 0.5.14, sglang's meaning holds;
+the few deliberate differences are listed in ``docs/sglang-compat.md``.
 
 The package
 -----------
@@ -154,6 +185,8 @@ from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all
     SOURCE_JSON,
     SOURCE_JSON_FLAG,
     TC_COMPILERS,
+    TORCH_COMPILE_MAX_BS,
+    TORCH_COMPILERS,
     WARMUP_POLICIES,
     WELL_KNOWN_DISTRIBUTIONS,
     Backend,
@@ -167,6 +200,8 @@ __all__ = [
     "Backend",
     "WELL_KNOWN_DISTRIBUTIONS",
     "TC_COMPILERS",
+    "TORCH_COMPILERS",
+    "TORCH_COMPILE_MAX_BS",
     "WARMUP_POLICIES",
     "DEFAULT_MAX_BS",
     "MAX_CAPTURE_SIZE",

@@ -327,7 +327,8 @@ def migrate_tc_compiler(values: Dict[str, Dict[str, Any]], sources: Dict[Tuple[s
     compiler = decode.get("tc_compiler")
     source = sources.get((Phase.DECODE, "tc_compiler"))
     if (
-        compiler in (None, "eager")
+        compiler == "eager"
+        or compiler not in TC_COMPILERS  # an unknown compiler is tc_compiler's own error
         or decode.get("backend") not in (None, Backend.FULL)
         or "torch_compile" in decode
         or source in SGLANG_TC_COMPILER_SOURCES
