@@ -130,12 +130,18 @@ def load(path: str, role: str) -> Dict[str, Any]:
     return data
 
 
+#: Backend labels renamed since a results file was written: old -> today's spelling, so
+#: results from before and after the rename compare (``cuda_graph_runner.bench_backends``).
+RENAMED_LABELS = {"full:inductor": "full+torch_compile"}
+
+
 def _ratios(data: Dict[str, Any]) -> Iterator[Tuple[Tuple[str, str, str, str, str], Dict[str, float]]]:
     for model, m in data.get("models", {}).items():
         for section, key in SECTIONS:
             for size, methods in (m.get(key) or {}).items():
                 for method, refs in methods.items():
                     for ref, stats in refs.items():
+                        method, ref = RENAMED_LABELS.get(method, method), RENAMED_LABELS.get(ref, ref)
                         yield (model, section, size, method, ref), stats
 
 

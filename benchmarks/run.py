@@ -78,7 +78,7 @@ from make_docs import render  # noqa: E402
 from portable import portable_argv, portable_path  # noqa: E402
 
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
-from cuda_graph_runner.bench_backends import takes_compile_sizes  # noqa: E402
+from cuda_graph_runner.bench_backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
 from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
@@ -198,12 +198,14 @@ def available(phase: str, names: Sequence[str]) -> Dict[str, str]:
 
 
 def phase_options(label: str, compile_sizes: Sequence[int] = ()) -> Dict[str, Any]:
-    """``"tc_piecewise:inductor"`` -> ``{"backend": "tc_piecewise", "tc_compiler": "inductor"}``;
+    """``"tc_piecewise:inductor"`` -> ``{"backend": "tc_piecewise", "tc_compiler": "inductor"}``,
+    ``"full+torch_compile"`` -> ``{"backend": "full", "torch_compile": True, ...}`` (every
+    size compiled; the deprecated ``full:inductor`` reads as it, with a warning);
     ``compile_sizes`` (``--compile-sizes``) go to the labels that use them, by the rule of
     ``cuda-graph-runner bench`` (:func:`~cuda_graph_runner.bench_backends.takes_compile_sizes`)."""
-    name, _, compiler = label.partition(":")
-    options: Dict[str, Any] = {"backend": name, **({"tc_compiler": compiler} if compiler else {})}
-    if compile_sizes and takes_compile_sizes(name, compiler or None, option_readers(get_registry())):
+    name, compiler = parse_label(label)
+    options: Dict[str, Any] = {"backend": name, **label_options(compiler, None, None)}
+    if compile_sizes and takes_compile_sizes(name, compiler, option_readers(get_registry())):
         options["compile_sizes"] = sorted(compile_sizes)
     return options
 
@@ -742,7 +744,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--backends",
         default="full,breakable,tc_piecewise,tc_piecewise:inductor",
-        help="comma-separated backends (name[:tc_compiler]) to bench where installed and usable",
+        help="comma-separated backends (name[:tc_compiler], or full+torch_compile for compiled full) to "
+        "bench where installed and usable",
     )
     parser.add_argument(
         "--reduce-overhead-bs",
@@ -758,7 +761,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         action=FlattenSizes,
         nargs="*",
         default=[],
-        help="decode batch sizes that compiled full (full:inductor) compiles with static shapes, e.g. the "
+        help="decode batch sizes that compiled full (full+torch_compile) compiles with static shapes, e.g. the "
         "--reduce-overhead-bs sizes (default: none, one dynamic-shape graph)",
     )
     parser.add_argument(
@@ -841,7 +844,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"need --iters >= 1, --rounds >= 1, 0 <= --warmup-min <= --warmup-max and --warmup-min-s >= 0; "
             f"got {args.iters}, {args.rounds}, {args.warmup_min}, {args.warmup_max}, {args.warmup_min_s}"
         )
-    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    # Today's spelling of each label (the deprecated full:inductor warns and becomes full+torch_compile).
+    args.backends = [label_of(*parse_label(b)) for b in args.backends.split(",") if b.strip()]
     if args.models is None:
         args.models = ["tiny"] if args.device == "cpu" else ["llama-3.2-1b", "qwen2.5-0.5b"]
     if args.device == "cuda" and not torch.cuda.is_available():

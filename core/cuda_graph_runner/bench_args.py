@@ -49,8 +49,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-backends",
         type=_backend_list,
         default=None,
-        help="comma-separated decode backends to bench, each name[:tc_compiler], e.g. "
-        "full,tc_piecewise:inductor (default: the config's decode backend; where that is "
+        help="comma-separated decode backends to bench, each name[:tc_compiler] or name+torch_compile "
+        "(compiled full), e.g. full,full+torch_compile,tc_piecewise:inductor (default: the config's decode backend; where that is "
         "the device's default and the default is disabled, as on the CPU, the bench runs "
         "compiled when installed, unless CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED=0)",
     )

@@ -4,20 +4,62 @@ device checked, explicit names checked before any work, each backend resolved on
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from .backend_options import declared_reads, option_not_read, option_readers
-from .config import CudaGraphConfig, CudaGraphConfigError
+from .config import MAX_CAPTURE_SIZE, CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError, UnknownBackendError
 
 
+#: The second part of a bench label meaning "the forward compiled first" (compiled full):
+#: written ``full+torch_compile``, after sglang's ``--enable-torch-compile``.
+TORCH_COMPILE = "torch_compile"
+TORCH_COMPILE_SUFFIX = "+" + TORCH_COMPILE
+
+#: Old labels still read for one release, with a DeprecationWarning: their new spelling.
+DEPRECATED_LABELS = {"full:inductor": "full" + TORCH_COMPILE_SUFFIX}
+
+
+def new_label(label: str) -> str:
+    """``label`` in today's spelling (:data:`DEPRECATED_LABELS`), else unchanged."""
+    return DEPRECATED_LABELS.get(label, label)
+
+
+def parse_label(label: str) -> Tuple[str, Optional[str]]:
+    """``"full"`` -> ``("full", None)``; ``"tc_piecewise:inductor"`` -> ``("tc_piecewise",
+    "inductor")`` (a tc_compiler); ``"full+torch_compile"`` -> ``("full", TORCH_COMPILE)``.
+    A deprecated label (``full:inductor``) warns (DeprecationWarning, naming the new one)
+    and reads as its new spelling."""
+    label = label.strip()
+    if label in DEPRECATED_LABELS:
+        warnings.warn(
+            f"backend label {label!r} is deprecated; use {DEPRECATED_LABELS[label]!r} "
+            "(tc_compiler is tc_piecewise's compiler, as in sglang)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        label = DEPRECATED_LABELS[label]
+    if label.endswith(TORCH_COMPILE_SUFFIX):
+        return label[: -len(TORCH_COMPILE_SUFFIX)], TORCH_COMPILE
+    name, _, compiler = label.partition(":")
+    return name, compiler or None
+
+
+def label_of(backend: str, compiler: Optional[str]) -> str:
+    """The label of ``(backend, compiler)`` (:func:`parse_label`'s inverse)."""
+    if compiler == TORCH_COMPILE:
+        return backend + TORCH_COMPILE_SUFFIX
+    return backend + (f":{compiler}" if compiler else "")
+
+
 def parse_backends(arg: Optional[str], configured: Optional[str]) -> List[Tuple[Optional[str], Optional[str]]]:
-    """``[(backend or None for auto, tc_compiler or None)]`` from ``"full,tc_piecewise:inductor"``."""
+    """``[(backend or None for auto, a tc_compiler, TORCH_COMPILE or None)]`` from
+    ``"full,tc_piecewise:inductor,full+torch_compile"`` (:func:`parse_label`)."""
     if arg:
-        labels = [b.strip() for b in arg.split(",") if b.strip()]
-        return [(name, compiler or None) for name, _, compiler in (label.partition(":") for label in labels)]
+        return [parse_label(label) for label in arg.split(",") if label.strip()]
     return [(configured, None)]
 
 
@@ -57,8 +99,8 @@ class BackendChoice:
 
     Attributes:
         phase: ``"decode"`` or ``"prefill"``.
-        label: the name shown and written to the JSON, ``name[:tc_compiler]``;
-            ``"disabled"`` for eager numbers only.
+        label: the name shown and written to the JSON, ``name[:tc_compiler]`` or
+            ``name+torch_compile`` (compiled full); ``"disabled"`` for eager numbers only.
         config: the bench's config with this phase's ``backend``, ``max_bs`` and
             ``tc_compiler`` set (the runner's config).
         backend: the backend instance (``registry.resolve``), or None for eager only.
@@ -122,16 +164,34 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> s
 
 
 def label_source(phase: str) -> str:
-    """The source recorded for a label's compiler (``full:inductor``): the flag it came from."""
+    """The source recorded for a label's compiler (``tc_piecewise:inductor``,
+    ``full+torch_compile``): the flag it came from."""
     return f"flag:--{phase}-backends"
 
 
 def takes_compile_sizes(backend: str, compiler: Optional[str], readers: Mapping[str, List[str]]) -> bool:
-    """Whether a bench label uses ``compile_sizes``: it compiles (``compiler`` set, not
-    ``eager``) and its backend reads the option (``readers``:
+    """Whether a bench label uses ``compile_sizes``: it compiles the forward (``compiler``
+    :data:`TORCH_COMPILE`) and its backend reads the option (``readers``:
     :func:`cuda_graph_runner.backend_options.option_readers`). ``cuda-graph-runner bench``
     and ``benchmarks/run.py`` give the sizes to such labels only."""
-    return compiler not in (None, "eager") and backend in readers.get("compile_sizes", [])
+    return compiler == TORCH_COMPILE and backend in readers.get("compile_sizes", [])
+
+
+def compiles_of(phase_config: Any) -> Optional[str]:
+    """:data:`TORCH_COMPILE` when ``phase_config`` turns torch_compile on, else None."""
+    return TORCH_COMPILE if getattr(phase_config, "torch_compile", False) else None
+
+
+def label_options(compiler: Optional[str], max_bs: Optional[int], config_max: Optional[int]) -> Dict[str, Any]:
+    """The config keys a label's second part sets: ``tc_compiler``, or for
+    :data:`TORCH_COMPILE` ``torch_compile`` on with ``torch_compile_max_bs`` covering every
+    size the bench measures (``max_bs``; unset: every captured size), unless the config
+    sets it (``config_max``)."""
+    if compiler is None:
+        return {}
+    if compiler != TORCH_COMPILE:
+        return {"tc_compiler": compiler}
+    return {"torch_compile": True, "torch_compile_max_bs": config_max or max_bs or MAX_CAPTURE_SIZE}
 
 
 def label_config(
@@ -144,13 +204,14 @@ def label_config(
     selection_takes: bool,
 ) -> CudaGraphConfig:
     """The config one bench label runs with: ``config`` with the phase's backend,
-    ``max_bs`` and the label's ``tc_compiler`` (None: the config's).
+    ``max_bs`` and what the label's second part sets (:func:`label_options`; None: the
+    config's).
 
     ``compile_sizes`` belong to the labels that use them (:func:`takes_compile_sizes`):
     when ``selection_takes`` (some label of the selection uses them), the others run
-    without them, as if never set (value and source dropped), so ``full,full:inductor``
-    or ``breakable,full:inductor`` with compile sizes run. When no label uses them they
-    stay, and the backend options check names the mistake.
+    without them, as if never set (value and source dropped), so
+    ``full,full+torch_compile`` or ``breakable,full+torch_compile`` with compile sizes run.
+    When no label uses them they stay, and the backend options check names the mistake.
 
     Raises:
         CudaGraphConfigError: an invalid field.
@@ -159,13 +220,14 @@ def label_config(
     drop = (
         bool(config[phase].compile_sizes)
         and selection_takes
-        and not takes_compile_sizes(backend, compiler or config[phase].tc_compiler, readers)
+        and not takes_compile_sizes(backend, compiler or compiles_of(config[phase]), readers)
     )
     if drop:
         fields["compile_sizes"] = None
     out = config.with_phase(phase, **fields)
-    if compiler:  # only ``--{phase}-backends`` labels carry a compiler
-        out = out.with_phase(phase, source=label_source(phase), tc_compiler=compiler)
+    if compiler:  # only ``--{phase}-backends`` labels carry one
+        given = config.sources.get((phase, "torch_compile_max_bs")) and config[phase].torch_compile_max_bs
+        out = out.with_phase(phase, source=label_source(phase), **label_options(compiler, max_bs, given))
     if drop:
         out.sources.pop((phase, "compile_sizes"), None)
     return out
@@ -206,12 +268,12 @@ def plan_phase(
 
     resolved = [(name, compiler, backend_of(name)) for name, compiler in parsed]
     selection_takes = any(
-        takes_compile_sizes(chosen, compiler or phase_config.tc_compiler, readers) for _, compiler, chosen in resolved
+        takes_compile_sizes(chosen, compiler or compiles_of(phase_config), readers) for _, compiler, chosen in resolved
     )
     for name, compiler, chosen in resolved:
         explicit = name is not None
         where = f"--{phase}-backends" if selection else "the config"
-        label = chosen + (f":{compiler}" if compiler else "")
+        label = label_of(chosen, compiler or compiles_of(phase_config))
         if chosen == "disabled":
             choices.append(
                 BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
@@ -222,9 +284,10 @@ def plan_phase(
                 if chosen not in known:
                     reg.get(chosen)  # the unknown name is the mistake, not its compiler
                 reads = declared_reads(reg, chosen)
-                if reads is not None and "tc_compiler" not in reads:
+                option = "torch_compile" if compiler == TORCH_COMPILE else "tc_compiler"
+                if reads is not None and option not in reads:
                     # Before the value is checked: "accepted: eager, inductor" would be refused next.
-                    raise option_not_read(phase, "tc_compiler", compiler, label_source(phase), chosen, readers)
+                    raise option_not_read(phase, option, compiler, label_source(phase), chosen, readers)
             phase_cfg = label_config(config, phase, chosen, compiler, max_bs, readers, selection_takes)
             backend = reg.resolve(phase, phase_cfg, device=str(device))
         except (UnknownBackendError, CudaGraphConfigError) as exc:

@@ -166,13 +166,15 @@ The package
 -----------
 ``exceptions`` (:class:`CudaGraphConfigError`), ``model`` (the keys, :class:`PhaseConfig`,
 :class:`CudaGraphConfig`), ``convert`` (:func:`as_config`: every accepted config form, converted once), ``loading`` (JSON given as text or as a file) and ``flags``
-(argparse, tiers, deprecated aliases); every public name is importable from here.
+(argparse, tiers, deprecated aliases) and ``sglang`` (:func:`from_sglang_dict`: a config
+saved by sglang's ``to_dict``, read with sglang's defaults); every public name is importable from here.
 """
 
 from __future__ import annotations
 
 from .convert import ConfigInput, as_config
 from .exceptions import CudaGraphConfigError
+from .sglang import from_sglang_dict
 from .flags import add_cuda_graph_args, source_phases  # noqa: F401 - source_phases: backend_options
 from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all__
     _BACKEND_NAME,  # the one backend-name pattern; the registry may share it
@@ -213,4 +215,5 @@ __all__ = [
     "ConfigInput",
     "as_config",
     "add_cuda_graph_args",
+    "from_sglang_dict",
 ]

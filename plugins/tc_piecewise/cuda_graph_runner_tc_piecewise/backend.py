@@ -115,6 +115,25 @@ def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:
         mark(value)
 
 
+
+_DECODE_WARNED = False
+
+
+def _warn_decode_once() -> None:
+    """Decode ``tc_piecewise`` captures piecewise here; sglang 0.5.14 had only a placeholder
+    that fell back to ``full`` (a deliberate extension: docs/sglang-compat.md)."""
+    global _DECODE_WARNED
+    if _DECODE_WARNED:
+        return
+    _DECODE_WARNED = True
+    warnings.warn(
+        "tc_piecewise for decode captures piecewise graphs here; sglang 0.5.14 runs decode tc_piecewise "
+        "as full (use backend full for sglang's behaviour)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class _NotDirect(Exception):
     """A captured call that a replay cannot repeat without Dynamo (the reason)."""
 
@@ -257,6 +276,8 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         super().__init__(device, **kwargs)
         device_module = kwargs.get("device_module")
         self.compiler = compiler or getattr(self.phase_config, "tc_compiler", None) or "eager"
+        if self.phase == "decode":
+            _warn_decode_once()
         if self.compiler not in PIECE_COMPILERS:
             raise ValueError(f"unknown tc_compiler {self.compiler!r}; accepted: {', '.join(PIECE_COMPILERS)}")
         if self.compiler == "inductor" and self.device.type == "cuda":
