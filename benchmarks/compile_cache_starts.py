@@ -9,8 +9,8 @@ capture seconds, torch's cache counters, Dynamo's frame count and where the comp
 went (``torch._dynamo.utils.compile_times``).
 
     python benchmarks/compile_cache_starts.py --backend compiled --sizes 1 2 4 --pairs 3
-    python benchmarks/compile_cache_starts.py --backend full:inductor --sizes 1 2 4 8  # CPU, fake graphs
-    python benchmarks/compile_cache_starts.py --backend full:inductor --device cuda \\
+    python benchmarks/compile_cache_starts.py --backend full+torch_compile --sizes 1 2 4 8  # CPU, fake graphs
+    python benchmarks/compile_cache_starts.py --backend full+torch_compile --device cuda \\
         --dtype bfloat16 --sizes 1 2 4 8 12 16 --pairs 3
 
 Prints one line per start and a last ``ratio`` line per pair (warm / cold compile seconds).
@@ -47,10 +47,10 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     wall = time.perf_counter()
     dtype = getattr(torch, args.dtype)
     model = reference_model(args.model, requests=max(args.sizes), dtype=dtype, device=args.device)
-    name, _, compiler = args.backend.partition(":")
-    decode: Dict[str, Any] = {"backend": name, "bs": list(args.sizes)}
-    if compiler:
-        decode["tc_compiler"] = compiler
+    from cuda_graph_runner.bench_backends import TORCH_COMPILE, label_options, parse_label
+
+    name, compiler = parse_label(args.backend)
+    decode: Dict[str, Any] = {"backend": name, "bs": list(args.sizes), **label_options(compiler, None, None)}
     backend = None
     if name == "full" and torch.device(args.device).type == "cpu":
         # compiled full's own code path on the CPU: the recording fake graph module
@@ -59,7 +59,13 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
         from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
         fake = FakeGraphDeviceModule()
-        backend = FullCudaGraphBackend("cpu", phase="decode", device_module=fake, memory_pool="pool", compiler=compiler)
+        backend = FullCudaGraphBackend(
+            "cpu",
+            phase="decode",
+            device_module=fake,
+            memory_pool="pool",
+            compiler="inductor" if compiler == TORCH_COMPILE else compiler,
+        )
     runner = DecodeCudaGraphRunner(model, {"decode": decode}, device=args.device, backend=backend, show_progress=False)
     with torch.no_grad():
         runner.capture()
@@ -135,7 +141,7 @@ def main(argv: List[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument(
-        "--backend", default="compiled", help="a compiling backend, name[:tc_compiler]: compiled, full:inductor, ..."
+        "--backend", default="compiled", help="a compiling backend, name[:tc_compiler] or name+torch_compile: compiled, full+torch_compile, ..."
     )
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--device", default="cpu", help="torch device")
@@ -161,22 +167,31 @@ def main(argv: List[str] | None = None) -> int:
             print(f"compile_cache_starts: {exc}", file=sys.stderr)
             return 2
         return 0
+    from cuda_graph_runner.bench_backends import TORCH_COMPILE, label_of, parse_label
+
     names = get_registry().names()
-    name = args.backend.partition(":")[0]
+    args.backend = label_of(*parse_label(args.backend))  # today's spelling (full:inductor warns)
+    name, compiler = parse_label(args.backend)
     if name not in names:
         p.error(f"--backend {args.backend!r}: unknown backend; installed: {', '.join(names)}")
-    compiler = args.backend.partition(":")[2]
     reads = declared_reads(get_registry(), name)
-    if compiler and compiler not in TC_COMPILERS:
+    option = "torch_compile" if compiler == TORCH_COMPILE else "tc_compiler"
+    if compiler and compiler != TORCH_COMPILE and compiler not in TC_COMPILERS:
         p.error(f"--backend {args.backend!r}: unknown compiler {compiler!r}; accepted: {', '.join(TC_COMPILERS)}")
-    if compiler and reads is not None and "tc_compiler" not in reads:
-        p.error(f"--backend {args.backend!r}: backend {name!r} takes no compiler; accepted: {name!r} alone")
-    if name == "disabled" or (reads is not None and "tc_compiler" in reads and compiler in ("", "eager")):
+    if compiler and reads is not None and option not in reads:
+        p.error(f"--backend {args.backend!r}: backend {name!r} takes no {option}; accepted: {name!r} alone")
+    takes = reads is not None and ("tc_compiler" in reads or "torch_compile" in reads)
+    if name == "disabled" or (takes and compiler in (None, "eager")):
         # A backend that takes a compiler compiles nothing without one; found out only after
         # two starts otherwise (minutes on a GPU).
+        readers = option_readers(get_registry())
         p.error(
-            f"--backend {args.backend!r} compiles nothing; accepted: a compiling backend "
-            f"(compiled, or name:inductor for {', '.join(option_readers(get_registry())['tc_compiler'])})"
+            f"--backend {args.backend!r} compiles nothing; accepted: a compiling backend (compiled, "
+            + ", ".join(
+                [f"{n}+torch_compile" for n in readers.get("torch_compile", [])]
+                + [f"{n}:inductor" for n in readers.get("tc_compiler", [])]
+            )
+            + ")"
         )
     problem = _device_problem(args.device)
     if problem:
@@ -256,7 +271,7 @@ def _pairs(args: argparse.Namespace, me: List[str], env_base: Dict[str, str]) ->
                 if compile_s is None or (which == "cold" and compile_s <= 0):
                     print(
                         f"backend {args.backend!r} compiled nothing (compile seconds {compile_s}): "
-                        "no ratio; give a compiling backend: compiled, full:inductor, tc_piecewise:inductor",
+                        "no ratio; give a compiling backend: compiled, full+torch_compile, tc_piecewise:inductor",
                         file=sys.stderr,
                     )
                     return 2

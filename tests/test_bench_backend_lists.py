@@ -41,12 +41,18 @@ def test_an_unknown_name_is_reported_before_a_known_name_that_cannot_run():
     assert "'nope'" in str(exc.value) and "installed:" in str(exc.value)
 
 
-READERS = {"tc_compiler": ["full", "tc_piecewise"], "compile_sizes": ["full"]}
+READERS = {"tc_compiler": ["tc_piecewise"], "compile_sizes": ["full"], "torch_compile": ["full"]}
 
 
 @pytest.mark.parametrize(
     "backend, compiler, takes",
-    [("full", "inductor", True), ("full", "eager", False), ("full", None, False), ("tc_piecewise", "inductor", False)],
+    [
+        ("full", "torch_compile", True),
+        ("full", "inductor", False),
+        ("full", None, False),
+        ("tc_piecewise", "inductor", False),
+        ("tc_piecewise", "torch_compile", False),
+    ],
 )
 def test_only_a_compiling_label_of_a_reading_backend_takes_compile_sizes(backend, compiler, takes):
     from cuda_graph_runner.bench_backends import takes_compile_sizes
@@ -66,7 +72,7 @@ def _flag_config():
     "backend, compiler", [("full", None), ("full", "eager"), ("breakable", None), ("tc_piecewise", "inductor")]
 )
 def test_compile_sizes_are_dropped_for_the_other_labels_as_if_never_set(backend, compiler):
-    """``full,full:inductor`` or ``breakable,full:inductor`` with compile sizes: the label
+    """``full,full+torch_compile`` or ``breakable,full+torch_compile`` with compile sizes: the label
     that does not use them runs without them, value and source (the backend options check
     would otherwise name a value the user never gave that label)."""
     from cuda_graph_runner.backend_options import _set_options
@@ -81,8 +87,9 @@ def test_the_compiling_label_keeps_them_and_a_lone_eager_label_keeps_them_to_be_
     from cuda_graph_runner.bench_backends import label_config
 
     config = _flag_config()
-    kept = label_config(config, "decode", "full", "inductor", 64, READERS, True)
-    assert kept.decode.compile_sizes == [1, 32] and kept.decode.tc_compiler == "inductor"
+    kept = label_config(config, "decode", "full", "torch_compile", 64, READERS, True)
+    assert kept.decode.compile_sizes == [1, 32] and kept.decode.torch_compile == "inductor"
+    assert kept.decode.torch_compile_max_bs == 64  # every size the bench measures is compiled
     assert kept.sources[("decode", "compile_sizes")] == "flag:--cuda-graph-compile-sizes-decode"
     lone = label_config(config, "decode", "full", None, 64, READERS, False)
     assert lone.decode.compile_sizes == [1, 32]

@@ -87,7 +87,7 @@ def test_bench_with_an_option_the_named_backend_does_not_read_exits_2(capsys):
 def test_bench_label_compiler_error_names_the_flag_it_came_from(capsys):
     """A compiler written in ``--decode-backends`` is reported as from that flag, not as
     from "api" (which the user never wrote)."""
-    assert main(["bench", "--decode-backends", "full:bogus", *TINY]) == 2
+    assert main(["bench", "--decode-backends", "tc_piecewise:bogus", *TINY]) == 2
     err = capsys.readouterr().err
     assert "decode.tc_compiler='bogus' (from flag:--decode-backends): unknown compiler" in err
     assert "(from api)" not in err and "Traceback" not in err

@@ -32,7 +32,7 @@ def test_a_backend_that_compiles_nothing_gets_a_message_and_exit_2(monkeypatch, 
     rc = compile_cache_starts.main(["--backend", "breakable", "--sizes", "1", "--pairs", "1", "--no-prime"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "'breakable' compiled nothing" in err and "full:inductor" in err
+    assert "'breakable' compiled nothing" in err and "full+torch_compile" in err
 
 
 def test_compile_seconds_give_the_ratio(monkeypatch, capsys):
@@ -52,12 +52,14 @@ def test_compile_seconds_give_the_ratio(monkeypatch, capsys):
         (["--replays", "x"], "'x' is not an integer >= 0"),
         (["--backend", "disabled"], "--backend 'disabled' compiles nothing"),
         (["--backend", "full:bogus"], "--backend 'full:bogus': unknown compiler 'bogus'; accepted: eager, inductor"),
-        (["--backend", "compiled:inductor"], "backend 'compiled' takes no compiler; accepted: 'compiled' alone"),
+        (["--backend", "compiled:inductor"], "backend 'compiled' takes no tc_compiler; accepted: 'compiled' alone"),
         (
             ["--backend", "full"],
-            "--backend 'full' compiles nothing; accepted: a compiling backend (compiled, or name:inductor",
+            "--backend 'full' compiles nothing; accepted: a compiling backend (compiled, full+torch_compile, "
+            "tc_piecewise:inductor)",
         ),
         (["--backend", "tc_piecewise:eager"], "--backend 'tc_piecewise:eager' compiles nothing"),
+        (["--backend", "breakable+torch_compile"], "backend 'breakable' takes no torch_compile"),
         (["--device", "foo"], "--device 'foo': not a torch device"),
         (["--device", "meta"], "--device 'meta': a meta tensor has no data"),
         (["--device", "cuda:99"], "--device 'cuda:99': "),  # no CUDA here, or no device 99 on a GPU machine

@@ -35,7 +35,8 @@ def test_max_bs_is_captured_even_off_the_stride(max_bs, expected_tail):
 
 
 def test_explicit_sizes_with_larger_max_bs():
-    assert make_runner(max_bs=8, bs=[1, 3, 5]).capture_sizes == [1, 3, 5, 8]
+    # sglang: with explicit sizes max_bs becomes max(bs); no extra graph at max_bs
+    assert make_runner(max_bs=8, bs=[1, 3, 5]).capture_sizes == [1, 3, 5]
 
 
 def test_capture_is_largest_first_with_warmups_and_hook_before_each_capture():
@@ -196,7 +197,10 @@ def test_full_backend_protocol_with_fake_graph_api():
 
 def test_backend_name_overrides_only_the_backend_of_the_config():
     runner = DecodeCudaGraphRunner(
-        ToyModel(), {"decode": {"max_bs": 4, "tc_compiler": "inductor"}}, device="cpu", backend="disabled"
+        ToyModel(),
+        {"decode": {"backend": "tc_piecewise", "max_bs": 4, "tc_compiler": "inductor"}},
+        device="cpu",
+        backend="disabled",
     )
     assert runner.backend.name == "disabled"
     assert runner.backend.phase_config.tc_compiler == "inductor" and runner.capture_sizes[-1] == 4

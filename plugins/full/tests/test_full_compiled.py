@@ -65,7 +65,7 @@ def test_verify_reference_runs_the_compiled_forward(setup):
 def test_eager_compiler_compiles_nothing_and_unknown_values_are_refused():
     backend = FullCudaGraphBackend("cpu", phase="decode", device_module=FakeGraphDeviceModule())
     assert backend.compiler == "eager" and backend.compiled_forward is None and backend.compile_seconds is None
-    with pytest.raises(ValueError, match=r"tc_compiler 'tvm' does not compile; compiling values: \('inductor',\)"):
+    with pytest.raises(ValueError, match=r"torch_compile 'tvm' does not compile; compiling values: \('inductor',\)"):
         CompiledForward("tvm")
 
 
@@ -165,7 +165,7 @@ def test_compile_sizes_with_the_eager_compiler_are_an_error_naming_the_key():
 
     config = CudaGraphConfig.from_dict({"decode": {"compile_sizes": [4, 1]}})
     assert config.decode.compile_sizes == [1, 4]
-    with pytest.raises(CudaGraphConfigError, match=r"decode.compile_sizes=\[1, 4\].*needs a compiler.*inductor"):
+    with pytest.raises(CudaGraphConfigError, match=r"decode.compile_sizes=\[1, 4\].*needs a compiler.*torch_compile on"):
         FullCudaGraphBackend("cpu", phase="decode", device_module=FakeGraphDeviceModule(), phase_config=config.decode)
     with pytest.raises(ValueError, match="compile size 0 is not a positive int"):
         CompiledForward(CountingCompiler(), static_sizes=[0])
