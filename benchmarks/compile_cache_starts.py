@@ -141,7 +141,9 @@ def main(argv: List[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument(
-        "--backend", default="compiled", help="a compiling backend, name[:tc_compiler] or name+torch_compile: compiled, full+torch_compile, ..."
+        "--backend",
+        default="compiled",
+        help="a compiling backend, name[:tc_compiler] or name+torch_compile: compiled, full+torch_compile, ...",
     )
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--device", default="cpu", help="torch device")

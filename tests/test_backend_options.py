@@ -160,9 +160,7 @@ def test_compile_sizes_without_a_compiler_are_refused_at_resolve(compiling_reg, 
 
 
 def test_compile_sizes_with_a_compiler_resolve(compiling_reg):
-    config = CudaGraphConfig.from_dict(
-        {"decode": {"backend": "sized", "torch_compile": True, "compile_sizes": [1]}}
-    )
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "sized", "torch_compile": True, "compile_sizes": [1]}})
     assert compiling_reg.resolve("decode", config, device="cpu").name == "sized"
 
 

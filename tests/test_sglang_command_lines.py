@@ -343,7 +343,11 @@ def test_old_bench_label_warns_and_reads_as_the_new_one():
         ),
         (
             {"decode": {"tc_compiler": "inductor"}, "prefill": {"backend": "breakable", "tc_compiler": "inductor"}},
-            {("decode", "torch_compile"): False, ("decode", "tc_compiler"): "eager", ("prefill", "tc_compiler"): "eager"},
+            {
+                ("decode", "torch_compile"): False,
+                ("decode", "tc_compiler"): "eager",
+                ("prefill", "tc_compiler"): "eager",
+            },
         ),
         (
             {"decode": {"max_bs": 160, "bs": [1, 2, 4, 8]}, "prefill": {"backend": "breakable", "max_bs": 2048}},
@@ -369,7 +373,10 @@ def test_sglang_saved_config_reads_with_sglangs_defaults(saved: Dict[str, Any], 
     [
         ({"decode": {"max_batch": 8}}, ["decode.max_batch=8", "not a key sglang"]),
         ({"verify": {}}, ["unknown phase", "'verify'"]),
-        ({"prefill": {"backend": "full", "full_prefill_max_req": 4}}, ["prefill.full_prefill_max_req=4", "prefill backend full"]),
+        (
+            {"prefill": {"backend": "full", "full_prefill_max_req": 4}},
+            ["prefill.full_prefill_max_req=4", "prefill backend full"],
+        ),
         ([1], ["must be an object"]),
         ({"decode": {"max_bs": 0}}, ["decode.max_bs=0", "from sglang"]),
     ],

@@ -13,7 +13,6 @@ from .backend_options import declared_reads, option_not_read, option_readers
 from .config import MAX_CAPTURE_SIZE, CudaGraphConfig, CudaGraphConfigError
 from .errors import CudaGraphRunnerError, UnknownBackendError
 
-
 #: The second part of a bench label meaning "the forward compiled first" (compiled full):
 #: written ``full+torch_compile``, after sglang's ``--enable-torch-compile``.
 TORCH_COMPILE = "torch_compile"
@@ -226,7 +225,7 @@ def label_config(
         fields["compile_sizes"] = None
     out = config.with_phase(phase, **fields)
     if compiler:  # only ``--{phase}-backends`` labels carry one
-        given = config.sources.get((phase, "torch_compile_max_bs")) and config[phase].torch_compile_max_bs
+        given = config[phase].torch_compile_max_bs if (phase, "torch_compile_max_bs") in config.sources else None
         out = out.with_phase(phase, source=label_source(phase), **label_options(compiler, max_bs, given))
     if drop:
         out.sources.pop((phase, "compile_sizes"), None)

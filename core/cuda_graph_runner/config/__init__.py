@@ -174,7 +174,6 @@ from __future__ import annotations
 
 from .convert import ConfigInput, as_config
 from .exceptions import CudaGraphConfigError
-from .sglang import from_sglang_dict
 from .flags import add_cuda_graph_args, source_phases  # noqa: F401 - source_phases: backend_options
 from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all__
     _BACKEND_NAME,  # the one backend-name pattern; the registry may share it
@@ -196,6 +195,7 @@ from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all
     Phase,
     PhaseConfig,
 )
+from .sglang import from_sglang_dict
 
 __all__ = [
     "Phase",

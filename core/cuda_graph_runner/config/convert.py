@@ -19,7 +19,7 @@ What it does not do: check backend names or options against the installed backen
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Dict, Union
 
 from .model import PHASE_KEYS, SOURCE_API, CudaGraphConfig, Phase, PhaseConfig, _build_phase, migrate_tc_compiler
 
@@ -65,7 +65,8 @@ def as_config(config: ConfigInput, phase: str) -> CudaGraphConfig:
             values["tc_compiler"] = default.tc_compiler
         # A new PhaseConfig: validated again (fields assigned later skip the checks), and
         # the caller's object stays theirs.
-        return CudaGraphConfig(**{phase: _build_phase(phase, values, sources)}, sources=sources)
+        phases: Dict[str, Any] = {phase: _build_phase(phase, values, sources)}
+        return CudaGraphConfig(**phases, sources=sources)
     if isinstance(config, str):
         return CudaGraphConfig.from_dict({phase: {"backend": config}})
     if isinstance(config, Mapping):

@@ -196,11 +196,19 @@ _FLAGS: Tuple[_Flag, ...] = (
         shares="--cuda-graph-backend-prefill",
     ),
     _legacy(
-        "--cuda-graph-max-bs", (Phase.DECODE,), "max_bs", "--cuda-graph-max-bs-decode", shares="--cuda-graph-max-bs-decode"
+        "--cuda-graph-max-bs",
+        (Phase.DECODE,),
+        "max_bs",
+        "--cuda-graph-max-bs-decode",
+        shares="--cuda-graph-max-bs-decode",
     ),
     _legacy("--cuda-graph-bs", (Phase.DECODE,), "bs", "--cuda-graph-bs-decode", shares="--cuda-graph-bs-decode"),
     _legacy(
-        "--piecewise-cuda-graph-tokens", (Phase.PREFILL,), "bs", "--cuda-graph-bs-prefill", shares="--cuda-graph-bs-prefill"
+        "--piecewise-cuda-graph-tokens",
+        (Phase.PREFILL,),
+        "bs",
+        "--cuda-graph-bs-prefill",
+        shares="--cuda-graph-bs-prefill",
     ),
     _legacy(
         "--piecewise-cuda-graph-max-tokens",
@@ -281,7 +289,7 @@ def _superseded(namespace: Any) -> Tuple[Tuple[str, str, str], ...]:
     (:meth:`CudaGraphConfig.validate` checks them)."""
     history = [(_BY_OPTION.get(option), value) for option, value in getattr(namespace, _HISTORY, None) or ()]
     last = {flag.dest: index for index, (flag, _) in enumerate(history) if flag is not None}
-    out = []
+    out: List[Tuple[str, str, str]] = []
     for index, (flag, value) in enumerate(history):
         if flag is None or flag.key != "backend" or flag.const is not _NO_CONST or last[flag.dest] == index:
             continue

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import re
-from dataclasses import dataclass, field
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple, Union
 
 from .exceptions import CudaGraphConfigError, _short_repr
@@ -458,7 +458,7 @@ class CudaGraphConfig:
             values[phase] = dict(settings)
         if source not in SGLANG_TC_COMPILER_SOURCES:
             migrate_tc_compiler(values, sources)
-        phases = {phase: _build_phase(phase, settings, sources) for phase, settings in values.items()}
+        phases: Dict[str, Any] = {phase: _build_phase(phase, settings, sources) for phase, settings in values.items()}
         return cls(**phases, sources=sources)
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:

@@ -110,5 +110,5 @@ def from_sglang_dict(saved: Any, *, prefill_default: str = Backend.TC_PIECEWISE)
                     accepted=f"drop {key}, or pick a {phase} backend this library ships (breakable, tc_piecewise)",
                     source=SOURCE_SGLANG,
                 )
-    phases = {phase: _build_phase(phase, values[phase], sources) for phase in Phase.ALL}
+    phases: Dict[str, Any] = {phase: _build_phase(phase, values[phase], sources) for phase in Phase.ALL}
     return CudaGraphConfig(**phases, sources=sources)

@@ -165,7 +165,9 @@ def test_compile_sizes_with_the_eager_compiler_are_an_error_naming_the_key():
 
     config = CudaGraphConfig.from_dict({"decode": {"compile_sizes": [4, 1]}})
     assert config.decode.compile_sizes == [1, 4]
-    with pytest.raises(CudaGraphConfigError, match=r"decode.compile_sizes=\[1, 4\].*needs a compiler.*torch_compile on"):
+    with pytest.raises(
+        CudaGraphConfigError, match=r"decode.compile_sizes=\[1, 4\].*needs a compiler.*torch_compile on"
+    ):
         FullCudaGraphBackend("cpu", phase="decode", device_module=FakeGraphDeviceModule(), phase_config=config.decode)
     with pytest.raises(ValueError, match="compile size 0 is not a positive int"):
         CompiledForward(CountingCompiler(), static_sizes=[0])

@@ -115,7 +115,6 @@ def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:
         mark(value)
 
 
-
 _DECODE_WARNED = False
 
 
