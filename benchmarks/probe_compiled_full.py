@@ -71,7 +71,7 @@ def main() -> None:
     for name in a.variants:
         sizes, options = VARIANTS[name]
         torch._dynamo.reset()
-        cfg = {"backend": "full", "tc_compiler": "inductor", "bs": bs_list}
+        cfg = {"backend": "full", "torch_compile": True, "torch_compile_max_bs": max(bs_list), "bs": bs_list}
         if sizes:
             cfg["compile_sizes"] = bs_list
         backend = get_registry().resolve(

@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument(
         "--backends",
         default="full,breakable,tc_piecewise:eager,tc_piecewise:inductor",
-        help="comma-separated decode backends, each name[:tc_compiler]",
+        help="comma-separated decode backends, each name[:tc_compiler] or full+torch_compile",
     )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--iters", type=int, default=20)
@@ -147,13 +147,15 @@ def run(args: argparse.Namespace, tp: Any) -> None:
             }
             row["comm_ms"] = _comm_ms(tp, model, bs, args.iters)
             results["rows"].append(row)
+        from cuda_graph_runner.bench_backends import label_options, parse_label
+
         for backend in [b for b in args.backends.split(",") if b]:
-            name, _, compiler = backend.partition(":")
+            name, compiler = parse_label(backend)  # full+torch_compile; full:inductor warns
             phase = {
                 "backend": name,
                 "bs": sizes,
                 "max_bs": max(sizes),
-                **({"tc_compiler": compiler} if compiler else {}),
+                **label_options(compiler, max(sizes), None),
             }
             runner = DecodeCudaGraphRunner(model, {"decode": phase}, show_progress=False)
             report = runner.capture()

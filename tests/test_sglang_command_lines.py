@@ -271,6 +271,15 @@ def test_superseded_backend_is_checked_like_the_last_one():
     assert config.with_phase("decode", max_bs=8).superseded == config.superseded
 
 
+def test_superseded_backend_is_checked_when_resolved():
+    from cuda_graph_runner.registry import get_registry
+
+    config = config_of(["--cuda-graph-backend-decode", "nosuch", "--cuda-graph-backend-decode", "disabled"])
+    with pytest.raises(CudaGraphConfigError, match="decode.backend='nosuch'.*a later flag replaced it"):
+        get_registry().resolve("decode", config, device="cpu")
+    assert get_registry().resolve("prefill", config, device="cpu").name == "disabled"
+
+
 def test_prefill_max_bs_below_every_bucket_is_refused_by_the_runner():
     """sglang captures no prefill graph for ``--cuda-graph-max-bs-prefill 2`` (HOOK
     generate_prefill_cuda_graph_batch_sizes is empty) and runs prefill eagerly; here a
@@ -295,6 +304,15 @@ def test_tc_compiler_from_sglang_flags_on_full_warns_that_it_is_ignored():
     selected = {"decode": ("full", ("torch_compile", "compile_sizes")), "prefill": ("breakable", ())}
     with pytest.warns(UserWarning, match="ignored.*--enable-torch-compile"):
         backend_options.check_config(config, selected, {"tc_compiler": ["tc_piecewise"]})
+    from_json = config_of(
+        ["--cuda-graph-config", json.dumps({"decode": {"backend": "full", "tc_compiler": "inductor"}})]
+    )
+    with pytest.warns(UserWarning, match="json:--cuda-graph-config.*ignored"):
+        backend_options.check_config(from_json, selected, {"tc_compiler": ["tc_piecewise"]})
+    # the same key from the API is an error naming who reads it (not silently ignored)
+    api = CudaGraphConfig.from_dict({"prefill": {"backend": "breakable", "tc_compiler": "inductor"}})
+    with pytest.raises(CudaGraphConfigError, match="backend 'breakable' does not read option 'tc_compiler'"):
+        backend_options.check_config(api, selected, {"tc_compiler": ["tc_piecewise"]})
 
 
 # -- the compiled-full migration: the old spelling, one release, with a DeprecationWarning

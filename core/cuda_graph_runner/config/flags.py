@@ -104,9 +104,9 @@ def _phase_flags(p: str) -> List[_Flag]:
             _TIER_FLAG,
             (p,),
             "tc_compiler",
-            f"compiler of tc_piecewise's pieces or of full's forward for {p} (default: eager); an error "
-            "with a backend that does not read it (backend disabled excepted: turning graphs off keeps a "
-            "command line valid)",
+            f"compiler of tc_piecewise's pieces for {p} (default: eager); an error with a backend that does "
+            "not read it (backend disabled excepted: turning graphs off keeps a command line valid); decode "
+            "with full: the deprecated spelling of --enable-torch-compile",
         ),
         # Decode only: no shipped prefill backend reads compile_sizes (JSON can still set it).
         *(
@@ -117,8 +117,8 @@ def _phase_flags(p: str) -> List[_Flag]:
                     (p,),
                     "compile_sizes",
                     f"{p} {size}s compiled with static shapes, each in its own graph (vLLM's compile_sizes; "
-                    "read by full with tc_compiler inductor, an error with tc_compiler eager; each must be a captured "
-                    "size; default: none, one dynamic-shape graph serves every size)",
+                    "read by full with --enable-torch-compile, an error without; each must be a captured size "
+                    "up to --torch-compile-max-bs; default: none, one dynamic-shape graph serves every size)",
                 )
             ]
             if p == Phase.DECODE
@@ -162,7 +162,8 @@ _FLAGS: Tuple[_Flag, ...] = (
         _TIER_FLAG,
         Phase.ALL,
         "tc_compiler",
-        "compiler of tc_piecewise's pieces or of full's forward for both phases (default: eager)",
+        "compiler of tc_piecewise's pieces for both phases (default: eager); ignored, with a warning, by "
+        "backends that do not read it, as in sglang",
     ),
     _legacy(
         "--disable-cuda-graph",

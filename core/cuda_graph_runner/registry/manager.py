@@ -413,13 +413,17 @@ class BackendRegistry(PluginLoading):
             UnknownBackendError, BackendConflictError, BackendUnavailableError,
             BackendLoadError, BackendContractError: see :meth:`get` and :meth:`load_class`.
             cuda_graph_runner.config.CudaGraphConfigError: the config sets a backend option
-                (``tc_compiler``) the selected backend does not read; names who reads it.
+                (``tc_compiler``) the selected backend does not read; names who reads it; a
+                backend name a later flag replaced is not a backend of the phase.
         """
         config = as_config(config, phase)  # a runner's CudaGraphConfig passes through unconverted
         phase_config = config[phase]
         device_str = str(device) if device is not None else default_device_type()
         device_type = device_str.split(":")[0]
         name = phase_config.backend or self.default_backend(phase, device_type)
+        replaced = tuple(item for item in config.superseded if item[0] == phase)
+        if replaced:  # names a later flag replaced: checked like the config's own (sglang does)
+            type(config)(superseded=replaced).validate(self.backend_phases(), self.backend_problems())
         entry = self.get(name, device_type=device_type, phase=phase)
         backend_options.check_resolved(self, phase, config, entry)
         cls = self.load_class(entry)
