@@ -191,3 +191,42 @@ def test_compiled_full_is_held_to_inductors_tolerance_the_eager_forward_to_the_b
     assert (atol, rtol) == pytest.approx((base_atol * 10, base_rtol * 10))
     if dtype == torch.bfloat16:
         assert atol > 0.133  # the H200's measured difference passes even on a logit near zero
+
+
+def test_sizes_above_torch_compile_max_bs_are_captured_uncompiled():
+    """sglang's ``--torch-compile-max-bs``: batch sizes up to it run the compiled forward,
+    larger ones the forward as written (and the compile pass skips them)."""
+    from cuda_graph_runner.config import CudaGraphConfig
+
+    torch._dynamo.reset()
+    model, compiler, fake = ToyModel(), CountingCompiler(), FakeGraphDeviceModule()
+    config = CudaGraphConfig.from_dict(
+        {"decode": {"torch_compile": True, "torch_compile_max_bs": 2, "bs": [1, 2, 4, 8]}}
+    )
+    backend = FullCudaGraphBackend(
+        "cpu", phase="decode", device_module=fake, memory_pool="pool", compiler=compiler, phase_config=config.decode
+    )
+    runner = DecodeCudaGraphRunner(model, config, device="cpu", backend=backend, show_progress=False)
+    try:
+        with torch.no_grad():
+            runner.capture()
+        compiled = backend.compiled_forward
+        assert compiled is not None and compiled.max_size == 2
+        assert [size for size in (1, 2, 4, 8) if compiled.compiles(size)] == [1, 2]
+        assert backend.captured_keys == [ShapeKey(s, "decode") for s in (8, 4, 2, 1)]
+        with backend._compiled_active(ShapeKey(8, "decode")):
+            assert "forward" not in model.__dict__  # the model as written
+        with backend._compiled_active(ShapeKey(2, "decode")):
+            assert "forward" in model.__dict__  # the compiled forward stands in
+        assert compiler.graphs == 2  # sizes 2 (dynamic) and 1: nothing for 4 and 8
+    finally:
+        torch._dynamo.reset()
+
+
+def test_torch_compile_default_max_is_sglangs_32():
+    from cuda_graph_runner.config import PhaseConfig
+
+    backend = FullCudaGraphBackend(
+        "cpu", phase="decode", device_module=FakeGraphDeviceModule(), phase_config=PhaseConfig(torch_compile=True)
+    )
+    assert backend.compiler == "inductor" and backend.compiled_forward.max_size == 32

@@ -1,10 +1,10 @@
-"""GPU: compiled full (``tc_compiler: inductor`` on ``full``) — the forward compiled with
+"""GPU: compiled full (``torch_compile: true`` on ``full``) — the forward compiled with
 inductor, then captured whole per size.
 
 Checks: one Dynamo graph for every size >= 2 plus one for size 1, none made while
 capturing or serving; a replay equals the compiled forward run without the graph (same
 kernels: near-exact); greedy tokens equal eager's in bf16; the bench's label
-``full:inductor`` resolves; a second start compiles from the disk cache (Dynamo's traced
+``full+torch_compile`` resolves; a second start compiles from the disk cache (Dynamo's traced
 code loaded, nothing traced or generated) and computes what eager does; sizes of
 ``compile_sizes`` get static graphs, with the marked ops' bodies compiled too, that match
 eager.
@@ -49,7 +49,7 @@ def compiled_fp32(tmp_path_factory):
     torch._dynamo.reset()
     model = _model(torch.float32)
     runner = DecodeCudaGraphRunner(
-        model, {"decode": {"backend": "full", "bs": SIZES, "tc_compiler": "inductor"}}, show_progress=False
+        model, {"decode": {"backend": "full", "bs": SIZES, "torch_compile": True}}, show_progress=False
     )
     with pytest.MonkeyPatch.context() as mp:  # an empty compile cache: Dynamo traces (graph counts below)
         mp.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path_factory.mktemp("compile-cache")))
@@ -115,7 +115,7 @@ def test_greedy_tokens_match_eager_bf16():
     torch._dynamo.reset()
     model = _model(torch.bfloat16)
     runner = DecodeCudaGraphRunner(
-        model, {"decode": {"backend": "full", "bs": [1, 2, 4], "tc_compiler": "inductor"}}, show_progress=False
+        model, {"decode": {"backend": "full", "bs": [1, 2, 4], "torch_compile": True}}, show_progress=False
     )
     runner.capture()
     prompts = make_dummy_prompts(3, [5, 9, 12], model.config.vocab_size, seed=3)
@@ -136,7 +136,7 @@ def test_second_start_compiles_from_the_disk_cache(tmp_path, monkeypatch):
         torch._dynamo.reset()
         before = cache_counters()
         runner = DecodeCudaGraphRunner(
-            model, {"decode": {"backend": "full", "bs": [1, 4], "tc_compiler": "inductor"}}, show_progress=False
+            model, {"decode": {"backend": "full", "bs": [1, 4], "torch_compile": True}}, show_progress=False
         )
         runner.capture()
         counts.append({k: v - before[k] for k, v in cache_counters().items()})
@@ -164,7 +164,7 @@ def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles(tm
     model = _model(torch.float32)
     runner = DecodeCudaGraphRunner(
         model,
-        {"decode": {"backend": "full", "bs": [1, 4, 16], "tc_compiler": "inductor", "compile_sizes": [4, 16]}},
+        {"decode": {"backend": "full", "bs": [1, 4, 16], "torch_compile": True, "compile_sizes": [4, 16]}},
         show_progress=False,
     )
     runner.capture()
@@ -189,15 +189,15 @@ def test_compile_sizes_static_graphs_match_eager_and_serve_without_recompiles(tm
 
 
 def test_bench_full_inductor_on_the_default_model_is_within_its_tolerance(capsys):
-    """``cuda-graph-runner bench --decode-backends full,full:inductor`` with compile sizes on
+    """``cuda-graph-runner bench --decode-backends full,full+torch_compile`` with compile sizes on
     llama-3.2-1b in bfloat16 (the bench's default) once exited 1: compiled full was held to
     the near-exact bound of the eager forward (0.121 / 0.133 from eager at batch 1 / 4)."""
     from cuda_graph_runner.cli import main
 
     torch._dynamo.reset()
-    argv = ["bench", "--decode-backends", "full,full:inductor", "--cuda-graph-compile-sizes-decode", "1,4"]
+    argv = ["bench", "--decode-backends", "full,full+torch_compile", "--cuda-graph-compile-sizes-decode", "1,4"]
     argv += ["--batch-sizes", "1,4", "--no-prefill", "--iters", "2", "--warmup", "1"]
     rc = main(argv)
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "backend full:inductor: captured" in out  # tokens may part at a near-tie; the tolerance may not
+    assert "backend full+torch_compile: captured" in out  # tokens may part at a near-tie; the tolerance may not
