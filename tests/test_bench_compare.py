@@ -39,9 +39,10 @@ def _cell(ms, noise=0.01, phase=0, rounds=ROUNDS):
     }
 
 
-def _run(scale=None, noise=0.01, gpu="NVIDIA H200"):
+def _run(scale=None, noise=0.01, gpu="NVIDIA H200", extra=None):
     """A synthetic run: llama, bs 1/32/128, eager, hand_graph, reduce_overhead (bs 1, 32) and
-    three backends; ``scale`` multiplies one method's times, e.g. ``{"breakable": 1.3}``."""
+    three backends (plus ``extra``: ``{label: ms}``); ``scale`` multiplies one method's
+    times, e.g. ``{"breakable": 1.3}``."""
     scale = scale or {}
     base = {
         "eager": 15.0,
@@ -50,6 +51,7 @@ def _run(scale=None, noise=0.01, gpu="NVIDIA H200"):
         "full": 2.16,
         "tc_piecewise:inductor": 2.55,
         "breakable": 2.43,
+        **(extra or {}),
     }
     decode = {}
     for bs, grow in (("1", 1.0), ("32", 1.23), ("128", 1.56)):
@@ -239,6 +241,17 @@ def test_unchanged_run_passes():
     rows = compare.compare(_run(), _run())
     assert rows and not any(r.failed for r in rows)
     assert {r.verdict for r in rows} == {"ok"}
+
+
+def test_results_with_the_old_compiled_full_label_compare_with_the_new_one():
+    """Results written as ``full:inductor`` compare with ``full+torch_compile`` (the label's
+    new spelling): the same ratios, not MISSING and new."""
+    old = _run(extra={"full:inductor": 1.2})
+    rows = compare.compare(old, _run(extra={"full+torch_compile": 1.2}))
+    assert {r.verdict for r in rows} == {"ok"}
+    assert {r.method for r in rows} >= {"full+torch_compile"} and "full:inductor" not in {r.method for r in rows}
+    slower = compare.compare(old, _run(extra={"full+torch_compile": 1.5}))
+    assert {r.method for r in slower if r.verdict == "REGRESSION"} == {"full+torch_compile"}
 
 
 def test_slowed_backend_is_flagged_and_only_it():

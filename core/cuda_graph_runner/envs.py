@@ -324,7 +324,7 @@ COMPILE_CACHE_DYNAMO = define(
     "bool",
     True,
     "With the compile cache on, also keep Dynamo's traced code (torch's caching precompile), keyed by "
-    "model, config and compile options, so a second start skips tracing (full:inductor; compiled keeps "
+    "model, config and compile options, so a second start skips tracing (full+torch_compile; compiled keeps "
     "the inductor caches only; off: Dynamo traces every start). Read when a backend compiles.",
 ).name
 
