@@ -52,7 +52,7 @@ def test_bench_rejects_unknown_model_naming_presets(capsys):
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--cuda-graph-config", '{"decode": {"max_bs": 8, "bs": [16]}}'], "decode.max_bs=8"),
+        (["--cuda-graph-config", '{"decode": {"bs": [16], "compile_sizes": [8]}}'], "decode.compile_sizes=[8]"),
         (["--cuda-graph-max-bs-decode", "zero"], "zero"),
     ],
 )
