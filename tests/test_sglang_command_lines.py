@@ -431,3 +431,15 @@ def test_the_differences_doc_lists_each_deliberate_difference_and_is_linked():
     for text in DIFFERENCES:
         assert text in doc, text
     assert "docs/sglang-compat.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_config_command_shows_max_bs_as_max_of_bs(capsys):
+    """``cuda-graph-runner config --cuda-graph-max-bs 160 --cuda-graph-bs 1 2 4 8``: the
+    effective max_bs is 8, what the runner captures up to (sglang's max(bs))."""
+    from cuda_graph_runner.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert main(["config", "--cuda-graph-max-bs", "160", "--cuda-graph-bs", "1", "2", "4", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["effective"]["decode"]["max_bs"] == 8

@@ -84,7 +84,8 @@ def _effective(config: CudaGraphConfig, checked: bool) -> Dict[str, Dict[str, An
     return {
         phase: {
             "backend": config[phase].backend or defaults.get(phase, "auto"),
-            "max_bs": config[phase].max_bs or max(config[phase].bs or [DEFAULT_MAX_BS[phase]]),
+            # explicit bs: max_bs is max(bs), as in sglang (the runner captures exactly bs)
+            "max_bs": max(config[phase].bs) if config[phase].bs else config[phase].max_bs or DEFAULT_MAX_BS[phase],
             "bs": config[phase].bs or "the runner's buckets up to max_bs",
         }
         for phase in Phase.ALL
