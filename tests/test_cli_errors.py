@@ -221,7 +221,9 @@ def test_bad_environment_variable_is_reported_before_any_work(monkeypatch, capsy
 
 def test_bench_json_into_a_missing_folder_fails_before_the_run(tmp_path, capsys):
     target = tmp_path / "no" / "such" / "x.json"
-    assert main(["bench", "--json", str(target), *TINY]) == 2
+    with pytest.raises(SystemExit) as info:  # refused while the flags are parsed
+        main(["bench", "--json", str(target), *TINY])
+    assert info.value.code == 2
     out, err = capsys.readouterr()
     assert str(tmp_path / "no" / "such") in err and "eager ms" not in out and not target.exists()
 

@@ -201,6 +201,46 @@ def _bench_phase(
     return failed
 
 
+def output_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why the output files of ``args`` cannot be written, or None: each of ``--json`` and
+    ``--plot`` a writable file (:func:`bench_args.output_file`, argparse checks it too), not
+    the same file, and the plot's format one matplotlib draws (it is installed). Checked
+    before minutes of capture and timing, so no result is lost at the end."""
+    from .bench_args import output_file
+
+    paths = [(flag, path) for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)) if path]
+    for flag, path in paths:
+        try:
+            output_file(path)
+        except argparse.ArgumentTypeError as exc:
+            return f"argument {flag}: {exc}"
+    if len(paths) == 2 and os.path.abspath(paths[0][1]) == os.path.abspath(paths[1][1]):
+        return f"--json and --plot name the same file {paths[0][1]!r}; accepted: two different files"
+    if args.plot_path:
+        from .plot import PlotUnavailableError, check_plot_available, plot_format_problem
+
+        try:
+            check_plot_available()
+        except PlotUnavailableError as exc:
+            return str(exc)
+        return plot_format_problem(args.plot_path)
+    return None
+
+
+def _unused_flag_problem(args: argparse.Namespace) -> Optional[str]:
+    """A prefill flag given with ``--no-prefill`` (it would be ignored), or None."""
+    if not args.no_prefill:
+        return None
+    given = [
+        flag
+        for flag, value in (("--prefill-backends", args.prefill_backends), ("--prefill-tokens", args.prefill_tokens))
+        if value
+    ]
+    if not given:
+        return None
+    return f"{' and '.join(given)} with --no-prefill: nothing would use {'them' if len(given) > 1 else 'it'}; accepted: drop one of the two"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments; returns the exit status (1 when a graph
     result disagrees with eager). With ``--tp N`` > 1 every rank ends here in bounded
@@ -230,22 +270,10 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     except CudaGraphConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for flag, path in (("--json", args.json_path), ("--plot", getattr(args, "plot_path", None))):
-        if not path:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            # Checked before minutes of capture and timing, not after.
-            print(f"error: {flag} {path!r}: folder {folder!r} does not exist or is not writable", file=sys.stderr)
-            return 2
-    if getattr(args, "plot_path", None):
-        from .plot import PlotUnavailableError, check_plot_available
-
-        try:
-            check_plot_available()
-        except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    problem = output_problem(args) or _unused_flag_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     fmt = getattr(args, "format", "table")
     # With a machine-readable stdout the words for people go to stderr.
     say: Callable[[str], None] = print if fmt == "table" else (lambda text: print(text, file=sys.stderr))
@@ -445,7 +473,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         with open(args.json_path, "w") as f:
             json.dump(document, f, indent=2)
         say(f"\nwrote {args.json_path}")
-    if getattr(args, "plot_path", None) and (tp is None or tp.rank == 0):
+    if args.plot_path and (tp is None or tp.rank == 0):
         from .plot import plot_results
 
         plot_results(document, args.plot_path)

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from ..integers import parse_digits
 from .exceptions import CudaGraphConfigError, _short_repr
 from .loading import _load_json
 from .model import (
@@ -255,10 +256,7 @@ class _DeprecatedAlias(argparse.Action):
 
 
 def _positive_int_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:  # not a number, or more digits than int() accepts
-        value = 0
+    value = parse_digits(text) or 0  # ASCII digits only: int() would read "٨" and "1_0"
     if value < 1 or value > MAX_CAPTURE_SIZE:
         raise argparse.ArgumentTypeError(f"invalid value {_short_repr(text)}; accepted: {_SIZE_ACCEPTED}")
     return value
