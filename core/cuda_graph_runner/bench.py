@@ -12,8 +12,9 @@ directory), then for each selected backend:
 Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one device
 synchronize per measurement). Eager and the backend are timed interleaved, round by round
 (:func:`cuda_graph_runner.bench_measure.paired_ms`: 5 rounds, 15 on the CPU): the times
-are the median rounds, ``speedup`` the median of the per-round ratios and ``range`` their
-min-max. Capture seconds and graph memory are per runner (all sizes).
+are the median rounds, ``speedup`` their ratio eager / graph (as printed) and
+``per-round min-max`` the lowest and highest ratio of one round; ``replayed`` says whether
+the batch replayed a graph (no: the runner ran it eagerly, so ``graph ms`` is eager too). Capture seconds and graph memory are per runner (all sizes).
 
 Output: tables on stdout (``--format table``), or the JSON document (the schema of
 :mod:`cuda_graph_runner.results_schema`, shared with benchmarks/run.py; also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
@@ -85,10 +86,22 @@ class RunnerStats:
     run_stats: Optional[Dict[str, Any]] = None
 
 
+#: The timing columns of both tables: ``speedup`` is the printed ``eager ms`` / ``graph ms``;
+#: ``per-round min-max`` the lowest and highest eager/graph ratio of the interleaved rounds.
+TIMING_HEADERS = ["eager ms", "graph ms", "speedup", "per-round min-max"]
+
+
+def _speedup(row: Dict[str, Any]) -> Optional[str]:
+    """``"1.32x"``: a row's ``speedup`` (eager ms / graph ms), or None."""
+    value = row.get("speedup")
+    return None if value is None else f"{value:.2f}x"
+
+
 def _speedup_range(row: Dict[str, Any]) -> Optional[str]:
-    """``"lo-hi"`` of a row's per-round speedups (:func:`bench_measure.paired_ms`), or None."""
+    """``"0.95x-1.40x"``: the lowest and highest per-round speedup of a row
+    (:func:`bench_measure.paired_ms`), or None."""
     lo, hi = row.get("speedup_lo"), row.get("speedup_hi")
-    return None if lo is None or hi is None else f"{lo:.2f}-{hi:.2f}"
+    return None if lo is None or hi is None else f"{lo:.2f}x-{hi:.2f}x"
 
 
 def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None) -> Any:
@@ -387,13 +400,14 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say(real_model.format_generations(rows, GENERATED_TOKENS))
 
     decode_table = (
-        ["batch", "eager ms", "graph ms", "speedup", "range", "prepare us", "tokens match", "max |diff|", "within tol"],
+        ["batch", *TIMING_HEADERS, "replayed", "prepare us", "tokens match", "max |diff|", "within tol"],
         lambda r: [
             r["batch_size"],
             r["eager_ms"],
             r.get("graph_ms"),
-            r.get("speedup"),
+            _speedup(r),
             _speedup_range(r),
+            r.get("replayed"),
             r.get("replay_prepare_us"),
             r.get("tokens_match"),
             r.get("max_abs_diff"),
@@ -427,10 +441,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             [
                 "tokens",
                 "requests",
-                "eager ms",
-                "graph ms",
-                "speedup",
-                "range",
+                *TIMING_HEADERS,
                 "replayed",
                 "argmax match",
                 "max |diff|",
@@ -441,7 +452,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 r["requests"],
                 r["eager_ms"],
                 r.get("graph_ms"),
-                r.get("speedup"),
+                _speedup(r),
                 _speedup_range(r),
                 r.get("replayed"),
                 r.get("argmax_match"),
