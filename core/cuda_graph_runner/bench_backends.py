@@ -197,6 +197,7 @@ def plan_phase(
     parsed = parse_backends(selection, phase_config.backend)
     readers = option_readers(reg)
     known = set(reg.names())  # after option_readers: its scan fills the registry
+    phases_of = reg.backend_phases()  # the specs' phases (failed and conflicting entries left out)
 
     def backend_of(name: Optional[str]) -> str:
         chosen = name or reg.default_backend(phase, device.type)
@@ -217,6 +218,14 @@ def plan_phase(
                 BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
             )
             continue
+        if explicit and phase not in phases_of.get(chosen, (phase,)):
+            # The phases are the spec's, the same on every device: a usage error, as in `config`.
+            others = sorted(n for n, p in phases_of.items() if phase in p)
+            raise BenchRequestError(
+                f"{phase} backend {name!r} (from {where}): backend {chosen!r} is for "
+                f"{', '.join(sorted(phases_of[chosen]))} only; accepted for {phase}: {', '.join(others)}",
+                2,
+            )
         try:
             if compiler:
                 if chosen not in known:

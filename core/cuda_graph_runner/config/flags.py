@@ -75,7 +75,7 @@ def _phase_flags(p: str) -> List[_Flag]:
             _TIER_FLAG,
             (p,),
             "backend",
-            f"{p} backend: {', '.join(Backend.WELL_KNOWN)} or a plugin's name (default: auto)",
+            f"{p} backend: {', '.join(Backend.FOR_PHASE[p])} or a plugin's name (default: auto)",
         ),
         _Flag(
             f"--cuda-graph-max-bs-{p}",
