@@ -166,7 +166,7 @@ def test_argparse_errors_print_the_error_and_see_help_not_the_usage(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "cuda-graph-runner bench: error: argument --iters: invalid int value: 'x'",
+        "cuda-graph-runner bench: error: argument --iters: invalid value 'x'; accepted: an integer >= 1 (digits 0-9)",
         "see 'cuda-graph-runner bench --help'",
     ]
 

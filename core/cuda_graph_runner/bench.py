@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .bench_args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here, as before
-from .bench_backends import BackendChoice, BenchRequestError, device_problem, plan_phase
+from .bench_backends import BackendChoice, BenchRequestError, bench_picks, device_problem, plan_phase
 from .bench_measure import (  # noqa: F401
     DEFAULT_PAIRED_ROUNDS,
     PAIRED_ROUNDS,
@@ -331,7 +331,10 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         from .registry import get_registry
 
         if not (args.decode_backends or args.prefill_backends):
-            backend_options.check_with_registry(config, get_registry(), device.type)
+            # A phase on auto is checked against what the bench will run (its own pick on
+            # the CPU), as `config` checks it against the device's default.
+            reg = get_registry()
+            backend_options.check_with_registry(config, reg, device.type, bench_picks(reg, config, device))
         # Each backend resolved once, before the model loads; the runners get the instances.
         plans = {"decode": plan_phase("decode", args.decode_backends, config, device, max_bs)}
         if not args.no_prefill:

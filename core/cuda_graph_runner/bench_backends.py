@@ -97,6 +97,18 @@ def bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
     return None
 
 
+def bench_picks(reg: Any, config: CudaGraphConfig, device: torch.device) -> Dict[str, str]:
+    """``{phase: backend}`` the bench picks itself (:func:`bench_choice`) for the phases on
+    auto whose device default is ``disabled``."""
+    picks = {}
+    for phase in ("decode", "prefill"):
+        if config[phase].backend is None and reg.default_backend(phase, device.type) == "disabled":
+            chosen = bench_choice(reg, phase, device)
+            if chosen:
+                picks[phase] = chosen
+    return picks
+
+
 def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> str:
     from .registry import list_backends
 
@@ -236,7 +248,11 @@ def plan_phase(
                     raise option_not_read(phase, "tc_compiler", compiler, label_source(phase), chosen, readers)
             phase_cfg = label_config(config, phase, chosen, compiler, max_bs, readers, selection_takes)
             backend = reg.resolve(phase, phase_cfg, device=str(device))
-        except (UnknownBackendError, CudaGraphConfigError) as exc:
+        except CudaGraphConfigError as exc:
+            # The user's option, whoever picked the backend: an error, never a quiet eager run.
+            who = f"{name!r} (from {where})" if explicit else f"auto (the bench picked {chosen!r} on {device.type})"
+            raise BenchRequestError(f"{phase} backend {who}: {exc}", 2) from None
+        except UnknownBackendError as exc:
             if explicit:
                 raise BenchRequestError(f"{phase} backend {name!r} (from {where}): {exc}", 2) from None
             note = f"{phase} backend {chosen!r} skipped: {exc}; running eager only"
