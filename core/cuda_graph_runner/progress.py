@@ -51,11 +51,11 @@ def library_bars(show: Optional[bool]) -> Iterator[None]:
         kwargs["disable"] = True
         original(self, *args, **kwargs)
 
-    std.tqdm.__init__ = quiet_init  # type: ignore[method-assign]
+    std.tqdm.__init__ = quiet_init
     try:
         yield
     finally:
-        std.tqdm.__init__ = original  # type: ignore[method-assign]
+        std.tqdm.__init__ = original
 
 
 def _summary(text: str) -> None:
