@@ -92,11 +92,6 @@ def test_json_and_plot_onto_one_file_is_refused(tmp_path, capsys, no_work):
     assert code == 2 and "same file" in err
 
 
-def test_prefill_flags_with_no_prefill_are_refused(capsys, no_work):
-    code, err = _usage_error(["bench", "--prefill-backends", "breakable", *TINY], capsys)
-    assert code == 2 and "--prefill-backends" in err and "--no-prefill" in err
-
-
 def test_output_paths_are_checked_for_a_namespace_built_in_code(tmp_path, capsys, no_work):
     from cuda_graph_runner.cli import build_parser
 

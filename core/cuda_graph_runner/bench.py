@@ -240,20 +240,6 @@ def output_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def _unused_flag_problem(args: argparse.Namespace) -> Optional[str]:
-    """A prefill flag given with ``--no-prefill`` (it would be ignored), or None."""
-    if not args.no_prefill:
-        return None
-    given = [
-        flag
-        for flag, value in (("--prefill-backends", args.prefill_backends), ("--prefill-tokens", args.prefill_tokens))
-        if value
-    ]
-    if not given:
-        return None
-    return f"{' and '.join(given)} with --no-prefill: nothing would use {'them' if len(given) > 1 else 'it'}; accepted: drop one of the two"
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments; returns the exit status (1 when a graph
     result disagrees with eager). With ``--tp N`` > 1 every rank ends here in bounded
@@ -283,7 +269,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     except CudaGraphConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    problem = output_problem(args) or _unused_flag_problem(args)
+    problem = output_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
