@@ -14,7 +14,8 @@ synchronize per measurement). Eager and the backend are timed interleaved, round
 (:func:`cuda_graph_runner.bench_measure.paired_ms`: 5 rounds, 15 on the CPU): the times
 are the median rounds, ``speedup`` their ratio eager / graph (as printed) and
 ``per-round min-max`` the lowest and highest ratio of one round; ``replayed`` says whether
-the batch replayed a graph (no: the runner ran it eagerly, so ``graph ms`` is eager too). Capture seconds and graph memory are per runner (all sizes).
+the batch replayed a graph (no: the runner ran it eagerly, so ``graph ms`` is eager too).
+Capture seconds and graph memory are per runner (all sizes).
 
 Output: tables on stdout (``--format table``), or the JSON document (the schema of
 :mod:`cuda_graph_runner.results_schema`, shared with benchmarks/run.py; also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
@@ -24,7 +25,8 @@ by reason, padding waste) go into the JSON and, with ``-v``, the log. docs/cli.m
 
 Backends the bench chose itself (the device's default: no ``--decode-backends`` and no
 backend in the config) that cannot run give a note and eager numbers under backend
-``disabled``. A backend named explicitly (``--decode-backends``, ``--prefill-backends`` or
+``disabled``; a backend option they do not read (``compile_sizes`` with the CPU's pick
+``compiled``) is an error, exit 2, as in ``cuda-graph-runner config``. A backend named explicitly (``--decode-backends``, ``--prefill-backends`` or
 the config) that cannot run is an error before any work: exit 2 for an unknown name or a
 bad option, 1 for one installed but failed, in conflict, unavailable here or breaking the
 backend contract. ``--device`` naming a device this machine lacks is exit 2.
@@ -221,7 +223,8 @@ def output_problem(args: argparse.Namespace) -> Optional[str]:
     before minutes of capture and timing, so no result is lost at the end."""
     from .bench_args import output_file
 
-    paths = [(flag, path) for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)) if path]
+    plot_path = getattr(args, "plot_path", None)
+    paths = [(flag, path) for flag, path in (("--json", args.json_path), ("--plot", plot_path)) if path]
     for flag, path in paths:
         try:
             output_file(path)
@@ -229,14 +232,14 @@ def output_problem(args: argparse.Namespace) -> Optional[str]:
             return f"argument {flag}: {exc}"
     if len(paths) == 2 and os.path.abspath(paths[0][1]) == os.path.abspath(paths[1][1]):
         return f"--json and --plot name the same file {paths[0][1]!r}; accepted: two different files"
-    if args.plot_path:
+    if plot_path:
         from .plot import PlotUnavailableError, check_plot_available, plot_format_problem
 
         try:
             check_plot_available()
         except PlotUnavailableError as exc:
             return str(exc)
-        return plot_format_problem(args.plot_path)
+        return plot_format_problem(plot_path)
     return None
 
 
@@ -473,7 +476,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         with open(args.json_path, "w") as f:
             json.dump(document, f, indent=2)
         say(f"\nwrote {args.json_path}")
-    if args.plot_path and (tp is None or tp.rank == 0):
+    if getattr(args, "plot_path", None) and (tp is None or tp.rank == 0):
         from .plot import plot_results
 
         plot_results(document, args.plot_path)
