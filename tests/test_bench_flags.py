@@ -92,6 +92,12 @@ def test_json_and_plot_onto_one_file_is_refused(tmp_path, capsys, no_work):
     assert code == 2 and "same file" in err
 
 
+def test_prefill_requests_above_every_token_count_are_refused(capsys, no_work):
+    argv = ["bench", "--batch-sizes", "1", "--prefill-tokens", "4", "--prefill-requests", "2", "8"]
+    code, err = _usage_error(argv, capsys)
+    assert code == 2 and "--prefill-requests 8: more requests than the largest --prefill-tokens (4)" in err
+
+
 def test_output_paths_are_checked_for_a_namespace_built_in_code(tmp_path, capsys, no_work):
     from cuda_graph_runner.cli import build_parser
 

@@ -306,6 +306,15 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)
         return 2
     max_bs, max_tokens = max(batch_sizes), max(token_counts)
+    never = sorted(n for n in set(args.prefill_requests) if n > max_tokens)
+    if never and not args.no_prefill:
+        # A batch of n requests needs n tokens at least: such a count would time nothing.
+        print(
+            f"error: --prefill-requests {','.join(map(str, never))}: more requests than the largest "
+            f"--prefill-tokens ({max_tokens}), so no batch would be timed; accepted: request counts <= {max_tokens}",
+            file=sys.stderr,
+        )
+        return 2
     cpu_load = load_average() if on_cpu else None  # before our own work counts
     from . import real_model
 
