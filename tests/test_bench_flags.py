@@ -5,6 +5,7 @@ the value and what is accepted, exit 2, before a model is loaded."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -70,8 +71,6 @@ def test_json_onto_an_unwritable_file_is_refused(tmp_path, capsys, no_work):
     target.write_text("{}")
     target.chmod(0o444)
     try:
-        import os
-
         if os.access(target, os.W_OK):
             pytest.skip("running as a user who may write read-only files (root)")
         code, err = _usage_error(["bench", "--json", str(target), *TINY], capsys)
