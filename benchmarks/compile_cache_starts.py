@@ -102,12 +102,11 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _count(minimum: int) -> Any:
+    from cuda_graph_runner.integers import parse_digits
+
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
+        value = parse_digits(text)  # ASCII digits only (cuda_graph_runner.integers)
+        if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
         return value
 

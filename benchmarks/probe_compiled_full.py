@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
 
+from cuda_graph_runner.integers import count_arg  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
@@ -58,10 +59,10 @@ def setup(name: str, batch_sizes):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--batch-sizes", type=count_arg(1), nargs="+", default=[1, 32, 128])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--rounds", type=count_arg(1), default=7)
+    p.add_argument("--iters", type=count_arg(1), default=100)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     model, bs_list, batches = setup(a.model, a.batch_sizes)

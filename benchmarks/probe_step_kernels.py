@@ -26,6 +26,7 @@ import probe_compiled_full  # noqa: E402
 import run  # noqa: E402
 
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
+from cuda_graph_runner.integers import count_arg  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.model.attention import _decode_metadata  # noqa: E402
@@ -138,7 +139,7 @@ def attention_probe(model, batch, result):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--batch-sizes", type=count_arg(1), nargs="+", default=[1, 32])
     p.add_argument("--out", default=None)
     a = p.parse_args()
     model, bs_list, batches = probe_compiled_full.setup(a.model, a.batch_sizes)

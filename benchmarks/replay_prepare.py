@@ -33,6 +33,7 @@ import torch
 
 from cuda_graph_runner.bench_measure import block_means_s
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.integers import count_arg
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
@@ -133,8 +134,10 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
 def main(argv: "List[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    parser.add_argument("--iters", type=int, default=2000, help="calls per timed block (default 2000)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed blocks; the median is reported (default 7)")
+    parser.add_argument("--iters", type=count_arg(1), default=2000, help="calls per timed block (default 2000)")
+    parser.add_argument(
+        "--repeats", type=count_arg(1), default=7, help="timed blocks; the median is reported (default 7)"
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -83,6 +83,7 @@ from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
+from cuda_graph_runner.integers import count_arg  # noqa: E402
 from cuda_graph_runner.pool import graph_owned_cublas_workspace  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
@@ -772,11 +773,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=PREFILL_TOKENS,
         help="prefill token counts; none (the flag alone) skips prefill",
     )
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=20, help="calls per timed block")
-    parser.add_argument("--rounds", type=int, default=10, help="measured rounds (one block per method each)")
-    parser.add_argument("--warmup-min", type=int, default=3, help="fewest warm-up rounds")
-    parser.add_argument("--warmup-max", type=int, default=40, help="most warm-up rounds (the steady-state cap)")
+    parser.add_argument("--prompt-len", type=count_arg(1), default=32)
+    parser.add_argument("--iters", type=count_arg(1), default=20, help="calls per timed block")
+    parser.add_argument("--rounds", type=count_arg(1), default=10, help="measured rounds (one block per method each)")
+    parser.add_argument("--warmup-min", type=count_arg(0), default=3, help="fewest warm-up rounds")
+    parser.add_argument(
+        "--warmup-max", type=count_arg(1), default=40, help="most warm-up rounds (the steady-state cap)"
+    )
     parser.add_argument(
         "--warmup-min-s",
         type=float,
@@ -790,7 +793,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=0.02,
         help="warm-up ends when each method's median of 3 rounds moves less than this (relative)",
     )
-    parser.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)  # old name of --rounds
+    parser.add_argument("--repeats", type=count_arg(1), default=None, help=argparse.SUPPRESS)  # old name of --rounds
     parser.add_argument(
         "--quick", action="store_true", help="skip the torch.compile baseline and the largest-size-alone captures"
     )

@@ -69,17 +69,19 @@ def _comm_ms(tp: Any, model: Any, bs: int, iters: int) -> float:
 
 
 def main() -> int:
+    from cuda_graph_runner.integers import count_arg
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--batch-sizes", type=count_arg(1), nargs="+", default=[1, 8, 32, 128])
     parser.add_argument(
         "--backends",
         default="full,breakable,tc_piecewise:eager,tc_piecewise:inductor",
         help="comma-separated decode backends, each name[:tc_compiler] or full+torch_compile",
     )
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--prompt-len", type=count_arg(1), default=32)
+    parser.add_argument("--iters", type=count_arg(1), default=20)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
 

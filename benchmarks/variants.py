@@ -39,17 +39,21 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    from cuda_graph_runner.integers import count_arg
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.2-1b", help="a reference-model preset (default llama-3.2-1b)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--backend", default="full", help="decode backend (default full)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="timed batch sizes (default 1 32)")
-    parser.add_argument("--adapters", type=int, default=4, help="LoRA adapters (default 4)")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
-    parser.add_argument("--prompt-len", type=int, default=64, help="cached tokens per request (default 64)")
-    parser.add_argument("--iters", type=int, default=20, help="steps per timed block (default 20)")
-    parser.add_argument("--rounds", type=int, default=10, help="measured rounds (default 10)")
-    parser.add_argument("--warmup-max", type=int, default=20, help="most warm-up rounds (default 20)")
+    parser.add_argument(
+        "--batch-sizes", type=count_arg(1), nargs="+", default=[1, 32], help="timed batch sizes (default 1 32)"
+    )
+    parser.add_argument("--adapters", type=count_arg(1), default=4, help="LoRA adapters (default 4)")
+    parser.add_argument("--rank", type=count_arg(1), default=16, help="LoRA rank (default 16)")
+    parser.add_argument("--prompt-len", type=count_arg(1), default=64, help="cached tokens per request (default 64)")
+    parser.add_argument("--iters", type=count_arg(1), default=20, help="steps per timed block (default 20)")
+    parser.add_argument("--rounds", type=count_arg(1), default=10, help="measured rounds (default 10)")
+    parser.add_argument("--warmup-max", type=count_arg(1), default=20, help="most warm-up rounds (default 20)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if min(args.batch_sizes) < 1 or args.adapters < 1 or args.rank < 1:

@@ -166,7 +166,7 @@ def test_argparse_errors_print_the_error_and_see_help_not_the_usage(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "cuda-graph-runner bench: error: argument --iters: invalid int value: 'x'",
+        "cuda-graph-runner bench: error: argument --iters: invalid value 'x'; accepted: an integer >= 1 (digits 0-9)",
         "see 'cuda-graph-runner bench --help'",
     ]
 
@@ -221,7 +221,9 @@ def test_bad_environment_variable_is_reported_before_any_work(monkeypatch, capsy
 
 def test_bench_json_into_a_missing_folder_fails_before_the_run(tmp_path, capsys):
     target = tmp_path / "no" / "such" / "x.json"
-    assert main(["bench", "--json", str(target), *TINY]) == 2
+    with pytest.raises(SystemExit) as info:  # refused while the flags are parsed
+        main(["bench", "--json", str(target), *TINY])
+    assert info.value.code == 2
     out, err = capsys.readouterr()
     assert str(tmp_path / "no" / "such") in err and "eager ms" not in out and not target.exists()
 

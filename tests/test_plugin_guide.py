@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from cuda_graph_runner.backend import BaseCudaGraphBackend
 from cuda_graph_runner.hookspecs import PLUGIN_API_VERSION
 from cuda_graph_runner.registry.contract import RUNNER_CALLS
@@ -39,3 +41,31 @@ def test_guide_states_the_current_plugin_api_version():
     text = GUIDE.read_text()
     assert f'currently `"{PLUGIN_API_VERSION}"`' in text
     assert f'api_version="{PLUGIN_API_VERSION}"' in text
+
+
+def _section(number: int) -> str:
+    text = GUIDE.read_text()
+    start = text.index(f"## {number}. ")
+    return text[start : text.index(f"## {number + 1}. ", start)]
+
+
+def test_first_template_has_the_test_extra_of_the_example_it_points_to():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    [template] = re.findall(r"```toml\n(.*?)```", _section(1), flags=re.S)
+    extras = tomllib.loads(template)["project"]["optional-dependencies"]
+    with open(GUIDE.parents[1] / "examples" / "acme_backend" / "pyproject.toml", "rb") as f:
+        example = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["test"] == example["test"] and any(r.startswith("pytest") for r in extras["test"])
+
+
+def test_wheel_recipe_installs_the_test_extras_from_the_wheels_only():
+    lines = [
+        line.strip()
+        for block in re.findall(r"```bash\n(.*?)```", _section(7), flags=re.S)
+        for line in block.splitlines()
+        if "cuda-graph-runner" in line and line.strip().startswith("pip install")
+    ]
+    assert lines, "section 7 lost its install line"
+    [line] = lines
+    assert "--no-index" in line and "--find-links" in line
+    assert "'cuda-graph-runner[testing]'" in line and "'cuda-graph-runner-acme[test]'" in line

@@ -25,8 +25,13 @@ Rules:
   ``--torch-compile-max-bs`` without ``--enable-torch-compile``);
 * a backend that reads both ``torch_compile`` and ``compile_sizes`` refuses compile sizes
   with ``torch_compile`` off (nothing would compile);
-* backend ``disabled`` reads nothing and is exempt: turning graphs off for a phase keeps
-  the rest of a command line valid (sglang's ``--disable-cuda-graph`` habit).
+* backend ``disabled`` reads nothing and is exempt when it is *named*: turning graphs off
+  for a phase keeps the rest of a command line valid (sglang's ``--disable-cuda-graph``
+  habit). With the backend on auto, ``cuda-graph-runner config`` and ``bench`` check the
+  options against the backend auto picks there (:func:`check_with_registry`), ``disabled``
+  included: an option set for auto is checked as if that backend were named, so a
+  ``compile_sizes`` that nothing on this machine would read is an error, never a quietly
+  eager run.
 
 Raises :class:`~cuda_graph_runner.config.CudaGraphConfigError` throughout.
 """
@@ -140,15 +145,25 @@ def option_not_read(
 
 
 def check_phase(
-    phase: str, config: Any, backend: str, reads: Collection[str], readers: Mapping[str, List[str]]
+    phase: str,
+    config: Any,
+    backend: str,
+    reads: Collection[str],
+    readers: Mapping[str, List[str]],
+    auto: Optional[str] = None,
 ) -> None:
     """Per-phase rule: every option set for ``phase`` is read by ``backend`` (which reads
     ``reads``). Options from a both-phase flag are left to :func:`check_config`.
 
+    Args:
+        auto: where the phase's backend is on auto, the words saying who picked ``backend``
+            (``"on cpu"``); ``disabled`` is then held to the rule like any backend (only a
+            named ``disabled`` is exempt).
+
     Raises:
         CudaGraphConfigError: naming phase, option, value, source and who reads it.
     """
-    if backend == DISABLED:
+    if backend == DISABLED and auto is None:
         return
     options = _set_options(config, phase)
     for key, value, source in options:
@@ -156,6 +171,8 @@ def check_phase(
             continue
         if _ignored(phase, key, value, source, f"backend {backend!r} does not read"):
             continue
+        if auto is not None:
+            raise _error(phase, key, value, source, f"backend auto (here {backend!r}, {auto}) does not read", readers)
         raise option_not_read(phase, key, value, source, backend, readers)
     _check_compile_sizes(phase, config, backend, reads, options)
 
@@ -182,28 +199,33 @@ def _check_compile_sizes(
 
 
 def check_config(
-    config: CudaGraphConfig, selected: Mapping[str, Tuple[str, Collection[str]]], readers: Mapping[str, List[str]]
+    config: CudaGraphConfig,
+    selected: Mapping[str, Tuple[str, Collection[str]]],
+    readers: Mapping[str, List[str]],
+    auto: Optional[Mapping[str, str]] = None,
 ) -> None:
     """Both rules over a whole config.
 
     Args:
         selected: ``{phase: (backend name, options it reads)}`` of the backends the config
             selects (auto already replaced by the device's default).
+        auto: ``{phase: who picked it}`` for the phases on auto (:func:`check_phase`).
 
     Raises:
         CudaGraphConfigError: see :func:`check_phase`; for a both-phase flag, when neither
-            phase's backend reads the option (and neither is ``disabled``).
+            phase's backend reads the option (and neither is a named ``disabled``).
     """
+    auto = auto or {}
     for phase in Phase.ALL:
         name, reads = selected[phase]
-        check_phase(phase, config, name, reads, readers)
+        check_phase(phase, config, name, reads, readers, auto.get(phase))
     shared: Dict[Tuple[str, str], List[str]] = {}
     for phase in Phase.ALL:
         for key, _, source in _set_options(config, phase):
             if source and len(source_phases(source)) > 1:
                 shared.setdefault((key, source), []).append(phase)
     for (key, source), phases in shared.items():
-        if any(selected[p][0] == DISABLED or key in selected[p][1] for p in phases):
+        if any((selected[p][0] == DISABLED and p not in auto) or key in selected[p][1] for p in phases):
             continue
         names = " and ".join(f"{p} backend {selected[p][0]!r}" for p in phases)
         verb = "do not read" if len(phases) > 1 else "does not read"
@@ -223,17 +245,25 @@ def check_resolved(registry: Any, phase: str, config: Any, entry: Any) -> None:
     check_phase(phase, config, entry.name, reads_of(entry), option_readers(registry))
 
 
-def check_with_registry(config: CudaGraphConfig, registry: Any, device_type: str) -> None:
-    """:func:`check_config` with each phase's backend (auto: the registry's default for
-    ``device_type``) looked up in ``registry``. Unknown names read nothing (their own
-    error comes from name validation).
+def check_with_registry(
+    config: CudaGraphConfig, registry: Any, device_type: str, picks: Optional[Mapping[str, str]] = None
+) -> None:
+    """:func:`check_config` with each phase's backend looked up in ``registry``; a phase on
+    auto gets ``picks[phase]`` (the bench's own choice) or the registry's default for
+    ``device_type``, and is held to the rule as if that backend were named (``disabled``
+    included). Unknown names read nothing (their own error comes from name validation).
 
     Raises:
         CudaGraphConfigError: see :func:`check_config`.
     """
     readers = option_readers(registry)
     selected = {}
+    auto: Dict[str, str] = {}
     for phase in Phase.ALL:
-        name = config[phase].backend or registry.default_backend(phase, device_type)
+        name = config[phase].backend
+        if name is None:
+            picked = (picks or {}).get(phase)
+            name = picked or registry.default_backend(phase, device_type)
+            auto[phase] = f"picked by the bench on {device_type}" if picked else f"the default on {device_type}"
         selected[phase] = (name, {option for option, names in readers.items() if name in names})
-    check_config(config, selected, readers)
+    check_config(config, selected, readers, auto)

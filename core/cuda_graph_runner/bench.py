@@ -12,8 +12,10 @@ directory), then for each selected backend:
 Times are milliseconds per step (mean over ``--iters`` runs after warm-ups, one device
 synchronize per measurement). Eager and the backend are timed interleaved, round by round
 (:func:`cuda_graph_runner.bench_measure.paired_ms`: 5 rounds, 15 on the CPU): the times
-are the median rounds, ``speedup`` the median of the per-round ratios and ``range`` their
-min-max. Capture seconds and graph memory are per runner (all sizes).
+are the median rounds, ``speedup`` their ratio eager / graph (as printed) and
+``per-round min-max`` the lowest and highest ratio of one round; ``replayed`` says whether
+the batch replayed a graph (no: the runner ran it eagerly, so ``graph ms`` is eager too).
+Capture seconds and graph memory are per runner (all sizes).
 
 Output: tables on stdout (``--format table``), or the JSON document (the schema of
 :mod:`cuda_graph_runner.results_schema`, shared with benchmarks/run.py; also ``--json PATH``) or CSV rows (:data:`CSV_COLUMNS`) with
@@ -23,7 +25,8 @@ by reason, padding waste) go into the JSON and, with ``-v``, the log. docs/cli.m
 
 Backends the bench chose itself (the device's default: no ``--decode-backends`` and no
 backend in the config) that cannot run give a note and eager numbers under backend
-``disabled``. A backend named explicitly (``--decode-backends``, ``--prefill-backends`` or
+``disabled``; a backend option they do not read (``compile_sizes`` with the CPU's pick
+``compiled``) is an error, exit 2, as in ``cuda-graph-runner config``. A backend named explicitly (``--decode-backends``, ``--prefill-backends`` or
 the config) that cannot run is an error before any work: exit 2 for an unknown name or a
 bad option, 1 for one installed but failed, in conflict, unavailable here or breaking the
 backend contract. ``--device`` naming a device this machine lacks is exit 2.
@@ -43,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .bench_args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here, as before
-from .bench_backends import BackendChoice, BenchRequestError, device_problem, plan_phase
+from .bench_backends import BackendChoice, BenchRequestError, bench_picks, device_problem, plan_phase
 from .bench_measure import (  # noqa: F401
     DEFAULT_PAIRED_ROUNDS,
     PAIRED_ROUNDS,
@@ -85,10 +88,22 @@ class RunnerStats:
     run_stats: Optional[Dict[str, Any]] = None
 
 
+#: The timing columns of both tables: ``speedup`` is the printed ``eager ms`` / ``graph ms``;
+#: ``per-round min-max`` the lowest and highest eager/graph ratio of the interleaved rounds.
+TIMING_HEADERS = ["eager ms", "graph ms", "speedup", "per-round min-max"]
+
+
+def _speedup(row: Dict[str, Any]) -> Optional[str]:
+    """``"1.32x"``: a row's ``speedup`` (eager ms / graph ms), or None."""
+    value = row.get("speedup")
+    return None if value is None else f"{value:.2f}x"
+
+
 def _speedup_range(row: Dict[str, Any]) -> Optional[str]:
-    """``"lo-hi"`` of a row's per-round speedups (:func:`bench_measure.paired_ms`), or None."""
+    """``"0.95x-1.40x"``: the lowest and highest per-round speedup of a row
+    (:func:`bench_measure.paired_ms`), or None."""
     lo, hi = row.get("speedup_lo"), row.get("speedup_hi")
-    return None if lo is None or hi is None else f"{lo:.2f}-{hi:.2f}"
+    return None if lo is None or hi is None else f"{lo:.2f}x-{hi:.2f}x"
 
 
 def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None) -> Any:
@@ -201,6 +216,33 @@ def _bench_phase(
     return failed
 
 
+def output_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why the output files of ``args`` cannot be written, or None: each of ``--json`` and
+    ``--plot`` a writable file (:func:`bench_args.output_file`, argparse checks it too), not
+    the same file, and the plot's format one matplotlib draws (it is installed). Checked
+    before minutes of capture and timing, so no result is lost at the end."""
+    from .bench_args import output_file
+
+    plot_path = getattr(args, "plot_path", None)
+    paths = [(flag, path) for flag, path in (("--json", args.json_path), ("--plot", plot_path)) if path]
+    for flag, path in paths:
+        try:
+            output_file(path)
+        except argparse.ArgumentTypeError as exc:
+            return f"argument {flag}: {exc}"
+    if len(paths) == 2 and os.path.abspath(paths[0][1]) == os.path.abspath(paths[1][1]):
+        return f"--json and --plot name the same file {paths[0][1]!r}; accepted: two different files"
+    if plot_path:
+        from .plot import PlotUnavailableError, check_plot_available, plot_format_problem
+
+        try:
+            check_plot_available()
+        except PlotUnavailableError as exc:
+            return str(exc)
+        return plot_format_problem(plot_path)
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments; returns the exit status (1 when a graph
     result disagrees with eager). With ``--tp N`` > 1 every rank ends here in bounded
@@ -230,22 +272,10 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     except CudaGraphConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for flag, path in (("--json", args.json_path), ("--plot", getattr(args, "plot_path", None))):
-        if not path:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            # Checked before minutes of capture and timing, not after.
-            print(f"error: {flag} {path!r}: folder {folder!r} does not exist or is not writable", file=sys.stderr)
-            return 2
-    if getattr(args, "plot_path", None):
-        from .plot import PlotUnavailableError, check_plot_available
-
-        try:
-            check_plot_available()
-        except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    problem = output_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     fmt = getattr(args, "format", "table")
     # With a machine-readable stdout the words for people go to stderr.
     say: Callable[[str], None] = print if fmt == "table" else (lambda text: print(text, file=sys.stderr))
@@ -276,6 +306,15 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         print(f"error: batch sizes and token counts must be positive, got {bad}", file=sys.stderr)
         return 2
     max_bs, max_tokens = max(batch_sizes), max(token_counts)
+    never = sorted(n for n in set(args.prefill_requests) if n > max_tokens)
+    if never and not args.no_prefill:
+        # A batch of n requests needs n tokens at least: such a count would time nothing.
+        print(
+            f"error: --prefill-requests {','.join(map(str, never))}: more requests than the largest "
+            f"--prefill-tokens ({max_tokens}), so no batch would be timed; accepted: request counts <= {max_tokens}",
+            file=sys.stderr,
+        )
+        return 2
     cpu_load = load_average() if on_cpu else None  # before our own work counts
     from . import real_model
 
@@ -290,7 +329,10 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         from .registry import get_registry
 
         if not (args.decode_backends or args.prefill_backends):
-            backend_options.check_with_registry(config, get_registry(), device.type)
+            # A phase on auto is checked against what the bench will run (its own pick on
+            # the CPU), as `config` checks it against the device's default.
+            reg = get_registry()
+            backend_options.check_with_registry(config, reg, device.type, bench_picks(reg, config, device))
         # Each backend resolved once, before the model loads; the runners get the instances.
         plans = {"decode": plan_phase("decode", args.decode_backends, config, device, max_bs)}
         if not args.no_prefill:
@@ -359,13 +401,14 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say(real_model.format_generations(rows, GENERATED_TOKENS))
 
     decode_table = (
-        ["batch", "eager ms", "graph ms", "speedup", "range", "prepare us", "tokens match", "max |diff|", "within tol"],
+        ["batch", *TIMING_HEADERS, "replayed", "prepare us", "tokens match", "max |diff|", "within tol"],
         lambda r: [
             r["batch_size"],
             r["eager_ms"],
             r.get("graph_ms"),
-            r.get("speedup"),
+            _speedup(r),
             _speedup_range(r),
+            r.get("replayed"),
             r.get("replay_prepare_us"),
             r.get("tokens_match"),
             r.get("max_abs_diff"),
@@ -399,10 +442,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             [
                 "tokens",
                 "requests",
-                "eager ms",
-                "graph ms",
-                "speedup",
-                "range",
+                *TIMING_HEADERS,
                 "replayed",
                 "argmax match",
                 "max |diff|",
@@ -413,7 +453,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 r["requests"],
                 r["eager_ms"],
                 r.get("graph_ms"),
-                r.get("speedup"),
+                _speedup(r),
                 _speedup_range(r),
                 r.get("replayed"),
                 r.get("argmax_match"),

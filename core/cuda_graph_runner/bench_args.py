@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from .config import add_cuda_graph_args
 from .config.flags import FlattenSizes, sizes_arg
+from .integers import count_arg
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("table", "json", "csv")
@@ -19,6 +21,30 @@ def _backend_list(text: str) -> str:
     if not [name for name in text.split(",") if name.strip()]:
         raise argparse.ArgumentTypeError(
             f"expected at least one backend name (name[:tc_compiler], comma-separated, e.g. full,breakable); got {text!r}"
+        )
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type of ``--json``/``--plot``: a file the bench can write, checked when the
+    flags are parsed, before minutes of capture and timing (not after, losing the results).
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty, names a directory or an unwritable
+            file, or its folder does not exist or is not writable.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path; got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a directory; accepted: a file path (e.g. {text.rstrip('/')}/out)"
+        )
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable; accepted: a writable file path")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: folder {folder!r} does not exist or is not writable; accepted: a path in a writable folder"
         )
     return text
 
@@ -80,23 +106,46 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests per prefill batch, space or comma separated (default: 1 4)",
     )
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
-    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decoding (default 32)")
-    parser.add_argument("--steps", type=int, default=16, help="greedy decode steps compared with eager (default 16)")
+    parser.add_argument(
+        "--prompt-len", type=count_arg(1), default=32, metavar="N", help="prompt tokens before decoding (default 32)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=count_arg(1),
+        default=16,
+        metavar="N",
+        help="greedy decode steps compared with eager (default 16)",
+    )
     parser.add_argument(
         "--iters",
-        type=int,
+        type=count_arg(1),
+        metavar="N",
         default=None,
         help="calls per timed block; eager and the backend alternate over 5 rounds (15 on CPU) of one block "
         "each, the median round and per-round ratio are reported (default 20 on CUDA, 2 on CPU)",
     )
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement (default 3)")
+    parser.add_argument(
+        "--warmup",
+        type=count_arg(0),
+        default=3,
+        metavar="N",
+        help="untimed runs before each measurement, 0 for none (default 3)",
+    )
     parser.add_argument(
         "--tp",
-        type=int,
+        type=count_arg(1),
+        metavar="N",
         default=1,
         help="tensor-parallel size; >1 runs under torchrun --nproc-per-node N, rank 0 prints (default 1)",
     )
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON to this path")
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        type=output_file,
+        default=None,
+        metavar="FILE",
+        help="also write the results as JSON to this file",
+    )
     parser.add_argument(
         "--format",
         choices=FORMATS,
@@ -107,6 +156,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         dest="plot_path",
+        type=output_file,
         default=None,
         metavar="FILE",
         help="also draw ms per step against batch size (and prefill ms against tokens) per "

@@ -138,6 +138,18 @@ def bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
     return None
 
 
+def bench_picks(reg: Any, config: CudaGraphConfig, device: torch.device) -> Dict[str, str]:
+    """``{phase: backend}`` the bench picks itself (:func:`bench_choice`) for the phases on
+    auto whose device default is ``disabled``."""
+    picks = {}
+    for phase in ("decode", "prefill"):
+        if config[phase].backend is None and reg.default_backend(phase, device.type) == "disabled":
+            chosen = bench_choice(reg, phase, device)
+            if chosen:
+                picks[phase] = chosen
+    return picks
+
+
 def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> str:
     from .registry import list_backends
 
@@ -258,6 +270,7 @@ def plan_phase(
     parsed = parse_backends(selection, phase_config.backend)
     readers = option_readers(reg)
     known = set(reg.names())  # after option_readers: its scan fills the registry
+    phases_of = reg.backend_phases()  # the specs' phases (failed and conflicting entries left out)
 
     def backend_of(name: Optional[str]) -> str:
         chosen = name or reg.default_backend(phase, device.type)
@@ -278,6 +291,14 @@ def plan_phase(
                 BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
             )
             continue
+        if explicit and phase not in phases_of.get(chosen, (phase,)):
+            # The phases are the spec's, the same on every device: a usage error, as in `config`.
+            others = sorted(n for n, p in phases_of.items() if phase in p)
+            raise BenchRequestError(
+                f"{phase} backend {name!r} (from {where}): backend {chosen!r} is for "
+                f"{', '.join(sorted(phases_of[chosen]))} only; accepted for {phase}: {', '.join(others)}",
+                2,
+            )
         try:
             if compiler:
                 if chosen not in known:
@@ -289,7 +310,11 @@ def plan_phase(
                     raise option_not_read(phase, option, compiler, label_source(phase), chosen, readers)
             phase_cfg = label_config(config, phase, chosen, compiler, max_bs, readers, selection_takes)
             backend = reg.resolve(phase, phase_cfg, device=str(device))
-        except (UnknownBackendError, CudaGraphConfigError) as exc:
+        except CudaGraphConfigError as exc:
+            # The user's option, whoever picked the backend: an error, never a quiet eager run.
+            who = f"{name!r} (from {where})" if explicit else f"auto (the bench picked {chosen!r} on {device.type})"
+            raise BenchRequestError(f"{phase} backend {who}: {exc}", 2) from None
+        except UnknownBackendError as exc:
             if explicit:
                 raise BenchRequestError(f"{phase} backend {name!r} (from {where}): {exc}", 2) from None
             note = f"{phase} backend {chosen!r} skipped: {exc}; running eager only"

@@ -111,10 +111,12 @@ def paired_ms(
     drift of the machine within a round cancels), after ``warmup`` untimed calls of each.
 
     Returns ``{"eager_ms", "graph_ms", "speedup", "speedup_lo", "speedup_hi",
-    "eager_samples_ms", "graph_samples_ms"}``: the times are the median block means in ms;
-    ``speedup`` is the median of the per-round ratios eager / graph (a stall of a shared
-    machine spoils one round, not the ratio), ``speedup_lo`` / ``speedup_hi`` their min and
-    max (the spread); samples are the per-round block means in ms, in round order.
+    "eager_samples_ms", "graph_samples_ms"}``: the times are the median block means in ms
+    (a stall of a shared machine spoils one round, not the median); ``speedup`` is
+    ``eager_ms / graph_ms``, the ratio of the two printed numbers; ``speedup_lo`` /
+    ``speedup_hi`` the min and max of the per-round ratios eager / graph (the spread; they
+    bound ``speedup``, since every round's eager time is within them times its graph time);
+    samples are the per-round block means in ms, in round order.
     ``benchmarks/bench_summary.py`` pairs run.py's rounds the same way.
 
     Raises:
@@ -132,10 +134,11 @@ def paired_ms(
         for fn, out in order if r % 2 == 0 else order[::-1]:
             out.extend(block_means_s(fn, iters=iters, warmup=0, sync=sync, repeats=1))
     ratios = [e / g for e, g in zip(eager_s, graph_s) if g > 0]
+    eager_ms, graph_ms = statistics.median(eager_s) * 1000.0, statistics.median(graph_s) * 1000.0
     return {
-        "eager_ms": statistics.median(eager_s) * 1000.0,
-        "graph_ms": statistics.median(graph_s) * 1000.0,
-        "speedup": statistics.median(ratios) if ratios else None,
+        "eager_ms": eager_ms,
+        "graph_ms": graph_ms,
+        "speedup": eager_ms / graph_ms if graph_ms > 0 else None,
         "speedup_lo": min(ratios) if ratios else None,
         "speedup_hi": max(ratios) if ratios else None,
         "eager_samples_ms": [s * 1000.0 for s in eager_s],

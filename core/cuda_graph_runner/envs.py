@@ -38,6 +38,8 @@ import dataclasses
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from .integers import parse_digits
+
 PREFIX = "CUDA_GRAPH_RUNNER_"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -58,7 +60,8 @@ class EnvVar:
         name: the full variable name (``CUDA_GRAPH_RUNNER_...``).
         kind: ``"bool"``, ``"str"``, ``"list"`` (comma-separated), ``"optional_list"``
             (unset means None, i.e. "not restricted"; empty means ``[]``), or
-            ``"optional_bool"`` / ``"optional_count"`` (an integer >= 0): unset or empty
+            ``"optional_bool"`` / ``"optional_count"`` (an integer >= 0, digits 0-9 only:
+            :mod:`cuda_graph_runner.integers`): unset or empty
             means None, i.e. "keep the config's value".
         default: the value when the variable is unset (or empty, for ``bool``/``str``).
         help: what it does, one or two sentences (shown by :func:`describe`).
@@ -118,13 +121,11 @@ def _parse_optional_bool(var: EnvVar, text: Optional[str]) -> Optional[bool]:
 def _parse_optional_count(var: EnvVar, text: Optional[str]) -> Optional[int]:
     if text is None or not text.strip():
         return None
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
+    value = parse_digits(text.strip())
+    if value is None:
         raise EnvVarError(
-            f"{var.name}={text!r} is not accepted; accepted: an integer >= 0, or unset/empty for the config's value"
+            f"{var.name}={text!r} is not accepted; accepted: an integer >= 0 in digits 0-9, "
+            "or unset/empty for the config's value"
         )
     return value
 

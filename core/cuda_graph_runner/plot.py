@@ -34,6 +34,18 @@ def check_plot_available() -> None:
         raise PlotUnavailableError(f"{PLOT_INSTALL_HINT} ({exc})") from None
 
 
+def plot_format_problem(path: str) -> Optional[str]:
+    """Why matplotlib cannot draw into ``path``, or None: its extension (none: PNG) must be a
+    format matplotlib writes here (``png``, ``svg``, ``pdf``, ...). Needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    supported = Figure().canvas.get_supported_filetypes()
+    if ext and ext not in supported:
+        return f"--plot {path!r}: matplotlib cannot write .{ext} files; accepted: a file ending in .{', .'.join(sorted(supported))}"
+    return None
+
+
 def _add(series: Series, phase: str, label: str, x: int, ms: Optional[float]) -> None:
     if ms is not None:
         series.setdefault(phase, {}).setdefault(label, []).append((int(x), float(ms)))

@@ -1,7 +1,7 @@
 """Progress display of the long steps (a backend's compile/prepare, capture of each size).
 
 Shown on terminals only (stderr is a TTY, or ``show=True``); logs and pipes get nothing
-but the log records. A finished step leaves one summary line instead of a bar, e.g.
+but the log records, nor the bars of a library a step calls (:func:`library_bars`). A finished step leaves one summary line instead of a bar, e.g.
 ``captured 36 decode graphs (full) in 3.75 s``, so a terminal stays readable. Bars are
 tqdm's (``tqdm.auto``).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Iterable, Iterator, Optional, TypeVar
+from typing import Any, Iterable, Iterator, Optional, TypeVar
 
 T = TypeVar("T")
 #: A step shorter than this leaves no summary line.
@@ -24,6 +24,38 @@ def progress_enabled(show: Optional[bool]) -> bool:
         return bool(show)
     isatty = getattr(sys.stderr, "isatty", None)
     return bool(isatty and isatty())
+
+
+@contextlib.contextmanager
+def library_bars(show: Optional[bool]) -> Iterator[None]:
+    """While the block runs, every tqdm bar another library draws (transformers' GGUF
+    conversion uses ``tqdm.auto`` directly, so its own switch
+    ``transformers.utils.logging.disable_progress_bar`` misses it) is off unless
+    :func:`progress_enabled`: nothing drawn into a pipe or a log file.
+
+    tqdm reads its ``TQDM_DISABLE`` variable once, at import, so the block sets the
+    ``disable`` argument of every bar created in it instead (``tqdm.std.tqdm``, the base
+    class of ``tqdm.auto``'s). Not thread-safe: meant for the one-off steps of a command.
+    """
+    if progress_enabled(show):
+        yield
+        return
+    try:
+        from tqdm import std
+    except ImportError:  # no tqdm: nobody draws its bars
+        yield
+        return
+    original = std.tqdm.__init__
+
+    def quiet_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    std.tqdm.__init__ = quiet_init
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original
 
 
 def _summary(text: str) -> None:

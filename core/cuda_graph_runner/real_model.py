@@ -127,12 +127,8 @@ def prepare(name: str, *, root: Optional[str] = None, show_progress: Optional[bo
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .progress import bar, progress_enabled
+    from .progress import bar, library_bars
 
-    if not progress_enabled(show_progress):  # transformers' own bars too: nothing drawn in a pipe or log
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     os.makedirs(root, exist_ok=True)
     tmp = f"{target}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -159,8 +155,11 @@ def prepare(name: str, *, root: Optional[str] = None, show_progress: Optional[bo
             json.dump(config, f, indent=2)
 
     steps = [("tokenizer", tokenizer), ("de-quantize the GGUF weights", weights), ("write safetensors", write)]
-    for _, run in bar(steps, desc=f"preparing {name} (once) in {target}", done=f"prepared {name}", show=show_progress):
-        run()
+    with library_bars(show_progress):  # transformers' bars too: nothing drawn in a pipe or a log file
+        for _, run in bar(
+            steps, desc=f"preparing {name} (once) in {target}", done=f"prepared {name}", show=show_progress
+        ):
+            run()
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from ..integers import parse_digits
 from .exceptions import CudaGraphConfigError, _short_repr
 from .loading import _load_json
 from .model import (
@@ -82,7 +83,7 @@ def _phase_flags(p: str) -> List[_Flag]:
             _TIER_FLAG,
             (p,),
             "backend",
-            f"{p} backend: {', '.join(Backend.WELL_KNOWN)} or a plugin's name (default: auto)",
+            f"{p} backend: {', '.join(Backend.FOR_PHASE[p])} or a plugin's name (default: auto)",
         ),
         _Flag(
             f"--cuda-graph-max-bs-{p}",
@@ -371,10 +372,7 @@ class _Store(argparse.Action):
 
 
 def _positive_int_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:  # not a number, or more digits than int() accepts
-        value = 0
+    value = parse_digits(text) or 0  # ASCII digits only: int() would read "٨" and "1_0"
     if value < 1 or value > MAX_CAPTURE_SIZE:
         raise argparse.ArgumentTypeError(f"invalid value {_short_repr(text)}; accepted: {_SIZE_ACCEPTED}")
     return value

@@ -35,6 +35,11 @@ class Backend:
     COMPILED = "compiled"
     DISABLED = "disabled"
     WELL_KNOWN = (FULL, BREAKABLE, TC_PIECEWISE, NPU, COMPILED, DISABLED)
+    #: The well-known names per phase (their plugins' specs say the same; a test checks it).
+    FOR_PHASE = {
+        "decode": WELL_KNOWN,
+        "prefill": (BREAKABLE, TC_PIECEWISE, DISABLED),
+    }
 
 
 #: Distribution to ``pip install`` for each well-known backend name.

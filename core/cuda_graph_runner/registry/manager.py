@@ -275,6 +275,10 @@ class BackendRegistry(PluginLoading):
             entry = self._entries.get(name)
         if entry is None:
             raise UnknownBackendError(self._unknown_message(name))
+        if phase is not None and entry.spec is not None and entry.status not in (FAILED, CONFLICT):
+            # The phases are the spec's, true on every device: a decode-only backend asked
+            # for prefill is refused for the phase, not for this machine's device.
+            self._check_phase(entry, phase)
         entry = self._probe(entry, device_type or default_device_type())
         if not entry.ok:
             err = entry.error
@@ -286,12 +290,16 @@ class BackendRegistry(PluginLoading):
             where = f"{entry.distribution} {entry.version}".strip()
             state = {FAILED: "installed but failed", CONFLICT: "in conflict"}.get(entry.status, entry.status)
             raise kind(f"backend {name!r} ({where}) is {state}: {entry.reason}") from err
-        if phase is not None and phase not in entry.phases:
+        if phase is not None:
+            self._check_phase(entry, phase)
+        return entry
+
+    def _check_phase(self, entry: BackendEntry, phase: str) -> None:
+        if phase not in entry.phases:
             raise BackendUnavailableError(
-                f"backend {name!r} does not support phase {phase!r}; it supports {list(entry.phases)}; "
+                f"backend {entry.name!r} does not support phase {phase!r}; it supports {list(entry.phases)}; "
                 f"backends for {phase}: {sorted(e.name for e in self._snapshot() if phase in e.phases)}"
             )
-        return entry
 
     def load_class(self, entry: BackendEntry) -> type:
         """Import and check the backend class of ``entry`` (cached). The outcome is
