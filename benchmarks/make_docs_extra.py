@@ -46,7 +46,7 @@ FOLDER_RE = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-(?P<gpu>[a-z0-9]+)-(?P<kin
 KINDS = {
     "decode": "benchmarks.json of benchmarks/run.py: decode, prefill and capture of the backends",
     "decode-run-to-run": "run-N.json: the same run.py command several times (run-to-run spread)",
-    "compiled-full": "run.py JSON per model (full:inductor vs reduce-overhead) and probe-MODEL.json",
+    "compiled-full": "run.py JSON per model (full+torch_compile vs reduce-overhead) and probe-MODEL.json",
     "compiled-full-options": "probe JSON of inductor options for compiled full",
     "replay-prepare": "replay_prepare.json of benchmarks/replay_prepare.py",
     "capture-warmup": "capture_seconds.json of tests/test_replay_sync_gpu.py",
@@ -283,22 +283,31 @@ def probe_table(probes: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
     return [markdown_table(["model", "variant", "compile + capture s", *(f"batch {b}" for b in sizes)], rows), ""]
 
 
+COMPILED_FULL_LABELS = ("full+torch_compile", "full:inductor")  # the label, then its older spelling
+
+
+def _compiled_full(cells: Dict[str, Any]) -> Any:
+    """The compiled-full entry of a per-method mapping, under its label or its older one."""
+    return next((cells[k] for k in COMPILED_FULL_LABELS if k in cells), None)
+
+
 def compiled_table(runs: List[Dict[str, Any]]) -> List[str]:
-    """full:inductor against reduce-overhead, per model and batch size, with the targets
+    """Compiled full (``full+torch_compile``; stored results may call it ``full:inductor``)
+    against reduce-overhead, per model and batch size, with the targets
     (:data:`COMPILED_TARGETS`), from run.py results documents."""
     rows = []
     for run in runs:
         for model, m in nested_view(run)["models"].items():
             for bs in sorted(m.get("decode", {}), key=int):
                 cells = m["decode"][bs]
-                r = m.get("ratios", {}).get(bs, {}).get("full:inductor", {}).get("reduce_overhead")
+                r = (_compiled_full(m.get("ratios", {}).get(bs, {})) or {}).get("reduce_overhead")
                 limit = COMPILED_TARGETS.get(bs)
                 verdict = "-" if not r or limit is None else ("met" if r["median"] <= limit else "**missed**")
                 rows.append(
                     [model, bs]
                     + [
-                        f"{median_ms(cells.get(k)):.3f}" if median_ms(cells.get(k)) else "-"
-                        for k in ("hand_graph", "reduce_overhead", "full", "full:inductor")
+                        f"{median_ms(c):.3f}" if median_ms(c) else "-"
+                        for c in (cells.get("hand_graph"), cells.get("reduce_overhead"), cells.get("full"), _compiled_full(cells))
                     ]
                     + [format_ratio(r), f"<= {limit:.2f}" if limit else "-", verdict]
                 )
@@ -308,15 +317,15 @@ def compiled_table(runs: List[Dict[str, Any]]) -> List[str]:
         "hand graph ms",
         "reduce-overhead ms",
         "full ms",
-        "full:inductor ms",
-        "full:inductor / reduce-overhead",
+        "full+torch_compile ms",
+        "full+torch_compile / reduce-overhead",
         "target",
         "result",
     ]
     out = [markdown_table(headers, rows), ""]
     for run in runs:
         for model, m in nested_view(run)["models"].items():
-            c = m.get("capture", {}).get("full:inductor")
+            c = _compiled_full(m.get("capture", {}))
             if c and c.get("compile_s") is not None:
                 out += [
                     f"{model}: compile {c['compile_s']:.1f} s, graphs of {c['sizes']} sizes recorded in "
