@@ -97,7 +97,9 @@ def run_ranks(
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, device_type, group_timeout_s, args, results), daemon=True)
+        ctx.Process(
+            target=_child, args=(fn, r, world_size, port, device_type, group_timeout_s, args, results), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:
