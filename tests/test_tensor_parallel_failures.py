@@ -11,7 +11,7 @@ what the ranks returned for its scenario.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -23,7 +23,6 @@ from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.testing.tp_launch import run_ranks
 
 GROUP_TIMEOUT_S = 5.0
-CONFIG = {"decode": {"max_bs": 4}}  # sizes 4, 2, 1
 
 
 class TPToy(ToyModel):
@@ -67,18 +66,28 @@ def _replays_like_eager(runner, model, bs: int) -> bool:
     return sum(runner.stats.replays_by_size.values()) == before + 1 and torch.allclose(got, want)
 
 
-def _runner(model, backend):
+def _runner(model, backend, max_bs: int = 4):
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
 
-    return DecodeCudaGraphRunner(model, CONFIG, device="cpu", backend=backend, show_progress=False)
+    config = {"decode": {"max_bs": max_bs}}
+    return DecodeCudaGraphRunner(model, config, device="cpu", backend=backend, show_progress=False)
 
 
-def _rank_scenarios(tp: TPGroup) -> Dict[str, Any]:
+def _rank_scenarios(tp: TPGroup, names: Sequence[str]) -> Dict[str, Any]:
+    """Run the scenarios ``names`` (functions of this module) in order on this rank."""
     torch.set_num_threads(1)  # ranks share the CI machine's cores
     out: Dict[str, Any] = {"rank": tp.rank}
     model = TPToy(tp)
+    for scenario in (globals()[name] for name in names):
+        try:
+            scenario(tp, model, out)
+        except Exception as exc:  # what a scenario did not expect: its test fails, naming it
+            out[scenario.__name__] = f"{type(exc).__name__}: {exc}"
+    return out
 
-    # 1. Ranks picking different variants for one batch: an error on both, no replay.
+
+def _variants(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # Ranks picking different variants for one batch: an error on both, no replay.
     runner = _runner(model, RecordingBackend("cpu", phase="decode"))
     runner.capture()
     model.choice = lambda batch: "a" if tp.rank == 0 else "b"
@@ -86,7 +95,9 @@ def _rank_scenarios(tp: TPGroup) -> Dict[str, Any]:
     model.choice = lambda batch: "b"
     out["variant_then"] = _replays_like_eager(runner, model, 3)
 
-    # 2. A capture step failing on rank 1 (variant b of size 2, after variant a): rolled
+
+def _capture_rollback(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # A capture step failing on rank 1 (variant b of size 2, after variant a): rolled
     # back on both ranks; the next capture() captures the same sizes on both.
     class FailOnce(RecordingBackend):
         fail = True
@@ -104,17 +115,21 @@ def _rank_scenarios(tp: TPGroup) -> Dict[str, Any]:
     out["capture_again"] = _outcome(runner.capture)
     out["capture_then"] = (_sizes(runner.captured_keys), _replays_like_eager(runner, model, 2))
 
-    # 3. Ranks with different sizes to capture: an error on both before any capture.
-    other = {"decode": {"max_bs": 4 if tp.rank == 0 else 8}}
-    from cuda_graph_runner.runner import DecodeCudaGraphRunner
 
-    mixed = DecodeCudaGraphRunner(
-        model, other, device="cpu", backend=RecordingBackend("cpu", phase="decode"), show_progress=False
-    )
+def _sizes_to_capture(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # Ranks with different sizes to capture: an error on both before any capture.
+    mixed = _runner(model, RecordingBackend("cpu", phase="decode"), max_bs=4 if tp.rank == 0 else 8)
     out["sizes"] = _outcome(mixed.capture)
+    runner = _runner(model, RecordingBackend("cpu", phase="decode"))
+    runner.capture()
     out["sizes_then"] = _replays_like_eager(runner, model, 2)
 
-    # 4. The decision raising on rank 1 (its graph_variant): an error on both ranks.
+
+def _decision(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # The decision raising on rank 1 (its graph_variant): an error on both ranks.
+    runner = _runner(model, RecordingBackend("cpu", phase="decode"))
+    runner.capture()
+
     def choice(batch: ForwardBatch) -> str:
         if tp.rank == 1:
             raise ValueError("injected graph_variant failure")
@@ -125,7 +140,9 @@ def _rank_scenarios(tp: TPGroup) -> Dict[str, Any]:
     model.choice = lambda batch: "a"
     out["decision_then"] = _replays_like_eager(runner, model, 2)
 
-    # 5. backend.prepare failing on rank 1: an error on both ranks, then a second attempt.
+
+def _prepare(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # backend.prepare failing on rank 1: an error on both ranks, then a second attempt.
     class PrepareFailsOnce(RecordingBackend):
         fail = True
 
@@ -139,15 +156,23 @@ def _rank_scenarios(tp: TPGroup) -> Dict[str, Any]:
     backend.fail = False
     out["prepare_again"] = _outcome(runner.capture)
     out["prepare_then"] = (_sizes(runner.captured_keys), _replays_like_eager(runner, model, 3))
-    return out
+
+
+SCENARIOS = ("_variants", "_capture_rollback", "_sizes_to_capture", "_decision", "_prepare")
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_ranks(_rank_scenarios, 2, timeout_s=120, group_timeout_s=GROUP_TIMEOUT_S)
+    return run_ranks(_rank_scenarios, 2, SCENARIOS, timeout_s=120, group_timeout_s=GROUP_TIMEOUT_S)
+
+
+def _done(ranks, scenario: str) -> None:
+    for r in ranks:
+        assert scenario not in r, f"rank {r['rank']}: {r[scenario]}"  # it raised what it did not expect
 
 
 def test_ranks_picking_different_graph_variants_both_raise(ranks):
+    _done(ranks, "_variants")
     for r in ranks:
         kind, message = r["variant"]
         assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
@@ -157,6 +182,7 @@ def test_ranks_picking_different_graph_variants_both_raise(ranks):
 
 
 def test_a_capture_step_failing_on_one_rank_is_rolled_back_on_every_rank(ranks):
+    _done(ranks, "_capture_rollback")
     assert ranks[1]["capture"] == ("RuntimeError", "injected capture failure")
     kind, message = ranks[0]["capture"]
     assert kind == "TensorParallelCaptureError" and "rank 1: RuntimeError: injected capture failure" in message
@@ -168,6 +194,7 @@ def test_a_capture_step_failing_on_one_rank_is_rolled_back_on_every_rank(ranks):
 
 
 def test_ranks_with_different_sizes_to_capture_both_raise(ranks):
+    _done(ranks, "_sizes_to_capture")
     for r in ranks:
         kind, message = r["sizes"]
         assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
@@ -176,6 +203,7 @@ def test_ranks_with_different_sizes_to_capture_both_raise(ranks):
 
 
 def test_a_decision_failing_on_one_rank_raises_on_every_rank(ranks):
+    _done(ranks, "_decision")
     assert ranks[1]["decision"] == ("ValueError", "injected graph_variant failure")
     kind, message = ranks[0]["decision"]
     assert kind == "TensorParallelStepError", (kind, message)
@@ -185,6 +213,7 @@ def test_a_decision_failing_on_one_rank_raises_on_every_rank(ranks):
 
 
 def test_prepare_failing_on_one_rank_raises_on_every_rank_and_the_group_stays_usable(ranks):
+    _done(ranks, "_prepare")
     assert ranks[1]["prepare"] == ("RuntimeError", "injected prepare failure")
     kind, message = ranks[0]["prepare"]
     assert kind == "TensorParallelCaptureError", (kind, message)
