@@ -59,7 +59,8 @@ class EnvVar:
         kind: ``"bool"``, ``"str"``, ``"list"`` (comma-separated), ``"optional_list"``
             (unset means None, i.e. "not restricted"; empty means ``[]``), or
             ``"optional_bool"`` / ``"optional_count"`` (an integer >= 0): unset or empty
-            means None, i.e. "keep the config's value".
+            means None, i.e. "keep the config's value"; or ``"seconds"``: a float >= 0, unset
+            or empty means the default.
         default: the value when the variable is unset (or empty, for ``bool``/``str``).
         help: what it does, one or two sentences (shown by :func:`describe`).
         owner: who reads it: ``"core"``, a distribution name, or ``"tests"``.
@@ -129,10 +130,26 @@ def _parse_optional_count(var: EnvVar, text: Optional[str]) -> Optional[int]:
     return value
 
 
+def _parse_seconds(var: EnvVar, text: Optional[str]) -> float:
+    if text is None or not text.strip():
+        return float(var.default)
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise EnvVarError(
+            f"{var.name}={text!r} is not accepted; accepted: seconds, a number >= 0 (0: no limit), "
+            f"or unset/empty for the default ({float(var.default):g})"
+        )
+    return value
+
+
 _PARSERS: Dict[str, Callable[[EnvVar, Optional[str]], Any]] = {
     "bool": _parse_bool,
     "optional_bool": _parse_optional_bool,
     "optional_count": _parse_optional_count,
+    "seconds": _parse_seconds,
     "str": _parse_str,
     "list": _parse_list,
     "optional_list": _parse_optional_list,
@@ -257,6 +274,13 @@ PREFER = define(
     "",
     "'name=distribution,...': which distribution's backend to use when several register the same "
     "name. Read when the registry scans; a malformed item is reported in registry.problems.",
+).name
+PROBE_TIMEOUT_S = define(
+    "CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S",
+    "seconds",
+    10.0,
+    "Seconds a backend's availability probe may take before it is listed unavailable (timed out); "
+    "0: no limit. Read when a registry is created without probe_timeout_s.",
 ).name
 BREAKABLE_WEAK_REF_ARGS = define(
     "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS",
