@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import pytest
 import torch
 
+from cuda_graph_runner.backend import ShapeKey
 from cuda_graph_runner.distributed import TPGroup, all_reduce
 from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.testing.fakes import RecordingBackend
@@ -29,7 +30,7 @@ class TPToy(ToyModel):
     """ToyModel whose hidden state is summed over the TP group (one all-reduce per
     forward), with graph variants ``a``/``b`` picked by ``self.choice(batch)``."""
 
-    def __init__(self, tp: TPGroup) -> None:
+    def __init__(self, tp: Optional[TPGroup]) -> None:
         super().__init__()
         self.tp_group = tp
         self.choice: Callable[[ForwardBatch], str] = lambda batch: "a"
@@ -221,3 +222,28 @@ def test_prepare_failing_on_one_rank_raises_on_every_rank_and_the_group_stays_us
     for r in ranks:
         assert r["prepare_again"] == ("ok", None), r["rank"]
         assert r["prepare_then"] == ([1, 2, 4], True), r["rank"]
+
+
+def test_a_failed_capture_step_is_rolled_back_without_a_group_too():
+    """One process: a size whose second variant fails keeps neither variant, in the runner
+    and in the backend, and the next capture() captures it."""
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    class FailOnce(RecordingBackend):
+        fail = True
+
+        def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
+            super().capture_one(key, forward_fn, post_warmup_hook=post_warmup_hook)
+            if self.fail and key.size == 2 and key.variant.endswith("|b"):
+                raise RuntimeError("injected capture failure")
+
+    model = TPToy(None)
+    backend = FailOnce("cpu", phase="decode")
+    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 4}}, device="cpu", backend=backend, show_progress=False)
+    with pytest.raises(RuntimeError, match="injected capture failure"):
+        runner.capture()
+    assert _sizes(runner.captured_keys) == _sizes(backend._fns) == [4]
+    assert ("discard", ShapeKey(2, "decode|a")) in backend.events
+    backend.fail = False
+    runner.capture()
+    assert _sizes(runner.captured_keys) == [1, 2, 4] and len(runner.captured_keys) == 6
