@@ -217,16 +217,17 @@ class TPGroup:
             return bool(replay)
         import torch.distributed as dist
 
-        replays = key is not None and replay
-        digest = self._digest(key) if replays else 0  # type: ignore[arg-type]
         # A rank without a key sends _NO_KEY in both key slots: the MIN's neutral value.
-        lo_slot, hi_slot = (digest, -digest) if replays else (_NO_KEY, _NO_KEY)
+        if key is not None and replay:
+            digest = self._digest(key)
+            lo_slot, hi_slot = digest, -digest
+        else:
+            lo_slot = hi_slot = _NO_KEY
         t = torch.tensor([size, -size, lo_slot, hi_slot, 1 if replay else 0, 0 if failed else 1], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
-        lo, hi, key_lo, key_hi_neg = int(t[0]), -int(t[1]), int(t[2]), int(t[3])
-        flag, ok = bool(int(t[4])), bool(int(t[5]))
-        if ok and lo == hi and (key_lo == _NO_KEY or key_lo == -key_hi_neg):
-            return flag
+        lo, neg_hi, key_lo, neg_key_hi, flag, ok = t.tolist()
+        if ok and lo == -neg_hi and (key_lo == _NO_KEY or key_lo == -neg_key_hi):
+            return bool(flag)
         mine = (size, repr(key) if key is not None and replay else None, failed)
         ranks = self.gather_objects(mine)
         if not ok:
@@ -234,7 +235,7 @@ class TPGroup:
             raise TensorParallelStepError(
                 f"the replay decision failed on another TP rank ({bad}); this is rank {self.rank} of {self.size}"
             )
-        if lo != hi:
+        if lo != -neg_hi:
             seen = ", ".join(f"rank {r}: {v[0]}" for r, v in enumerate(ranks))
             raise TensorParallelMismatchError(
                 f"TP ranks run batches of different sizes ({seen}); this is rank {self.rank}; "
