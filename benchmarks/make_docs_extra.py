@@ -307,7 +307,12 @@ def compiled_table(runs: List[Dict[str, Any]]) -> List[str]:
                     [model, bs]
                     + [
                         f"{median_ms(c):.3f}" if median_ms(c) else "-"
-                        for c in (cells.get("hand_graph"), cells.get("reduce_overhead"), cells.get("full"), _compiled_full(cells))
+                        for c in (
+                            cells.get("hand_graph"),
+                            cells.get("reduce_overhead"),
+                            cells.get("full"),
+                            _compiled_full(cells),
+                        )
                     ]
                     + [format_ratio(r), f"<= {limit:.2f}" if limit else "-", verdict]
                 )

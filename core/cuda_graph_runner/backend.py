@@ -434,6 +434,14 @@ class BaseCudaGraphBackend(abc.ABC):
         Default: ``self.graph_table.clear()``."""
         self.graph_table.clear()
 
+    def discard(self, key: ShapeKey) -> None:
+        """Drop ``key``'s graph and output, whole or half made, so ``key`` can be captured
+        again; nothing when ``key`` holds none. The runner calls it when a capture step
+        failed (on this rank or on another rank of a TP group: every rank then keeps the
+        same graphs). Default: ``self.graph_table.discard(key)``; a backend that keeps
+        per-key state elsewhere drops that too."""
+        self.graph_table.discard(key)
+
     # -- the shared mechanics on the graph table ------------------------------------------
     @property
     def graph_table(self) -> CapturedGraphs:

@@ -81,11 +81,16 @@ def _effective(config: CudaGraphConfig, checked: bool) -> Dict[str, Dict[str, An
     if hasattr(registry, "get_registry"):
         device_type = registry.default_device_type()
         defaults = {phase: registry.get_registry().default_backend(phase, device_type) for phase in Phase.ALL}
+
+    def max_bs(phase: str) -> int:
+        # explicit bs: max_bs is max(bs), as in sglang (the runner captures exactly bs)
+        bs = config[phase].bs
+        return max(bs) if bs else config[phase].max_bs or DEFAULT_MAX_BS[phase]
+
     return {
         phase: {
             "backend": config[phase].backend or defaults.get(phase, "auto"),
-            # explicit bs: max_bs is max(bs), as in sglang (the runner captures exactly bs)
-            "max_bs": max(config[phase].bs) if config[phase].bs else config[phase].max_bs or DEFAULT_MAX_BS[phase],
+            "max_bs": max_bs(phase),
             "bs": config[phase].bs or "the runner's buckets up to max_bs",
         }
         for phase in Phase.ALL

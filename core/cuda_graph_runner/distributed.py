@@ -6,7 +6,8 @@ same runner. What the runners need from the group is small and lives here:
 * :class:`TPGroup`: rank, size, the device group (NCCL on CUDA, gloo on CPU) for the
   model's collectives, a gloo CPU group for host decisions (no device sync, as sglang's
   ``cpu_group``), :meth:`TPGroup.barrier`, :meth:`TPGroup.all_true` (every rank agrees
-  on a flag) and :meth:`TPGroup.agree_ints` (every rank checks it holds the same ints).
+  on a flag), :meth:`TPGroup.agree_ints` (every rank checks it holds the same ints) and
+  :meth:`TPGroup.agree_step` (each batch's replay-or-eager decision and graph).
 * :func:`all_reduce` / :func:`all_gather_last_dim`: the model's collectives, in one
   place. Run eagerly they call ``torch.distributed`` directly; traced by Dynamo
   (``torch.compile``, the ``tc_piecewise`` backend) they become the opaque custom ops
@@ -20,6 +21,19 @@ same runner. What the runners need from the group is small and lives here:
   gives up after ``timeout_s``, and :func:`exit_now` flushes and ``os._exit``s so no
   exit-time hook can hang either.
 
+Failures end on every rank within seconds, not at the group's timeout, wherever a rank
+fails before or between the agreement points: the backend's ``prepare`` and each size's
+capture (:func:`tp_agree`, :func:`tp_capture_step`: a failing rank raises its error, the
+others :class:`TensorParallelCaptureError` naming it and its error; a capture step that
+failed anywhere is rolled back on every rank, so the ranks keep the same graphs) and each
+batch's decision (:meth:`TPGroup.agree_step`: the same size, the same graph, i.e. padded
+size and variant, or a :class:`TensorParallelMismatchError` naming each rank's; a decision
+that raised on one rank is a :class:`TensorParallelStepError` on all). The group stays
+usable after any of them. Out of scope: a failure inside the model's forward between two
+of its own collectives (a warm-up, an eager step) or inside a replayed graph; the other
+ranks then wait in that collective until the process group's timeout
+(:func:`init_tensor_parallel`'s ``timeout_s``) and get the communication library's error.
+
 The model's collectives run on the current stream of the rank's device: during a
 graph capture that is the capture stream, so they are recorded into the graph
 (PyTorch's ProcessGroupNCCL supports capture). Borrowed from sglang's
@@ -32,15 +46,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import logging
 import os
 import sys
 import threading
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from . import envs
+
+if TYPE_CHECKING:
+    from .backend import ShapeKey
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +66,14 @@ __all__ = [
     "TPGroup",
     "TensorParallelCaptureError",
     "TensorParallelMismatchError",
+    "TensorParallelStepError",
     "all_gather_last_dim",
     "all_reduce",
     "exit_now",
     "init_tensor_parallel",
     "per_rank_compile_cache",
     "shutdown",
+    "tp_agree",
     "tp_capture_step",
 ]
 
@@ -68,7 +88,14 @@ class TensorParallelMismatchError(RuntimeError):
 
 
 class TensorParallelCaptureError(RuntimeError):
-    """Capture failed on another rank of the TP group, so it fails here too."""
+    """Capture (or the backend's ``prepare``) failed on another rank of the TP group, so it
+    fails here too; the message names that rank and its error."""
+
+
+class TensorParallelStepError(RuntimeError):
+    """The replay-or-eager decision of one batch failed on a rank of the TP group (the
+    model's ``graph_variant`` raised, say), so every rank stops at that batch; the message
+    names that rank and its error."""
 
 
 @dataclasses.dataclass
@@ -94,6 +121,7 @@ class TPGroup:
     group: Any = None
     cpu_group: Any = None
     name: str = dataclasses.field(default="", compare=False)
+    _key_digests: Dict[ShapeKey, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -155,42 +183,110 @@ class TPGroup:
             )
         return vals
 
-    def agree_step(self, size: int, replay: bool) -> bool:
+    def agree_step(
+        self, size: int, replay: bool, key: Optional[ShapeKey] = None, *, failed: Optional[str] = None
+    ) -> bool:
         """The decision every rank takes for one batch: replay only if all ranks can.
 
-        One host all-reduce (gloo, no device sync) carries the batch size (checked equal:
-        ranks of a TP group run the same batch) and the replay flag (MIN). Equal sizes and
-        equal capture sizes give equal padded sizes and variants, so one flag suffices.
+        One host all-reduce (gloo, no device sync) of six int64s carries the batch size
+        (checked equal: ranks of a TP group run the same batch), the graph each rank would
+        replay (``key``: its size and variant, as one 62-bit digest made once per key;
+        checked equal among the ranks that would replay), the replay flag (MIN) and
+        whether this rank's decision failed. Only a disagreement or a failure costs a
+        second collective (every rank sees the same sums, so all of them take it): a
+        gather of each rank's values, to name them in the error.
+
+        Args:
+            size: the batch's size along the runner's axis.
+            replay: whether this rank can replay the batch.
+            key: the ``ShapeKey`` this rank would replay (None: it cannot replay).
+            failed: the one-line error of this rank's decision (it raised), or None.
+
+        Returns:
+            True when every rank replays (then every rank replays the same key).
 
         Raises:
-            TensorParallelMismatchError: the ranks' batch sizes differ (names them).
+            TensorParallelMismatchError: the ranks' batch sizes, or the graphs they would
+                replay, differ (names each rank's value).
+            TensorParallelStepError: the decision failed on another rank (names it and its
+                error); the rank whose decision failed gets this too, naming itself.
         """
         if not self.is_parallel:
+            if failed is not None:
+                raise TensorParallelStepError(f"the replay decision failed on rank {self.rank}: {failed}")
             return bool(replay)
         import torch.distributed as dist
 
-        t = torch.tensor([size, -size, 1 if replay else 0], dtype=torch.int64)
+        # A rank without a key sends _NO_KEY in both key slots: the MIN's neutral value.
+        if key is not None and replay:
+            digest = self._digest(key)
+            lo_slot, hi_slot = digest, -digest
+        else:
+            lo_slot = hi_slot = _NO_KEY
+        t = torch.tensor([size, -size, lo_slot, hi_slot, 1 if replay else 0, 0 if failed else 1], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
-        lo, hi, flag = int(t[0]), -int(t[1]), int(t[2])
-        if lo != hi:
+        lo, neg_hi, key_lo, neg_key_hi, flag, ok = t.tolist()
+        if ok and lo == -neg_hi and (key_lo == _NO_KEY or key_lo == -neg_key_hi):
+            return bool(flag)
+        mine = (size, repr(key) if key is not None and replay else None, failed)
+        ranks = self.gather_objects(mine)
+        if not ok:
+            bad = "; ".join(f"rank {r}: {v[2]}" for r, v in enumerate(ranks) if v[2] is not None)
+            raise TensorParallelStepError(
+                f"the replay decision failed on another TP rank ({bad}); this is rank {self.rank} of {self.size}"
+            )
+        if lo != -neg_hi:
+            seen = ", ".join(f"rank {r}: {v[0]}" for r, v in enumerate(ranks))
             raise TensorParallelMismatchError(
-                f"TP ranks run batches of different sizes: rank {self.rank} has {size}, others between {lo} and {hi}; "
+                f"TP ranks run batches of different sizes ({seen}); this is rank {self.rank}; "
                 "every rank of a TP group must run the same batch"
             )
-        return bool(flag)
+        seen = ", ".join(f"rank {r}: {v[1] or 'runs eagerly'}" for r, v in enumerate(ranks))
+        raise TensorParallelMismatchError(
+            f"TP ranks would replay different graphs for one batch ({seen}); this is rank {self.rank}; "
+            "every rank must pick the same padded size and graph variant (model.graph_variant(batch) "
+            "must answer the same on every rank)"
+        )
+
+    def _digest(self, key: ShapeKey) -> int:
+        digest = self._key_digests.get(key)
+        if digest is None:
+            raw = hashlib.blake2b(f"{key.size}|{key.variant}".encode(), digest_size=8).digest()
+            digest = int.from_bytes(raw, "little") >> 2  # 62 bits: -digest fits an int64
+            if len(self._key_digests) >= 4096:  # bounded, as the runner's replay plans
+                self._key_digests.clear()
+            self._key_digests[key] = digest
+        return digest
+
+    def gather_objects(self, value: Any) -> List[Any]:
+        """Every rank's ``value`` (picklable), in rank order (one host gather; for error
+        paths and capture-time checks, not per step). ``[value]`` at size 1."""
+        if not self.is_parallel:
+            return [value]
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * self.size
+        dist.all_gather_object(out, value, group=self._cpu())
+        return out
+
+
+#: What a rank that would not replay sends in :meth:`TPGroup.agree_step`'s key slots:
+#: above every digest, so the MIN over ranks compares only the ranks that would replay.
+_NO_KEY = 1 << 62
 
 
 @contextlib.contextmanager
-def tp_capture_step(tp: Optional[TPGroup], what: str) -> Iterator[None]:
-    """Wrap one size's capture so every rank of ``tp`` does it in step.
+def tp_agree(tp: Optional[TPGroup], what: str) -> Iterator[None]:
+    """Run the block on every rank of ``tp``, then agree on whether it succeeded everywhere.
 
-    A barrier on entry (ranks warm up together, as sglang's per-size TP barrier); on
-    exit one host all-reduce of "did it succeed": a rank whose capture raised
-    re-raises its error, and every other rank raises :class:`TensorParallelCaptureError`,
-    so a capture failure on one rank (e.g. out of memory) fails capture on all ranks.
-    A rank that fails between two of the model's collectives leaves the others blocked
-    in a device collective until the process group's timeout (see
-    :func:`init_tensor_parallel`): bounded, never a hang. A no-op without a group.
+    After the block, one host all-reduce of "did it succeed" (and, only when something
+    failed, a gather of each rank's error line): a rank whose block raised re-raises its
+    own error; every other rank raises :class:`TensorParallelCaptureError` naming the
+    failing rank(s) and their errors. Every rank takes part in the same collectives
+    whatever happened, so the group stays usable for the next attempt. The block itself
+    must run no collective a failing rank could skip (``backend.prepare``: the trace and
+    compile; a collective inside it is the model's, and a rank failing between two of
+    them leaves the others blocked until the group's timeout). A no-op without a group.
 
     Raises:
         TensorParallelCaptureError: this rank succeeded but another failed.
@@ -198,16 +294,44 @@ def tp_capture_step(tp: Optional[TPGroup], what: str) -> Iterator[None]:
     if tp is None or not tp.is_parallel:
         yield
         return
-    tp.barrier()
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
         tp.all_true(False)
+        tp.gather_objects(f"{type(exc).__name__}: {_one_line(exc)}")
         raise
     if not tp.all_true(True):
+        errors = tp.gather_objects(None)
+        bad = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
         raise TensorParallelCaptureError(
-            f"capture of {what} failed on another TP rank (this is rank {tp.rank} of {tp.size}); see that rank's error"
+            f"{what} failed on another TP rank ({bad}); this is rank {tp.rank} of {tp.size}, "
+            "so it fails here too and every rank keeps the same graphs"
         )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:500] + ("..." if len(text) > 500 else "")
+
+
+@contextlib.contextmanager
+def tp_capture_step(tp: Optional[TPGroup], what: str) -> Iterator[None]:
+    """Wrap one size's capture so every rank of ``tp`` does it in step.
+
+    A barrier on entry (ranks warm up together, as sglang's per-size TP barrier), then
+    :func:`tp_agree`: a capture failure on one rank (e.g. out of memory) fails capture on
+    all ranks, each naming the failing rank and its error (the runner then rolls the
+    step back on every rank). A rank that fails between two of the model's collectives
+    leaves the others blocked in a device collective until the process group's timeout
+    (see :func:`init_tensor_parallel`): bounded, never a hang. A no-op without a group.
+
+    Raises:
+        TensorParallelCaptureError: this rank succeeded but another failed.
+    """
+    if tp is not None and tp.is_parallel:
+        tp.barrier()
+    with tp_agree(tp, f"capture of {what}"):
+        yield
 
 
 def all_reduce(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .integers import parse_digits
@@ -61,8 +62,8 @@ class EnvVar:
         kind: ``"bool"``, ``"str"``, ``"list"`` (comma-separated), ``"optional_list"``
             (unset means None, i.e. "not restricted"; empty means ``[]``), or
             ``"optional_bool"`` / ``"optional_count"`` (an integer >= 0, digits 0-9 only:
-            :mod:`cuda_graph_runner.integers`): unset or empty
-            means None, i.e. "keep the config's value".
+            :mod:`cuda_graph_runner.integers`): unset or empty means None, i.e. "keep the
+            config's value"; or ``"seconds"``: a float >= 0, unset or empty means the default.
         default: the value when the variable is unset (or empty, for ``bool``/``str``).
         help: what it does, one or two sentences (shown by :func:`describe`).
         owner: who reads it: ``"core"``, a distribution name, or ``"tests"``.
@@ -130,10 +131,28 @@ def _parse_optional_count(var: EnvVar, text: Optional[str]) -> Optional[int]:
     return value
 
 
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+
+
+def _parse_seconds(var: EnvVar, text: Optional[str]) -> float:
+    if text is None or not text.strip():
+        return float(var.default)
+    # ASCII digits and one decimal point only: float() also reads other scripts' digits,
+    # underscores, exponents, "inf" and "nan".
+    value = float(text.strip()) if _SECONDS.fullmatch(text.strip()) else -1.0
+    if not 0 <= value < float("inf"):
+        raise EnvVarError(
+            f"{var.name}={text!r} is not accepted; accepted: seconds, a number >= 0 (0: no limit), "
+            f"or unset/empty for the default ({float(var.default):g})"
+        )
+    return value
+
+
 _PARSERS: Dict[str, Callable[[EnvVar, Optional[str]], Any]] = {
     "bool": _parse_bool,
     "optional_bool": _parse_optional_bool,
     "optional_count": _parse_optional_count,
+    "seconds": _parse_seconds,
     "str": _parse_str,
     "list": _parse_list,
     "optional_list": _parse_optional_list,
@@ -258,6 +277,13 @@ PREFER = define(
     "",
     "'name=distribution,...': which distribution's backend to use when several register the same "
     "name. Read when the registry scans; a malformed item is reported in registry.problems.",
+).name
+PROBE_TIMEOUT_S = define(
+    "CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S",
+    "seconds",
+    10.0,
+    "Seconds a backend's availability probe may take before it is listed unavailable (timed out); "
+    "0: no limit. Read when a registry is created without probe_timeout_s.",
 ).name
 BREAKABLE_WEAK_REF_ARGS = define(
     "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS",

@@ -75,6 +75,14 @@ class CapturedGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def discard(self, key: ShapeKey) -> None:
+        """Reset ``key``'s graph (when it has ``reset()``) and forget it; nothing when absent."""
+        graph = self._graphs.pop(key, None)
+        self._outputs.pop(key, None)
+        reset = getattr(graph, "reset", None)
+        if reset is not None:
+            reset()
+
     def clear(self) -> None:
         """Reset every graph that has ``reset()`` (its memory goes back to the pool), then
         forget them all."""

@@ -49,8 +49,10 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 #: ``"package.module:attribute"``, resolved only when needed.
 LazyRef = str
-#: A probe returns None when the backend can run on ``device_type``, else the reason it cannot.
-Probe = Callable[[str], Optional[str]]
+#: A probe returns None (or True) when the backend can run on ``device_type``, else the
+#: reason it cannot. It is called once per process and device type, within
+#: ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` (:mod:`cuda_graph_runner.registry.probing`).
+Probe = Callable[[str], Union[str, bool, None]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,10 @@ class BackendSpec:
         phases: phases it supports, a subset of ``("decode", "prefill")``.
         devices: device types it runs on (``"cuda"``, ``"npu"``); ``"*"`` means any.
         probe: ``"module:function"`` or callable ``probe(device_type) -> Optional[str]``
-            returning None when usable, else why not; None means always usable.
+            returning None (or True) when usable, else why not; None means always usable.
+            Called once per process and device type, in a thread, within a time limit
+            (``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S``, default 10 s): a slower probe is
+            listed unavailable, timed out.
         api_version: the plugin API version it was written for (``"major.minor"``),
             written as a literal in the plugin (not ``PLUGIN_API_VERSION`` imported from
             the core, which would always match). None means undeclared: accepted for now

@@ -15,6 +15,7 @@ One concept per module, as in pluggy's ``_manager.py`` / ``_hooks.py`` and conda
 
 * :mod:`.discovery`: entry points, distribution metadata, importing plugin code;
 * :mod:`.entries`: ``BackendEntry``, statuses, spec checks, device probes;
+* :mod:`.probing`: calling probes in bounded time, answers kept per probe and device type;
 * :mod:`.conflicts`: contested names and defaults, preferences;
 * :mod:`.contract`: the backend contract checker (``check_backend_class``);
 * :mod:`.versions`: the plugin API version handshake;
@@ -66,6 +67,10 @@ Environment variables (parsed by :mod:`cuda_graph_runner.envs`; booleans accept
 * ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1``: a plugin failure raises instead of being listed.
 * ``CUDA_GRAPH_RUNNER_PREFER="name=distribution,..."``: which distribution's backend to
   use when several register the same name (same as :func:`prefer`).
+* ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` (default 10, 0: no limit; read when a registry is
+  created, as ``BackendRegistry(probe_timeout_s=...)``): seconds one availability probe
+  may take; a slower one is listed unavailable ("timed out"), the others still listed.
+  Probe answers are kept per probe and device type for the registry's lifetime.
 
 :func:`reset_registry` rescans and keeps earlier :func:`register` and :func:`prefer`
 calls (``keep_in_process=False`` drops them). The scan result is per process: a forked

@@ -28,6 +28,7 @@ RUNNER_CALLS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
     "replay_session": ((), ()),
     "replay": (("key", "static_batch"), ()),
     "cleanup": ((), ()),
+    "discard": (("key",), ()),
     "graph_memory_bytes": ((), ()),
 }
 _CONTEXT_MANAGER_METHODS = ("capture_session", "replay_session")

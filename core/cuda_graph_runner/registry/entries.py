@@ -23,7 +23,8 @@ from ..config import _BACKEND_NAME, WELL_KNOWN_DISTRIBUTIONS
 from ..errors import BackendContractError, BackendUnavailableError
 from ..hookspecs import BackendSpec
 from .contract import check_backend_class
-from .discovery import load_ref, one_line, ref_name
+from .discovery import one_line, ref_name
+from .probing import ProbeCache, call_probe
 from .versions import CORE_DISTRIBUTION, api_version_problem
 
 IN_PROCESS = "<in-process>"
@@ -189,11 +190,16 @@ def entry_from_spec(spec: object, distribution: str, version: str) -> BackendEnt
     return entry
 
 
-def probe(entry: BackendEntry, device_type: str, *, strict: bool = False) -> BackendEntry:
+def probe(
+    entry: BackendEntry, device_type: str, *, strict: bool = False, probes: Optional[ProbeCache] = None
+) -> BackendEntry:
     """``entry`` as seen on ``device_type``: a copy whose status says whether it runs there.
 
     A failed or fixed entry is returned as is. Otherwise the spec's device list is
-    checked, then its probe is called; a probe that raises marks the copy failed.
+    checked, then its probe is asked (through ``probes``: bounded in time and cached,
+    :mod:`.probing`; without it, called now): None or True is available, a reason
+    unavailable, a probe past its time limit unavailable ("timed out"), and a probe that
+    raises marks the copy failed.
 
     Raises:
         BackendUnavailableError: strict mode only, the probe raised (original chained).
@@ -208,18 +214,18 @@ def probe(entry: BackendEntry, device_type: str, *, strict: bool = False) -> Bac
         result.reason = f"runs on {', '.join(spec.devices)}, not on {device_type}"
         return result
     if spec.probe is not None:
-        try:
-            reason = load_ref(spec.probe)(device_type)
-        except BaseException as exc:
+        answer = probes.answer(spec.probe, device_type) if probes is not None else call_probe(spec.probe, device_type)
+        exc = answer.error
+        if exc is not None:
             if isinstance(exc, KeyboardInterrupt):
-                raise
+                raise exc
             message = f"probe {ref_name(spec.probe)}({device_type!r}) raised {one_line(exc)}"
             if strict:
                 raise BackendUnavailableError(f"backend {entry.name!r} of {entry.distribution}: {message}") from exc
             result.status, result.reason, result.error = FAILED, message, exc
             return result
-        if reason:
-            result.status, result.reason = UNAVAILABLE, str(reason)
+        if answer.reason:
+            result.status, result.reason = UNAVAILABLE, answer.reason
     return result
 
 

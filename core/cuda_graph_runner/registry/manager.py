@@ -47,6 +47,7 @@ from .entries import (
     unknown_backend_message,
 )
 from .loading import PluginLoading, _BuiltinPlugin
+from .probing import ProbeCache
 from .versions import CORE_DISTRIBUTION
 
 if TYPE_CHECKING:  # torch and the backend module: not imported to list or discover backends
@@ -68,12 +69,30 @@ class BackendRegistry(PluginLoading):
         autoload: scan entry points at all (the environment can turn it off too).
         strict: re-raise plugin failures instead of listing them; None reads
             ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS``.
+        probe_timeout_s: seconds one backend's availability probe may take before it is
+            listed unavailable (timed out); 0 means no limit; None reads
+            ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` (default 10). Probe answers are kept per
+            probe and device type for the registry's lifetime (:mod:`.probing`).
+
+    Raises:
+        ValueError: ``probe_timeout_s`` is negative or not a number.
+        cuda_graph_runner.envs.EnvVarError: a bad ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` or
+            ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS``.
     """
 
-    def __init__(self, group: str = ENTRY_POINT_GROUP, *, autoload: bool = True, strict: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        group: str = ENTRY_POINT_GROUP,
+        *,
+        autoload: bool = True,
+        strict: Optional[bool] = None,
+        probe_timeout_s: Optional[float] = None,
+    ) -> None:
         self.group = group
         self.autoload = autoload
         self.strict = bool(envs.get(ENV_STRICT)) if strict is None else strict
+        #: Probe answers, each call bounded in time (:mod:`.probing`).
+        self.probes = ProbeCache(envs.get(envs.PROBE_TIMEOUT_S) if probe_timeout_s is None else probe_timeout_s)
         # Guards every read and write of the tables below; readers iterate over snapshots
         # taken under it, so register() from another thread never breaks a listing.
         self._lock = threading.RLock()
@@ -176,7 +195,7 @@ class BackendRegistry(PluginLoading):
         }
 
     def _probe(self, entry: BackendEntry, device_type: str) -> BackendEntry:
-        return probe(entry, device_type, strict=self.strict)
+        return probe(entry, device_type, strict=self.strict, probes=self.probes)
 
     # -- defaults ---------------------------------------------------------------------
     def default_backend(self, phase: str, device_type: str) -> str:

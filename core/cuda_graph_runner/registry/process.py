@@ -41,6 +41,7 @@ def _after_fork_in_child() -> None:
     _default_lock = threading.Lock()
     for reg in list(live_registries):
         reg._lock = threading.RLock()
+        reg.probes.renew_lock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -14,7 +14,7 @@ import bisect
 import contextlib
 import logging
 import time
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -23,7 +23,7 @@ from ..buffers import CudaGraphBufferRegistry
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from ..config import ConfigInput, PhaseConfig, as_config
 from ..device import device_guard, resolve_device, synchronize
-from ..distributed import TPGroup, tp_capture_step
+from ..distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from ..forward_batch import ForwardBatch
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
@@ -357,10 +357,13 @@ class BaseCudaGraphRunner(abc.ABC):
 
         device, module = self._graph_device()
         start = time.perf_counter()
+        self._agree_sizes_to_capture(todo)
         with device_guard(device, module):
             scope = self.host_value_guard_scope()
             # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
+            # tp_agree: a prepare that fails on one rank fails on every rank, at once.
             with (
+                tp_agree(self.tp_group, f"prepare of {self.phase} ({self.backend.name})"),
                 host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF),
                 progress.step(
                     f"prepare {self.phase} ({self.backend.name}), compile included",
@@ -387,10 +390,13 @@ class BaseCudaGraphRunner(abc.ABC):
                     show=self.show_progress,
                 ):
                     tp_step = tp_capture_step(self.tp_group, f"{self.phase} size {size}")
+                    had = set(self.captured_keys)
                     try:
                         with tp_step:  # ranks warm up together; a failure on one fails all
                             self.capture_one_shape(size)
                     except Exception as exc:
+                        # A size is captured in every variant on every rank, or in none.
+                        self._roll_back(size, had)
                         self._raise_if_out_of_memory(exc, size, todo, device, module)
                         raise
                     report.sizes.append(size)
@@ -414,6 +420,41 @@ class BaseCudaGraphRunner(abc.ABC):
             "captured %d %s graphs with %s in %.2f s", len(todo), self.phase, self.backend.name, self.capture_seconds
         )
         return report
+
+    def _agree_sizes_to_capture(self, todo: List[int]) -> None:
+        """Every rank captures the same sizes in the same order, or none does: ranks that
+        would pair one size's collectives with another's raise instead, naming each
+        rank's sizes (a capture-time gather; nothing per step).
+
+        Raises:
+            TensorParallelMismatchError: the ranks' sizes to capture differ.
+        """
+        tp = self.tp_group
+        if tp is None or not tp.is_parallel:
+            return
+        todos = tp.gather_objects(list(todo))
+        if any(t != todos[0] for t in todos):
+            seen = "; ".join(f"rank {r}: {t}" for r, t in enumerate(todos))
+            raise TensorParallelMismatchError(
+                f"TP ranks would capture different {self.phase} sizes ({seen}); this is rank {tp.rank}; "
+                "every rank needs the same config and the same graphs already captured (cleanup() on every rank)"
+            )
+
+    def _roll_back(self, size: int, had: Set[ShapeKey]) -> None:
+        """Forget what the failed capture step of ``size`` left (every variant's key not
+        captured before the step, whole or half made): the backend drops it
+        (``backend.discard``) and the runner no longer lists it, so every rank of a TP
+        group keeps the same graphs and the next ``capture()`` captures the same sizes."""
+        for variant in self.capture_variants():
+            key = self.same_key(self.make_variant_key(size, variant))
+            if key in had:
+                continue
+            try:
+                self.backend.discard(key)
+            except Exception as exc:  # the capture error being raised matters more
+                logger.warning("could not discard %s after a failed capture step: %s", key, exc)
+            if key in self.captured_keys:
+                self.captured_keys.remove(key)
 
     def graph_memory_bytes(self) -> Optional[int]:
         """Bytes of the graph memory pool now (shared: other runners' graphs in the same
@@ -541,15 +582,36 @@ class BaseCudaGraphRunner(abc.ABC):
             ``owned_outputs=True`` (see :meth:`replay`); an eager one is the model's own.
         """
         with torch.no_grad():
-            decision = self.decide(batch)
-            run = local = decision is not None
-            if self.tp_group is not None:  # one rank replaying while another runs eagerly deadlocks
-                run = self.tp_group.agree_step(decision.size if decision else self.size_of(batch), run)
+            if self.tp_group is None:
+                decision = self.decide(batch)
+                run = local = decision is not None
+            else:  # one rank replaying while another runs eagerly (or another graph) deadlocks
+                decision, run = self._agreed_decision(self.tp_group, batch)
+                local = decision is not None
             if run and decision is not None:  # all ranks replay only if every rank can
                 self.stats.record_replay(decision.size)
                 return self.replay(batch)
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
             return self.eager_forward(batch)
+
+    def _agreed_decision(self, tp: TPGroup, batch: ForwardBatch) -> Tuple[Optional[ReplayDecision], bool]:
+        """This rank's decision for ``batch`` and whether every rank replays (``agree_step``:
+        the same size and graph, replay only if all can). A decision that raised here still
+        takes part in the agreement, so the other ranks stop too instead of waiting; this
+        rank then raises its own error."""
+        try:
+            decision = self.decide(batch)
+            size = decision.size if decision else self.size_of(batch)
+        except Exception as exc:
+            try:
+                size = self.size_of(batch)
+            except Exception:  # the agreement must still run; 0 stands for "no size"
+                size = 0
+            with contextlib.suppress(TensorParallelStepError):
+                tp.agree_step(size, False, failed=f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}")
+            raise
+        run = tp.agree_step(size, decision is not None, decision.key if decision else None)
+        return decision, run and decision is not None
 
     def run_stats(self) -> dict:
         """Replays, eager fallbacks by reason and padding waste per captured size of

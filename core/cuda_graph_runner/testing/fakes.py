@@ -288,6 +288,11 @@ class RecordingBackend(BaseCudaGraphBackend):
             copy_into(self._outputs[key], fresh)
         return self._outputs[key]
 
+    def discard(self, key: ShapeKey) -> None:
+        self.events.append(("discard", key))
+        self._fns.pop(key, None)
+        self._outputs.pop(key, None)
+
     def cleanup(self) -> None:
         self.events.append(("cleanup",))
         self._fns.clear()

@@ -32,7 +32,14 @@ def _free_port() -> int:
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, device_type: str, args: Sequence[Any], results: Any
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    device_type: str,
+    group_timeout_s: float,
+    args: Sequence[Any],
+    results: Any,
 ) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -41,7 +48,7 @@ def _child(
     try:
         from ..distributed import init_tensor_parallel, shutdown
 
-        tp = init_tensor_parallel(world_size, device_type=device_type, timeout_s=120.0)
+        tp = init_tensor_parallel(world_size, device_type=device_type, timeout_s=group_timeout_s)
         try:
             # Plain pickle, by value: torch's queue pickler would share tensors through
             # file descriptors that die with this process.
@@ -60,7 +67,12 @@ def _child(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, device_type: str = "cpu", timeout_s: float = 240.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device_type: str = "cpu",
+    timeout_s: float = 240.0,
+    group_timeout_s: float = 120.0,
 ) -> List[Any]:
     """Call ``fn(tp_group, *args)`` on ``world_size`` spawned ranks; return their values.
 
@@ -69,6 +81,8 @@ def run_ranks(
         world_size: the TP size.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank ``r`` on ``cuda:r``).
         timeout_s: the deadline of the whole call, in seconds.
+        group_timeout_s: seconds a collective may block before the process group gives
+            up (``init_tensor_parallel``'s ``timeout_s``); tests of failures set it short.
 
     Returns:
         ``[value of rank 0, value of rank 1, ...]``.
@@ -83,7 +97,9 @@ def run_ranks(
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, device_type, args, results), daemon=True)
+        ctx.Process(
+            target=_child, args=(fn, r, world_size, port, device_type, group_timeout_s, args, results), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -221,6 +221,11 @@ class CompiledBackend(BaseCudaGraphBackend):
         self._compiled.clear()
         self.skipped_keys.clear()
 
+    def discard(self, key: ShapeKey) -> None:
+        self._compiled.pop(key, None)
+        if key in self.skipped_keys:
+            self.skipped_keys.remove(key)
+
     @property
     def captured_keys(self) -> list:
         """Compiled keys, in capture order."""

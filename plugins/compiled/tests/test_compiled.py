@@ -171,6 +171,22 @@ def test_compile_budget_leaves_the_rest_eager(caplog):
     assert "compile budget of 0 s spent" in caplog.text and "size 1 stays uncompiled" in caplog.text
 
 
+def test_discard_forgets_one_key_so_it_compiles_again():
+    model = small_model(layers=1)
+    compiler = CountingCompiler()
+    runner = runner_for(model, [1, 2], compiler=compiler)
+    with torch.no_grad():
+        runner.capture()
+    key = ShapeKey(2, "decode")
+    runner.backend.discard(key)
+    assert runner.backend.captured_keys == [ShapeKey(1, "decode")]
+    runner.backend.discard(key)  # nothing left: no error
+    runner.captured_keys.remove(key)
+    with torch.no_grad():
+        runner.capture()
+    assert sorted(k.size for k in runner.backend.captured_keys) == [1, 2] and compiler.graphs == 3
+
+
 def test_bad_arguments_name_the_value_and_what_is_accepted(monkeypatch):
     with pytest.raises(ValueError, match=r"unknown compiler 'tvm'; accepted: inductor, aot_eager, eager"):
         CompiledBackend("cpu", compiler="tvm")

@@ -596,6 +596,14 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self.graph_table.clear()
         self._direct.clear()
 
+    def discard(self, key: ShapeKey) -> None:
+        """Drop ``key``'s graph in every piece (those a failed capture made too)."""
+        for graph in self.compiled_graphs:
+            for piece in graph.pieces:
+                piece.discard(key)
+        self.graph_table.discard(key)
+        self._direct.pop(key, None)
+
     def piece_calls(self) -> Dict[str, int]:
         """Calls per mode summed over the pieces of every compiled graph (for tests and logs)."""
         total: Dict[str, int] = {}

@@ -194,6 +194,13 @@ class GraphPiece:
                 "addresses than at capture; the graph would read stale memory"
             )
 
+    def discard(self, key: ShapeKey) -> None:
+        """Drop ``key``'s graph (``graph.reset()``) and kept output; nothing when absent."""
+        entry = self.entries.pop(key, None)
+        reset = getattr(entry.graph, "reset", None) if entry is not None else None
+        if reset is not None:
+            reset()
+
     def reset(self) -> None:
         """Drop every graph (``graph.reset()``) and kept output."""
         for entry in self.entries.values():

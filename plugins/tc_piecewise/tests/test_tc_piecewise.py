@@ -464,6 +464,19 @@ def test_cleanup_resets_every_piece_graph():
     assert all(not p.entries for p in be.pieces) and be.captured_keys == []
 
 
+def test_discard_resets_one_key_in_every_piece_so_it_captures_again():
+    runner, be, dm = fake_capture_runner((2, 4))
+    key = ShapeKey(2, "decode")
+    be.discard(key)
+    assert [e[0] for e in dm.events].count("reset") == len(be.pieces)
+    assert all(sorted(k.size for k in p.entries) == [4] for p in be.pieces)
+    assert be.captured_keys == [ShapeKey(4, "decode")] and not be.can_run(decode_batch(2), key)
+    be.discard(key)  # nothing left: no error
+    runner.captured_keys.remove(key)
+    runner.capture()
+    assert all(sorted(k.size for k in p.entries) == [2, 4] for p in be.pieces)
+
+
 def test_capture_one_requires_prepare_and_refuses_a_second_capture():
     be = backend("decode")
     with pytest.raises(RuntimeError, match="prepare"):

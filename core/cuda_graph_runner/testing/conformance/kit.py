@@ -236,8 +236,9 @@ class BackendConformanceTests(DeviceConformanceTests):
         probe = registry._load_ref(spec.probe)
         for device_type in sorted({d for d in spec.devices if d != "*"} | {"cpu", "cuda", "npu", "xpu"}):
             answer = probe(device_type)  # must not raise
-            assert answer is None or (isinstance(answer, str) and answer.strip()), (
-                f"probe {ref_name(spec.probe)}({device_type!r}) returned {answer!r}; return None or a non-empty reason"
+            assert answer is None or answer is True or (isinstance(answer, str) and answer.strip()), (
+                f"probe {ref_name(spec.probe)}({device_type!r}) returned {answer!r}; "
+                "return None (or True) or a non-empty reason"
             )
 
     def test_default_backend_hook_names_a_usable_backend(self) -> None:

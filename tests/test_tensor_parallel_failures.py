@@ -1,0 +1,249 @@
+"""Multi-rank failures end at once, on every rank, with the group still usable (gloo, two
+CPU ranks): ranks picking different graphs for one batch, a capture step failing on one
+rank (rolled back on both), ranks with different sizes to capture, a decision raising on
+one rank, and ``backend.prepare`` failing on one rank.
+
+One launch runs every scenario in order, with a 5 s process-group timeout: a rank left
+waiting in a collective would get gloo's timeout error instead of the error asserted
+here. The launch is bounded by :func:`run_ranks`'s own deadline; each test asserts on
+what the ranks returned for its scenario.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import pytest
+import torch
+
+from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.distributed import TPGroup, all_reduce
+from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.testing.fakes import RecordingBackend
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.tp_launch import run_ranks
+
+GROUP_TIMEOUT_S = 5.0
+
+
+class TPToy(ToyModel):
+    """ToyModel whose hidden state is summed over the TP group (one all-reduce per
+    forward), with graph variants ``a``/``b`` picked by ``self.choice(batch)``."""
+
+    def __init__(self, tp: Optional[TPGroup]) -> None:
+        super().__init__()
+        self.tp_group = tp
+        self.choice: Callable[[ForwardBatch], str] = lambda batch: "a"
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return all_reduce(super().forward(batch), self.tp_group)
+
+    def graph_variants(self):
+        return ["a", "b"]
+
+    def graph_variant(self, batch: ForwardBatch) -> str:
+        return self.choice(batch)
+
+
+def _outcome(fn: Callable[[], Any]) -> Tuple[str, Optional[str]]:
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", None
+
+
+def _sizes(keys) -> list:
+    return sorted({k.size for k in keys})
+
+
+def _replays_like_eager(runner, model, bs: int) -> bool:
+    """One batch through the runner (a replay: the group's collectives run in it) equals
+    the eager forward, and it was a replay."""
+    before = sum(runner.stats.replays_by_size.values())
+    batch = decode_batch(bs)
+    got = runner.forward(batch).clone()
+    want = runner.eager_forward(batch)
+    return sum(runner.stats.replays_by_size.values()) == before + 1 and torch.allclose(got, want)
+
+
+def _runner(model, backend, max_bs: int = 4):
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    config = {"decode": {"max_bs": max_bs}}
+    return DecodeCudaGraphRunner(model, config, device="cpu", backend=backend, show_progress=False)
+
+
+def _rank_scenarios(tp: TPGroup, names: Sequence[str]) -> Dict[str, Any]:
+    """Run the scenarios ``names`` (functions of this module) in order on this rank."""
+    torch.set_num_threads(1)  # ranks share the CI machine's cores
+    out: Dict[str, Any] = {"rank": tp.rank}
+    model = TPToy(tp)
+    for scenario in (globals()[name] for name in names):
+        try:
+            scenario(tp, model, out)
+        except Exception as exc:  # what a scenario did not expect: its test fails, naming it
+            out[scenario.__name__] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _variants(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # Ranks picking different variants for one batch: an error on both, no replay.
+    runner = _runner(model, RecordingBackend("cpu", phase="decode"))
+    runner.capture()
+    model.choice = lambda batch: "a" if tp.rank == 0 else "b"
+    out["variant"] = _outcome(lambda: runner.forward(decode_batch(3)))
+    model.choice = lambda batch: "b"
+    out["variant_then"] = _replays_like_eager(runner, model, 3)
+
+
+def _capture_rollback(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # A capture step failing on rank 1 (variant b of size 2, after variant a): rolled
+    # back on both ranks; the next capture() captures the same sizes on both.
+    class FailOnce(RecordingBackend):
+        fail = True
+
+        def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
+            super().capture_one(key, forward_fn, post_warmup_hook=post_warmup_hook)
+            if self.fail and tp.rank == 1 and key.size == 2 and key.variant.endswith("|b"):
+                raise RuntimeError("injected capture failure")
+
+    backend = FailOnce("cpu", phase="decode")
+    runner = _runner(model, backend)
+    out["capture"] = _outcome(runner.capture)
+    out["capture_kept"] = (_sizes(runner.captured_keys), _sizes(backend._fns))
+    backend.fail = False
+    out["capture_again"] = _outcome(runner.capture)
+    out["capture_then"] = (_sizes(runner.captured_keys), _replays_like_eager(runner, model, 2))
+
+
+def _sizes_to_capture(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # Ranks with different sizes to capture: an error on both before any capture.
+    mixed = _runner(model, RecordingBackend("cpu", phase="decode"), max_bs=4 if tp.rank == 0 else 8)
+    out["sizes"] = _outcome(mixed.capture)
+    runner = _runner(model, RecordingBackend("cpu", phase="decode"))
+    runner.capture()
+    out["sizes_then"] = _replays_like_eager(runner, model, 2)
+
+
+def _decision(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # The decision raising on rank 1 (its graph_variant): an error on both ranks.
+    runner = _runner(model, RecordingBackend("cpu", phase="decode"))
+    runner.capture()
+
+    def choice(batch: ForwardBatch) -> str:
+        if tp.rank == 1:
+            raise ValueError("injected graph_variant failure")
+        return "a"
+
+    model.choice = choice
+    out["decision"] = _outcome(lambda: runner.forward(decode_batch(2)))
+    model.choice = lambda batch: "a"
+    out["decision_then"] = _replays_like_eager(runner, model, 2)
+
+
+def _prepare(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # backend.prepare failing on rank 1: an error on both ranks, then a second attempt.
+    class PrepareFailsOnce(RecordingBackend):
+        fail = True
+
+        def prepare(self, plan):
+            if self.fail and tp.rank == 1:
+                raise RuntimeError("injected prepare failure")
+
+    backend = PrepareFailsOnce("cpu", phase="decode")
+    runner = _runner(model, backend)
+    out["prepare"] = _outcome(runner.capture)
+    backend.fail = False
+    out["prepare_again"] = _outcome(runner.capture)
+    out["prepare_then"] = (_sizes(runner.captured_keys), _replays_like_eager(runner, model, 3))
+
+
+SCENARIOS = ("_variants", "_capture_rollback", "_sizes_to_capture", "_decision", "_prepare")
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_rank_scenarios, 2, SCENARIOS, timeout_s=120, group_timeout_s=GROUP_TIMEOUT_S)
+
+
+def _done(ranks, scenario: str) -> None:
+    for r in ranks:
+        assert scenario not in r, f"rank {r['rank']}: {r[scenario]}"  # it raised what it did not expect
+
+
+def test_ranks_picking_different_graph_variants_both_raise(ranks):
+    _done(ranks, "_variants")
+    for r in ranks:
+        kind, message = r["variant"]
+        assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
+        assert "rank 0: ShapeKey(size=4, variant='decode|a')" in message
+        assert "rank 1: ShapeKey(size=4, variant='decode|b')" in message
+        assert r["variant_then"] is True  # the group is usable; the same variant replays
+
+
+def test_a_capture_step_failing_on_one_rank_is_rolled_back_on_every_rank(ranks):
+    _done(ranks, "_capture_rollback")
+    assert ranks[1]["capture"] == ("RuntimeError", "injected capture failure")
+    kind, message = ranks[0]["capture"]
+    assert kind == "TensorParallelCaptureError" and "rank 1: RuntimeError: injected capture failure" in message
+    for r in ranks:
+        # Size 4 was captured before; size 2 is gone in both variants on both ranks.
+        assert r["capture_kept"] == ([4], [4]), r["rank"]
+        assert r["capture_again"] == ("ok", None), r["rank"]
+        assert r["capture_then"] == ([1, 2, 4], True), r["rank"]
+
+
+def test_ranks_with_different_sizes_to_capture_both_raise(ranks):
+    _done(ranks, "_sizes_to_capture")
+    for r in ranks:
+        kind, message = r["sizes"]
+        assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
+        assert "rank 0: [4, 2, 1]" in message and "rank 1: [8, 4, 2, 1]" in message
+        assert r["sizes_then"] is True
+
+
+def test_a_decision_failing_on_one_rank_raises_on_every_rank(ranks):
+    _done(ranks, "_decision")
+    assert ranks[1]["decision"] == ("ValueError", "injected graph_variant failure")
+    kind, message = ranks[0]["decision"]
+    assert kind == "TensorParallelStepError", (kind, message)
+    assert "rank 1: ValueError: injected graph_variant failure" in message
+    for r in ranks:
+        assert r["decision_then"] is True
+
+
+def test_prepare_failing_on_one_rank_raises_on_every_rank_and_the_group_stays_usable(ranks):
+    _done(ranks, "_prepare")
+    assert ranks[1]["prepare"] == ("RuntimeError", "injected prepare failure")
+    kind, message = ranks[0]["prepare"]
+    assert kind == "TensorParallelCaptureError", (kind, message)
+    assert "rank 1: RuntimeError: injected prepare failure" in message and "prepare of decode" in message
+    for r in ranks:
+        assert r["prepare_again"] == ("ok", None), r["rank"]
+        assert r["prepare_then"] == ([1, 2, 4], True), r["rank"]
+
+
+def test_a_failed_capture_step_is_rolled_back_without_a_group_too():
+    """One process: a size whose second variant fails keeps neither variant, in the runner
+    and in the backend, and the next capture() captures it."""
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    class FailOnce(RecordingBackend):
+        fail = True
+
+        def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
+            super().capture_one(key, forward_fn, post_warmup_hook=post_warmup_hook)
+            if self.fail and key.size == 2 and key.variant.endswith("|b"):
+                raise RuntimeError("injected capture failure")
+
+    model = TPToy(None)
+    backend = FailOnce("cpu", phase="decode")
+    runner = DecodeCudaGraphRunner(model, {"decode": {"max_bs": 4}}, device="cpu", backend=backend, show_progress=False)
+    with pytest.raises(RuntimeError, match="injected capture failure"):
+        runner.capture()
+    assert _sizes(runner.captured_keys) == _sizes(backend._fns) == [4]
+    assert ("discard", ShapeKey(2, "decode|a")) in backend.events
+    backend.fail = False
+    runner.capture()
+    assert _sizes(runner.captured_keys) == [1, 2, 4] and len(runner.captured_keys) == 6
