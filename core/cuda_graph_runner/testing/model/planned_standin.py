@@ -215,8 +215,12 @@ class PlannedAttentionStandIn(AttentionBackend):
                 )
             plan = self._new_plan(kind, key, mode, seq_lens=[int(x) for x in host])
             assert state.lens is not None
-            # In place: the graph recorded this buffer's address. Host list to device, no sync.
-            state.lens.copy_(torch.tensor(plan.seq_lens, dtype=torch.int32), non_blocking=True)
+            # In place: the graph recorded this buffer's address. Host list to device without
+            # a sync: from pinned memory, which the caching host allocator keeps until the copy ran.
+            src = torch.tensor(plan.seq_lens, dtype=torch.int32)
+            if state.lens.device.type == "cuda":
+                src = src.pin_memory()
+            state.lens.copy_(src, non_blocking=True)
             plan.device_lens = state.lens
         else:
             ext, pre = _extend_lists(batch, allow_device=False)
