@@ -78,6 +78,7 @@ from make_docs import render  # noqa: E402
 from portable import portable_argv, portable_path  # noqa: E402
 
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
+from cuda_graph_runner.bench_args import attention_arg  # noqa: E402
 from cuda_graph_runner.bench_backends import takes_compile_sizes  # noqa: E402
 from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
@@ -88,7 +89,6 @@ from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
-from cuda_graph_runner.bench_args import attention_arg  # noqa: E402
 from cuda_graph_runner.testing.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM  # noqa: E402
 
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]

@@ -85,7 +85,10 @@ def standin(model: ReferenceLlamaForCausalLM) -> PlannedAttentionStandIn:
 
 def decode_runner(model: Any, name: str, **config: Any) -> DecodeCudaGraphRunner:
     return DecodeCudaGraphRunner(
-        model, {"decode": {"bs": [1, 2, 4], **config}}, device="cpu", backend=DECODE_BACKENDS[name]("decode"),
+        model,
+        {"decode": {"bs": [1, 2, 4], **config}},
+        device="cpu",
+        backend=DECODE_BACKENDS[name]("decode"),
         show_progress=False,
     )
 
@@ -191,7 +194,10 @@ def test_prefill_plans_every_forward(name):
     model = planned_model()
     plans = standin(model)
     runner = PrefillCudaGraphRunner(
-        model, {"prefill": {"bs": [16, 32]}}, device="cpu", backend=PREFILL_BACKENDS[name]("prefill"),
+        model,
+        {"prefill": {"bs": [16, 32]}},
+        device="cpu",
+        backend=PREFILL_BACKENDS[name]("prefill"),
         show_progress=False,
     )
     eager = eager_logits_fn(model)

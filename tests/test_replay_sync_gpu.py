@@ -122,7 +122,8 @@ def test_prefill_replay_never_synchronizes(model, backend):
 
 
 @pytest.mark.parametrize(
-    "phase, backend", [("decode", "full"), ("decode", "breakable"), ("decode", "tc_piecewise"), ("prefill", "breakable")]
+    "phase, backend",
+    [("decode", "full"), ("decode", "breakable"), ("decode", "tc_piecewise"), ("prefill", "breakable")],
 )
 def test_plan_based_attention_replay_never_synchronizes(phase, backend):
     """The ``planned_standin`` attention re-plans before every replay from the static
@@ -132,7 +133,9 @@ def test_plan_based_attention_replay_never_synchronizes(phase, backend):
     cls = DecodeCudaGraphRunner if phase == "decode" else PrefillCudaGraphRunner
     sizes = [1, 2, 4, 8] if phase == "decode" else [16, 32, 64]
     options = {"tc_compiler": "eager"} if backend == "tc_piecewise" else {}
-    runner = cls(planned, {phase: {"backend": backend, "bs": sizes, "max_bs": sizes[-1], **options}}, show_progress=False)
+    runner = cls(
+        planned, {phase: {"backend": backend, "bs": sizes, "max_bs": sizes[-1], **options}}, show_progress=False
+    )
     runner.capture()
     sessions, batches = [], {}
     if phase == "decode":

@@ -27,7 +27,9 @@ TOL = model_tolerance(PRESETS["tiny"], torch.float32, context_len=CONTEXT)
 @pytest.fixture
 def emulated(monkeypatch):
     dm = EmulatedGraphs()
-    monkeypatch.setitem(tc_compiler.PIECE_COMPILERS, "eager", recording_compiler(dm, tc_compiler.PIECE_COMPILERS["eager"]))
+    monkeypatch.setitem(
+        tc_compiler.PIECE_COMPILERS, "eager", recording_compiler(dm, tc_compiler.PIECE_COMPILERS["eager"])
+    )
     return dm
 
 

@@ -339,9 +339,8 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-
         from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         max_bs = min(4, self.decode_max_bs)
         model = self.make_model(device_type, attention="planned_standin")

@@ -80,6 +80,7 @@ class AttentionBackend(abc.ABC):
     # -- host metadata ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare an eager forward of ``batch`` (a live batch; host lengths readable)."""
+        return None  # nothing to plan (torch)
 
     def init_cuda_graph_state(self, batch: ForwardBatch) -> Any:
         """Build the per-size state of ``batch``'s graph key (buffers at stable addresses
@@ -89,16 +90,19 @@ class AttentionBackend(abc.ABC):
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         """Plan a capture's static dummy batch ``batch`` (before its warm-ups)."""
+        return None  # nothing to plan (torch)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
         """Re-plan from the static ``batch`` about to be replayed, from its host lengths
         only (``seq_lens_cpu``, padded by the runner with
         :meth:`get_cuda_graph_seq_len_fill_value`; never a read of a device tensor, so
         replay stays free of host syncs), into the per-size state's buffers in place."""
+        return None  # nothing to plan (torch)
 
     def cleanup_cuda_graph_state(self, mode: Optional[ForwardMode] = None) -> None:
         """Drop the per-size state of graphs of ``mode`` (None: all), on the runner's
         ``cleanup()`` and before a recapture."""
+        return None  # nothing to plan (torch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` of a padded request in a decode graph (sglang's fill value; >= 1
@@ -190,5 +194,7 @@ def make_attention_backend(name: Optional[str] = None) -> AttentionBackend:
     chosen = DEFAULT_ATTENTION if name is None else name
     factory = ATTENTION_BACKENDS.get(chosen) if isinstance(chosen, str) else None
     if factory is None:
-        raise ValueError(f"attention={name!r} is not an attention backend; accepted: {', '.join(attention_backend_names())}")
+        raise ValueError(
+            f"attention={name!r} is not an attention backend; accepted: {', '.join(attention_backend_names())}"
+        )
     return factory()

@@ -11,8 +11,8 @@ from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ...runner.static_inputs import StaticInput
 from ..kv_cache import PagedKVCache
 from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
-from .config import PRESETS, ModelConfig
 from .attention_backend import AttentionBackend, make_attention_backend
+from .config import PRESETS, ModelConfig
 from .layers import _Backbone, _Linear
 from .loading import HFCheckpointMixin
 from .lora import LORA, LORA_IDS, LORA_TARGETS, NOLORA, LoRAAdapters, host_adapter_ids, token_adapter_mask

@@ -145,7 +145,7 @@ class PlannedAttentionStandIn(AttentionBackend):
         self.cleanups: List[Optional[ForwardMode]] = []
         self._eager_plan: Optional[Plan] = None
         self._count = itertools.count()
-        self._scratch_key = ("planned_standin", self.id)
+        self._scratch_key = f"planned_standin:{self.id}"
 
     # -- hooks ----------------------------------------------------------------------
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -282,14 +282,14 @@ class PlannedAttentionStandIn(AttentionBackend):
                 )
             _check_lengths(plan, batch, key)
             return plan, state
-        plan = self._eager_plan
-        if plan is None or plan.batch_ref() is not batch:
+        eager = self._eager_plan
+        if eager is None or eager.batch_ref() is not batch:
             raise UnplannedForwardError(
                 "planned_standin: an eager forward ran without init_forward_metadata(batch) for that batch "
                 f"(mode {batch.forward_mode.value}, {batch.batch_size} requests)"
             )
         self._eager_plan = None  # one eager plan serves one forward
-        return plan, None
+        return eager, None
 
     def check(self) -> None:
         """Raise when a recorded forward replayed on a device counted a stale plan (reads
