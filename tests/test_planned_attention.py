@@ -22,9 +22,15 @@ from cuda_graph_runner.backend import DisabledBackend
 from cuda_graph_runner.forward_batch import ForwardMode
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.batches import (
+    GreedySession,
+    eager_logits_fn,
+    make_dummy_prompts,
+    make_extend_batch,
+    make_target_verify_batch,
+)
 from cuda_graph_runner.testing.fakes import RecordingBackend
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM, attention_backend_names
+from cuda_graph_runner.testing.model import LORA_IDS, PRESETS, ReferenceLlamaForCausalLM, attention_backend_names
 from cuda_graph_runner.testing.model.planned_standin import (
     PlannedAttentionStandIn,
     StalePlanError,
@@ -238,3 +244,67 @@ def test_the_standin_computes_what_torch_attention_computes():
         m.result = expected  # type: ignore[attr-defined]
         session.close()
     assert torch.equal(torch_model.result, model.result)  # type: ignore[attr-defined]
+
+
+def test_target_verify_and_lora_variants_get_one_state_per_size_and_variant():
+    model = planned_model()
+    model.add_lora_adapters(2, rank=4)
+    plans = standin(model)
+    verify = DecodeCudaGraphRunner(
+        model,
+        {"decode": {"bs": [2, 4]}},
+        mode="target_verify",
+        num_tokens_per_req=3,
+        device="cpu",
+        backend=RecordingBackend("cpu"),
+        show_progress=False,
+    )
+    with torch.no_grad():
+        verify.capture()
+        keys = {(ForwardMode.TARGET_VERIFY, 3, bs, v) for bs in (2, 4) for v in ("nolora", "lora")}
+        assert set(plans.states) == keys and all(plans.state_builds[k] == 1 for k in keys)
+        assert verify.seq_len_fill_value == 3  # the attention's 1, raised to the width
+        session = GreedySession(model, model.kv_cache)
+        session.prefill(make_dummy_prompts(3, [4, 6, 5], model.config.vocab_size, seed=9))
+        batch = make_target_verify_batch(model.kv_cache, session.rows, [[1, 2, 3]] * 3)
+        batch.extra[LORA_IDS] = [0, -1, 1]
+        expected = eager_logits_fn(model)(batch).clone()
+        before = len(plans.plan_log)
+        torch.testing.assert_close(verify.forward(batch), expected, **TOL)
+        (replay,) = list(plans.plan_log)[before:]
+        assert replay.kind == "replay" and replay.key == (ForwardMode.TARGET_VERIFY, 3, 4, "lora")
+        assert replay.seq_lens == batch.seq_lens_cpu + [3]
+        session.close()
+
+
+def test_npu_plans_before_every_replay_and_cleanup_drops_the_state():
+    """``npu`` on its recording graph module (replay computes nothing: the order only)."""
+    from cuda_graph_runner.pool import reset_global_graph_memory_pools
+    from cuda_graph_runner_npu.backend import NPUCudaGraphBackend
+    from cuda_graph_runner_npu.testing import RecordingNPUModule
+
+    reset_global_graph_memory_pools()
+    model = planned_model()
+    plans = standin(model)
+    fake = RecordingNPUModule()
+    runner = DecodeCudaGraphRunner(
+        model,
+        {"decode": {"bs": [2, 4]}},
+        device="cpu",
+        backend=NPUCudaGraphBackend("cpu", phase="decode", device_module=fake),
+        show_progress=False,
+    )
+    try:
+        with torch.no_grad():
+            runner.capture()
+            assert sorted(k[2] for k in plans.states) == [2, 4]
+            for bs, kind in ((3, "replay"), (5, "eager")):
+                session, batch, _ = staggered_decode_case(model, bs, seed=bs)
+                before = len(plans.plan_log)
+                runner.forward(batch)
+                assert [p.kind for p in list(plans.plan_log)[before:]] == [kind]
+                session.close()
+            runner.cleanup()
+            assert not plans.states and plans.cleanups == [ForwardMode.DECODE]
+    finally:
+        reset_global_graph_memory_pools()

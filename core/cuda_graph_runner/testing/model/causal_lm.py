@@ -18,6 +18,15 @@ from .loading import HFCheckpointMixin
 from .lora import LORA, LORA_IDS, LORA_TARGETS, NOLORA, LoRAAdapters, host_adapter_ids, token_adapter_mask
 from .rope import compute_inv_freq
 
+#: The model hooks the runners call (:mod:`cuda_graph_runner.model_protocol`) and the
+#: attention backend's method each one is.
+_ATTENTION_HOOKS = {
+    "init_forward_metadata": "init_forward_metadata",
+    "init_forward_metadata_capture": "init_forward_metadata_capture_cuda_graph",
+    "init_forward_metadata_replay": "init_forward_metadata_replay_cuda_graph",
+    "cleanup_cuda_graph_state": "cleanup_cuda_graph_state",
+}
+
 
 class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
     """Llama / Qwen2 / Mistral decoder over a :class:`PagedKVCache`.
@@ -44,7 +53,8 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         attn_backend: the :class:`~.attention_backend.AttentionBackend` every layer calls.
         init_forward_metadata, init_forward_metadata_capture, init_forward_metadata_replay,
         cleanup_cuda_graph_state: the runner's hooks (:mod:`cuda_graph_runner.model_protocol`),
-            the attention backend's methods; None when it plans nothing (``torch``).
+            the attention backend's methods; None when it plans nothing (``torch``). A
+            subclass that defines one of them as a method keeps its own.
 
     Raises:
         ValueError: ``attention`` names no attention backend (lists the accepted ones).
@@ -80,12 +90,10 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         backend = make_attention_backend(attention)  # raises ValueError for an unknown name
         self.attn_backend = backend
         # The runner's metadata hooks, or None when the attention plans nothing (``torch``):
-        # then the replay path costs the runner one None check.
-        plans = backend.plans
-        self.init_forward_metadata = backend.init_forward_metadata if plans else None
-        self.init_forward_metadata_capture = backend.init_forward_metadata_capture_cuda_graph if plans else None
-        self.init_forward_metadata_replay = backend.init_forward_metadata_replay_cuda_graph if plans else None
-        self.cleanup_cuda_graph_state = backend.cleanup_cuda_graph_state if plans else None
+        # then the replay path costs the runner one None check. A subclass's own method wins.
+        for hook, method in _ATTENTION_HOOKS.items():
+            if getattr(type(self), hook, None) is None:
+                setattr(self, hook, getattr(backend, method) if backend.plans else None)
         self.model = _Backbone(config, dtype, device, tp_group, backend)
         self.lm_head = (
             None
