@@ -308,3 +308,41 @@ def test_npu_plans_before_every_replay_and_cleanup_drops_the_state():
             assert not plans.states and plans.cleanups == [ForwardMode.DECODE]
     finally:
         reset_global_graph_memory_pools()
+
+
+BENCH_TINY = [
+    "--batch-sizes",
+    "2",
+    "--iters",
+    "1",
+    "--warmup",
+    "0",
+    "--steps",
+    "1",
+    "--prompt-len",
+    "2",
+    "--no-prefill",
+]
+
+
+def test_bench_attention_flag_refuses_an_unknown_name_before_any_work(capsys):
+    from cuda_graph_runner.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--attention", "flashinfer", *BENCH_TINY])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --attention: 'flashinfer' is not an attention backend; accepted: planned_standin, torch" in err
+    assert "Traceback" not in err
+
+
+def test_bench_runs_the_model_with_the_named_attention(capsys, tmp_path):
+    import json
+
+    from cuda_graph_runner.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--attention", "planned_standin", "--decode-backends", "disabled", "--json", str(out)]
+    assert main([*argv, *BENCH_TINY]) == 0
+    assert ", attention planned_standin" in capsys.readouterr().out
+    assert json.loads(out.read_text())["env"]["attention"] == "planned_standin"
