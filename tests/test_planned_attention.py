@@ -110,7 +110,7 @@ def test_decode_plans_every_forward_in_capture_replay_eager_verify_cleanup_recap
         assert set(plans.states) == keys
         assert all(plans.state_builds[k] == 1 for k in keys)  # the capture hook ran once per size, state built once
         assert plans.plan_kinds().count("capture") == len(keys)
-        for bs in (3, 2, 5):  # 3: padded to 4; 5: above max_bs, the eager fallback
+        for bs in (3, 5):  # 3: padded to 4; 5: above max_bs, the eager fallback
             session, batch, expected = staggered_decode_case(model, bs, seed=bs)
             before = len(plans.plan_log)
             got = runner.forward(batch)
@@ -143,7 +143,7 @@ def test_decode_plans_every_forward_in_capture_replay_eager_verify_cleanup_recap
         assert any(kind == "replay" for kind, _, _ in plans.forwards)
 
 
-@pytest.mark.parametrize("name", ["full", "breakable", "recording"])
+@pytest.mark.parametrize("name", ["full", "recording"])  # no Python at replay; Python at replay
 def test_a_replay_without_its_replay_hook_is_caught(name, monkeypatch):
     model = planned_model()
     plans = standin(model)
