@@ -78,6 +78,7 @@ from make_docs import render  # noqa: E402
 from portable import portable_argv, portable_path  # noqa: E402
 
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
+from cuda_graph_runner.bench_args import attention_arg  # noqa: E402
 from cuda_graph_runner.bench_backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
 from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
@@ -89,7 +90,7 @@ from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
+from cuda_graph_runner.testing.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM  # noqa: E402
 
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL_TOKENS = [128, 512, 2048]
@@ -178,7 +179,12 @@ def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatc
 
 
 def eager_fn(model: Any) -> Callable[[ForwardBatch], torch.Tensor]:
+    # A plan-based attention plans every eager forward (the model's hook is None for torch).
+    plan = getattr(model, "init_forward_metadata", None)
+
     def call(b: ForwardBatch) -> torch.Tensor:
+        if plan is not None:
+            plan(b)
         with forward_context(b):
             return model.compute_logits(_model_forward(model, b), b)
 
@@ -512,7 +518,12 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
     m = results.model(name)
     on_cuda = device == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
-    model = ReferenceLlamaForCausalLM.from_preset(name, dtype=dtype, device=device)
+    model = ReferenceLlamaForCausalLM.from_preset(name, dtype=dtype, device=device, attention=args.attention)
+    # The hand-written baselines record the model without the runner's metadata hooks:
+    # only an attention that plans nothing can be timed there.
+    baselines = not model.attn_backend.plans
+    if not baselines:
+        results.note(f"{name}: attention {args.attention} plans on the host: hand_graph and reduce_overhead not timed")
     bs_list = sorted(args.batch_sizes)
     context = args.prompt_len + 16
     max_reqs = sum(bs_list) + 2
@@ -528,10 +539,11 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         for bs in bs_list:
             b = batches[bs]
             methods[bs]["eager"] = lambda b=b: eager(b)
-            hand = HandWrittenGraph(model, b, pool, use_graph=on_cuda)
-            methods[bs]["hand_graph"] = lambda b=b, hand=hand: hand(b)
+            if baselines:
+                hand = HandWrittenGraph(model, b, pool, use_graph=on_cuda)
+                methods[bs]["hand_graph"] = lambda b=b, hand=hand: hand(b)
 
-        if not args.quick and on_cuda:
+        if not args.quick and on_cuda and baselines:
             torch._dynamo.reset()  # once, before any backend: a reset later would drop tc_piecewise's compiled code
             for bs in [b for b in args.reduce_overhead_bs if b in batches]:
                 start = time.perf_counter()
@@ -825,6 +837,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         "for compare.py's demonstration); repeatable",
     )
     parser.add_argument(
+        "--attention",
+        type=attention_arg,
+        default=DEFAULT_ATTENTION,
+        metavar="NAME",
+        help=f"the reference model's attention backend (default {DEFAULT_ATTENTION}; planned_standin: a CPU "
+        "stand-in of a plan-based attention, which the hand-written baselines cannot record)",
+    )
+    parser.add_argument(
         "--plot",
         default=None,
         metavar="FILE",
@@ -872,6 +892,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "inductor_cache": inductor_cache_state(),
         "inductor_config": pin_inductor(args.inductor_config),
         "inject_sleep_ms": dict(args.inject_sleep_ms or []),
+        "attention": args.attention,
         "gpu_at_start": gpu_state(),
     }
     settings = {

@@ -5,7 +5,8 @@ Replays run under ``torch.cuda.set_sync_debug_mode("error")``: any synchronizing
 indexing, a blocking copy) raises. Covered: ``full``, ``breakable`` and ``tc_piecewise``
 (eager compiler) through the decode runner, ``breakable`` and ``tc_piecewise`` through the
 prefill runner, each after capture, on batches on and off the captured sizes (live
-batches are built before the mode is switched on).
+batches are built before the mode is switched on); and the same with a plan-based
+attention (``planned_standin``), whose replay hook plans from host lengths only.
 
 ``test_capture_seconds_of_the_default_decode_sizes`` records how long ``full`` takes to
 capture the 36 default decode sizes of ``llama-3.2-1b`` under each warm-up policy (a
@@ -117,6 +118,41 @@ def test_prefill_replay_never_synchronizes(model, backend):
         _replays_without_sync(runner, batches, eager_logits_fn(model))
     finally:
         free_requests(cache, *batches.values())
+        _release(runner)
+
+
+@pytest.mark.parametrize(
+    "phase, backend",
+    [("decode", "full"), ("decode", "breakable"), ("decode", "tc_piecewise"), ("prefill", "breakable")],
+)
+def test_plan_based_attention_replay_never_synchronizes(phase, backend):
+    """The ``planned_standin`` attention re-plans before every replay from the static
+    batch's host lengths (a pinned host-to-device copy into the per-size buffer): replay
+    stays free of host syncs, equals eager, and no recorded forward read a stale plan."""
+    planned = reference_model("tiny", requests=39, num_slots=64 * 64 + 1, attention="planned_standin")
+    cls = DecodeCudaGraphRunner if phase == "decode" else PrefillCudaGraphRunner
+    sizes = [1, 2, 4, 8] if phase == "decode" else [16, 32, 64]
+    options = {"tc_compiler": "eager"} if backend == "tc_piecewise" else {}
+    runner = cls(
+        planned, {phase: {"backend": backend, "bs": sizes, "max_bs": sizes[-1], **options}}, show_progress=False
+    )
+    runner.capture()
+    sessions, batches = [], {}
+    if phase == "decode":
+        for bs in (1, 3, 8):
+            prompts = make_dummy_prompts(bs, [3 + i % 4 for i in range(bs)], planned.config.vocab_size, seed=bs)
+            session, batches[f"{backend} decode bs={bs}"] = prefilled_decode_batch(planned, prompts)
+            sessions.append(session)
+    else:
+        for lengths in ([16], [5, 9, 7]):
+            prompts = make_dummy_prompts(len(lengths), lengths, planned.config.vocab_size, seed=sum(lengths))
+            batches[f"{backend} prefill {sum(lengths)} tokens"] = make_extend_batch(planned.kv_cache, prompts)
+    try:
+        _replays_without_sync(runner, batches, eager_logits_fn(planned))
+        planned.attn_backend.check()
+    finally:
+        for s in sessions:
+            s.close()
         _release(runner)
 
 

@@ -106,10 +106,13 @@ def _speedup_range(row: Dict[str, Any]) -> Optional[str]:
     return None if lo is None or hi is None else f"{lo:.2f}x-{hi:.2f}x"
 
 
-def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None) -> Any:
+def load_model(
+    spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None, attention: Optional[str] = None
+) -> Any:
     """A preset name (see ``testing.model.PRESETS``), a real model name
     (:data:`cuda_graph_runner.real_model.REAL_MODELS`: its checkpoint prepared once into the
-    cache) or a checkpoint directory.
+    cache) or a checkpoint directory, with the attention backend ``attention`` (None:
+    ``torch``; :mod:`cuda_graph_runner.testing.model.attention_backend`).
 
     Raises:
         ValueError: ``spec`` is none of these (lists the presets and real models).
@@ -121,9 +124,13 @@ def load_model(spec: str, *, dtype: torch.dtype, device: torch.device, tp_group:
     if spec in REAL_MODELS:
         spec = prepare(spec)
     if spec in PRESETS:
-        return ReferenceLlamaForCausalLM.from_preset(spec, dtype=dtype, device=device, tp_group=tp_group)
+        return ReferenceLlamaForCausalLM.from_preset(
+            spec, dtype=dtype, device=device, tp_group=tp_group, attention=attention
+        )
     if os.path.isdir(spec):
-        return ReferenceLlamaForCausalLM.from_pretrained(spec, dtype=dtype, device=device, tp_group=tp_group)
+        return ReferenceLlamaForCausalLM.from_pretrained(
+            spec, dtype=dtype, device=device, tp_group=tp_group, attention=attention
+        )
     raise ValueError(
         f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}), a real model "
         f"({', '.join(sorted(REAL_MODELS))}) nor a checkpoint directory"
@@ -345,7 +352,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         return 2
 
     try:
-        model = load_model(model_spec, dtype=dtype, device=device, tp_group=tp)
+        model = load_model(model_spec, dtype=dtype, device=device, tp_group=tp, attention=args.attention)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -366,12 +373,14 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         "torch": torch.__version__,
         "model": model_spec,
         "dtype": str(dtype).replace("torch.", ""),
+        "attention": model.attn_backend.name,
     }
     if tp is not None:
         env["tp"] = tp.size
     say(
         f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}"
         + (f", tensor parallel {tp.size} ranks (rank 0 shown)" if tp is not None else "")
+        + (f", attention {env['attention']}" if args.attention else "")
     )
     results: Dict[str, Any] = {
         "env": env,

@@ -49,6 +49,17 @@ def output_file(text: str) -> str:
     return text
 
 
+def attention_arg(text: str) -> str:
+    """argparse type of ``--attention``: a name of the reference model's attention backends."""
+    from .testing.model.attention_backend import ATTENTION_BACKENDS, attention_backend_names
+
+    if text not in ATTENTION_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an attention backend; accepted: {', '.join(attention_backend_names())}"
+        )
+    return text
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` flags (plus every CUDA-graph config flag)."""
     parser.add_argument(
@@ -59,6 +70,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: llama-3.2-1b on CUDA, tiny on CPU)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--attention",
+        type=attention_arg,
+        default=None,
+        metavar="NAME",
+        help="the reference model's attention backend: torch (the default on every device, CUDA included) "
+        "or planned_standin (a CPU stand-in of a plan-based attention, for testing the runner's hooks)",
+    )
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="model dtype (default: bfloat16 on CUDA, float32 on CPU)"
     )

@@ -27,6 +27,13 @@ promise, for a batch of such a mode, that the op
 * keeps per-forward metadata only in :func:`~cuda_graph_runner.forward_context.forward_scratch`
   (recorded into the graph with the rest), not in Python state that outlives the forward.
 
+A *plan-based* op (its kernels read metadata a host ``plan()`` wrote into buffers:
+FlashInfer's wrappers, sglang's ``init_forward_metadata_replay_cuda_graph``) is
+capture-safe only together with its replay hook: the model's
+``init_forward_metadata_replay(static_batch)`` (:mod:`cuda_graph_runner.model_protocol`)
+re-plans before every replay, from the static batch's host lengths, into the same
+buffers the graph recorded. Without that hook the graph replays the last plan, silently.
+
 A backend may then record the op into its graph for those modes (``breakable`` does,
 so a decode step is one graph instead of one segment per layer: vLLM's
 ``FULL_AND_PIECEWISE`` split of uniform decode from mixed batches, and its attention

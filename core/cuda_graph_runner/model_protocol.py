@@ -6,13 +6,32 @@ or any structure of tensors :mod:`cuda_graph_runner.nested` accepts) and
 ``compute_logits(hidden, batch) -> logits`` (``[rows, vocab]`` float32: one row per token
 for decode, per request for prefill).
 
-Optional, each looked up with ``getattr`` by the runner and skipped when absent (the
-sglang model runner's attention-backend hooks, moved onto the model):
+Optional, each looked up with ``getattr`` by the runner and skipped when absent or None
+(the sglang model runner's attention-backend hooks, moved onto the model; a model whose
+attention plans nothing leaves them None, so the replay path pays one None check):
 
+* :class:`SupportsEagerMetadata`: ``init_forward_metadata(batch)``, called on the live
+  batch before every eager forward the runner runs (the eager fallback, verify mode's
+  reference); the testing helpers' eager forwards call it too;
 * :class:`SupportsCaptureMetadata`: ``init_forward_metadata_capture(batch)``, called on
-  each capture's static dummy batch before its warm-ups;
+  each capture's static dummy batch before its warm-ups (which, with the recorded run,
+  use what it planned): at least once per size x variant per capture, and again when a
+  backend asks the capture plan for that static batch (a compile pass) and after a
+  recapture, so it builds per-size state only when absent and re-plans into the same
+  buffers otherwise (the graph reads the addresses it recorded);
 * :class:`SupportsReplayMetadata`: ``init_forward_metadata_replay(batch)``, called on the
-  static batch before each replay (after the live batch was copied in);
+  static batch before each replay (after the live batch was copied in). Decode
+  guarantees ``batch.seq_lens_cpu``: the live host lengths padded to the captured batch
+  size with the runner's ``seq_len_fill_value`` (None only when the live batch has
+  none); prefill's request fields are the live batch's own (the padded tail tokens
+  belong to no request). A plan-based attention (FlashInfer's ``plan()``) plans from
+  these host values only, never by reading device tensors, so replay stays free of host
+  syncs; it is capture-safe only together with this hook (:mod:`cuda_graph_runner.graph_break`);
+* :class:`SupportsGraphStateCleanup`: ``cleanup_cuda_graph_state(mode)``, called by the
+  runner's ``cleanup()`` (and so before a recapture) with the runner's forward mode: drop
+  the per-size state of that mode's graphs;
+* :class:`SupportsSeqLenFillValue`: ``get_cuda_graph_seq_len_fill_value()``, the decode
+  runner's ``seq_len_fill_value`` when none is given (sglang's attention-backend fill value);
 * :class:`SupportsPostWarmupHook`: ``post_warmup_hook()``, called after a size's warm-ups
   and before it is recorded (undo what warm-ups changed);
 * attributes ``tp_group`` (a :class:`cuda_graph_runner.distributed.TPGroup`: ranks capture
@@ -24,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, ForwardMode
 
 
 class GraphModel(Protocol):
@@ -37,6 +56,13 @@ class GraphModel(Protocol):
     def compute_logits(self, hidden: Any, batch: ForwardBatch) -> Any:
         """The LM head on ``hidden`` for ``batch``: logits ``[rows, vocab]`` float32."""
         ...
+
+
+@runtime_checkable
+class SupportsEagerMetadata(Protocol):
+    """Optional: attention metadata for an eager forward of a live batch."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 
 
 @runtime_checkable
@@ -58,3 +84,17 @@ class SupportsPostWarmupHook(Protocol):
     """Optional: called once a size's warm-ups ran, before it is recorded."""
 
     def post_warmup_hook(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsGraphStateCleanup(Protocol):
+    """Optional: drop the model's per-size state of graphs of ``mode`` (the runner's cleanup)."""
+
+    def cleanup_cuda_graph_state(self, mode: ForwardMode) -> None: ...
+
+
+@runtime_checkable
+class SupportsSeqLenFillValue(Protocol):
+    """Optional: ``seq_lens`` of padded decode requests (the decode runner's default)."""
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int: ...

@@ -24,7 +24,7 @@ from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memo
 from ..config import ConfigInput, PhaseConfig, as_config
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..model_protocol import GraphModel
@@ -60,9 +60,11 @@ class BaseCudaGraphRunner(abc.ABC):
     Args:
         model: a :class:`~cuda_graph_runner.model_protocol.GraphModel`:
             ``forward(batch) -> hidden [num_tokens, hidden]`` and
-            ``compute_logits(hidden, batch) -> logits`` (float32), plus optional
-            ``init_forward_metadata_capture(batch)``,
-            ``init_forward_metadata_replay(batch)`` and ``post_warmup_hook()``.
+            ``compute_logits(hidden, batch) -> logits`` (float32), plus the optional
+            hooks of :mod:`cuda_graph_runner.model_protocol` (``init_forward_metadata``,
+            ``init_forward_metadata_capture``, ``init_forward_metadata_replay``,
+            ``cleanup_cuda_graph_state``, ``post_warmup_hook``, and for decode
+            ``get_cuda_graph_seq_len_fill_value``).
         config: a ``CudaGraphConfig``, this phase's ``PhaseConfig``, a dict in
             ``CudaGraphConfig.from_dict`` form or in one phase's form (``{"backend":
             "full"}``), a backend name, or None (defaults); converted once by
@@ -99,6 +101,9 @@ class BaseCudaGraphRunner(abc.ABC):
     """
 
     phase: ClassVar[str]
+    #: The forward mode of the batches this runner captures (what the model's
+    #: ``cleanup_cuda_graph_state`` hook is told on ``cleanup()``).
+    mode: ForwardMode
     #: Default maximum size when the config gives none.
     default_max_size: ClassVar[int]
 
@@ -554,7 +559,7 @@ class BaseCudaGraphRunner(abc.ABC):
             result = self.finish_output(output, batch, static_batch)
             if self.verifier is not None:
                 self.verifier.after_replay(
-                    self.backend, self.model, key, static_batch, result, lambda: self.eager_forward(batch)
+                    self.backend, self.model, key, static_batch, result, lambda: self.run_eager(batch)
                 )
             if self.owned_outputs:
                 # Only what shares memory with the graph's output: one copy, none for
@@ -592,7 +597,18 @@ class BaseCudaGraphRunner(abc.ABC):
                 self.stats.record_replay(decision.size)
                 return self.replay(batch)
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
-            return self.eager_forward(batch)
+            return self.run_eager(batch)
+
+    def run_eager(self, batch: ForwardBatch) -> Any:
+        """:meth:`eager_forward` of ``batch`` after the model's eager metadata hook
+        ``init_forward_metadata(batch)`` (when the model has one and it is not None): every
+        eager forward the runner runs (the fallback, verify mode's reference) is planned,
+        as capture (``init_forward_metadata_capture``) and replay
+        (``init_forward_metadata_replay``) are."""
+        init = getattr(self.model, "init_forward_metadata", None)
+        if init is not None:
+            init(batch)
+        return self.eager_forward(batch)
 
     def _agreed_decision(self, tp: TPGroup, batch: ForwardBatch) -> Tuple[Optional[ReplayDecision], bool]:
         """This rank's decision for ``batch`` and whether every rank replays (``agree_step``:
@@ -622,7 +638,10 @@ class BaseCudaGraphRunner(abc.ABC):
     __call__ = forward
 
     def cleanup(self) -> None:
-        """Drop every graph; ``capture()`` may be called again."""
+        """Drop every graph; ``capture()`` may be called again. The model's
+        ``cleanup_cuda_graph_state(mode)`` hook (when present and not None) then drops its
+        per-size state of this runner's forward mode (attention plan buffers), so a
+        recapture builds it afresh."""
         device, module = self._graph_device()
         with device_guard(device, module):
             self.backend.cleanup()
@@ -630,6 +649,9 @@ class BaseCudaGraphRunner(abc.ABC):
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
         self.buffers.reset()
+        drop = getattr(self.model, "cleanup_cuda_graph_state", None)
+        if drop is not None:
+            drop(self.mode)
 
     def _synchronize(self) -> None:
         device, module = self._graph_device()

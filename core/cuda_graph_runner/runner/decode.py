@@ -69,8 +69,10 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         num_tokens_per_req: tokens per request (1 for decode, the draft width for
             target-verify, the block width for DLLM_EXTEND); the token axis holds
             ``batch_size * num_tokens_per_req`` rows.
-        seq_len_fill_value: ``seq_lens`` of padded requests (>= ``num_tokens_per_req``
-            so a padded request's queries always see at least one key).
+        seq_len_fill_value: ``seq_lens`` of padded requests, on the device and in the
+            static batch's ``seq_lens_cpu`` (raised to ``num_tokens_per_req`` so a padded
+            request's queries always see at least one key). None: the model's
+            ``get_cuda_graph_seq_len_fill_value()`` when it has one, else 1.
 
     Padded requests point at request row 0 and KV slot 0, the reserved dummies.
 
@@ -101,7 +103,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         *,
         mode: "ForwardMode | str" = ForwardMode.DECODE,
         num_tokens_per_req: int = 1,
-        seq_len_fill_value: int = 1,
+        seq_len_fill_value: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         mode = as_decode_mode(mode)
@@ -119,6 +121,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             )
         self.mode = mode
         self.num_tokens_per_req = num_tokens_per_req
+        if seq_len_fill_value is None:  # the model's attention says (sglang's fill value), else 1
+            fill_hook = getattr(model, "get_cuda_graph_seq_len_fill_value", None)
+            seq_len_fill_value = int(fill_hook()) if fill_hook is not None else 1
         self.seq_len_fill_value = max(seq_len_fill_value, num_tokens_per_req)
         self._mode_part = "decode" if mode is ForwardMode.DECODE else f"{mode.value}:{num_tokens_per_req}"
         #: The model's own static inputs (None for backend ``disabled``, which has no buffers).
@@ -215,6 +220,11 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         ``seq_lens_cpu``, padded, and ``extra``); the plan of each live size is built once
         (:class:`~cuda_graph_runner.buffers.FusedFill`). The returned static batch is
         reused by later replays of the same size.
+
+        Guarantee to the model's ``init_forward_metadata_replay(static)`` (a plan-based
+        attention plans from it, never from device tensors): ``static.seq_lens_cpu`` is the
+        live batch's host lengths padded to the captured batch size with
+        ``seq_len_fill_value`` (None only when the live batch carries none).
 
         Raises:
             ValueError: more requests than the largest captured size, or a tensor of the

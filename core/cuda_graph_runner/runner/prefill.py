@@ -101,6 +101,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     """
 
     phase: ClassVar[str] = "prefill"
+    mode: ForwardMode = ForwardMode.EXTEND
     default_max_size: ClassVar[int] = 4096
 
     def __init__(

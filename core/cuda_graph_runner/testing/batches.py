@@ -35,9 +35,14 @@ LogitsFn = Callable[[ForwardBatch], torch.Tensor]
 
 
 def eager_logits_fn(model: GraphModel) -> LogitsFn:
-    """``batch -> model.compute_logits(model.forward(batch), batch)`` inside ``forward_context``."""
+    """``batch -> model.compute_logits(model.forward(batch), batch)`` inside ``forward_context``,
+    after the model's eager metadata hook ``init_forward_metadata(batch)`` when it has one
+    (a plan-based attention plans every eager forward, as the runners do)."""
 
     def run(batch: ForwardBatch) -> torch.Tensor:
+        init = getattr(model, "init_forward_metadata", None)
+        if init is not None:
+            init(batch)
         with torch.no_grad(), forward_context(batch):
             return model.compute_logits(model.forward(batch), batch)
 

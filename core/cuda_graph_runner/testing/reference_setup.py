@@ -39,6 +39,7 @@ def reference_model(
     seed: int = 0,
     tp_group: Any = None,
     num_slots: Optional[int] = None,
+    attention: Optional[str] = None,
 ) -> ReferenceLlamaForCausalLM:
     """The reference model of ``preset`` (random weights) with a KV cache attached as
     ``model.kv_cache``.
@@ -50,7 +51,7 @@ def reference_model(
         num_slots: KV slots; default ``requests * context + 1`` (every request at full
             length, plus the reserved slot 0).
         device: None (default): ``cuda`` where CUDA is available, else ``cpu``.
-        dtype, seed, tp_group: as :meth:`ReferenceLlamaForCausalLM.from_preset`.
+        dtype, seed, tp_group, attention: as :meth:`ReferenceLlamaForCausalLM.from_preset`.
 
     Raises:
         KeyError: ``preset`` is not a preset (the message lists them).
@@ -58,7 +59,9 @@ def reference_model(
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = ReferenceLlamaForCausalLM.from_preset(preset, dtype=dtype, device=device, seed=seed, tp_group=tp_group)
+    model = ReferenceLlamaForCausalLM.from_preset(
+        preset, dtype=dtype, device=device, seed=seed, tp_group=tp_group, attention=attention
+    )
     slots = num_slots if num_slots is not None else requests * context + 1
     model.create_kv_cache(num_slots=slots, max_reqs=requests + 1, max_context_len=context)
     return model

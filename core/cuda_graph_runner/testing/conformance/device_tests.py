@@ -25,6 +25,7 @@ DEVICE_TESTS = (
     "test_device_owned_outputs_survive_later_replays",
     "test_device_reference_model_passes_verify_mode",
     "test_device_replay_never_runs_the_capture_batch",
+    "test_device_plan_based_attention_is_planned_before_every_forward",
 )
 
 
@@ -44,16 +45,25 @@ class DeviceConformanceTests:
         def _require_phase(self, phase: str) -> None: ...
         def device_or_skip(self) -> str: ...
         def make_model(
-            self, device_type: str, *, num_slots: int = ..., max_reqs: int = ..., max_context_len: int = ...
+            self,
+            device_type: str,
+            *,
+            num_slots: int = ...,
+            max_reqs: int = ...,
+            max_context_len: int = ...,
+            attention: Any = ...,
         ) -> Any: ...
         def assert_close(self, got: Any, expected: Any, what: str) -> None: ...
 
-    def _decode_runner(self, device: str, max_bs: int, **options: Any) -> Tuple[Any, "DecodeCudaGraphRunner"]:
-        """``(model, runner)``: the kit's model on ``device`` and a decode runner of this
-        backend for it up to ``max_bs`` (``options``: the runner's keyword arguments)."""
+    def _decode_runner(
+        self, device: str, max_bs: int, *, attention: Any = None, **options: Any
+    ) -> Tuple[Any, "DecodeCudaGraphRunner"]:
+        """``(model, runner)``: the kit's model on ``device`` (with the attention backend
+        ``attention``, None: the model's default) and a decode runner of this backend for it
+        up to ``max_bs`` (``options``: the runner's keyword arguments)."""
         from ...runner import DecodeCudaGraphRunner
 
-        model = self.make_model(device)
+        model = self.make_model(device) if attention is None else self.make_model(device, attention=attention)
         config = {"decode": {"backend": self.backend_name, "max_bs": max_bs}}
         return model, DecodeCudaGraphRunner(model, config, show_progress=False, **options)
 
@@ -317,3 +327,49 @@ class DeviceConformanceTests:
             "(docs/plugin-authors.md, 'What a backend gets')"
         )
         self.assert_close(got, expected, "decode batch size 3 (capture-batch check)")
+
+    def test_device_plan_based_attention_is_planned_before_every_forward(self) -> None:
+        """The reference model with a plan-based attention (``planned_standin``, a stand-in
+        that plans on the host as FlashInfer's wrappers do and fails an unplanned or stale
+        forward): every capture, replay and eager fallback is planned first, a replay reads
+        the plan made for it from the padded host lengths (equal to eager, no stale-plan
+        count on the device), and ``cleanup()`` drops the per-size state a recapture
+        builds afresh (once per size)."""
+        self._require_phase("decode")
+        device_type = self.device_or_skip()
+        import torch
+
+        from ...runner import DecodeCudaGraphRunner
+        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+
+        max_bs = min(4, self.decode_max_bs)
+        model = self.make_model(device_type, attention="planned_standin")
+        # One captured size (compiling backends compile once per size): smaller batches pad to it.
+        config = {"decode": {"backend": self.backend_name, "bs": [max_bs]}}
+        runner = DecodeCudaGraphRunner(model, config, show_progress=False)
+        plans = model.attn_backend
+        cache = model.kv_cache
+        eager = eager_logits_fn(model)
+        with torch.no_grad():
+            for round_ in range(2):
+                runner.capture()
+                assert plans.states, "capture ran the model's capture hook (init_forward_metadata_capture) for no size"
+                builds = {key: plans.state_builds[key] for key in plans.states}
+                assert set(builds.values()) == {round_ + 1}, f"per-size state built more than once per size: {builds}"
+                for bs in sorted({max(1, max_bs - 1), max_bs + 1}):  # padded to max_bs; the eager fallback
+                    session = GreedySession(model, cache)
+                    lens = [3 + (i + round_) % 4 for i in range(bs)]
+                    session.prefill(make_dummy_prompts(bs, lens, model.config.vocab_size, seed=10 * round_ + bs))
+                    session.decode()  # requests of different lengths
+                    batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
+                    expected = eager(batch).clone()
+                    before = len(plans.plan_log)
+                    got = runner.forward(batch).clone()
+                    made = [p.kind for p in list(plans.plan_log)[before:]]
+                    want = "eager" if bs > max_bs else "replay"
+                    assert made == [want], f"batch size {bs}: plans made {made}, expected one {want!r} plan"
+                    self.assert_close(got, expected, f"plan-based attention, round {round_}, batch size {bs}")
+                    session.close()
+                plans.check()  # the device-side count of forwards that read a stale plan
+                runner.cleanup()
+                assert not plans.states, "cleanup() left the model's per-size attention state"

@@ -125,12 +125,21 @@ class BackendConformanceTests(DeviceConformanceTests):
         return getattr(torch, self.dtype)
 
     def make_model(
-        self, device_type: str, *, num_slots: int = 1024, max_reqs: int = 16, max_context_len: int = 64
+        self,
+        device_type: str,
+        *,
+        num_slots: int = 1024,
+        max_reqs: int = 16,
+        max_context_len: int = 64,
+        attention: Optional[str] = None,
     ) -> Any:
-        """The reference model with an attached KV cache on ``device_type``."""
+        """The reference model with an attached KV cache on ``device_type`` (``attention``:
+        its attention backend's name, None: ``torch``)."""
         from ..model import ReferenceLlamaForCausalLM
 
-        model = ReferenceLlamaForCausalLM.from_preset(self.model_preset, dtype=self.torch_dtype(), device=device_type)
+        model = ReferenceLlamaForCausalLM.from_preset(
+            self.model_preset, dtype=self.torch_dtype(), device=device_type, attention=attention
+        )
         model.create_kv_cache(num_slots=num_slots, max_reqs=max_reqs, max_context_len=max_context_len)
         return model
 

@@ -45,14 +45,14 @@ def reference_llama_attention(
     Raises:
         RuntimeError: no forward batch is set, or an EXTEND batch lacks lengths.
     """
-    call = _Call(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, get_forward_batch())
+    call = AttentionCall(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, get_forward_batch())
     if call.batch.forward_mode.is_decode_like():
         _decode_attention(call, last_layer)
     else:
         _extend_attention(call)
 
 
-class _Call(NamedTuple):
+class AttentionCall(NamedTuple):
     """One call's arguments (see :func:`reference_llama_attention`) and the live batch."""
 
     output: torch.Tensor
@@ -65,7 +65,7 @@ class _Call(NamedTuple):
     batch: ForwardBatch
 
 
-def _decode_attention(call: _Call, last_layer: bool) -> None:
+def _decode_attention(call: AttentionCall, last_layer: bool) -> None:
     output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch = call
     # Capture-safe: every shape comes from tensor shapes and the static width; every
     # value from device tensors. The whole max_context_len is gathered and masked.
@@ -119,7 +119,7 @@ def _decode_metadata(
     return slots, mask
 
 
-def _extend_attention(call: _Call) -> None:
+def _extend_attention(call: AttentionCall) -> None:
     output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, batch = call
     ext = batch.extend_seq_lens_cpu
     pre = batch.extend_prefix_lens_cpu

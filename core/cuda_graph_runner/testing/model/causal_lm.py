@@ -1,7 +1,7 @@
 """The reference causal LM: :class:`ReferenceLlamaForCausalLM`, the model protocol the
 runners drive (forward over a batch, logits, capture/replay hooks) over its KV cache."""
 
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -11,11 +11,21 @@ from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ...runner.static_inputs import StaticInput
 from ..kv_cache import PagedKVCache
 from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
+from .attention_backend import AttentionBackend, make_attention_backend
 from .config import PRESETS, ModelConfig
 from .layers import _Backbone, _Linear
 from .loading import HFCheckpointMixin
 from .lora import LORA, LORA_IDS, LORA_TARGETS, NOLORA, LoRAAdapters, host_adapter_ids, token_adapter_mask
 from .rope import compute_inv_freq
+
+#: The model hooks the runners call (:mod:`cuda_graph_runner.model_protocol`) and the
+#: attention backend's method each one is.
+_ATTENTION_HOOKS = {
+    "init_forward_metadata": "init_forward_metadata",
+    "init_forward_metadata_capture": "init_forward_metadata_capture_cuda_graph",
+    "init_forward_metadata_replay": "init_forward_metadata_replay_cuda_graph",
+    "cleanup_cuda_graph_state": "cleanup_cuda_graph_state",
+}
 
 
 class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
@@ -29,6 +39,9 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             parallelism (this rank's shard of heads, MLP and vocab; see
             :mod:`cuda_graph_runner.testing.tensor_parallel`), or None for one process.
             Runners read it as ``model.tp_group``.
+        attention: the attention backend's name
+            (:data:`~.attention_backend.ATTENTION_BACKENDS`: ``"torch"``, ``"planned_standin"``);
+            None: :data:`~.attention_backend.DEFAULT_ATTENTION` (``"torch"``, on every device).
 
     Parameters start uninitialised: use :meth:`from_preset`, :meth:`from_config`
     (random weights) or :meth:`from_pretrained` (a checkpoint).
@@ -37,6 +50,14 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         config: the :class:`ModelConfig`.
         kv_cache: the attached :class:`PagedKVCache`, or ``None``.
         num_lora_adapters: adapters added by :meth:`add_lora_adapters` (0: none).
+        attn_backend: the :class:`~.attention_backend.AttentionBackend` every layer calls.
+        init_forward_metadata, init_forward_metadata_capture, init_forward_metadata_replay,
+        cleanup_cuda_graph_state: the runner's hooks (:mod:`cuda_graph_runner.model_protocol`),
+            the attention backend's methods; None when it plans nothing (``torch``). A
+            subclass that defines one of them as a method keeps its own.
+
+    Raises:
+        ValueError: ``attention`` names no attention backend (lists the accepted ones).
 
     LoRA (:mod:`.lora`): after :meth:`add_lora_adapters`, a batch's
     ``extra["lora_adapter_ids"]`` (``[batch_size]``, ``-1`` = none) picks each request's
@@ -46,6 +67,11 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
     """
 
     inv_freq: torch.Tensor  # a buffer (register_buffer in __init__)
+    attn_backend: AttentionBackend
+    init_forward_metadata: Optional[Callable[[ForwardBatch], None]]
+    init_forward_metadata_capture: Optional[Callable[[ForwardBatch], None]]
+    init_forward_metadata_replay: Optional[Callable[[ForwardBatch], None]]
+    cleanup_cuda_graph_state: Optional[Callable[..., None]]
 
     def __init__(
         self,
@@ -54,13 +80,21 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
         tp_group: Any = None,
+        attention: Optional[str] = None,
     ):
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.tp_group = tp_group
         self.tp_layout = TPLayout.of(config, tp_group)  # raises ValueError when the heads do not split
-        self.model = _Backbone(config, dtype, device, tp_group)
+        backend = make_attention_backend(attention)  # raises ValueError for an unknown name
+        self.attn_backend = backend
+        # The runner's metadata hooks, or None when the attention plans nothing (``torch``):
+        # then the replay path costs the runner one None check. A subclass's own method wins.
+        for hook, method in _ATTENTION_HOOKS.items():
+            if getattr(type(self), hook, None) is None:
+                setattr(self, hook, getattr(backend, method) if backend.plans else None)
+        self.model = _Backbone(config, dtype, device, tp_group, backend)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -91,13 +125,14 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         seed: int = 0,
         std: float = 0.02,
         tp_group: Any = None,
+        attention: Optional[str] = None,
     ) -> "ReferenceLlamaForCausalLM":
         """A model with random weights: normal(0, ``std``) matrices and biases, unit norms.
 
         The same seed on the same device type gives the same weights; with ``tp_group``
-        each rank holds its shard of those same weights.
+        each rank holds its shard of those same weights. ``attention``: as the class's.
         """
-        model = cls(config, dtype=dtype, device=device, tp_group=tp_group)
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group, attention=attention)
         model.init_random_weights(seed=seed, std=std)
         return model
 
@@ -105,7 +140,8 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
     def from_preset(cls, name: str, **options: Any) -> "ReferenceLlamaForCausalLM":
         """A model of a :data:`PRESETS` shape with random weights: :meth:`from_config`
         of ``PRESETS[name]`` with the same keyword ``options`` (``dtype``, ``device``,
-        ``seed``, ``std``, ``tp_group``; by default float32 on the CPU, seed 0, std 0.02).
+        ``seed``, ``std``, ``tp_group``, ``attention``; by default float32 on the CPU, seed 0,
+        std 0.02, ``torch`` attention).
 
         Raises:
             KeyError: ``name`` is not a preset (the message lists them).
@@ -281,11 +317,9 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
 
     # -- protocol ----------------------------------------------------------------------
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        """Hook before capturing ``batch``'s shape: nothing to prepare (metadata is read live)."""
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        """Hook before replaying with ``batch``: nothing to prepare."""
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """``seq_lens`` of padded requests in decode graphs: the attention backend's."""
+        return self.attn_backend.get_cuda_graph_seq_len_fill_value()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the decoder on ``batch``; writes this step's K/V into ``self.kv_cache``.

@@ -9,7 +9,7 @@ from torch import nn
 from ...forward_batch import ForwardBatch
 from ..kv_cache import PagedKVCache
 from ..tensor_parallel import RowParallelLinear, TPLayout, VocabParallelEmbedding
-from .attention import reference_llama_attention
+from .attention_backend import AttentionBackend, TorchAttention
 from .config import ModelConfig
 from .rope import _rotate_half
 
@@ -55,9 +55,18 @@ class _RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp=None,
+        attn_backend: "AttentionBackend | None" = None,
+    ):
         super().__init__()
         self.layer_id = layer_id
+        self.attn_backend = attn_backend if attn_backend is not None else TorchAttention()
         lay = TPLayout.of(config, tp)  # this rank's heads (all of them without TP)
         self.num_heads = lay.local_heads
         self.num_kv_heads = lay.local_kv_heads
@@ -94,7 +103,7 @@ class _Attention(nn.Module):
         k_cache[batch.out_cache_loc] = k
         v_cache[batch.out_cache_loc] = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = torch.empty(t, self.q_size, dtype=x.dtype, device=x.device)
-        reference_llama_attention(
+        self.attn_backend.forward(
             out,
             q.reshape(t, self.q_size),
             k_cache,
@@ -124,9 +133,11 @@ class _MLP(nn.Module):
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None, attn_backend=None
+    ):
         super().__init__()
-        self.self_attn = _Attention(config, layer_id, dtype, device, tp)
+        self.self_attn = _Attention(config, layer_id, dtype, device, tp, attn_backend)
         self.mlp = _MLP(config, dtype, device, tp)
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -137,7 +148,7 @@ class _DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None, attn_backend=None):
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True)
@@ -145,6 +156,6 @@ class _Backbone(nn.Module):
             else VocabParallelEmbedding(TPLayout.of(config, tp), config.hidden_size, dtype, device, tp)
         )
         self.layers = nn.ModuleList(
-            _DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers)
+            _DecoderLayer(config, i, dtype, device, tp, attn_backend) for i in range(config.num_hidden_layers)
         )
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

@@ -3,7 +3,7 @@ the fused parameters of :class:`~cuda_graph_runner.testing.model.ReferenceLlamaF
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import torch
 
@@ -34,8 +34,10 @@ class HFCheckpointMixin:
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
         tp_group: Any = None,
+        attention: Optional[str] = None,
     ) -> "ReferenceLlamaForCausalLM":
-        """Load a Hugging Face checkpoint directory.
+        """Load a Hugging Face checkpoint directory (``attention``: the attention backend's
+        name, as the model class takes it).
 
         Reads ``config.json`` and either ``model.safetensors`` or the shards listed in
         ``model.safetensors.index.json``; q/k/v and gate/up weights are fused. A
@@ -68,7 +70,7 @@ class HFCheckpointMixin:
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
-        model: Any = cls(config, dtype=dtype, device=device, tp_group=tp_group)  # type: ignore[call-arg]  # the class mixed into provides __init__
+        model: Any = cls(config, dtype=dtype, device=device, tp_group=tp_group, attention=attention)  # type: ignore[call-arg]  # the class mixed into provides __init__
         targets = model._hf_targets()
         ignored = {k for k in weight_map if k.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:
