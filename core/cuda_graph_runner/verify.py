@@ -104,13 +104,19 @@ def policy_from(phase_config: Any) -> Optional[VerifyPolicy]:
 
 
 def _leaf_diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Tuple[bool, float]:
+    """``(ok, max abs difference)`` of two same-shape tensors, elementwise
+    ``|a - b| <= atol + rtol * |b|`` between finite values. Equal values match, equal
+    infinities (a masked vocabulary's -inf logits) and NaN on both sides included; an
+    infinity or NaN on one side only is a mismatch (difference inf), never within
+    tolerance (``rtol * inf`` would admit anything)."""
     if a.numel() == 0:
         return True, 0.0
     x = a.detach().to(torch.float64).cpu()
     y = b.detach().to(torch.float64).cpu()
-    both_nan = torch.isnan(x) & torch.isnan(y)
-    diff = (x - y).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
-    ok = bool((diff <= atol + rtol * y.abs().nan_to_num(nan=0.0)).all())
+    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+    diff = (x - y).abs().masked_fill(same, 0.0).nan_to_num(nan=math.inf, posinf=math.inf)
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    ok = bool((same | (finite & (diff <= atol + rtol * y.abs()))).all())
     return ok, float(diff.max())
 
 
