@@ -323,3 +323,21 @@ def test_compare_outputs_infinities():
         assert not ok and diff == inf and where.startswith("output")
     ok, diff, _ = compare_outputs(torch.tensor([inf]), torch.tensor([-inf]), 1.0, 1.0)
     assert not ok and diff == inf
+
+
+class BatchMeanModel(ToyModel):
+    """Breaks the model contract: every row is centred on the mean over the batch's rows."""
+
+    def forward(self, batch):
+        hidden = super().forward(batch)
+        return hidden - hidden.mean(dim=0, keepdim=True)
+
+
+def test_verify_names_a_batch_wide_op_among_the_causes():
+    runner = decode_runner(BatchMeanModel(), RecordingBackend("cpu", phase="decode"), verify=True)
+    with torch.no_grad():
+        runner.capture()
+        runner.forward(decode_batch(4))  # no padded row: the mean is the batch's own
+        with pytest.raises(CudaGraphVerifyError) as info:
+            runner.forward(decode_batch(3))  # padded to 4: the dummy row enters the mean
+    assert "rows must be independent" in str(info.value) and "a mean or a norm over the batch" in str(info.value)

@@ -52,6 +52,8 @@ CAUSES = (
     "tensors allocated outside the static buffers and the graph (a new tensor per step that the graph does not read)",
     "random ops (dropout, sampling) whose generator state is frozen at capture",
     "a forward whose side effects are not idempotent for a repeated step (verify runs it twice)",
+    "an op across the batch's rows (a mean or a norm over the batch, batch statistics): rows must be "
+    "independent, as the replay's padded rows enter such an op and change the live ones",
 )
 
 __all__ = [
