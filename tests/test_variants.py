@@ -245,3 +245,16 @@ def test_a_model_returning_an_undeclared_variant_is_named():
     runner.capture(sizes=[1])
     with pytest.raises(ValueError, match=r"graph_variant\(batch\) returned 'turbo'"):
         runner.forward(decode_batch(1))
+
+
+def test_model_input_of_another_dtype_kind_is_refused_not_cast():
+    runner = make_runner()
+    runner.capture(sizes=[4])
+    tag = torch.tensor([[1.5, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    with pytest.raises(ValueError, match=r"static input 'tag': extra\['tag'\] is torch.float32, expected torch.int64"):
+        runner.replay(with_inputs(decode_batch(3), tag=tag))
+    with pytest.raises(ValueError, match=r"host list extra\['tag'\] is torch.float32, expected torch.int64"):
+        runner.replay(with_inputs(decode_batch(3), tag=tag.tolist()))
+    # Python ints for a float input are exact: accepted, as integer tensors of another width are.
+    runner.replay(with_inputs(decode_batch(3), boost=[1, 0, 2], tag=torch.ones(3, 2, dtype=torch.int32)))
+    assert runner.buffers["boost"][:4].tolist() == [1.0, 0.0, 2.0, 0.0] and runner.buffers["tag"][:3].eq(1).all()

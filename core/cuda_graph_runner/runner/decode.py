@@ -217,8 +217,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         reused by later replays of the same size.
 
         Raises:
-            ValueError: more requests than the largest captured size, or a tensor of the
-                batch without the rows its axis needs.
+            ValueError: more requests than the largest captured size, a tensor of the
+                batch without the rows its axis needs, or of another dtype kind than its
+                slot (float ``input_ids``: names the field and both dtypes).
         """
         raw_bs = batch.req_pool_indices.shape[0]
         plan = self._replay_plans.get(raw_bs)

@@ -219,8 +219,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         size). The plan of each token count is built once.
 
         Raises:
-            ValueError: more tokens than the largest captured size, or a token tensor
-                without ``num_tokens`` rows.
+            ValueError: more tokens than the largest captured size, a token tensor
+                without ``num_tokens`` rows, or of another dtype kind than its slot (float
+                ``input_ids``: names the field and both dtypes).
         """
         tokens = batch.input_ids.shape[0]
         plan = self._replay_plans.get(tokens)
