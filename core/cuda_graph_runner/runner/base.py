@@ -167,6 +167,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self._keys: Dict[int, ShapeKey] = {}
         self._targets: Dict[int, Tuple[int, ShapeKey]] = {}  # live size -> (padded, key)
         self._key_objects: Dict[ShapeKey, ShapeKey] = {}  # see same_key
+        #: ``(batch, variant)`` while ``forward`` replays the batch it decided (see forward).
+        self._decided: Optional[Tuple[ForwardBatch, str]] = None
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
         self.stats = RunStats()
         self.capture_seconds: Optional[float] = None
@@ -245,10 +247,11 @@ class BaseCudaGraphRunner(abc.ABC):
         if size <= 0 or size > self.max_size:
             return None
         padded, _ = self.replay_target(size)
-        key = self.key_for_batch(batch, padded)  # the batch's variant (decode runner) included
+        variant = self.variant_of(batch)
+        key = self.variant_key(padded, variant)
         if not self.backend.can_run(batch, key):
             return None
-        return ReplayDecision(size, padded, key)
+        return ReplayDecision(size, padded, key, variant)
 
     def replay_target(self, size: int) -> Tuple[int, ShapeKey]:
         """``(padded size, key)`` of live size ``size``: computed on its first batch, then
@@ -295,9 +298,18 @@ class BaseCudaGraphRunner(abc.ABC):
         """The ``ShapeKey`` of captured size ``size`` in ``variant`` (``""``: :meth:`make_key`)."""
         return self.make_key(size)
 
+    def variant_of(self, batch: ForwardBatch) -> str:
+        """The graph variant a live ``batch`` replays (``""``: one graph per size). Asked
+        afresh for every call: a batch object refreshed in place may need another one."""
+        return ""
+
+    def variant_key(self, padded: int, variant: str) -> ShapeKey:
+        """The key of captured size ``padded`` in ``variant`` (``""``: :meth:`plain_key`)."""
+        return self.plain_key(padded)
+
     def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
         """The key a live ``batch`` padded to ``padded`` replays (its variant included)."""
-        return self.plain_key(padded)
+        return self.variant_key(padded, self.variant_of(batch))
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
@@ -547,7 +559,14 @@ class BaseCudaGraphRunner(abc.ABC):
                 run = self.tp_group.agree_step(decision.size if decision else self.size_of(batch), run)
             if run and decision is not None:  # all ranks replay only if every rank can
                 self.stats.record_replay(decision.size)
-                return self.replay(batch)
+                # The variant decided for this batch, read by replay_prepare during this
+                # call only: nothing can refresh the batch in between, and no batch is
+                # kept past its step (a can_run then replay asks the model again).
+                self._decided = (batch, decision.variant)
+                try:
+                    return self.replay(batch)
+                finally:
+                    self._decided = None
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
             return self.eager_forward(batch)
 

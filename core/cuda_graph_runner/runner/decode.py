@@ -130,9 +130,6 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         declared = model_variants(model) if self.variants != [""] else None
         self._select_variant = VariantSelector(model, declared, where)
         self._variant_keys: Dict[Tuple[int, str], ShapeKey] = {}
-        # The variant can_run picked for the batch it was asked about, reused by
-        # replay_prepare for that same batch object (the model is asked once per step).
-        self._variant_memo: Optional[Tuple[ForwardBatch, str]] = None
 
     # -- policy ------------------------------------------------------------------------
     def get_sizes_to_capture(self) -> List[int]:
@@ -159,19 +156,11 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         return self.variants
 
     def variant_of(self, batch: ForwardBatch) -> str:
-        """The variant a live ``batch`` replays (``model.graph_variant(batch)``; ``""``
-        without variants)."""
-        memo = self._variant_memo
-        if memo is not None and memo[0] is batch:
-            return memo[1]
+        """The variant a live ``batch`` replays (``model.graph_variant(batch)``, asked on
+        every call; ``""`` without variants)."""
         return self._select_variant(batch)
 
-    def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
-        variant = self._select_variant(batch)
-        self._variant_memo = (batch, variant)
-        return self._variant_key(padded, variant)
-
-    def _variant_key(self, padded: int, variant: str) -> ShapeKey:
+    def variant_key(self, padded: int, variant: str) -> ShapeKey:
         """The key of captured size ``padded`` in ``variant``, made once per pair (``""``:
         the key ``replay_target`` made), so ``decide`` and ``replay_prepare`` share it."""
         if not variant:
@@ -226,9 +215,9 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         if plan is None:
             plan = self._replay_plan(raw_bs)
         static, fill, bs = plan
-        variant = self.variant_of(batch)
-        self._variant_memo = None  # never keep a live batch alive past its step
-        key = self._variant_key(bs, variant)
+        decided = self._decided  # forward's decision for this very batch: the model is asked once
+        variant = decided[1] if decided is not None and decided[0] is batch else self._select_variant(batch)
+        key = self.variant_key(bs, variant)
         fill((batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
         seq_lens_cpu = batch.seq_lens_cpu
         if seq_lens_cpu is not None and len(seq_lens_cpu) < bs:
