@@ -470,6 +470,26 @@ def test_backend_argument_of_another_type_is_refused(bad, expected):
     assert "backend name" in str(info.value) and "instance" in str(info.value)
 
 
+class ScaledToy(ToyModel):
+    def compute_logits(self, hidden, batch):
+        return 2.0 * super().compute_logits(hidden, batch)
+
+
+def test_a_backend_instance_another_runner_owns_is_refused_naming_both():
+    backend = RecordingBackend("cpu")
+    first = DecodeCudaGraphRunner(ToyModel(), {"decode": {"bs": [4]}}, device="cpu", backend=backend)
+    first.capture()
+    expected = first.forward(decode_batch(3)).clone()
+    for phase, cls in (("decode", DecodeCudaGraphRunner), ("prefill", PrefillCudaGraphRunner)):
+        with pytest.raises(ValueError, match="already belongs to") as info:
+            cls(ScaledToy(), {phase: {"bs": [4]}}, device="cpu", backend=backend)
+        text = str(info.value)
+        assert f"DecodeCudaGraphRunner(decode, model ToyModel) at {id(first):#x}" in text, text
+        assert f"{cls.__name__}({phase}, model ScaledToy)" in text and "its own instance" in text
+    assert backend.capture_plan.model is first.model  # untouched: the first runner replays its own model
+    torch.testing.assert_close(first.forward(decode_batch(3)), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "mode,width,expected",
     [

@@ -1,8 +1,10 @@
 """Checks of a runner's constructor arguments: the device to capture on, the backend
-argument. (The config argument is converted by :func:`cuda_graph_runner.config.as_config`.)"""
+argument and who owns a backend instance. (The config argument is converted by
+:func:`cuda_graph_runner.config.as_config`.)"""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -43,3 +45,37 @@ def check_backend_arg(backend: Any) -> None:
     if isinstance(backend, type) and issubclass(backend, BaseCudaGraphBackend):
         raise TypeError(f"backend={backend.__name__} is a backend class, not an instance; pass {accepted}")
     raise TypeError(f"backend={backend!r} ({type(backend).__name__}) is not accepted; pass {accepted}")
+
+
+#: Where a backend instance keeps a weak reference to the runner that owns it.
+_OWNER = "_cuda_graph_runner_owner"
+
+
+def describe_runner(runner: Any) -> str:
+    """``"DecodeCudaGraphRunner(decode, model ToyModel) at 0x7f.."``: names one runner in errors."""
+    mode = getattr(runner, "mode", None)
+    what = getattr(mode, "value", None) or getattr(runner, "phase", "?")
+    return f"{type(runner).__name__}({what}, model {type(getattr(runner, 'model', None)).__name__}) at {id(runner):#x}"
+
+
+def claim_backend(backend: BaseCudaGraphBackend, runner: Any) -> None:
+    """Make ``runner`` the owner of ``backend`` (a weak reference: a runner that is gone
+    owns nothing; one that captured lives as long as the backend, which keeps its plan).
+    A backend holds one runner's capture plan, graphs and outputs, so a
+    second runner on the same instance would make the first replay with the second's
+    model and plan.
+
+    Raises:
+        ValueError: another live runner owns ``backend`` (names both runners).
+    """
+    ref = backend.__dict__.get(_OWNER)
+    owner = ref() if ref is not None else None
+    if owner is not None and owner is not runner:
+        label = backend.name or type(backend).__name__
+        raise ValueError(
+            f"backend instance {label!r} ({type(backend).__name__} at {id(backend):#x}) already belongs to "
+            f"{describe_runner(owner)}; {describe_runner(runner)} cannot use it too: a backend keeps one runner's "
+            "capture plan and graphs. Give each runner its own instance (build another one, or pass a backend "
+            "name)"
+        )
+    backend.__dict__[_OWNER] = weakref.ref(runner)

@@ -30,7 +30,7 @@ from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
 from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
-from .arguments import check_backend_arg, model_device
+from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
 from .decision import ReplayDecision
@@ -91,9 +91,13 @@ class BaseCudaGraphRunner(abc.ABC):
         capture. Capture and replay run under ``torch.no_grad()``: outputs carry no
         ``grad_fn``, whatever the caller's grad mode.
 
+    A backend instance belongs to one runner (it holds that runner's capture plan and
+    graphs): passing one that another live runner holds is refused.
+
     Raises:
         TypeError: ``backend`` is not an instance, a name or None; ``owned_outputs`` not
             a bool or None.
+        ValueError: ``backend`` is an instance another live runner owns (names both).
         ValueError: ``device`` is None and the model has no parameters or buffers.
         cuda_graph_runner.errors.UnknownBackendError and friends, from resolution.
     """
@@ -138,6 +142,7 @@ class BaseCudaGraphRunner(abc.ABC):
                     f"backend {backend.name!r} is on {theirs} but the runner's device is {self.device}: "
                     f"build the backend with device={str(self.device)!r} or pass device={str(theirs)!r}"
                 )
+            claim_backend(backend, self)  # before anything touches it
             self.backend = backend
         else:
             from ..registry import get_registry
@@ -146,6 +151,7 @@ class BaseCudaGraphRunner(abc.ABC):
             # The whole config, not the PhaseConfig: option checks at resolve need its sources.
             selection = self.config.with_phase(self.phase, backend=backend) if isinstance(backend, str) else self.config
             self.backend = get_registry().resolve(self.phase, selection, device=self.device)
+            claim_backend(self.backend, self)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
         from ..verify import Verifier, policy_from
