@@ -34,7 +34,7 @@ from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
 from .decision import ReplayDecision
-from .sizes import get_batch_sizes_to_capture, pad_list, slice_rows
+from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
 # Re-exported: the subclasses and callers import these from here.
@@ -173,6 +173,10 @@ class BaseCudaGraphRunner(abc.ABC):
         self._keys: Dict[int, ShapeKey] = {}
         self._targets: Dict[int, Tuple[int, ShapeKey]] = {}  # live size -> (padded, key)
         self._key_objects: Dict[ShapeKey, ShapeKey] = {}  # see same_key
+        # Per captured key: what each output tensor's leading dimension counts
+        # (sizes.output_layout), learnt at capture; the last one looked up, by identity.
+        self._output_layouts: Dict[ShapeKey, tuple] = {}
+        self._last_layout: Tuple[Any, tuple] = (None, ())
         #: ``(batch, variant)`` while ``forward`` replays the batch it decided (see forward).
         self._decided: Optional[Tuple[ForwardBatch, str]] = None
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
@@ -216,8 +220,42 @@ class BaseCudaGraphRunner(abc.ABC):
         """What one graph records: the model on ``batch`` (inside the forward context)."""
 
     @abc.abstractmethod
-    def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
-        """Turn a replay's output into the live batch's output (slice off the padding)."""
+    def finish_output(
+        self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch, key: Optional[ShapeKey] = None
+    ) -> Any:
+        """Turn a replay of ``key`` into the live batch's output (cut off the padding:
+        :meth:`live_rows`)."""
+
+    def output_rows(self, size: int) -> Tuple[int, Optional[int]]:
+        """``(tokens, requests)`` a graph of captured size ``size`` holds along its outputs'
+        leading dimension (requests None: the graph has no request axis)."""
+        return size, None
+
+    def _output_layout(self, output: Any, size: int, where: str) -> tuple:
+        tokens, requests = self.output_rows(size)
+        return output_layout(output, tokens=tokens, requests=requests, where=where)
+
+    def live_rows(self, graph_output: Any, key: Optional[ShapeKey], padded: int, tokens: int, requests: int) -> Any:
+        """``graph_output`` of ``key`` (captured size ``padded``) cut to a live batch of
+        ``tokens`` tokens and ``requests`` requests, each tensor by what its leading
+        dimension counts (learnt at capture; a backend that never ran the capture's
+        forward gets it learnt from this first output).
+
+        Raises:
+            OutputRowsError: (first replay of such a backend) a tensor leading with
+                neither count.
+        """
+        last = self._last_layout
+        if last[0] is key and key is not None:
+            layout = last[1]
+        else:
+            layout = self._output_layouts.get(key) if key is not None else None
+            if layout is None:
+                layout = self._output_layout(graph_output, padded, f"{self.phase} graph output")
+                if key is not None:
+                    self._output_layouts[key] = layout
+            self._last_layout = (key, layout)
+        return slice_output(graph_output, layout, tokens, requests)
 
     @abc.abstractmethod
     def eager_forward(self, batch: ForwardBatch) -> Any:
@@ -492,6 +530,8 @@ class BaseCudaGraphRunner(abc.ABC):
                 output = self.graph_forward(batch)
             # Checked on the first (warm-up) run, before anything is recorded.
             check_structure(output, where=where)
+            self._output_layouts[key] = self._output_layout(output, size, where)
+            self._last_layout = (None, ())
             return output
 
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
@@ -528,7 +568,7 @@ class BaseCudaGraphRunner(abc.ABC):
             key, static_batch = self.replay_prepare(batch)
             with forward_context(static_batch), self.backend.replay_session():
                 output = self.backend.replay(key, static_batch)
-            result = self.finish_output(output, batch, static_batch)
+            result = self.finish_output(output, batch, static_batch, key)
             if self.verifier is not None:
                 self.verifier.after_replay(
                     self.backend, self.model, key, static_batch, result, lambda: self.eager_forward(batch)
@@ -592,6 +632,8 @@ class BaseCudaGraphRunner(abc.ABC):
             if device.type != "cpu":
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
+        self._output_layouts.clear()
+        self._last_layout = (None, ())
         self.buffers.reset()
 
     def _synchronize(self) -> None:

@@ -14,7 +14,7 @@ from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
 from ..model_protocol import GraphModel
-from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
+from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list
 from .static_inputs import ModelStaticInputs, declared_static_inputs
 from .variants import VariantSelector, compose_key_variant, model_variants, resolve_variants
 
@@ -254,8 +254,16 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return self.model.compute_logits(self.model.forward(batch), batch)
 
-    def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
-        return slice_rows(graph_output, batch.num_tokens)
+    def output_rows(self, size: int) -> Tuple[int, Optional[int]]:
+        return size * self.num_tokens_per_req, size
+
+    def finish_output(
+        self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch, key: Optional[ShapeKey] = None
+    ) -> Any:
+        # Per-token tensors [bs * w, ...] to the live tokens, per-request ones [bs, ...]
+        # to the live requests (TARGET_VERIFY / DLLM_EXTEND may return both).
+        bs = batch.req_pool_indices.shape[0]
+        return self.live_rows(graph_output, key, static_batch.req_pool_indices.shape[0], batch.num_tokens, bs)
 
     def eager_forward(self, batch: ForwardBatch) -> Any:
         with forward_context(batch):
