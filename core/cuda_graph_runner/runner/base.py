@@ -26,7 +26,7 @@ from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TPGroup, tp_capture_step
 from ..forward_batch import ForwardBatch
 from ..forward_context import forward_context
-from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
+from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard, missing_extra_error
 from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
@@ -177,6 +177,9 @@ class BaseCudaGraphRunner(abc.ABC):
         # (sizes.output_layout), learnt at capture; the last one looked up, by identity.
         self._output_layouts: Dict[ShapeKey, tuple] = {}
         self._last_layout: Tuple[Any, tuple] = (None, ())
+        # The ``extra`` keys the captured forward looked up and did not find (host_guard):
+        # a live batch holding one would replay what the model did without it.
+        self._missing_extra: set = set()
         #: ``(batch, variant)`` while ``forward`` replays the batch it decided (see forward).
         self._decided: Optional[Tuple[ForwardBatch, str]] = None
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
@@ -417,7 +420,12 @@ class BaseCudaGraphRunner(abc.ABC):
             scope = self.host_value_guard_scope()
             # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
             with (
-                host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF),
+                host_value_guard(
+                    self._backend_label(),
+                    self.phase,
+                    scope if scope == SCOPE_TRACE else SCOPE_OFF,
+                    self._missing_extra,
+                ),
                 progress.step(
                     f"prepare {self.phase} ({self.backend.name}), compile included",
                     f"prepared {self.phase} ({self.backend.name})",
@@ -526,7 +534,10 @@ class BaseCudaGraphRunner(abc.ABC):
 
         def forward_fn() -> Any:
             # The guard covers warm-ups too: a read there is a read in the recorded run.
-            with forward_context(batch), host_value_guard(self._backend_label(), self.phase, scope):
+            with (
+                forward_context(batch),
+                host_value_guard(self._backend_label(), self.phase, scope, self._missing_extra),
+            ):
                 output = self.graph_forward(batch)
             # Checked on the first (warm-up) run, before anything is recorded.
             check_structure(output, where=where)
@@ -558,12 +569,20 @@ class BaseCudaGraphRunner(abc.ABC):
             KeyError: no graph for its padded size (call ``can_run`` first).
             cuda_graph_runner.errors.CudaGraphVerifyError: verify mode is on and this replay
                 differs from the backend's reference on the same batch.
+            cuda_graph_runner.errors.CudaGraphHostValueError: the batch's ``extra`` holds a
+                key the captured forward looked up and did not find (named): the graph
+                would replay what the model did without it.
         """
         device, module = self._graph_device()
         # On the caller's current stream of the runner's device: no synchronize here, so
         # an engine overlapping the next batch's preparation keeps its stream order.
         # forward() already entered no_grad; entering it again costs microseconds per step.
         grad_off = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+        if self._missing_extra:  # empty unless the captured forward looked up a key it lacked
+            extra = batch.extra
+            for name in self._missing_extra:
+                if name in extra:
+                    raise missing_extra_error(name, self._backend_label(), self.phase)
         with device_guard(device, module), grad_off:
             key, static_batch = self.replay_prepare(batch)
             with forward_context(static_batch), self.backend.replay_session():
@@ -632,6 +651,7 @@ class BaseCudaGraphRunner(abc.ABC):
             if device.type != "cpu":
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
+        self._missing_extra.clear()
         self._output_layouts.clear()
         self._last_layout = (None, ())
         self.buffers.reset()
