@@ -101,9 +101,7 @@ _local = _Local()
 
 
 @contextlib.contextmanager
-def host_value_guard(
-    backend: str, phase: str, scope: str, missing_extra: Optional[set] = None
-) -> Iterator[None]:
+def host_value_guard(backend: str, phase: str, scope: str, missing_extra: Optional[set] = None) -> Iterator[None]:
     """Guard host reads of static batches in this thread for the block (the runner's job).
 
     Args:

@@ -250,13 +250,15 @@ class BaseCudaGraphRunner(abc.ABC):
         """
         last = self._last_layout
         if last[0] is key and key is not None:
-            layout = last[1]
+            layout: tuple = last[1]
         else:
-            layout = self._output_layouts.get(key) if key is not None else None
-            if layout is None:
+            known = self._output_layouts.get(key) if key is not None else None
+            if known is None:
                 layout = self._output_layout(graph_output, padded, f"{self.phase} graph output")
                 if key is not None:
                     self._output_layouts[key] = layout
+            else:
+                layout = known
             self._last_layout = (key, layout)
         return slice_output(graph_output, layout, tokens, requests)
 
