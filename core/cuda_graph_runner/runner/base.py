@@ -88,7 +88,12 @@ class BaseCudaGraphRunner(abc.ABC):
         size per step). Eager-fallback outputs are the model's own fresh tensors either
         way. Outputs may be tensors or tensors nested in tuples, NamedTuples, lists, dicts
         and dataclasses (:mod:`cuda_graph_runner.nested`); anything else is rejected at
-        capture. Capture and replay run under ``torch.no_grad()``: outputs carry no
+        capture. Each output tensor leads with the padded token count (one row per token)
+        or, in the decode runner, the padded batch size (one row per request: a
+        TARGET_VERIFY output beside its per-token logits); a replay cuts each to the live
+        tokens or requests, and a tensor leading with neither is rejected at capture
+        (:class:`~cuda_graph_runner.runner.sizes.OutputRowsError`); 0-d tensors pass as
+        they are. Capture and replay run under ``torch.no_grad()``: outputs carry no
         ``grad_fn``, whatever the caller's grad mode.
 
     A backend instance belongs to one runner (it holds that runner's capture plan and
@@ -390,6 +395,9 @@ class BaseCudaGraphRunner(abc.ABC):
                 done, the pool so far and the fixes). Captured sizes stay usable.
             cuda_graph_runner.nested.UnsupportedStructureError: the forward returns a type
                 the runner cannot slice or copy (named, with its place in the output).
+            cuda_graph_runner.runner.sizes.OutputRowsError: (a ``ValueError``) an output
+                tensor leads with neither the padded token count nor the padded batch
+                size (named by its place in the output).
         """
         if isinstance(sizes, int):
             sizes = [sizes]
