@@ -571,6 +571,16 @@ def test_a_backend_instance_another_runner_owns_is_refused_naming_both():
         assert f"{cls.__name__}({phase}, model ScaledToy)" in text and "its own instance" in text
     assert backend.capture_plan.model is first.model  # untouched: the first runner replays its own model
     torch.testing.assert_close(first.forward(decode_batch(3)), expected, rtol=0, atol=0)
+    # Once the first runner dropped its graphs another may take the instance; the first
+    # is then refused at its next capture.
+    first.cleanup()
+    second = DecodeCudaGraphRunner(ScaledToy(), {"decode": {"bs": [4]}}, device="cpu", backend=backend)
+    second.capture()
+    with pytest.raises(
+        ValueError, match=f"already belongs to DecodeCudaGraphRunner.decode, model ScaledToy. at {id(second):#x}"
+    ):
+        first.capture()
+    torch.testing.assert_close(second.forward(decode_batch(3)), 2.0 * expected)
 
 
 @pytest.mark.parametrize(

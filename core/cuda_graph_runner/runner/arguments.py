@@ -59,23 +59,25 @@ def describe_runner(runner: Any) -> str:
 
 
 def claim_backend(backend: BaseCudaGraphBackend, runner: Any) -> None:
-    """Make ``runner`` the owner of ``backend`` (a weak reference: a runner that is gone
-    owns nothing; one that captured lives as long as the backend, which keeps its plan).
-    A backend holds one runner's capture plan, graphs and outputs, so a
-    second runner on the same instance would make the first replay with the second's
-    model and plan.
+    """Make ``runner`` the owner of ``backend`` (at construction and before each capture).
+
+    A backend holds one runner's capture plan, graphs and outputs, so a second runner
+    capturing on the same instance would make the first replay with the second's model
+    and plan. The owner is kept as a weak reference; an instance whose owner is gone or
+    holds no captured graph (never captured, failed, or ``cleanup()``) can be taken.
 
     Raises:
-        ValueError: another live runner owns ``backend`` (names both runners).
+        ValueError: another live runner owns ``backend`` and holds graphs on it (names
+            both runners).
     """
     ref = backend.__dict__.get(_OWNER)
     owner = ref() if ref is not None else None
-    if owner is not None and owner is not runner:
+    if owner is not None and owner is not runner and getattr(owner, "captured_keys", None):
         label = backend.name or type(backend).__name__
         raise ValueError(
             f"backend instance {label!r} ({type(backend).__name__} at {id(backend):#x}) already belongs to "
-            f"{describe_runner(owner)}; {describe_runner(runner)} cannot use it too: a backend keeps one runner's "
-            "capture plan and graphs. Give each runner its own instance (build another one, or pass a backend "
-            "name)"
+            f"{describe_runner(owner)}, which holds {len(owner.captured_keys)} captured graphs on it; "
+            f"{describe_runner(runner)} cannot use it too: a backend keeps one runner's capture plan and graphs. "
+            "Give each runner its own instance (build another one, or pass a backend name)"
         )
     backend.__dict__[_OWNER] = weakref.ref(runner)

@@ -97,12 +97,14 @@ class BaseCudaGraphRunner(abc.ABC):
         ``grad_fn``, whatever the caller's grad mode.
 
     A backend instance belongs to one runner (it holds that runner's capture plan and
-    graphs): passing one that another live runner holds is refused.
+    graphs): passing one on which another live runner holds graphs is refused, here and
+    at ``capture()``.
 
     Raises:
         TypeError: ``backend`` is not an instance, a name or None; ``owned_outputs`` not
             a bool or None.
-        ValueError: ``backend`` is an instance another live runner owns (names both).
+        ValueError: ``backend`` is an instance on which another live runner holds
+            graphs (names both).
         ValueError: ``device`` is None and the model has no parameters or buffers.
         cuda_graph_runner.errors.UnknownBackendError and friends, from resolution.
     """
@@ -386,7 +388,8 @@ class BaseCudaGraphRunner(abc.ABC):
             A :class:`~cuda_graph_runner.capture_report.CaptureReport`.
 
         Raises:
-            ValueError: ``sizes`` names a size not in ``capture_sizes`` (lists both).
+            ValueError: ``sizes`` names a size not in ``capture_sizes`` (lists both); another
+                live runner holds graphs on this runner's backend instance (names both).
             TypeError: ``sizes`` is not an int or a list of ints.
             cuda_graph_runner.errors.CudaGraphHostValueError: the model read a host value of
                 the batch where the graph would freeze it (names the field and the fixes).
@@ -415,6 +418,7 @@ class BaseCudaGraphRunner(abc.ABC):
         report = CaptureReport(self.phase, self.backend.name, [], self._captured_sizes(), 0.0)
         if self.is_disabled:
             return report
+        claim_backend(self.backend, self)  # another runner may have taken it since construction
         if not todo:  # every requested size already holds a graph
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
