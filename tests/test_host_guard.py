@@ -274,3 +274,55 @@ def test_a_host_value_in_extra_is_guarded_on_every_backend(make_backend):
         assert info.value.field == "extra['scale']"
     finally:
         getattr(backend, "uninstall", backend.cleanup)()
+
+
+class TemperatureToy(ToyModel):
+    """Reads an engine key the capture batch lacks, with a default (or a membership test)."""
+
+    def __init__(self, lookup: str = "get") -> None:
+        super().__init__()
+        self.lookup = lookup
+
+    def compute_logits(self, hidden, batch):
+        logits = super().compute_logits(hidden, batch)
+        if self.lookup == "get":
+            return logits / batch.extra.get("temperature", 1.0)
+        return logits / batch.extra["temperature"] if "temperature" in batch.extra else logits
+
+
+@pytest.mark.parametrize("make_backend,lookup", [(full, "get"), (breakable, "in"), (RecordingBackend, "get")])
+def test_an_extra_key_the_capture_lacked_is_refused_at_replay_never_frozen(make_backend, lookup):
+    runner = decode_runner(
+        TemperatureToy(lookup), make_backend() if make_backend is not RecordingBackend else RecordingBackend("cpu")
+    )
+    with torch.no_grad():
+        runner.capture()
+        plain = decode_batch(3)
+        torch.testing.assert_close(runner.forward(plain), runner.eager_forward(plain))  # no key: replays
+        hot = decode_batch(3)
+        hot.extra["temperature"] = 2.0
+        for call in (runner.forward, runner.replay):
+            with pytest.raises(CudaGraphHostValueError, match=r"extra holds 'temperature'.*static input") as info:
+                call(hot)
+            assert info.value.field == "extra['temperature']" and info.value.phase == "decode"
+
+
+def test_an_extra_key_read_only_inside_a_marked_op_replays_with_breakable():
+    @eager_op("test_host_guard_scale_by_temperature")
+    def scale(output: torch.Tensor, x: torch.Tensor) -> None:
+        output.copy_(x / get_forward_batch().extra.get("temperature", 1.0))
+
+    class OpModel(ToyModel):
+        def forward(self, batch):
+            h = super().forward(batch)
+            out = torch.empty_like(h)
+            scale(out, h)
+            return out
+
+    runner = decode_runner(OpModel(), breakable())
+    with torch.no_grad():
+        runner.capture()
+        hot = decode_batch(3)
+        hot.extra["temperature"] = 2.0
+        torch.testing.assert_close(runner.forward(hot), runner.eager_forward(hot))
+        assert runner.run_stats()["replays"] == 1

@@ -30,6 +30,7 @@ from cuda_graph_runner.nested import (
 )
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner.base import freeze_gc, slice_rows
+from cuda_graph_runner.runner.sizes import OutputRowsError
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
@@ -332,6 +333,88 @@ def test_prefill_structures_on_every_path(kind, path):
         assert_same_output(got, runner.eager_forward(batch))
 
 
+@dataclasses.dataclass
+class Verified:
+    logits: torch.Tensor  # [bs * w, vocab], per token
+    accepted: torch.Tensor  # [bs, 2], per request
+
+
+class PerRequestModel(ToyModel):
+    """TARGET_VERIFY / DLLM_EXTEND output: per-token logits beside per-request tensors."""
+
+    def __init__(self, kind: str = "dataclass") -> None:
+        super().__init__(vocab=VOCAB, hidden=HIDDEN)
+        self.kind = kind
+
+    def compute_logits(self, hidden, batch):
+        logits = super().compute_logits(hidden, batch)
+        w = batch.num_tokens_per_req
+        per_request = logits.view(-1, w, logits.shape[-1]).amax(dim=(1, 2))[:, None].repeat(1, 2)
+        per_request = per_request + batch.seq_lens[:, None].float()
+        if self.kind == "dataclass":
+            return Verified(logits, per_request)
+        if self.kind == "tuple":
+            return (logits, per_request, torch.tensor(1.0))
+        return {"logits": logits, "accepted": per_request}
+
+
+@pytest.mark.parametrize(
+    "kind,mode,path",
+    [("dataclass", "target_verify", "recording"), ("tuple", "dllm_extend", "full"), ("dict", "target_verify", "full")],
+)
+def test_per_request_outputs_are_cut_to_the_live_requests(kind, mode, path):
+    width = 3
+    runner = DecodeCudaGraphRunner(
+        PerRequestModel(kind),
+        {"decode": {"bs": [2, 4]}},
+        device="cpu",
+        backend=make_backend(path, "decode"),
+        show_progress=False,
+        mode=mode,
+        num_tokens_per_req=width,
+    )
+    runner.capture()
+    for bs in (3, 1, 4):
+        batch = decode_batch(bs, width=width, offset=bs)
+        batch.forward_mode = runner.mode
+        got = runner.forward(batch)
+        expected = runner.eager_forward(batch)
+        assert shape_of(got) == shape_of(expected), (bs, shape_of(got))
+        assert_same_output(got, expected)
+
+
+class OddRowsModel(ToyModel):
+    """A graph output whose leading dimension counts neither tokens nor requests."""
+
+    def compute_logits(self, hidden, batch):
+        logits = super().compute_logits(hidden, batch)
+        return {"logits": logits, "moments": torch.stack([logits.mean(), logits.std(), logits.max()])}
+
+
+@pytest.mark.parametrize("path", ["recording", "full", "breakable"])
+def test_an_output_leading_with_neither_count_is_refused_at_capture_naming_its_path(path):
+    runner = decode_runner(OddRowsModel(vocab=VOCAB, hidden=HIDDEN), path, max_bs=4)
+    with pytest.raises(OutputRowsError) as info:
+        runner.capture()
+    text = str(info.value)
+    assert info.value.path == "decode graph output['moments']" and "shape (3,)" in text, text
+    assert "padded token count" in text and not runner.captured_keys
+
+
+def test_a_prefill_output_not_leading_with_the_tokens_is_refused_at_capture():
+    class Batched(StructModel):
+        def forward(self, batch):
+            h = super().forward(batch)
+            return {"hidden": h, "pooled": h.mean(dim=0, keepdim=True)}  # [1, H]: across the batch
+
+        def compute_logits(self, hidden, batch):
+            return super().compute_logits(hidden["hidden"], batch)
+
+    runner = prefill_runner(Batched(), "recording", max_bs=16)
+    with pytest.raises(OutputRowsError, match=r"prefill graph output\['pooled'\] has shape \(1, 8\)"):
+        runner.capture()
+
+
 @pytest.mark.parametrize("path", ["recording", "full", "breakable"])
 @pytest.mark.parametrize("kind,type_name", [("opaque", "Opaque"), ("set_in_list", "set")])
 def test_unsupported_output_is_rejected_at_capture_naming_the_type(path, kind, type_name):
@@ -468,6 +551,36 @@ def test_backend_argument_of_another_type_is_refused(bad, expected):
     with pytest.raises(TypeError, match=expected) as info:
         DecodeCudaGraphRunner(ToyModel(), {"decode": {"backend": "disabled"}}, device="cpu", backend=bad)
     assert "backend name" in str(info.value) and "instance" in str(info.value)
+
+
+class ScaledToy(ToyModel):
+    def compute_logits(self, hidden, batch):
+        return 2.0 * super().compute_logits(hidden, batch)
+
+
+def test_a_backend_instance_another_runner_owns_is_refused_naming_both():
+    backend = RecordingBackend("cpu")
+    first = DecodeCudaGraphRunner(ToyModel(), {"decode": {"bs": [4]}}, device="cpu", backend=backend)
+    first.capture()
+    expected = first.forward(decode_batch(3)).clone()
+    for phase, cls in (("decode", DecodeCudaGraphRunner), ("prefill", PrefillCudaGraphRunner)):
+        with pytest.raises(ValueError, match="already belongs to") as info:
+            cls(ScaledToy(), {phase: {"bs": [4]}}, device="cpu", backend=backend)
+        text = str(info.value)
+        assert f"DecodeCudaGraphRunner(decode, model ToyModel) at {id(first):#x}" in text, text
+        assert f"{cls.__name__}({phase}, model ScaledToy)" in text and "its own instance" in text
+    assert backend.capture_plan.model is first.model  # untouched: the first runner replays its own model
+    torch.testing.assert_close(first.forward(decode_batch(3)), expected, rtol=0, atol=0)
+    # Once the first runner dropped its graphs another may take the instance; the first
+    # is then refused at its next capture.
+    first.cleanup()
+    second = DecodeCudaGraphRunner(ScaledToy(), {"decode": {"bs": [4]}}, device="cpu", backend=backend)
+    second.capture()
+    with pytest.raises(
+        ValueError, match=f"already belongs to DecodeCudaGraphRunner.decode, model ScaledToy. at {id(second):#x}"
+    ):
+        first.capture()
+    torch.testing.assert_close(second.forward(decode_batch(3)), 2.0 * expected)
 
 
 @pytest.mark.parametrize(

@@ -166,3 +166,31 @@ def test_fused_fill_refuses_sizes_beyond_the_slot():
     assert reg["a"].tolist() == [7, 8, 0, 0] and reg.slot("a").dirty == 2
     reg.reset()
     assert reg.slot("a").dirty == 0 and reg["a"].tolist() == [0, 0, 0, 0]
+
+
+def test_a_live_input_of_another_dtype_kind_is_refused_not_cast():
+    runner = decode_runner()
+    before = {slot.name: slot.tensor.clone() for slot in runner.buffers}
+    batch = decode_batch(3)
+    with pytest.raises(ValueError, match=r"'input_ids' is torch.float32, expected torch.int64"):
+        runner.replay_prepare(batch.replace(input_ids=batch.input_ids.float()))
+    with pytest.raises(ValueError, match=r"'seq_lens' is torch.bool, expected torch.int32"):
+        runner.replay_prepare(batch.replace(seq_lens=batch.seq_lens.bool()))
+    for slot in runner.buffers:  # refused before anything was copied
+        assert torch.equal(slot.tensor, before[slot.name]), slot.name
+    # Another integer width is the same values: copied (an engine's int64 seq_lens).
+    _, static = runner.replay_prepare(batch.replace(seq_lens=batch.seq_lens.long()))
+    assert static.seq_lens.dtype == torch.int32 and static.seq_lens[:3].tolist() == batch.seq_lens.tolist()
+    prefill = PrefillCudaGraphRunner(
+        ToyModel(), {"prefill": {"bs": [8]}}, device="cpu", backend=RecordingBackend("cpu", phase="prefill")
+    )
+    extend = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        input_ids=torch.arange(6),
+        positions=torch.arange(6).double(),
+        out_cache_loc=torch.arange(6) + 1,
+        req_pool_indices=torch.tensor([1]),
+        seq_lens=torch.tensor([6], dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match=r"'positions' is torch.float64, expected torch.int64"):
+        prefill.replay_prepare(extend)

@@ -245,3 +245,50 @@ def test_a_model_returning_an_undeclared_variant_is_named():
     runner.capture(sizes=[1])
     with pytest.raises(ValueError, match=r"graph_variant\(batch\) returned 'turbo'"):
         runner.forward(decode_batch(1))
+
+
+def test_model_input_of_another_dtype_kind_is_refused_not_cast():
+    runner = make_runner()
+    runner.capture(sizes=[4])
+    tag = torch.tensor([[1.5, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    with pytest.raises(ValueError, match=r"static input 'tag': extra\['tag'\] is torch.float32, expected torch.int64"):
+        runner.replay(with_inputs(decode_batch(3), tag=tag))
+    with pytest.raises(ValueError, match=r"host list extra\['tag'\] is torch.float32, expected torch.int64"):
+        runner.replay(with_inputs(decode_batch(3), tag=tag.tolist()))
+    # Python ints for a float input are exact: accepted, as integer tensors of another width are.
+    runner.replay(with_inputs(decode_batch(3), boost=[1, 0, 2], tag=torch.ones(3, 2, dtype=torch.int32)))
+    assert runner.buffers["boost"][:4].tolist() == [1.0, 0.0, 2.0, 0.0] and runner.buffers["tag"][:3].eq(1).all()
+
+
+def test_a_batch_refreshed_in_place_after_can_run_replays_its_new_variant():
+    model = VariantToy()
+    runner = make_runner(model=model)
+    runner.capture(sizes=[4])
+    batch = decode_batch(3)
+    assert runner.can_run(batch) and model.picked[-1] == "plain"
+    batch.extra["boost"] = [1.0, 2.0, 3.0]  # the engine refreshes the same object (adapters set)
+    got = runner.replay(batch).clone()
+    assert model.picked[-1] == "boost"
+    torch.testing.assert_close(got, runner.eager_forward(batch), rtol=0, atol=1e-5)
+    # forward asks the model once per step and replays what it decided.
+    model.picked.clear()
+    runner.forward(batch)
+    assert model.picked == ["boost"]
+
+
+def test_no_live_batch_is_kept_past_its_step():
+    import gc
+    import weakref
+
+    runner = make_runner()
+    runner.capture(sizes=[4])
+    refs = []
+    # can_run, a replay, and an eager fallback after a decision (size 1 was not captured).
+    for call, bs in ((runner.can_run, 3), (runner.forward, 3), (runner.forward, 1)):
+        batch = decode_batch(bs)
+        call(batch)
+        refs.append(weakref.ref(batch))
+        del batch
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert runner.run_stats()["eager_fallbacks"] == {"variant not captured": 1}

@@ -291,3 +291,53 @@ def test_compare_outputs_structures_and_nans():
     assert not ok and "shape" in where
     ok, diff, _ = compare_outputs(torch.tensor([1.0]), torch.tensor([1.5]), 1e-3, 1e-3)
     assert not ok and diff == pytest.approx(0.5)
+
+
+class MaskedVocabModel(ToyModel):
+    """Logits with a masked vocabulary: every odd token id is -inf, the last one +inf."""
+
+    def compute_logits(self, hidden, batch):
+        logits = super().compute_logits(hidden, batch)
+        logits[:, 1::2] = float("-inf")
+        logits[:, -2] = float("inf")
+        return logits
+
+
+def test_verify_accepts_a_correct_replay_whose_logits_hold_infinities():
+    runner = decode_runner(MaskedVocabModel(), RecordingBackend("cpu", phase="decode"), verify=True)
+    with torch.no_grad():
+        runner.capture()
+        for bs in (1, 3, 4):
+            got = runner.forward(decode_batch(bs))
+            assert torch.isneginf(got[:, 1::2]).all() and torch.isposinf(got[:, -2]).all()
+    assert len(runner.verifier.checked) == 3
+
+
+def test_compare_outputs_infinities():
+    inf = float("inf")
+    masked = torch.tensor([-inf, 1.0, inf])
+    assert compare_outputs(masked, masked.clone(), 0.0, 0.0) == (True, 0.0, "")
+    # An infinity on one side only is never within tolerance (rtol * inf would admit it).
+    for got, want in (([-inf, 1.0, inf], [-inf, 1.0, 3.0]), ([-inf, 1.0, 3.0], [-inf, 1.0, inf])):
+        ok, diff, where = compare_outputs(torch.tensor(got), torch.tensor(want), 1e-3, 1e-3)
+        assert not ok and diff == inf and where.startswith("output")
+    ok, diff, _ = compare_outputs(torch.tensor([inf]), torch.tensor([-inf]), 1.0, 1.0)
+    assert not ok and diff == inf
+
+
+class BatchMeanModel(ToyModel):
+    """Breaks the model contract: every row is centred on the mean over the batch's rows."""
+
+    def forward(self, batch):
+        hidden = super().forward(batch)
+        return hidden - hidden.mean(dim=0, keepdim=True)
+
+
+def test_verify_names_a_batch_wide_op_among_the_causes():
+    runner = decode_runner(BatchMeanModel(), RecordingBackend("cpu", phase="decode"), verify=True)
+    with torch.no_grad():
+        runner.capture()
+        runner.forward(decode_batch(4))  # no padded row: the mean is the batch's own
+        with pytest.raises(CudaGraphVerifyError) as info:
+            runner.forward(decode_batch(3))  # padded to 4: the dummy row enters the mean
+    assert "rows must be independent" in str(info.value) and "a mean or a norm over the batch" in str(info.value)

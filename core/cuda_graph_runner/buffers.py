@@ -22,6 +22,34 @@ from .nested import map_pairs
 BATCH_AXIS = "batch"
 TOKEN_AXIS = "token"
 
+_INTEGER_DTYPES = frozenset(
+    (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+)
+_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def accepted_source_dtypes(dtype: torch.dtype) -> frozenset:
+    """The source dtypes a copy into a slot of ``dtype`` accepts: the same kind (any
+    integer width for an integer slot, as an engine's int64 ``seq_lens`` into the int32
+    slot; any float width for a float slot; only ``dtype`` itself otherwise). A copy
+    across kinds (float token ids into int64, bools into int) would be cast silently
+    where the eager forward raises or computes something else."""
+    for kind in (_INTEGER_DTYPES, _FLOAT_DTYPES):
+        if dtype in kind:
+            return kind
+    return frozenset((dtype,))
+
+
+def dtype_mismatch(name: str, src: torch.Tensor, slot_dtype: torch.dtype, what: str = "") -> ValueError:
+    """The error for a source of another dtype kind than its slot (names the field, both dtypes)."""
+    kind = "an integer dtype" if slot_dtype in _INTEGER_DTYPES else "a float dtype"
+    if slot_dtype not in _INTEGER_DTYPES and slot_dtype not in _FLOAT_DTYPES:
+        kind = str(slot_dtype)
+    return ValueError(
+        f"{what or f'the batch field {name!r}'} is {src.dtype}, expected {slot_dtype} ({kind} is accepted and "
+        "copied into the static buffer); a copy across dtype kinds would be cast silently on replay"
+    )
+
 
 @dataclasses.dataclass
 class BufferSlot:
@@ -110,9 +138,12 @@ class CudaGraphBufferRegistry:
         Returns the ``[padded_rows, ...]`` view.
 
         Raises:
-            ValueError: ``src`` has more rows than ``padded_rows`` or than the slot holds.
+            ValueError: ``src`` has more rows than ``padded_rows`` or than the slot holds,
+                or a dtype of another kind than the slot's (:func:`accepted_source_dtypes`).
         """
         slot = self._slots[name]
+        if src.dtype not in accepted_source_dtypes(slot.tensor.dtype):
+            raise dtype_mismatch(name, src, slot.tensor.dtype, f"the source of buffer {name!r}")
         n = int(src.shape[0])
         if n > padded_rows or padded_rows > slot.rows:
             raise ValueError(
@@ -179,17 +210,27 @@ class FusedFill:
             groups.setdefault(slot.tensor.dtype, []).append(i)
         self.groups = [([self.slots[i].tensor[: self.rows[i]] for i in idx], tuple(idx)) for idx in groups.values()]
         self.pads = [(slot, n, int(p)) for slot, n, p in zip(self.slots, self.rows, padded_rows)]
+        # Per slot (rows, accepted source dtypes, name, dtype): one tuple walk per step.
+        self.checks = tuple(
+            (n, accepted_source_dtypes(slot.tensor.dtype), name, slot.tensor.dtype)
+            for slot, n, name in zip(self.slots, self.rows, self.names)
+        )
 
     def __call__(self, srcs: Sequence[torch.Tensor]) -> None:
-        """Copy ``srcs[i]`` (``[rows[i], ...]``, any dtype castable to the slot's) into slot
-        ``names[i]`` and pad it to ``padded_rows[i]``.
+        """Copy ``srcs[i]`` (``[rows[i], ...]``, a dtype of the slot's kind:
+        :func:`accepted_source_dtypes`) into slot ``names[i]`` and pad it to ``padded_rows[i]``.
+
+        The checks are per tensor, never per element (a shape and a dtype lookup each).
 
         Raises:
-            ValueError: a source does not have its ``rows`` rows (a copy would broadcast).
+            ValueError: a source does not have its ``rows`` rows (a copy would broadcast),
+                or has a dtype of another kind than its slot (a copy would cast silently).
         """
-        for src, n, name in zip(srcs, self.rows, self.names):
+        for src, (n, accepted, name, dtype) in zip(srcs, self.checks):
             if src.shape[0] != n:
                 raise ValueError(f"buffer {name!r}: the batch's {name} has {src.shape[0]} rows, expected {n}")
+            if src.dtype not in accepted:
+                raise dtype_mismatch(name, src, dtype)
         for dsts, idx in self.groups:
             torch._foreach_copy_(dsts, [srcs[i] for i in idx], non_blocking=True)
         for slot, n, padded in self.pads:

@@ -34,7 +34,11 @@ off per phase with the config key ``host_value_guard: false`` (then verify mode,
 Guarded fields: ``seq_lens_cpu``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu``,
 and the *host values* in ``extra``: Python numbers and bools, lists and tuples, numpy
 arrays, and tensors on another device than the batch's ``input_ids`` (on a CPU runner a
-CPU tensor is a device tensor). Strings, ``None``, device tensors and other objects in
+CPU tensor is a device tensor). A key the captured code looks up in ``extra`` and
+does not find (``extra.get("temperature", 1.0)``: the capture batch's ``extra`` holds only
+the model's declared static inputs) is remembered; a live batch whose ``extra`` holds it
+raises :class:`~cuda_graph_runner.errors.CudaGraphHostValueError` naming the key at replay
+instead of replaying the capture-time default. Strings, ``None``, device tensors and other objects in
 ``extra`` are not guarded (an engine keeping host values inside its own objects is not
 seen: put them in ``extra`` directly, or read them only inside marked ops).
 
@@ -74,6 +78,8 @@ __all__ = [
     "guard_engaged",
     "host_value_guard",
     "is_host_value",
+    "missing_extra_error",
+    "note_missing_extra",
     "run_marked_op",
 ]
 
@@ -84,6 +90,7 @@ class _Guard:
     phase: str
     scope: str
     lifted: int = 0
+    missing_extra: Optional[set] = None
 
 
 class _Local(threading.local):
@@ -94,13 +101,17 @@ _local = _Local()
 
 
 @contextlib.contextmanager
-def host_value_guard(backend: str, phase: str, scope: str) -> Iterator[None]:
+def host_value_guard(backend: str, phase: str, scope: str, missing_extra: Optional[set] = None) -> Iterator[None]:
     """Guard host reads of static batches in this thread for the block (the runner's job).
 
     Args:
         backend: backend name, for the message.
         phase: ``"decode"`` or ``"prefill"``, for the message.
         scope: one of :data:`SCOPES` (``"off"`` leaves reads free).
+        missing_extra: a set that collects the ``extra`` keys the guarded code looked up
+            and did not find (``extra.get(k, default)``, ``k in extra``): the graph keeps
+            what the model did without them, so a live batch holding one must not replay
+            (:func:`missing_extra_error`).
 
     Raises:
         ValueError: an unknown scope (the message lists the accepted ones).
@@ -110,7 +121,7 @@ def host_value_guard(backend: str, phase: str, scope: str) -> Iterator[None]:
             f"backend {backend!r}: host_value_guard={scope!r} is not a scope; accepted: " + ", ".join(SCOPES)
         )
     previous = _local.guard
-    _local.guard = None if scope == SCOPE_OFF else _Guard(backend, phase, scope)
+    _local.guard = None if scope == SCOPE_OFF else _Guard(backend, phase, scope, missing_extra=missing_extra)
     try:
         yield
     finally:
@@ -169,6 +180,33 @@ def check_host_read(field: str) -> None:
     raise CudaGraphHostValueError(_message(field, guard), field=field, backend=guard.backend, phase=guard.phase)
 
 
+@torch.compiler.assume_constant_result
+def note_missing_extra(key: Any) -> bool:
+    """Called by a guarded ``extra`` lookup that found no ``key``: remembers it where the
+    lookup would be frozen into a graph (under Dynamo: evaluated for real). Returns True."""
+    guard = _local.guard
+    if guard is not None and guard.missing_extra is not None and _armed(guard):
+        guard.missing_extra.add(key)
+    return True
+
+
+def missing_extra_error(key: Any, backend: str, phase: str) -> CudaGraphHostValueError:
+    """The error for a live batch whose ``extra[key]`` the captured graph looked up and did
+    not find at capture (it would replay with what the model did without it)."""
+    return CudaGraphHostValueError(
+        f"the live batch's extra holds {key!r}, which the model looked up during capture and did not find "
+        f"(backend {backend!r}, phase {phase!r}): the graph keeps what the model did without it (a default such "
+        f"as extra.get({key!r}, default)) and a replay would silently ignore the live value. Fixes: declare it "
+        "as a static input (model.static_inputs(), cuda_graph_runner.runner.StaticInput), which the runner "
+        "copies into a buffer the graph reads; or read it only inside an op marked with "
+        "cuda_graph_runner.graph_break.eager_op (with a backend that runs marked ops eagerly) or in "
+        "init_forward_metadata_replay; or leave it out of the extra of batches that replay",
+        field=f"extra[{key!r}]",
+        backend=backend,
+        phase=phase,
+    )
+
+
 def _message(field: str, guard: _Guard) -> str:
     where = {
         SCOPE_FORWARD: "during capture (this backend records the whole forward, marked ops included)",
@@ -205,7 +243,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 class GuardedExtra(MutableMapping):
     """What ``StaticForwardBatch.extra`` returns while a guard is engaged: the same dict,
-    whose host values (:func:`is_host_value`) raise on read; writes go through."""
+    whose host values (:func:`is_host_value`) raise on read; a lookup of a key it lacks is
+    remembered (:func:`note_missing_extra`); writes go through."""
 
     __slots__ = ("_data", "_device")
 
@@ -214,7 +253,11 @@ class GuardedExtra(MutableMapping):
         self._device = device
 
     def __getitem__(self, key: Any) -> Any:
-        value = self._data[key]
+        try:
+            value = self._data[key]
+        except KeyError:
+            note_missing_extra(key)  # .get(key, default) and .pop(key, default) come here too
+            raise
         if is_host_value(value, self._device):
             check_host_read(f"extra[{key!r}]")
         return value
@@ -232,7 +275,10 @@ class GuardedExtra(MutableMapping):
         return len(self._data)
 
     def __contains__(self, key: Any) -> bool:
-        return key in self._data
+        if key in self._data:
+            return True
+        note_missing_extra(key)
+        return False
 
     def __repr__(self) -> str:
         return f"GuardedExtra(keys={list(self._data)!r})"

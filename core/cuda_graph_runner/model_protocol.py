@@ -6,6 +6,14 @@ or any structure of tensors :mod:`cuda_graph_runner.nested` accepts) and
 ``compute_logits(hidden, batch) -> logits`` (``[rows, vocab]`` float32: one row per token
 for decode, per request for prefill).
 
+Rows must be independent: every output row may depend on its own token (decode) or its
+own request (prefill: the tokens of that request, through attention) and the weights, never
+on other rows of the batch. A replay runs the batch padded with dummy requests and tokens
+(request row 0, KV slot 0) up to a captured size, so an op across the batch's rows (a mean
+or a norm over the batch, batch statistics, a softmax over requests) mixes padded rows
+into live ones and returns other values than eager, without an error; verify mode
+(:mod:`cuda_graph_runner.verify`) reports it.
+
 Optional, each looked up with ``getattr`` by the runner and skipped when absent or None
 (the sglang model runner's attention-backend hooks, moved onto the model; a model whose
 attention plans nothing leaves them None, so the replay path pays one None check):
@@ -47,7 +55,9 @@ from .forward_batch import ForwardBatch, ForwardMode
 
 
 class GraphModel(Protocol):
-    """What every runner needs of a model. See the module docstring for shapes."""
+    """What every runner needs of a model. See the module docstring for shapes and for
+    the one rule a model must keep: rows independent of each other (padded rows must
+    not change live ones)."""
 
     def forward(self, batch: ForwardBatch) -> Any:
         """The model body on ``batch``: hidden states ``[num_tokens, hidden]``."""

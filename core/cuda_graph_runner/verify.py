@@ -52,6 +52,8 @@ CAUSES = (
     "tensors allocated outside the static buffers and the graph (a new tensor per step that the graph does not read)",
     "random ops (dropout, sampling) whose generator state is frozen at capture",
     "a forward whose side effects are not idempotent for a repeated step (verify runs it twice)",
+    "an op across the batch's rows (a mean or a norm over the batch, batch statistics): rows must be "
+    "independent, as the replay's padded rows enter such an op and change the live ones",
 )
 
 __all__ = [
@@ -104,13 +106,19 @@ def policy_from(phase_config: Any) -> Optional[VerifyPolicy]:
 
 
 def _leaf_diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Tuple[bool, float]:
+    """``(ok, max abs difference)`` of two same-shape tensors, elementwise
+    ``|a - b| <= atol + rtol * |b|`` between finite values. Equal values match, equal
+    infinities (a masked vocabulary's -inf logits) and NaN on both sides included; an
+    infinity or NaN on one side only is a mismatch (difference inf), never within
+    tolerance (``rtol * inf`` would admit anything)."""
     if a.numel() == 0:
         return True, 0.0
     x = a.detach().to(torch.float64).cpu()
     y = b.detach().to(torch.float64).cpu()
-    both_nan = torch.isnan(x) & torch.isnan(y)
-    diff = (x - y).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
-    ok = bool((diff <= atol + rtol * y.abs().nan_to_num(nan=0.0)).all())
+    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+    diff = (x - y).abs().masked_fill(same, 0.0).nan_to_num(nan=math.inf, posinf=math.inf)
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    ok = bool((same | (finite & (diff <= atol + rtol * y.abs()))).all())
     return ok, float(diff.max())
 
 

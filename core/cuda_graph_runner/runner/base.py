@@ -26,15 +26,15 @@ from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
-from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard
+from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard, missing_extra_error
 from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
-from .arguments import check_backend_arg, model_device
+from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
 from .decision import ReplayDecision
-from .sizes import get_batch_sizes_to_capture, pad_list, slice_rows
+from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
 # Re-exported: the subclasses and callers import these from here.
@@ -90,12 +90,23 @@ class BaseCudaGraphRunner(abc.ABC):
         size per step). Eager-fallback outputs are the model's own fresh tensors either
         way. Outputs may be tensors or tensors nested in tuples, NamedTuples, lists, dicts
         and dataclasses (:mod:`cuda_graph_runner.nested`); anything else is rejected at
-        capture. Capture and replay run under ``torch.no_grad()``: outputs carry no
+        capture. Each output tensor leads with the padded token count (one row per token)
+        or, in the decode runner, the padded batch size (one row per request: a
+        TARGET_VERIFY output beside its per-token logits); a replay cuts each to the live
+        tokens or requests, and a tensor leading with neither is rejected at capture
+        (:class:`~cuda_graph_runner.runner.sizes.OutputRowsError`); 0-d tensors pass as
+        they are. Capture and replay run under ``torch.no_grad()``: outputs carry no
         ``grad_fn``, whatever the caller's grad mode.
+
+    A backend instance belongs to one runner (it holds that runner's capture plan and
+    graphs): passing one on which another live runner holds graphs is refused, here and
+    at ``capture()``.
 
     Raises:
         TypeError: ``backend`` is not an instance, a name or None; ``owned_outputs`` not
             a bool or None.
+        ValueError: ``backend`` is an instance on which another live runner holds
+            graphs (names both).
         ValueError: ``device`` is None and the model has no parameters or buffers.
         cuda_graph_runner.errors.UnknownBackendError and friends, from resolution.
     """
@@ -143,6 +154,7 @@ class BaseCudaGraphRunner(abc.ABC):
                     f"backend {backend.name!r} is on {theirs} but the runner's device is {self.device}: "
                     f"build the backend with device={str(self.device)!r} or pass device={str(theirs)!r}"
                 )
+            claim_backend(backend, self)  # before anything touches it
             self.backend = backend
         else:
             from ..registry import get_registry
@@ -151,6 +163,7 @@ class BaseCudaGraphRunner(abc.ABC):
             # The whole config, not the PhaseConfig: option checks at resolve need its sources.
             selection = self.config.with_phase(self.phase, backend=backend) if isinstance(backend, str) else self.config
             self.backend = get_registry().resolve(self.phase, selection, device=self.device)
+            claim_backend(self.backend, self)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
         from ..verify import Verifier, policy_from
@@ -172,6 +185,15 @@ class BaseCudaGraphRunner(abc.ABC):
         self._keys: Dict[int, ShapeKey] = {}
         self._targets: Dict[int, Tuple[int, ShapeKey]] = {}  # live size -> (padded, key)
         self._key_objects: Dict[ShapeKey, ShapeKey] = {}  # see same_key
+        # Per captured key: what each output tensor's leading dimension counts
+        # (sizes.output_layout), learnt at capture; the last one looked up, by identity.
+        self._output_layouts: Dict[ShapeKey, tuple] = {}
+        self._last_layout: Tuple[Any, tuple] = (None, ())
+        # The ``extra`` keys the captured forward looked up and did not find (host_guard):
+        # a live batch holding one would replay what the model did without it.
+        self._missing_extra: set = set()
+        #: ``(batch, variant)`` while ``forward`` replays the batch it decided (see forward).
+        self._decided: Optional[Tuple[ForwardBatch, str]] = None
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
         self.stats = RunStats()
         self.capture_seconds: Optional[float] = None
@@ -213,8 +235,44 @@ class BaseCudaGraphRunner(abc.ABC):
         """What one graph records: the model on ``batch`` (inside the forward context)."""
 
     @abc.abstractmethod
-    def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
-        """Turn a replay's output into the live batch's output (slice off the padding)."""
+    def finish_output(
+        self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch, key: Optional[ShapeKey] = None
+    ) -> Any:
+        """Turn a replay of ``key`` into the live batch's output (cut off the padding:
+        :meth:`live_rows`)."""
+
+    def output_rows(self, size: int) -> Tuple[int, Optional[int]]:
+        """``(tokens, requests)`` a graph of captured size ``size`` holds along its outputs'
+        leading dimension (requests None: the graph has no request axis)."""
+        return size, None
+
+    def _output_layout(self, output: Any, size: int, where: str) -> tuple:
+        tokens, requests = self.output_rows(size)
+        return output_layout(output, tokens=tokens, requests=requests, where=where)
+
+    def live_rows(self, graph_output: Any, key: Optional[ShapeKey], padded: int, tokens: int, requests: int) -> Any:
+        """``graph_output`` of ``key`` (captured size ``padded``) cut to a live batch of
+        ``tokens`` tokens and ``requests`` requests, each tensor by what its leading
+        dimension counts (learnt at capture; a backend that never ran the capture's
+        forward gets it learnt from this first output).
+
+        Raises:
+            OutputRowsError: (first replay of such a backend) a tensor leading with
+                neither count.
+        """
+        last = self._last_layout
+        if last[0] is key and key is not None:
+            layout: tuple = last[1]
+        else:
+            known = self._output_layouts.get(key) if key is not None else None
+            if known is None:
+                layout = self._output_layout(graph_output, padded, f"{self.phase} graph output")
+                if key is not None:
+                    self._output_layouts[key] = layout
+            else:
+                layout = known
+            self._last_layout = (key, layout)
+        return slice_output(graph_output, layout, tokens, requests)
 
     @abc.abstractmethod
     def eager_forward(self, batch: ForwardBatch) -> Any:
@@ -250,10 +308,11 @@ class BaseCudaGraphRunner(abc.ABC):
         if size <= 0 or size > self.max_size:
             return None
         padded, _ = self.replay_target(size)
-        key = self.key_for_batch(batch, padded)  # the batch's variant (decode runner) included
+        variant = self.variant_of(batch)
+        key = self.variant_key(padded, variant)
         if not self.backend.can_run(batch, key):
             return None
-        return ReplayDecision(size, padded, key)
+        return ReplayDecision(size, padded, key, variant)
 
     def replay_target(self, size: int) -> Tuple[int, ShapeKey]:
         """``(padded size, key)`` of live size ``size``: computed on its first batch, then
@@ -300,9 +359,18 @@ class BaseCudaGraphRunner(abc.ABC):
         """The ``ShapeKey`` of captured size ``size`` in ``variant`` (``""``: :meth:`make_key`)."""
         return self.make_key(size)
 
+    def variant_of(self, batch: ForwardBatch) -> str:
+        """The graph variant a live ``batch`` replays (``""``: one graph per size). Asked
+        afresh for every call: a batch object refreshed in place may need another one."""
+        return ""
+
+    def variant_key(self, padded: int, variant: str) -> ShapeKey:
+        """The key of captured size ``padded`` in ``variant`` (``""``: :meth:`plain_key`)."""
+        return self.plain_key(padded)
+
     def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
         """The key a live ``batch`` padded to ``padded`` replays (its variant included)."""
-        return self.plain_key(padded)
+        return self.variant_key(padded, self.variant_of(batch))
 
     def capture(self, sizes: Optional[Sequence[int]] = None) -> CaptureReport:
         """Capture every size (or ``sizes``), largest first, into the shared pool.
@@ -325,7 +393,8 @@ class BaseCudaGraphRunner(abc.ABC):
             A :class:`~cuda_graph_runner.capture_report.CaptureReport`.
 
         Raises:
-            ValueError: ``sizes`` names a size not in ``capture_sizes`` (lists both).
+            ValueError: ``sizes`` names a size not in ``capture_sizes`` (lists both); another
+                live runner holds graphs on this runner's backend instance (names both).
             TypeError: ``sizes`` is not an int or a list of ints.
             cuda_graph_runner.errors.CudaGraphHostValueError: the model read a host value of
                 the batch where the graph would freeze it (names the field and the fixes).
@@ -334,6 +403,9 @@ class BaseCudaGraphRunner(abc.ABC):
                 done, the pool so far and the fixes). Captured sizes stay usable.
             cuda_graph_runner.nested.UnsupportedStructureError: the forward returns a type
                 the runner cannot slice or copy (named, with its place in the output).
+            cuda_graph_runner.runner.sizes.OutputRowsError: (a ``ValueError``) an output
+                tensor leads with neither the padded token count nor the padded batch
+                size (named by its place in the output).
         """
         if isinstance(sizes, int):
             sizes = [sizes]
@@ -351,6 +423,7 @@ class BaseCudaGraphRunner(abc.ABC):
         report = CaptureReport(self.phase, self.backend.name, [], self._captured_sizes(), 0.0)
         if self.is_disabled:
             return report
+        claim_backend(self.backend, self)  # another runner may have taken it since construction
         if not todo:  # every requested size already holds a graph
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
@@ -369,7 +442,12 @@ class BaseCudaGraphRunner(abc.ABC):
             # tp_agree: a prepare that fails on one rank fails on every rank, at once.
             with (
                 tp_agree(self.tp_group, f"prepare of {self.phase} ({self.backend.name})"),
-                host_value_guard(self._backend_label(), self.phase, scope if scope == SCOPE_TRACE else SCOPE_OFF),
+                host_value_guard(
+                    self._backend_label(),
+                    self.phase,
+                    scope if scope == SCOPE_TRACE else SCOPE_OFF,
+                    self._missing_extra,
+                ),
                 progress.step(
                     f"prepare {self.phase} ({self.backend.name}), compile included",
                     f"prepared {self.phase} ({self.backend.name})",
@@ -516,10 +594,15 @@ class BaseCudaGraphRunner(abc.ABC):
 
         def forward_fn() -> Any:
             # The guard covers warm-ups too: a read there is a read in the recorded run.
-            with forward_context(batch), host_value_guard(self._backend_label(), self.phase, scope):
+            with (
+                forward_context(batch),
+                host_value_guard(self._backend_label(), self.phase, scope, self._missing_extra),
+            ):
                 output = self.graph_forward(batch)
             # Checked on the first (warm-up) run, before anything is recorded.
             check_structure(output, where=where)
+            self._output_layouts[key] = self._output_layout(output, size, where)
+            self._last_layout = (None, ())
             return output
 
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
@@ -546,17 +629,25 @@ class BaseCudaGraphRunner(abc.ABC):
             KeyError: no graph for its padded size (call ``can_run`` first).
             cuda_graph_runner.errors.CudaGraphVerifyError: verify mode is on and this replay
                 differs from the backend's reference on the same batch.
+            cuda_graph_runner.errors.CudaGraphHostValueError: the batch's ``extra`` holds a
+                key the captured forward looked up and did not find (named): the graph
+                would replay what the model did without it.
         """
         device, module = self._graph_device()
         # On the caller's current stream of the runner's device: no synchronize here, so
         # an engine overlapping the next batch's preparation keeps its stream order.
         # forward() already entered no_grad; entering it again costs microseconds per step.
         grad_off = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+        if self._missing_extra:  # empty unless the captured forward looked up a key it lacked
+            extra = batch.extra
+            for name in self._missing_extra:
+                if name in extra:
+                    raise missing_extra_error(name, self._backend_label(), self.phase)
         with device_guard(device, module), grad_off:
             key, static_batch = self.replay_prepare(batch)
             with forward_context(static_batch), self.backend.replay_session():
                 output = self.backend.replay(key, static_batch)
-            result = self.finish_output(output, batch, static_batch)
+            result = self.finish_output(output, batch, static_batch, key)
             if self.verifier is not None:
                 self.verifier.after_replay(
                     self.backend, self.model, key, static_batch, result, lambda: self.run_eager(batch)
@@ -595,7 +686,14 @@ class BaseCudaGraphRunner(abc.ABC):
                 local = decision is not None
             if run and decision is not None:  # all ranks replay only if every rank can
                 self.stats.record_replay(decision.size)
-                return self.replay(batch)
+                # The variant decided for this batch, read by replay_prepare during this
+                # call only: nothing can refresh the batch in between, and no batch is
+                # kept past its step (a can_run then replay asks the model again).
+                self._decided = (batch, decision.variant)
+                try:
+                    return self.replay(batch)
+                finally:
+                    self._decided = None
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
             return self.run_eager(batch)
 
@@ -648,6 +746,9 @@ class BaseCudaGraphRunner(abc.ABC):
             if device.type != "cpu":
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
+        self._missing_extra.clear()
+        self._output_layouts.clear()
+        self._last_layout = (None, ())
         self.buffers.reset()
         drop = getattr(self.model, "cleanup_cuda_graph_state", None)
         if drop is not None:

@@ -20,9 +20,11 @@ class ReplayDecision:
         size: the batch's size along the runner's axis (requests for decode, tokens for
             prefill), >= 1.
         padded: the smallest captured size >= ``size``.
-        key: the ``ShapeKey`` of the captured graph of ``padded``.
+        key: the ``ShapeKey`` of the captured graph of ``padded`` (in ``variant``).
+        variant: the graph variant the batch needs (:mod:`.variants`; ``""``: none).
     """
 
     size: int
     padded: int
     key: ShapeKey
+    variant: str = ""

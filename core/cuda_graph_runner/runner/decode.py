@@ -14,7 +14,7 @@ from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..forward_context import forward_context
 from ..model_protocol import GraphModel
-from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list, slice_rows
+from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list
 from .static_inputs import ModelStaticInputs, declared_static_inputs
 from .variants import VariantSelector, compose_key_variant, model_variants, resolve_variants
 
@@ -135,9 +135,6 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         declared = model_variants(model) if self.variants != [""] else None
         self._select_variant = VariantSelector(model, declared, where)
         self._variant_keys: Dict[Tuple[int, str], ShapeKey] = {}
-        # The variant can_run picked for the batch it was asked about, reused by
-        # replay_prepare for that same batch object (the model is asked once per step).
-        self._variant_memo: Optional[Tuple[ForwardBatch, str]] = None
 
     # -- policy ------------------------------------------------------------------------
     def get_sizes_to_capture(self) -> List[int]:
@@ -164,19 +161,11 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         return self.variants
 
     def variant_of(self, batch: ForwardBatch) -> str:
-        """The variant a live ``batch`` replays (``model.graph_variant(batch)``; ``""``
-        without variants)."""
-        memo = self._variant_memo
-        if memo is not None and memo[0] is batch:
-            return memo[1]
+        """The variant a live ``batch`` replays (``model.graph_variant(batch)``, asked on
+        every call; ``""`` without variants)."""
         return self._select_variant(batch)
 
-    def key_for_batch(self, batch: ForwardBatch, padded: int) -> ShapeKey:
-        variant = self._select_variant(batch)
-        self._variant_memo = (batch, variant)
-        return self._variant_key(padded, variant)
-
-    def _variant_key(self, padded: int, variant: str) -> ShapeKey:
+    def variant_key(self, padded: int, variant: str) -> ShapeKey:
         """The key of captured size ``padded`` in ``variant``, made once per pair (``""``:
         the key ``replay_target`` made), so ``decide`` and ``replay_prepare`` share it."""
         if not variant:
@@ -227,17 +216,18 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         ``seq_len_fill_value`` (None only when the live batch carries none).
 
         Raises:
-            ValueError: more requests than the largest captured size, or a tensor of the
-                batch without the rows its axis needs.
+            ValueError: more requests than the largest captured size, a tensor of the
+                batch without the rows its axis needs, or of another dtype kind than its
+                slot (float ``input_ids``: names the field and both dtypes).
         """
         raw_bs = batch.req_pool_indices.shape[0]
         plan = self._replay_plans.get(raw_bs)
         if plan is None:
             plan = self._replay_plan(raw_bs)
         static, fill, bs = plan
-        variant = self.variant_of(batch)
-        self._variant_memo = None  # never keep a live batch alive past its step
-        key = self._variant_key(bs, variant)
+        decided = self._decided  # forward's decision for this very batch: the model is asked once
+        variant = decided[1] if decided is not None and decided[0] is batch else self._select_variant(batch)
+        key = self.variant_key(bs, variant)
         fill((batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens))
         seq_lens_cpu = batch.seq_lens_cpu
         if seq_lens_cpu is not None and len(seq_lens_cpu) < bs:
@@ -274,8 +264,16 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return self.model.compute_logits(self.model.forward(batch), batch)
 
-    def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
-        return slice_rows(graph_output, batch.num_tokens)
+    def output_rows(self, size: int) -> Tuple[int, Optional[int]]:
+        return size * self.num_tokens_per_req, size
+
+    def finish_output(
+        self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch, key: Optional[ShapeKey] = None
+    ) -> Any:
+        # Per-token tensors [bs * w, ...] to the live tokens, per-request ones [bs, ...]
+        # to the live requests (TARGET_VERIFY / DLLM_EXTEND may return both).
+        bs = batch.req_pool_indices.shape[0]
+        return self.live_rows(graph_output, key, static_batch.req_pool_indices.shape[0], batch.num_tokens, bs)
 
     def eager_forward(self, batch: ForwardBatch) -> Any:
         with forward_context(batch):

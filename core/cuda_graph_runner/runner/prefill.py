@@ -26,7 +26,7 @@ from ..config import ConfigInput, CudaGraphConfigError
 from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
 from ..forward_context import forward_context
 from ..model_protocol import GraphModel
-from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, slice_rows
+from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture
 from .decision import ReplayDecision
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
@@ -220,8 +220,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         size). The plan of each token count is built once.
 
         Raises:
-            ValueError: more tokens than the largest captured size, or a token tensor
-                without ``num_tokens`` rows.
+            ValueError: more tokens than the largest captured size, a token tensor
+                without ``num_tokens`` rows, or of another dtype kind than its slot (float
+                ``input_ids``: names the field and both dtypes).
         """
         tokens = batch.input_ids.shape[0]
         plan = self._replay_plans.get(tokens)
@@ -260,10 +261,14 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return self.model.forward(batch)
 
-    def finish_output(self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch) -> Any:
-        # hidden[:T] is a view into graph memory (through any supported structure);
-        # compute_logits usually makes a fresh tensor (owned_outputs copies it otherwise).
-        hidden = slice_rows(graph_output, batch.num_tokens)
+    def finish_output(
+        self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch, key: Optional[ShapeKey] = None
+    ) -> Any:
+        # hidden[:T] is a view into graph memory (through any supported structure; every
+        # tensor leads with the padded tokens, checked at capture); compute_logits usually
+        # makes a fresh tensor (owned_outputs copies it otherwise).
+        tokens = batch.num_tokens
+        hidden = self.live_rows(graph_output, key, static_batch.input_ids.shape[0], tokens, tokens)
         with forward_context(batch):
             return self.model.compute_logits(hidden, batch)
 

@@ -1,5 +1,6 @@
 """The size axis of a runner: which sizes to capture, padding a live batch up to one,
-slicing the outputs back to the live rows."""
+cutting the outputs back to the live rows (each output tensor by what its leading
+dimension counts, tokens or requests, learnt once per captured shape)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,72 @@ from typing import Any
 import torch
 
 from ..config import PhaseConfig
-from ..nested import map_tensors
+from ..nested import iter_tensors, map_tensors
+
+#: What one output tensor's leading dimension counts (:func:`output_layout`): nothing to
+#: cut (a 0-d tensor), the padded tokens, or the padded requests.
+ROWS_NONE, ROWS_TOKENS, ROWS_REQUESTS = 0, 1, 2
+
+
+class OutputRowsError(ValueError):
+    """A graph output tensor whose leading dimension is neither the padded token count nor
+    the padded batch size: the runner could not cut it back to the live batch.
+
+    Attributes:
+        path: where it sits in the output structure (``"decode graph output['lse']"``).
+        shape: its shape at capture.
+    """
+
+    def __init__(self, path: str, shape: tuple, tokens: int, requests: "int | None") -> None:
+        self.path = path
+        self.shape = shape
+        per_request = "" if requests is None or requests == tokens else f" or the padded batch size {requests}"
+        super().__init__(
+            f"{path} has shape {shape}: its leading dimension {shape[0]} is neither the padded token count "
+            f"{tokens}{per_request}, so a replay could not cut it back to the live batch's rows. Return tensors "
+            "with one row per token" + (" or one per request" if per_request else "") + " first (0-d tensors pass "
+            "as they are); anything across the batch belongs outside the graph"
+        )
+
+
+def output_layout(output: Any, *, tokens: int, requests: "int | None" = None, where: str = "output") -> tuple:
+    """What each tensor of a graph output counts along its leading dimension, in
+    :func:`~cuda_graph_runner.nested.iter_tensors` order: :data:`ROWS_TOKENS` when it is
+    ``tokens`` (the padded token count; checked first, so with one token per request a
+    tensor counts tokens), :data:`ROWS_REQUESTS` when it is ``requests`` (the padded
+    batch size; None where the graph has no request axis, prefill), :data:`ROWS_NONE`
+    for a 0-d tensor.
+
+    Raises:
+        OutputRowsError: a tensor with another leading dimension (names its path).
+    """
+    layout = []
+    for path, t in iter_tensors(output, where=where):
+        if t.dim() == 0:
+            layout.append(ROWS_NONE)
+        elif t.shape[0] == tokens:
+            layout.append(ROWS_TOKENS)
+        elif requests is not None and t.shape[0] == requests:
+            layout.append(ROWS_REQUESTS)
+        else:
+            raise OutputRowsError(path, tuple(t.shape), tokens, requests)
+    return tuple(layout)
+
+
+def slice_output(output: Any, layout: tuple, tokens: int, requests: int) -> Any:
+    """``output`` cut back to a live batch of ``tokens`` tokens and ``requests`` requests:
+    each tensor to the rows its :func:`output_layout` entry counts (views, no copy), through
+    the structures :mod:`cuda_graph_runner.nested` walks; constants pass through."""
+    if isinstance(output, torch.Tensor):  # the common case (logits), without the walker
+        kind = layout[0]
+        return output if kind == ROWS_NONE else output[: tokens if kind == ROWS_TOKENS else requests]
+    kinds = iter(layout)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        kind = next(kinds, ROWS_TOKENS)
+        return t if kind == ROWS_NONE else t[: tokens if kind == ROWS_TOKENS else requests]
+
+    return map_tensors(cut, output)
 
 
 def get_batch_sizes_to_capture(

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..buffers import BATCH_AXIS, TOKEN_AXIS, CudaGraphBufferRegistry
+from ..buffers import BATCH_AXIS, TOKEN_AXIS, CudaGraphBufferRegistry, accepted_source_dtypes, dtype_mismatch
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -166,7 +166,9 @@ class ModelStaticInputs:
 
         Raises:
             ValueError: a value with another number of rows or another trailing shape
-                than the input needs (names the input, both shapes).
+                than the input needs (names the input, both shapes), or of another dtype
+                kind than the input's (float values for an integer input; names both
+                dtypes): the copy would cast it silently.
             TypeError: a value that is neither a tensor, a list/tuple nor None.
         """
         buffers = self.buffers
@@ -181,6 +183,8 @@ class ModelStaticInputs:
                     slot.dirty = 0
                 continue
             src = self._as_tensor(spec, value)
+            if src.dtype not in accepted_source_dtypes(spec.dtype):
+                raise dtype_mismatch(spec.name, src, spec.dtype, f"static input {spec.name!r}: extra[{spec.name!r}]")
             want = (rows, *spec.trailing_shape)
             if tuple(src.shape) != want:
                 raise ValueError(
@@ -194,7 +198,14 @@ class ModelStaticInputs:
             return value
         if isinstance(value, (list, tuple)):
             # A host list: one small host-to-device copy (sglang builds its LoRA indices so).
-            return torch.tensor(value, dtype=spec.dtype).to(self.buffers.device, non_blocking=True)
+            # Its own dtype first: floats for an integer input would be truncated silently.
+            host = torch.tensor(value)
+            if host.numel() and host.dtype not in accepted_source_dtypes(spec.dtype):
+                if not (spec.dtype.is_floating_point and host.dtype is torch.int64):  # Python ints: exact
+                    raise dtype_mismatch(
+                        spec.name, host, spec.dtype, f"static input {spec.name!r}: the host list extra[{spec.name!r}]"
+                    )
+            return host.to(self.buffers.device, dtype=spec.dtype, non_blocking=True)
         raise TypeError(
             f"static input {spec.name!r}: extra[{spec.name!r}] is a {type(value).__name__}; "
             "accepted: a tensor, a list or tuple of numbers, or None"
