@@ -20,9 +20,8 @@ import torch
 
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, as_static_batch
 from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM, attention_backend
+from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM, attention_backend, triton_attention
 from cuda_graph_runner.testing.model import paged_attention_model as pam
-from cuda_graph_runner.testing.model import triton_attention
 from cuda_graph_runner.testing.model.attention import AttentionCall, _decode_attention, _extend_attention
 
 KV_HEADS, HEAD_DIM, HEADS = 2, 16, 4
@@ -224,9 +223,7 @@ def test_interpreted_kernels_equal_the_torch_model():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("the triton package is not installed (optional extra [triton])")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0 and "equal the torch model" in done.stdout, done.stdout + done.stderr
 
 

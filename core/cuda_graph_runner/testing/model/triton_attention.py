@@ -147,9 +147,7 @@ class TritonAttention(AttentionBackend):
         sliding_window: int,
         last_layer: bool,
     ) -> None:
-        triton_paged_attention(
-            output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, last_layer, self.id
-        )
+        triton_paged_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, last_layer, self.id)
 
     def _check_device(self, t: torch.Tensor) -> None:
         if t.device.type != "cuda" and not interpreting():
@@ -173,7 +171,7 @@ class TritonAttention(AttentionBackend):
     def forward_extend(self, call: AttentionCall) -> None:
         self._check_device(call.q)
         batch = call.batch
-        scratch = forward_scratch()
+        scratch: Dict[Any, Any] = forward_scratch()
         entry = scratch.get(self._scratch_key)
         if entry is None:  # the first layer of the forward builds the tile table
             ext, pre = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu

@@ -17,9 +17,9 @@ Triton's interpreter on CPU tensors (small shapes; the tests).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
-import torch
 
 from .paged_attention_model import ExtendTile
 
