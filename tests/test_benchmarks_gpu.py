@@ -68,6 +68,10 @@ def test_every_method_has_a_cell_with_spread(run_json):
             assert cell["min_ms"] <= cell["median_ms"] <= cell["max_ms"]
             assert cell["warmup_rounds"] >= 3
     assert set(m["prefill"]["16"]) >= {"eager"}
+    # The floors beside the table, from rates measured in the run.
+    assert set(m["floor_ms"]["decode"]) == {"1", "2"} and set(m["floor_ms"]["prefill"]) == {"16"}
+    assert 0 < m["floor_ms"]["decode"]["1"] < m["decode"]["1"]["hand_graph"]["median_ms"]
+    assert m["device_rates"]["copy_gbps"] > 100 and m["device_rates"]["gemm_tflops"] > 1
 
 
 def test_ratios_to_both_references_and_env(run_json):
