@@ -12,7 +12,7 @@ import torch
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
 
-from floors import DeviceRates, decode_floor_ms, prefill_flops, prefill_floor_ms, weight_bytes  # noqa: E402
+from floors import DeviceRates, decode_floor_ms, prefill_floor_ms, prefill_flops, weight_bytes  # noqa: E402
 
 from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM  # noqa: E402
 
