@@ -886,8 +886,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         type=attention_arg,
         default=DEFAULT_ATTENTION,
         metavar="NAME",
-        help=f"the reference model's attention backend (default {DEFAULT_ATTENTION}; planned_standin: a CPU "
-        "stand-in of a plan-based attention, which the hand-written baselines cannot record)",
+        help=f"the reference model's attention backend (default {DEFAULT_ATTENTION}; triton: Triton paged "
+        "kernels, extra [triton]; planned_standin: a CPU stand-in of a plan-based attention, which the "
+        "hand-written baselines cannot record)",
     )
     parser.add_argument(
         "--plot",
