@@ -6,11 +6,12 @@
   ragged requests, cached prefixes, an empty request and a window; float32 (IEEE dots)
   tight, bfloat16 within 2e-2;
 * the split count of the padded size: the rows of an eager batch of 3 equal, bit for
-  bit, the same rows of the batch padded to 4 (the order a replay reduces in);
+  bit, the same rows of the batch padded to 8 (the order a replay reduces in);
 * the reference model (tiny, float32, a sliding window) with ``triton`` equals itself
   with ``torch``, eager, in decode and prefill;
 * replay equals eager with ``triton`` through ``full``, ``breakable`` (the op recorded in
-  its one segment) and ``tc_piecewise`` in decode and target-verify (captured and padded
+  its one segment) and ``tc_piecewise`` in decode and target-verify, and through compiled
+  full (``tc_compiler: inductor``) in decode (captured and padded
   sizes, a changing batch over steps), and through ``breakable`` and ``tc_piecewise`` in
   prefill (ragged requests, chunked prefill);
 * bf16 llama-3.2-1b through ``full``: 12 greedy tokens equal eager's.
@@ -135,10 +136,11 @@ def test_extend_kernel_equals_torch_attention(dtype, window):
 
 def test_the_padded_size_split_count_reduces_in_the_replays_order():
     k, v, r2t = paged_cache(torch.float32, 6, 2048)
-    q = torch.randn(4, HEADS * HEAD_DIM, device="cuda")
-    splits = pam.decode_num_splits(4, KV_HEADS, 2048)
+    q = torch.randn(8, HEADS * HEAD_DIM, device="cuda")
+    splits = pam.decode_num_splits(8, KV_HEADS, 2048)
     outs = []
-    for rows, lens in (([1, 2, 3], [2000, 77, 1500]), ([1, 2, 3, 0], [2000, 77, 1500, 1])):  # eager 3, padded 4
+    # An eager batch of 3 with the count of the size it pads to (8), and that padded batch.
+    for rows, lens in (([1, 2, 3], [2000, 77, 1500]), ([1, 2, 3] + [0] * 5, [2000, 77, 1500] + [1] * 5)):
         batch = decode_batch(ForwardMode.DECODE, rows, lens, 1)
         out = torch.empty(len(rows), HEADS * HEAD_DIM, device="cuda")
         kernels().decode_attention(
@@ -147,7 +149,7 @@ def test_the_padded_size_split_count_reduces_in_the_replays_order():
         )  # fmt: skip
         outs.append(out)
     assert torch.equal(outs[0], outs[1][:3])
-    assert pam.decode_num_splits(3, KV_HEADS, 2048) != splits  # so its own size would reduce differently
+    assert pam.decode_num_splits(3, KV_HEADS, 2048) != splits  # its own size would reduce in another order
 
 
 def tiny_model(attention: str, *, requests: int = 24, context: int = 96, window=8, dtype=torch.float32):
@@ -186,16 +188,20 @@ def model():
     return tiny_model("triton")
 
 
-@pytest.mark.parametrize("width", [1, 3], ids=["decode", "verify3"])
-@pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
-def test_decode_replay_equals_eager(model, backend, width):
+DECODE_CASES = [(label, width) for label in ("full", "breakable", "tc_piecewise") for width in (1, 3)] + [
+    ("full:inductor", 1)
+]  # compiled full: the op opaque to Dynamo, recorded in the graph
+
+
+@pytest.mark.parametrize("label,width", DECODE_CASES, ids=[f"{b}-w{w}" for b, w in DECODE_CASES])
+def test_decode_replay_equals_eager(model, label, width):
     cache, vocab = model.kv_cache, model.config.vocab_size
     mode = "decode" if width == 1 else "target_verify"
-    runner = DecodeCudaGraphRunner(
-        model, {"decode": {"backend": backend, "bs": [1, 2, 4, 8]}}, mode=mode, num_tokens_per_req=width,
-        show_progress=False,
-    )  # fmt: skip
+    backend, _, compiler = label.partition(":")
+    phase = {"backend": backend, "bs": [1, 2, 4, 8], **({"tc_compiler": compiler} if compiler else {})}
+    runner = DecodeCudaGraphRunner(model, {"decode": phase}, mode=mode, num_tokens_per_req=width, show_progress=False)
     eager = eager_logits_fn(model)
+    tol = 1e-3 if compiler else 1e-4  # inductor's fusions reorder float math (ten times the base)
     try:
         with torch.no_grad():
             runner.capture()
@@ -212,9 +218,7 @@ def test_decode_replay_equals_eager(model, backend, width):
                 expected = eager(batch).clone()
                 assert runner.can_run(batch)
                 got = runner.forward(batch)
-                torch.testing.assert_close(
-                    got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step} bs {bs}: {m}"
-                )
+                torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=lambda m: f"step {step} bs {bs}: {m}")
                 for i, t in enumerate(got.view(bs, width, vocab)[:, -1].argmax(-1).tolist()):
                     session.tokens[i].append(t)
         session.close()
@@ -237,7 +241,7 @@ def test_prefill_replay_equals_eager(model, backend):
             batch = make_extend_batch(cache, prompts, rows=rows[: len(lens)] if step == 1 else None)
             expected = eager(batch).clone()
             got = runner.forward(batch)
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"batch {step}: {m}")
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"batch {step}: {m}")
             rows = batch.req_pool_indices.tolist()
     finally:
         _uninstall(runner)
@@ -247,7 +251,7 @@ def test_bf16_llama_greedy_tokens_through_full_equal_eager():
     model = ReferenceLlamaForCausalLM.from_preset(
         "llama-3.2-1b", dtype=torch.bfloat16, device="cuda", attention="triton"
     )
-    model.create_kv_cache(num_slots=8 * 64 + 1, max_reqs=9, max_context_len=64)
+    model.create_kv_cache(num_slots=16 * 64 + 1, max_reqs=17, max_context_len=64)
     runner = DecodeCudaGraphRunner(model, {"decode": {"backend": "full", "bs": [1, 4, 8]}}, show_progress=False)
     try:
         with torch.no_grad():
