@@ -216,6 +216,11 @@ def interpreter_check() -> None:
     )  # fmt: skip
     expected = pam.tiled_extend(q, k, v, r2t, ext_rows, tiles, scaling=HEAD_DIM**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="contiguous output"):  # a layout the kernels cannot address
+        tk.extend_attention(
+            got.t(), q, k, v, r2t, torch.tensor(ext_rows), tk.extend_tile_tensor(tiles, q.device), len(tiles),
+            scaling=HEAD_DIM**-0.5,
+        )  # fmt: skip
     print("interpreted kernels equal the torch model")
 
 

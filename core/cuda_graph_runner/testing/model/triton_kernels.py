@@ -233,6 +233,15 @@ def _precision(dtype: torch.dtype) -> "str | None":
     return "ieee" if dtype == torch.float32 else None  # Triton's default for 16-bit inputs
 
 
+def _check_layout(output: torch.Tensor, q: torch.Tensor, *caches: torch.Tensor) -> None:
+    # The kernels address heads as h * head_dim and the last dim with stride 1.
+    if not output.is_contiguous() or q.stride(-1) != 1 or any(c.stride(-1) != 1 for c in caches):
+        raise ValueError(
+            "triton attention needs a contiguous output and q, K, V, req_to_token with a contiguous last dim; "
+            f"got strides output {output.stride()}, q {q.stride()}, " + ", ".join(str(c.stride()) for c in caches)
+        )
+
+
 def _dims(q: torch.Tensor, k_cache: torch.Tensor):
     _, kv_heads, d = k_cache.shape
     heads = q.shape[1] // d
@@ -269,7 +278,11 @@ def decode_attention(
 
     One launch of the split kernel (grid ``(bs, kv_heads, num_splits)``) and, when
     ``num_splits > 1``, one of the merge kernel (grid ``(bs * width, heads)``).
+
+    Raises:
+        ValueError: a tensor whose layout the kernels cannot address (strides named).
     """
+    _check_layout(output, q, k_cache, v_cache, req_to_token)
     kv_heads, d, heads, group, block_d = _dims(q, k_cache)
     bs = req_pool_indices.shape[0]
     block_m = max(16, triton.next_power_of_2(group * width))
@@ -320,9 +333,13 @@ def extend_attention(
     ``tiles``: :func:`extend_tile_tensor` of
     :func:`.paged_attention_model.extend_tiles` with the same ``block_m``; one program
     per (tile, query head).
+
+    Raises:
+        ValueError: a tensor whose layout the kernels cannot address (strides named).
     """
     if num_tiles == 0:
         return
+    _check_layout(output, q, k_cache, v_cache, req_to_token)
     kv_heads, d, heads, group, block_d = _dims(q, k_cache)
     _extend_kernel[(num_tiles, heads)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, tiles, output,
