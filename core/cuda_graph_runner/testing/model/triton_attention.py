@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import importlib.util
 import itertools
-import os
 import weakref
 from typing import Any, Dict, Set, Tuple
 
@@ -62,8 +61,14 @@ def triton_available() -> bool:
 
 
 def interpreting() -> bool:
-    """True when Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when the kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1``
+    when :mod:`.triton_kernels` was first imported): they then run on CPU tensors. Imports
+    the kernels (False without triton)."""
+    try:
+        kernels = _kernels()
+    except ImportError:
+        return False
+    return type(kernels._decode_split_kernel).__name__ == "InterpretedFunction"
 
 
 def _kernels() -> Any:
