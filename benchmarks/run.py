@@ -13,7 +13,12 @@ For each model preset (bfloat16, random weights; shapes of Llama-3.2-1B and Qwen
 * capture seconds and graph memory for the default decode size list (up to 256), and
   the memory of the largest size alone (the pool-sharing ratio; not with ``--quick``);
 * host-side time of ``replay_prepare`` (µs, median);
-* prefill latency (ms) over token counts, eager vs each prefill-capable backend.
+* prefill latency (ms) over token counts (split over ``--prefill-requests`` requests),
+  eager vs each prefill-capable backend;
+* the floor of each decode size and prefill token count (CUDA; ``floor_ms``, printed
+  beside the times): decode, the bytes a step reads (weights, K/V) over the copy
+  bandwidth measured in the run; prefill, its FLOPs over the bf16 GEMM rate measured in
+  the run (:mod:`floors`; the rates in ``device_rates``).
 
 How the numbers are made to hold from run to run (docs/benchmarks.md says why):
 
@@ -58,6 +63,7 @@ Usage (device machine, after ``scripts/gpu_check.sh`` installed the packages)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -74,6 +80,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rounds import run_rounds  # noqa: E402
 from bench_summary import ratios_for  # noqa: E402
+from floors import decode_floor_ms, measure_rates, prefill_floor_ms  # noqa: E402
 from make_docs import render  # noqa: E402
 from portable import portable_argv, portable_path  # noqa: E402
 
@@ -629,6 +636,13 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
             m["ratios"] = ratios_for(m["decode"])
             results.save()
         m["gpu_after_timing"] = gpu_state()
+        if on_cuda:  # measured after the timed rounds, beside the table (not a timed method)
+            rates = rates_of(m)
+            for bs in bs_list:
+                floor = decode_floor_ms(model, bs, args.prompt_len + 1, rates)
+                m.setdefault("floor_ms", {}).setdefault("decode", {})[str(bs)] = floor
+                print(f"{name} bs={bs}: floor {floor:.3f} ms (bytes / {rates.copy_gbps:.0f} GB/s)", flush=True)
+            results.save()
 
         # 3. What needs no steady timing: host-side replay_prepare, then the memory of the largest size alone.
         for backend, runner in runners.items():
@@ -692,16 +706,20 @@ def run_prefill(
 
     m = results.model(name)
     max_tokens = max(args.prefill_tokens)
-    # 4 requests per batch, every batch alive at once (re-running one rewrites its own slots).
+    # R requests per batch, every batch alive at once (re-running one rewrites its own slots).
+    r = args.prefill_requests
     n = len(args.prefill_tokens)
     model.create_kv_cache(
-        num_slots=sum(args.prefill_tokens) + 1, max_reqs=4 * n + 1, max_context_len=max_tokens // 4 + 1
+        num_slots=sum(args.prefill_tokens) + 1, max_reqs=r * n + 1, max_context_len=-(-max_tokens // r) + 1
     )
     batches = {}
+    lengths: Dict[int, List[int]] = {}
     methods: Dict[int, Dict[str, Callable[[], Any]]] = {}
     for t in args.prefill_tokens:
-        lengths = [t // 4 + (1 if i < t % 4 else 0) for i in range(4)]
-        batches[t] = make_extend_batch(model.kv_cache, make_dummy_prompts(4, lengths, model.config.vocab_size))
+        lengths[t] = [t // r + (1 if i < t % r else 0) for i in range(r)]
+        lengths[t] = [x for x in lengths[t] if x] or [t]
+        prompts = make_dummy_prompts(len(lengths[t]), lengths[t], model.config.vocab_size)
+        batches[t] = make_extend_batch(model.kv_cache, prompts)
         methods[t] = {"eager": lambda b=batches[t]: eager(b)}
     runners = []
     backends = available("prefill", args.backends) if on_cuda else {b: "--device cpu" for b in args.backends}
@@ -727,11 +745,26 @@ def run_prefill(
             runners.append(runner)
         except Exception as exc:
             results.note(f"{name}: prefill backend {backend} failed: {type(exc).__name__}: {exc}")
+    m["prefill_requests"] = r
     for t in args.prefill_tokens:
         m["prefill"][str(t)] = timer.time(f"{name} prefill {t} tokens", methods[t])
+        if on_cuda:
+            rates = rates_of(m)
+            floor = prefill_floor_ms(model, lengths[t], rates)
+            m.setdefault("floor_ms", {}).setdefault("prefill", {})[str(t)] = floor
+            print(f"{name} prefill {t}: floor {floor:.3f} ms (FLOPs / {rates.gemm_tflops:.0f} TFLOP/s)", flush=True)
         results.save()
     for runner in runners:
         runner.cleanup()
+
+
+def rates_of(m: Dict[str, Any]) -> Any:
+    """The device's copy bandwidth and GEMM rate, measured once per model section."""
+    from floors import DeviceRates
+
+    if "device_rates" not in m:
+        m["device_rates"] = dataclasses.asdict(measure_rates())
+    return DeviceRates(**m["device_rates"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -784,6 +817,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         nargs="*",
         default=PREFILL_TOKENS,
         help="prefill token counts; none (the flag alone) skips prefill",
+    )
+    parser.add_argument(
+        "--prefill-requests",
+        type=count_arg(1),
+        default=4,
+        metavar="R",
+        help="requests each prefill token count is split over (default 4; 1: one request)",
     )
     parser.add_argument("--prompt-len", type=count_arg(1), default=32)
     parser.add_argument("--iters", type=count_arg(1), default=20, help="calls per timed block")
@@ -841,8 +881,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         type=attention_arg,
         default=DEFAULT_ATTENTION,
         metavar="NAME",
-        help=f"the reference model's attention backend (default {DEFAULT_ATTENTION}; planned_standin: a CPU "
-        "stand-in of a plan-based attention, which the hand-written baselines cannot record)",
+        help=f"the reference model's attention backend (default {DEFAULT_ATTENTION}; triton: Triton paged "
+        "kernels, extra [triton]; planned_standin: a CPU stand-in of a plan-based attention, which the "
+        "hand-written baselines cannot record)",
     )
     parser.add_argument(
         "--plot",

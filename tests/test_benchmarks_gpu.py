@@ -53,8 +53,12 @@ def run_json(tmp_path_factory):
         ]
     )
     assert rc == 0
+    from cuda_graph_runner.results_schema import nested_view
+
     with open(out / "benchmarks.json") as f:
-        return json.load(f)
+        doc = json.load(f)
+    # run.py's per-model layout (what make_docs renders), with the stored document beside it.
+    return {**nested_view(doc), "document": doc}
 
 
 def test_every_method_has_a_cell_with_spread(run_json):
@@ -68,6 +72,10 @@ def test_every_method_has_a_cell_with_spread(run_json):
             assert cell["min_ms"] <= cell["median_ms"] <= cell["max_ms"]
             assert cell["warmup_rounds"] >= 3
     assert set(m["prefill"]["16"]) >= {"eager"}
+    # The floors beside the table, from rates measured in the run.
+    assert set(m["floor_ms"]["decode"]) == {"1", "2"} and set(m["floor_ms"]["prefill"]) == {"16"}
+    assert 0 < m["floor_ms"]["decode"]["1"] < m["decode"]["1"]["hand_graph"]["median_ms"]
+    assert m["device_rates"]["copy_gbps"] > 100 and m["device_rates"]["gemm_tflops"] > 1
 
 
 def test_ratios_to_both_references_and_env(run_json):
@@ -89,6 +97,6 @@ def test_compare_passes_a_run_against_itself_and_docs_render(run_json, tmp_path)
     import make_docs
 
     path = tmp_path / "r.json"
-    path.write_text(json.dumps(run_json))
+    path.write_text(json.dumps(run_json["document"]))
     assert compare.main([str(path), "--baseline", str(path)]) == 0
     assert "#### tiny: decode time / reference time" in make_docs.render(run_json)

@@ -230,8 +230,8 @@ def test_torch_attention_has_no_hooks_and_unknown_names_are_refused():
     assert model.attn_backend.name == "torch"
     for hook in ("init_forward_metadata", "init_forward_metadata_capture", "init_forward_metadata_replay"):
         assert getattr(model, hook) is None  # the runner's replay path: one None check
-    assert attention_backend_names() == ["planned_standin", "torch"]
-    with pytest.raises(ValueError, match="attention='flashinfer' .*accepted: planned_standin, torch"):
+    assert attention_backend_names() == ["planned_standin", "torch", "triton"]
+    with pytest.raises(ValueError, match="attention='flashinfer' .*accepted: planned_standin, torch, triton"):
         ReferenceLlamaForCausalLM.from_preset("tiny", attention="flashinfer")
 
 

@@ -75,7 +75,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=attention_arg,
         default=None,
         metavar="NAME",
-        help="the reference model's attention backend: torch (the default on every device, CUDA included) "
+        help="the reference model's attention backend: torch (the default on every device, CUDA included), "
+        "triton (Triton paged kernels on CUDA; needs cuda-graph-runner[triton]) "
         "or planned_standin (a CPU stand-in of a plan-based attention, for testing the runner's hooks)",
     )
     parser.add_argument(

@@ -41,6 +41,9 @@ Backends by name (:data:`ATTENTION_BACKENDS`), chosen when the model is built
 * ``planned_standin`` (:class:`~cuda_graph_runner.testing.model.planned_standin.PlannedAttentionStandIn`):
   a CPU **stand-in** of a plan-based attention, not a kernel: it records every plan and
   fails a forward that runs unplanned or with a stale plan (tests and the conformance kit).
+* ``triton`` (:class:`~cuda_graph_runner.testing.model.triton_attention.TritonAttention`):
+  Triton paged kernels (split-KV decode, extend) on CUDA; needs the optional ``triton``
+  package (``cuda-graph-runner[triton]``).
 """
 
 from __future__ import annotations
@@ -173,10 +176,17 @@ def _standin() -> AttentionBackend:
     return PlannedAttentionStandIn()
 
 
+def _triton() -> AttentionBackend:
+    from .triton_attention import make_triton_attention
+
+    return make_triton_attention()
+
+
 #: Attention backends by name: a factory ``() -> AttentionBackend`` each (one instance per model).
 ATTENTION_BACKENDS: Dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchAttention,
     "planned_standin": _standin,
+    "triton": _triton,
 }
 
 

@@ -1,0 +1,214 @@
+"""``triton``: the reference model's attention as Triton paged kernels
+(:mod:`.triton_kernels`; the algorithm in plain PyTorch: :mod:`.paged_attention_model`).
+
+* DECODE / TARGET_VERIFY / DLLM_EXTEND: one split-KV kernel (grid ``(batch size, KV
+  heads, splits)``: the GQA query heads of one KV head, times the request's width, are
+  the rows of one program, so each K/V block is loaded once for them) reading the page
+  table ``req_to_token`` and ``seq_lens`` on the device, and one merge kernel.
+  Capture-safe (the marked op declares those modes): ``full`` and compiled full record
+  it (Dynamo does not trace into the op), ``breakable`` records it inside its segment;
+  ``tc_piecewise`` splits its FX graph at every marked op, so there the op runs
+  eagerly between pieces at replay (host-bound, as the ``torch`` attention there).
+* EXTEND: one kernel per layer over a tile table built on the host from the batch's
+  host lengths by the first layer of the forward (shared by the others through
+  :func:`~cuda_graph_runner.forward_context.forward_scratch`); causal, cached prefixes,
+  ragged requests, the model's sliding window. Not capture-safe (the tile count follows
+  the request lengths): it breaks a prefill graph, as ``torch``'s extend does.
+
+The split count is fixed per *padded* batch size
+(:func:`.paged_attention_model.decode_num_splits`): a graph forward (a
+:class:`~cuda_graph_runner.forward_batch.StaticForwardBatch`: capture, warm-up, a replay
+that runs the op) records its batch size per (mode, width), and an eager forward of
+``n`` requests uses the count of the smallest recorded size ``>= n`` (``n`` itself when
+none is), the size a runner pads it to. So a replay and the eager forward of the same
+batch (verify mode, the fallback) reduce each request's keys in the same order.
+
+Plans nothing on the host between forwards (:attr:`plans` False): the runner's replay
+path gets no hook, and hand-written graphs of the model are valid baselines.
+
+Needs the ``triton`` package (``pip install 'cuda-graph-runner[triton]'``) and CUDA
+tensors, or CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` before the first
+forward imports the kernels).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import itertools
+import weakref
+from typing import Any, Dict, Set, Tuple
+
+import torch
+
+from ...forward_batch import ForwardMode, StaticForwardBatch
+from ...forward_context import forward_scratch, get_forward_batch
+from ...graph_break import eager_op
+from .attention import AttentionCall
+from .attention_backend import AttentionBackend
+from .paged_attention_model import decode_num_splits, extend_tiles
+
+#: The extend kernel's query rows per tile.
+EXTEND_BLOCK_M = 64
+
+_instances: "weakref.WeakValueDictionary[int, TritonAttention]" = weakref.WeakValueDictionary()
+_ids = itertools.count(1)
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when the kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1``
+    when :mod:`.triton_kernels` was first imported): they then run on CPU tensors. Imports
+    the kernels (False without triton)."""
+    try:
+        kernels = _kernels()
+    except ImportError:
+        return False
+    return type(kernels._decode_split_kernel).__name__ == "InterpretedFunction"
+
+
+def _kernels() -> Any:
+    from . import triton_kernels  # lazy: triton is optional and slow to import
+
+    return triton_kernels
+
+
+@eager_op("triton_paged_attention", capture_safe=("decode", "target_verify", "dllm_extend"))
+def triton_paged_attention(
+    output: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    scaling: float,
+    sliding_window: int,
+    last_layer: bool,
+    backend_id: int,
+) -> None:
+    """The ``triton`` attention (arguments as ``reference_llama_attention``'s, plus the id
+    of the backend instance, whose recorded graph sizes fix the decode split count)."""
+    call = AttentionCall(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, get_forward_batch())
+    backend = _instances[backend_id]
+    if call.batch.forward_mode.is_decode_like():
+        backend.forward_decode(call, last_layer)
+    else:
+        backend.forward_extend(call)
+
+
+class TritonAttention(AttentionBackend):
+    """``triton``: see the module docstring.
+
+    Attributes:
+        graph_sizes: batch sizes of the graph forwards seen, per ``(mode, width)``.
+        decode_block_n: keys per block of the decode kernel.
+        extend_block_m, extend_block_n: query rows per tile and keys per block of the
+            extend kernel.
+
+    Raises (at a forward):
+        RuntimeError: CPU tensors outside Triton's interpreter.
+    """
+
+    name = "triton"
+    plans = False
+
+    def __init__(self, decode_block_n: int = 64, extend_block_m: int = EXTEND_BLOCK_M, extend_block_n: int = 64):
+        self.id = next(_ids)
+        _instances[self.id] = self
+        self.graph_sizes: Dict[Tuple[ForwardMode, int], Set[int]] = collections.defaultdict(set)
+        self.decode_block_n = decode_block_n
+        self.extend_block_m = extend_block_m
+        self.extend_block_n = extend_block_n
+        self._scratch_key = ("triton_attention_tiles", self.id)
+
+    def padded_batch_size(self, mode: ForwardMode, width: int, batch_size: int) -> int:
+        """The smallest graph size recorded for ``(mode, width)`` that holds
+        ``batch_size`` requests, else ``batch_size``."""
+        fits = [s for s in self.graph_sizes.get((mode, width), ()) if s >= batch_size]
+        return min(fits) if fits else batch_size
+
+    def num_splits(self, batch: Any, num_kv_heads: int, max_context_len: int) -> int:
+        """The decode split count of ``batch`` (records a graph forward's size)."""
+        mode, width = batch.forward_mode, batch.num_tokens_per_req
+        bs = int(batch.req_pool_indices.shape[0])
+        if isinstance(batch, StaticForwardBatch):
+            self.graph_sizes[(mode, width)].add(bs)
+            padded = bs
+        else:
+            padded = self.padded_batch_size(mode, width, bs)
+        return decode_num_splits(padded, num_kv_heads, max_context_len)
+
+    def forward(
+        self,
+        output: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        scaling: float,
+        sliding_window: int,
+        last_layer: bool,
+    ) -> None:
+        triton_paged_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, last_layer, self.id)
+
+    def _check_device(self, t: torch.Tensor) -> None:
+        if t.device.type != "cuda" and not interpreting():
+            raise RuntimeError(
+                f"attention 'triton' runs on CUDA tensors (or on CPU tensors in Triton's interpreter, "
+                f"TRITON_INTERPRET=1); got tensors on {t.device}: use attention 'torch' there"
+            )
+
+    def forward_decode(self, call: AttentionCall, last_layer: bool) -> None:
+        self._check_device(call.q)
+        batch = call.batch
+        splits = self.num_splits(batch, call.k_cache.shape[1], call.req_to_token.shape[1])
+        _kernels().decode_attention(
+            call.output, call.q, call.k_cache, call.v_cache, call.req_to_token,
+            batch.req_pool_indices, batch.seq_lens,
+            width=batch.num_tokens_per_req, num_splits=splits, scaling=call.scaling,
+            sliding_window=call.sliding_window, bidirectional=batch.forward_mode.is_block_bidirectional(),
+            block_n=self.decode_block_n,
+        )  # fmt: skip
+
+    def forward_extend(self, call: AttentionCall) -> None:
+        self._check_device(call.q)
+        batch = call.batch
+        scratch: Dict[Any, Any] = forward_scratch()
+        entry = scratch.get(self._scratch_key)
+        if entry is None:  # the first layer of the forward builds the tile table
+            ext, pre = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
+            # Host lists are the contract; fall back to a device read when a builder left them out.
+            if ext is None:
+                if batch.extend_seq_lens is None:
+                    raise RuntimeError("EXTEND batch has neither extend_seq_lens_cpu nor extend_seq_lens")
+                ext = batch.extend_seq_lens.tolist()
+            if pre is None:
+                pre = batch.extend_prefix_lens.tolist() if batch.extend_prefix_lens is not None else [0] * len(ext)
+            tiles = extend_tiles(ext, pre, self.extend_block_m)
+            table = _kernels().extend_tile_tensor(tiles, call.q.device)
+            entry = scratch[self._scratch_key] = (table, len(tiles), sum(int(n) for n in ext))
+        table, num_tiles, total = entry
+        _kernels().extend_attention(
+            call.output, call.q, call.k_cache, call.v_cache, call.req_to_token, batch.req_pool_indices,
+            table, num_tiles, scaling=call.scaling, sliding_window=call.sliding_window,
+            block_m=self.extend_block_m, block_n=self.extend_block_n,
+        )  # fmt: skip
+        # Padded tail tokens (a prefill runner's padding) belong to no request.
+        call.output[total:].zero_()
+
+
+def make_triton_attention() -> TritonAttention:
+    """A new ``triton`` backend.
+
+    Raises:
+        ValueError: the ``triton`` package is not installed (says how to install it).
+    """
+    if not triton_available():
+        raise ValueError(
+            "attention='triton' needs the triton package, which is not installed: "
+            "pip install 'cuda-graph-runner[triton]' (or use attention 'torch')"
+        )
+    return TritonAttention()
