@@ -32,7 +32,8 @@ def test_the_scope_moves_inductor_caches_only_inside_it(tmp_path, monkeypatch):
         assert folder == compile_cache_dir() and os.path.isdir(folder)
         assert cache_dir() == folder
         assert inductor_config.fx_graph_cache is True
-    assert cache_dir() == outside
+        assert inductor_config.cpp.dynamic_threads is True  # an entry serves every thread count
+    assert cache_dir() == outside and inductor_config.cpp.dynamic_threads is False
 
 
 def test_the_switch_turns_it_off_and_a_bad_value_is_named(tmp_path, monkeypatch):

@@ -341,6 +341,10 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         except real_model.RealModelUnavailableError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    opt_in = real_model.REAL_MODELS[model_spec].cpu_compiled_opt_in if model_spec in real_model.REAL_MODELS else ""
+    not_picked = (
+        f"not picked for --model {model_spec}: it {opt_in} (--decode-backends compiled runs it)" if opt_in else None
+    )
     try:
         from . import backend_options
         from .registry import get_registry
@@ -349,11 +353,11 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             # A phase on auto is checked against what the bench will run (its own pick on
             # the CPU), as `config` checks it against the device's default.
             reg = get_registry()
-            backend_options.check_with_registry(config, reg, device.type, bench_picks(reg, config, device))
+            backend_options.check_with_registry(config, reg, device.type, bench_picks(reg, config, device, not_picked))
         # Each backend resolved once, before the model loads; the runners get the instances.
-        plans = {"decode": plan_phase("decode", args.decode_backends, config, device, max_bs)}
+        plans = {"decode": plan_phase("decode", args.decode_backends, config, device, max_bs, not_picked)}
         if not args.no_prefill:
-            plans["prefill"] = plan_phase("prefill", args.prefill_backends, config, device, max_tokens)
+            plans["prefill"] = plan_phase("prefill", args.prefill_backends, config, device, max_tokens, not_picked)
     except BenchRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
