@@ -3,17 +3,17 @@
 Why the bench picks it: torch runs each op of a step as an OpenMP parallel region, and a
 region ends only when all its threads have; when another process (a compile worker, a
 test, another user) holds one of the CPUs, a thread of every region waits for a
-scheduler time slice. With torch's default of one thread per core that is every core,
-and on a 2-core machine a ``tiny`` decode step of ~0.7 ms takes 40-80 ms in such a run
-(some 40 regions a step, each waiting ~1 ms), eager and compiled alike: timings 50x
-apart back to back. With at most half the CPUs the threads a region waits for have a
-CPU free more often, and one thread (a 2-core machine) has no region to wait on at all;
-a small model's decode step loses little or nothing by it (``tiny``, batch 2: 0.7 ms
-with one thread, 1.6 ms at best with two on a 2-core machine).
+scheduler time slice. With torch's default of one thread per core that is every core:
+on a 2-core machine shared with other work, a ``tiny`` decode step (batch 2, eager)
+took 81 ms in the median round with two threads (1.6 ms at best) and 3.3 ms with one
+(0.7 ms at best), blocks interleaved in one process: timings 50x apart from run to run.
+With at most half the CPUs a region's threads find a free CPU more often, and one
+thread (a 2-core machine) has no region to wait on; a small model's step loses nothing
+by it.
 
 The choice is the same in every start on a machine (it depends on the CPUs this process
-may run on, not on the load), so the compile cache's entries, which inductor keys by
-thread count where its C++ kernels bake it in, are found again.
+may run on, not on the load), so a run's numbers compare with the last one's; the
+compile cache serves any count (:mod:`cuda_graph_runner.compile_cache`).
 """
 
 from __future__ import annotations
