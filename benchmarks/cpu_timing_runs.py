@@ -64,7 +64,9 @@ def report(series: Series, runs: int, target: float) -> List[str]:
         worst[backend] = max(worst.get(backend, 0.0), r)
     lines.append("")
     for backend, r in sorted(worst.items(), key=lambda kv: (kv[0] != "eager", kv[0])):
-        lines.append(f"{backend}: worst max/min over batch sizes {r:.2f} ({'within' if r <= target else 'ABOVE'} {target})")
+        lines.append(
+            f"{backend}: worst max/min over batch sizes {r:.2f} ({'within' if r <= target else 'ABOVE'} {target})"
+        )
     met = bool(worst) and all(r <= target for r in worst.values())
     lines.append(f"target max/min <= {target}: {'met' if met else 'not met'}")
     return lines
@@ -93,7 +95,9 @@ def main(argv: Sequence[str] = ()) -> int:
         argv, extra = argv[:at], argv[at + 1 :]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="back-to-back bench runs (default 5, at least 2)")
-    p.add_argument("--target", type=float, default=1.5, help="the max/min a backend's decode ms may reach (default 1.5)")
+    p.add_argument(
+        "--target", type=float, default=1.5, help="the max/min a backend's decode ms may reach (default 1.5)"
+    )
     args = p.parse_args(argv)
     if args.runs < 2:
         p.error(f"--runs {args.runs}: accepted: an integer >= 2 (a spread needs two runs)")
