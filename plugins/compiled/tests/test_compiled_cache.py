@@ -7,7 +7,7 @@ The fresh process runs with another intra-op thread count than the cold one (the
 bench picks its own on a CPU, a user's script keeps torch's): inductor's C++ kernels
 read the count at run time inside the cache scope, so one entry serves both.
 
-One inductor compile of the ``tiny`` preset in this process (cold, ~20 s on two cores)
+One inductor compile of the ``tiny`` preset in this process (cold, tens of seconds on two cores)
 and one fresh process (warm, a few seconds); skipped with the reason where inductor
 cannot build here.
 """
