@@ -366,7 +366,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         return 2
 
     if threads is not None:
-        torch.set_num_threads(threads)  # before any compile: inductor's C++ kernels bake the count in
+        torch.set_num_threads(threads)  # before any work: the eager steps, compiles and timings all use it
     try:
         model = load_model(model_spec, dtype=dtype, device=device, tp_group=tp, attention=args.attention)
     except (ValueError, FileNotFoundError) as exc:
