@@ -95,6 +95,7 @@ def compile_cache_scope(key: Optional[str] = None) -> Iterator[Optional[str]]:
     # that read it at run time serve a start with another count (the bench picks its own
     # on a CPU) from the same entry, where torch 2.13 keys entries by it (a second start
     # compiled again) and 2.11 reuses an entry with the first start's count built in.
+    # vLLM's CPU platform sets the same (TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1, vllm/platforms/cpu.py).
     patches = {"fx_graph_cache": True, "cpp.dynamic_threads": True}
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor_config.patch(patches))
