@@ -78,3 +78,45 @@ def test_eager_note_names_why_each_backend_cannot_run_or_which_one_was_turned_of
         "backend is usable on cpu (full: needs cuda); running eager only"
     )
     assert seen == ["cpu", "cpu"]  # probed for the bench's device, not each backend's first one
+
+
+def test_a_real_model_on_the_cpu_runs_compiled_only_when_asked(monkeypatch, capsys):
+    """``--model smollm2-135m``: the bench does not pick the CPU ``compiled`` backend itself
+    (its compile takes minutes for about eager's speed there) and says so; named in
+    ``--decode-backends`` it runs."""
+    import pytest
+    import torch
+
+    from cuda_graph_runner import real_model
+    from cuda_graph_runner.bench_backends import BenchRequestError, plan_phase
+    from cuda_graph_runner.config import CudaGraphConfig
+    from cuda_graph_runner.registry import list_backends
+
+    reason = real_model.REAL_MODELS["smollm2-135m"].cpu_compiled_opt_in
+    assert reason, "smollm2-135m runs compiled by default"
+    asked = []
+
+    def spy(phase, selection, config, device, default_max, not_picked=None):
+        asked.append((phase, selection, not_picked))
+        raise BenchRequestError("stop here", 2)
+
+    monkeypatch.setattr(real_model, "check_available", lambda name: real_model.REAL_MODELS[name])
+    monkeypatch.setattr(bench, "plan_phase", spy)
+    assert main(["bench", "--device", "cpu", "--model", "smollm2-135m", "--no-prefill"]) == 2
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--no-prefill"]) == 2
+    capsys.readouterr()
+    [(phase, selection, not_picked), (_, _, on_tiny)] = asked
+    assert (phase, selection, on_tiny) == ("decode", None, None)
+    assert not_picked == f"not picked for --model smollm2-135m: it {reason} (--decode-backends compiled runs it)"
+
+    if not any(e.name == "compiled" and e.ok for e in list_backends("cpu")):
+        pytest.skip("backend compiled cannot run here: its picking is what the rest checks")
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "1")  # the bench's default (the suite's is 0)
+    [choice] = plan_phase("decode", None, CudaGraphConfig(), cpu, 4, not_picked)
+    assert choice.label == "disabled" and choice.backend is None
+    assert choice.note == f"decode backend compiled {not_picked}; running eager only"
+    [choice] = plan_phase("decode", "compiled", CudaGraphConfig(), cpu, 4, not_picked)
+    assert choice.label == "compiled" and choice.backend is not None and choice.explicit
+    [choice] = plan_phase("decode", None, CudaGraphConfig(), cpu, 4)
+    assert choice.label == "compiled"

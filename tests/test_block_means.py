@@ -74,12 +74,37 @@ def test_paired_ms_refuses_no_rounds():
         bench_measure.paired_ms(lambda: None, lambda: None, iters=2, warmup=0, sync=lambda: None, rounds=0)
 
 
-@pytest.mark.parametrize(
-    "threads, cpus, load, noted",
-    [(2, 2, 1.5, True), (2, 2, 0.3, False), (1, 2, 5.0, False), (4, 16, 3.0, False), (16, 16, 2.0, True)],
-)
-def test_a_busy_machine_is_noted_when_its_load_leaves_the_threads_no_cpus(threads, cpus, load, noted):
-    note = bench_measure.cpu_contention_note(threads, cpus=cpus, load=load)
-    assert bool(note) == noted
-    if noted:
-        assert f"load average {load:.1f} on {cpus} CPUs" in note and "OMP_NUM_THREADS=1" in note
+def _row(eager, graph=None, **where):
+    row = {"batch_size": 2, "backend": "compiled", **where, "eager_samples_ms": eager}
+    if graph is not None:
+        row["graph_samples_ms"] = graph
+    return row
+
+
+def test_the_busy_note_follows_the_rounds_spread_not_the_load():
+    """The note shows when some row's slowest round is more than BUSY_SPREAD times its
+    fastest (eager or graph), names that row, its spread and the threshold; steady rounds
+    give no note whatever the machine's load."""
+    steady = [_row([1.0, 1.2, 1.1], [0.5, 0.55, 0.6]), _row([2.0, 2.1], backend="disabled")]
+    assert bench_measure.busy_note(steady) == ""
+    just_within = [_row([1.0, 2.0, 1.5])]  # exactly the threshold: not more than it
+    assert bench_measure.BUSY_SPREAD == 2.0 and bench_measure.busy_note(just_within) == ""
+    stalled = steady + [_row([1.0, 1.1], [0.5, 6.0], batch_size=4)]
+    note = bench_measure.busy_note(stalled)
+    assert "decode batch 4 (backend compiled) spread 12.0x" in note and "above 2.0x" in note, note
+    prefill = [{"num_tokens": 16, "requests": 4, "backend": "disabled", "eager_samples_ms": [3.0, 9.5]}]
+    assert "prefill 16 tokens in 4 requests (backend disabled) spread 3.2x" in bench_measure.busy_note(prefill)
+    assert bench_measure.busy_note(stalled, threshold=20.0) == ""
+    assert bench_measure.busy_note([{"batch_size": 1, "eager_ms": 1.0}, _row([5.0])]) == ""  # no two rounds
+
+
+def test_an_eager_only_row_keeps_its_rounds(clock):
+    """Rows without a backend keep their per-round samples, so the busy note sees them too."""
+    costs = iter([1.0] + [0.25] * 3 + [4.0] * 3)
+
+    def eager(batch):
+        clock.now += next(costs)
+
+    got = bench_measure.row_times(eager, None, "batch", iters=1, warmup=1, sync=lambda: None, rounds=6)
+    assert got["eager_samples_ms"] == [250.0] * 3 + [4000.0] * 3 and got["eager_ms"] == pytest.approx(2125.0)
+    assert "spread 16.0x" in bench_measure.busy_note([{"batch_size": 1, **got}])

@@ -27,12 +27,13 @@ def test_cache_root_from_the_variable_else_xdg_else_home(tmp_path):
 
 def test_the_scope_moves_inductor_caches_only_inside_it(tmp_path, monkeypatch):
     monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
-    outside = cache_dir()
+    outside, threads_outside = cache_dir(), inductor_config.cpp.dynamic_threads
     with compile_cache_scope() as folder:
         assert folder == compile_cache_dir() and os.path.isdir(folder)
         assert cache_dir() == folder
         assert inductor_config.fx_graph_cache is True
-    assert cache_dir() == outside
+        assert inductor_config.cpp.dynamic_threads is True  # an entry serves every thread count
+    assert cache_dir() == outside and inductor_config.cpp.dynamic_threads is threads_outside
 
 
 def test_the_switch_turns_it_off_and_a_bad_value_is_named(tmp_path, monkeypatch):

@@ -52,8 +52,7 @@ from .bench_measure import (  # noqa: F401
     PAIRED_ROUNDS,
     bench_decode,
     bench_prefill,
-    cpu_contention_note,
-    load_average,
+    busy_note,
     replay_prepare_us,
     time_ms,
 )
@@ -261,6 +260,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
     try:
         code = _run_bench(args, tp)
     except BaseException:
@@ -270,6 +270,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         traceback.print_exc()
         code = 1
+    finally:
+        torch.set_num_threads(threads)  # the bench's choice (cpu_threads) ends with the run
     return bench_tp.finish(tp, code)
 
 
@@ -322,7 +324,15 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    cpu_load = load_average() if on_cpu else None  # before our own work counts
+    threads, threads_from = None, ""
+    if on_cpu or getattr(args, "threads", None) is not None:
+        from .cpu_threads import choose_threads
+
+        try:
+            threads, threads_from = choose_threads(getattr(args, "threads", None), current=torch.get_num_threads())
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     from . import real_model
 
     if model_spec in real_model.REAL_MODELS:
@@ -331,6 +341,10 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         except real_model.RealModelUnavailableError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    opt_in = real_model.REAL_MODELS[model_spec].cpu_compiled_opt_in if model_spec in real_model.REAL_MODELS else ""
+    not_picked = (
+        f"not picked for --model {model_spec}: it {opt_in} (--decode-backends compiled runs it)" if opt_in else None
+    )
     try:
         from . import backend_options
         from .registry import get_registry
@@ -339,11 +353,11 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             # A phase on auto is checked against what the bench will run (its own pick on
             # the CPU), as `config` checks it against the device's default.
             reg = get_registry()
-            backend_options.check_with_registry(config, reg, device.type, bench_picks(reg, config, device))
+            backend_options.check_with_registry(config, reg, device.type, bench_picks(reg, config, device, not_picked))
         # Each backend resolved once, before the model loads; the runners get the instances.
-        plans = {"decode": plan_phase("decode", args.decode_backends, config, device, max_bs)}
+        plans = {"decode": plan_phase("decode", args.decode_backends, config, device, max_bs, not_picked)}
         if not args.no_prefill:
-            plans["prefill"] = plan_phase("prefill", args.prefill_backends, config, device, max_tokens)
+            plans["prefill"] = plan_phase("prefill", args.prefill_backends, config, device, max_tokens, not_picked)
     except BenchRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -351,6 +365,8 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    if threads is not None:
+        torch.set_num_threads(threads)  # before any work: the eager steps, compiles and timings all use it
     try:
         model = load_model(model_spec, dtype=dtype, device=device, tp_group=tp, attention=args.attention)
     except (ValueError, FileNotFoundError) as exc:
@@ -389,13 +405,9 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         "prefill": [],
         "notes": [],
     }
-    if on_cpu:
-        threads = torch.get_num_threads()
+    if threads is not None:
         env["threads"] = threads
-        busy = cpu_contention_note(threads, load=cpu_load)
-        if busy:
-            say(f"note: {busy}")
-            results["notes"].append(busy)
+        say(f"threads: {threads} intra-op ({threads_from})")
 
     after_decode = None
     if tokenizer is not None:
@@ -489,6 +501,10 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say,
         )
 
+    busy = busy_note(results["decode"] + results["prefill"])
+    if busy:
+        say(f"\nnote: {busy}")
+        results["notes"].append(busy)
     document = results_document(results)
     if args.json_path and (tp is None or tp.rank == 0):
         with open(args.json_path, "w") as f:

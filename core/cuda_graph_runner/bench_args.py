@@ -145,6 +145,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "each, the median round and per-round ratio are reported (default 20 on CUDA, 2 on CPU)",
     )
     parser.add_argument(
+        "--threads",
+        type=count_arg(1),
+        default=None,
+        metavar="N",
+        help="torch intra-op threads for the run (default on a CPU: half the CPUs this process may run on, "
+        "1 on a 2-core machine, so other processes do not stall every step; OMP_NUM_THREADS or "
+        "MKL_NUM_THREADS, when set, are kept)",
+    )
+    parser.add_argument(
         "--warmup",
         type=count_arg(0),
         default=3,

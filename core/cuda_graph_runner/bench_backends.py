@@ -122,12 +122,13 @@ class BackendChoice:
 BENCH_PREFERRED = {"cpu": ("compiled",)}
 
 
-def bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
+def bench_choice(reg: Any, phase: str, device: torch.device, not_picked: Optional[str] = None) -> Optional[str]:
     """The first of :data:`BENCH_PREFERRED` for ``device`` usable for ``phase``, else None
-    (always None when ``CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED`` is off)."""
+    (always None when ``CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED`` is off, or ``not_picked``
+    says why the bench leaves them out for this run, e.g. the model)."""
     from . import envs
 
-    if not envs.get(envs.BENCH_CPU_COMPILED):
+    if not_picked or not envs.get(envs.BENCH_CPU_COMPILED):
         return None
     for candidate in BENCH_PREFERRED.get(device.type, ()):
         try:
@@ -138,19 +139,21 @@ def bench_choice(reg: Any, phase: str, device: torch.device) -> Optional[str]:
     return None
 
 
-def bench_picks(reg: Any, config: CudaGraphConfig, device: torch.device) -> Dict[str, str]:
-    """``{phase: backend}`` the bench picks itself (:func:`bench_choice`) for the phases on
-    auto whose device default is ``disabled``."""
+def bench_picks(
+    reg: Any, config: CudaGraphConfig, device: torch.device, not_picked: Optional[str] = None
+) -> Dict[str, str]:
+    """``{phase: backend}`` the bench picks itself (:func:`bench_choice`, with ``not_picked``)
+    for the phases on auto whose device default is ``disabled``."""
     picks = {}
     for phase in ("decode", "prefill"):
         if config[phase].backend is None and reg.default_backend(phase, device.type) == "disabled":
-            chosen = bench_choice(reg, phase, device)
+            chosen = bench_choice(reg, phase, device, not_picked)
             if chosen:
                 picks[phase] = chosen
     return picks
 
 
-def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> str:
+def _no_backend_note(phase: str, name: Optional[str], device: torch.device, not_picked: Optional[str] = None) -> str:
     from .registry import list_backends
 
     if name is not None:
@@ -159,11 +162,10 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device) -> s
 
     entries = [e for e in list_backends(device.type) if phase in e.phases and e.name != "disabled"]
     # A backend the bench would pick itself but the environment turned off is usable: say so.
-    off = [
-        e.name
-        for e in entries
-        if e.ok and e.name in BENCH_PREFERRED.get(device.type, ()) and not envs.get(envs.BENCH_CPU_COMPILED)
-    ]
+    preferred = [e.name for e in entries if e.ok and e.name in BENCH_PREFERRED.get(device.type, ())]
+    if preferred and not_picked:
+        return f"{phase} backend {', '.join(preferred)} {not_picked}; running eager only"
+    off = preferred if not envs.get(envs.BENCH_CPU_COMPILED) else []
     blocked = [f"{e.name}: {e.reason}" for e in entries if not e.ok]
     why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
     if off:
@@ -245,14 +247,21 @@ def label_config(
 
 
 def plan_phase(
-    phase: str, selection: Optional[str], config: CudaGraphConfig, device: torch.device, default_max: int
+    phase: str,
+    selection: Optional[str],
+    config: CudaGraphConfig,
+    device: torch.device,
+    default_max: int,
+    not_picked: Optional[str] = None,
 ) -> List[BackendChoice]:
     """Resolve, once, each backend the bench runs for ``phase`` (before any model is loaded).
 
     ``selection`` is ``--{phase}-backends`` (``"full,tc_piecewise:inductor"``) or None for
     the config's backend, or the device's default when the config names none.
     ``default_max`` is the phase's ``max_bs`` when the config sets neither ``max_bs`` nor
-    ``bs`` (the largest batch size or token count the bench measures).
+    ``bs`` (the largest batch size or token count the bench measures). ``not_picked``:
+    why the bench does not pick :data:`BENCH_PREFERRED` itself in this run (the words of
+    the note; a backend named explicitly still runs).
 
     Raises:
         BenchRequestError: a backend named explicitly cannot run: exit 2 for an unknown
@@ -275,7 +284,7 @@ def plan_phase(
     def backend_of(name: Optional[str]) -> str:
         chosen = name or reg.default_backend(phase, device.type)
         if name is None and chosen == "disabled":
-            chosen = bench_choice(reg, phase, device) or chosen
+            chosen = bench_choice(reg, phase, device, not_picked) or chosen
         return chosen
 
     resolved = [(name, compiler, backend_of(name)) for name, compiler in parsed]
@@ -288,7 +297,9 @@ def plan_phase(
         label = label_of(chosen, compiler or compiles_of(phase_config))
         if chosen == "disabled":
             choices.append(
-                BackendChoice(phase, "disabled", config, None, _no_backend_note(phase, name, device), explicit)
+                BackendChoice(
+                    phase, "disabled", config, None, _no_backend_note(phase, name, device, not_picked), explicit
+                )
             )
             continue
         if explicit and phase not in phases_of.get(chosen, (phase,)):

@@ -3,7 +3,6 @@ prefill through a runner compared with eager (:mod:`cuda_graph_runner.bench`).""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -63,37 +62,52 @@ PAIRED_ROUNDS = {"cpu": 15}
 DEFAULT_PAIRED_ROUNDS = 5
 
 
-def load_average() -> Optional[float]:
-    """The 1-minute load average, or None where the platform has none."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
+#: A row whose rounds spread more than this factor (its slowest round's ms over its
+#: fastest, eager or graph: :func:`round_spread`) makes the bench note that the machine
+#: was busy during the run (:func:`busy_note`). Rounds of a quiet machine stay well
+#: within it; one stalled by another process's time slice is several times slower.
+BUSY_SPREAD = 2.0
 
 
-def cpu_contention_note(threads: int, *, cpus: Optional[int] = None, load: Optional[float] = None) -> str:
-    """A note when other processes keep the CPUs the bench's ``threads`` intra-op threads
-    need busy (1-minute load average + ``threads`` > CPUs), else "".
+def round_spread(row: Dict[str, Any]) -> Optional[float]:
+    """The largest slowest-over-fastest round factor of a bench row's per-round samples
+    (``eager_samples_ms``, ``graph_samples_ms``), or None when it has fewer than two."""
+    spreads = []
+    for key in ("eager_samples_ms", "graph_samples_ms"):
+        samples = [s for s in row.get(key) or () if s is not None]
+        if len(samples) >= 2 and min(samples) > 0:
+            spreads.append(max(samples) / min(samples))
+    return max(spreads) if spreads else None
 
-    Why: an OpenMP parallel region waits for all its threads; with one of them
-    descheduled by another process it waits a scheduler time slice (milliseconds), so a
-    decode step of a small model (about a millisecond) takes 5-20x longer at random,
-    eager and compiled alike, and no count of rounds makes their ratio steady. One thread
-    (``OMP_NUM_THREADS=1``) is steady there and loses little on a model this small.
-    ``cpus`` / ``load`` default to the CPUs this process may run on / ``os.getloadavg()[0]``.
+
+def _row_name(row: Dict[str, Any]) -> str:
+    if "batch_size" in row:
+        where = f"decode batch {row['batch_size']}"
+    else:
+        where = f"prefill {row.get('num_tokens')} tokens in {row.get('requests')} requests"
+    return f"{where} (backend {row.get('backend', '?')})"
+
+
+def busy_note(rows: Sequence[Dict[str, Any]], *, threshold: float = BUSY_SPREAD) -> str:
+    """A note when the run's own rounds say the machine was busy: some row's rounds spread
+    more than ``threshold`` (:func:`round_spread`); names the worst row, its spread and
+    the threshold. "" otherwise (also for rows without samples).
+
+    Why the rounds and not the load average: a load taken before the run says nothing of
+    the minutes it times, and a load the bench's own threads and compile workers make
+    is no stall; a stall is what spreads the rounds.
     """
-    if cpus is None:
-        affinity = getattr(os, "sched_getaffinity", None)
-        cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    if load is None:
-        load = load_average()
-        if load is None:
-            return ""
-    if threads <= 1 or load + threads <= cpus + 0.5:
+    worst, worst_row = 0.0, None
+    for row in rows:
+        spread = round_spread(row)
+        if spread is not None and spread > worst:
+            worst, worst_row = spread, row
+    if worst_row is None or worst <= threshold:
         return ""
     return (
-        f"the machine is busy (load average {load:.1f} on {cpus} CPUs, torch uses {threads} threads): "
-        "CPU timings stall at random; for steady ratios run with OMP_NUM_THREADS=1"
+        f"the machine was busy: the rounds of {_row_name(worst_row)} spread {worst:.1f}x (slowest / fastest round; "
+        f"this note shows above {threshold:.1f}x): some steps waited for a CPU another process held, so "
+        "times and ratios vary between runs; the medians keep most of it out"
     )
 
 
@@ -168,11 +182,12 @@ def sync_fn(device: torch.device) -> Callable[[], None]:
 def row_times(
     eager: Callable[[Any], Any], runner: Any, batch: Any, *, iters: int, warmup: int, sync: Any, rounds: int
 ) -> Dict[str, Any]:
-    """One bench row's times for ``batch``: eager alone (``eager_ms``, :func:`time_ms`)
-    when ``runner`` is None, else eager and ``runner.forward`` interleaved in rounds
+    """One bench row's times for ``batch``: eager alone (``eager_ms``, the median of
+    ``rounds`` blocks, and ``eager_samples_ms``) when ``runner`` is None, else eager and ``runner.forward`` interleaved in rounds
     (:func:`paired_ms`). Milliseconds per call."""
     if runner is None:
-        return {"eager_ms": time_ms(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync, repeats=rounds)}
+        samples = block_means_s(lambda: eager(batch), iters=iters, warmup=warmup, sync=sync, repeats=rounds)
+        return {"eager_ms": statistics.median(samples) * 1000.0, "eager_samples_ms": [t * 1000.0 for t in samples]}
     return paired_ms(
         lambda: eager(batch), lambda: runner.forward(batch), iters=iters, warmup=warmup, sync=sync, rounds=rounds
     )

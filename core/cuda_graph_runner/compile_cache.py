@@ -10,8 +10,9 @@ code as well (:mod:`.compile_cache_dynamo`), and a second start does not trace e
 
 :func:`compile_cache_scope` points that folder at ``<cache root>/compile/torch-<version>``
 (:func:`cuda_graph_runner.envs.cache_root`) for the compile calls inside it, and turns both
-caches on; backends wrap their compile calls in it (compiled ``full`` with a key;
-``compiled`` without one: its replay runs below autograd, which a loaded trace's guards
+caches on, with inductor's CPU kernels reading the intra-op thread count at run time
+(``cpp.dynamic_threads``) so that an entry serves every thread count; backends wrap
+their compile calls in it (compiled ``full`` with a key; ``compiled`` without one: its replay runs below autograd, which a loaded trace's guards
 refuse; ``tc_piecewise`` with ``inductor`` without one: its Dynamo backend splits the
 graph and is not serializable). Outside the scope torch's own folder and settings apply,
 so other torch.compile users in the process are untouched.
@@ -90,7 +91,12 @@ def compile_cache_scope(key: Optional[str] = None) -> Iterator[Optional[str]]:
             f"compile cache folder {folder!r} cannot be created ({exc}); set {envs.CACHE_DIR} to a writable "
             f"folder or {envs.COMPILE_CACHE}=0"
         ) from exc
-    patches = {"fx_graph_cache": True}
+    # The thread count a process runs with is no part of what it compiled: C++ kernels
+    # that read it at run time serve a start with another count (the bench picks its own
+    # on a CPU) from the same entry, where torch 2.13 keys entries by it (a second start
+    # compiled again) and 2.11 reuses an entry with the first start's count built in.
+    # vLLM's CPU platform sets the same (TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1, vllm/platforms/cpu.py).
+    patches = {"fx_graph_cache": True, "cpp.dynamic_threads": True}
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor_config.patch(patches))
         if hasattr(functorch_config, "enable_autograd_cache"):
