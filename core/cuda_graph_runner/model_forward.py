@@ -38,8 +38,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-_ATTR = "_cuda_graph_runner_forward_dispatch"
-
 #: Serializes installing and removing dispatchers, and their wrapper lists and block counts.
 _LOCK = threading.Lock()
 
@@ -49,11 +47,14 @@ _dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compili
 
 
 class _Dispatch:
-    """The dispatcher installed on one model, shared by every wrapper and block on it."""
+    """The dispatcher installed as one model's ``forward``, shared by every wrapper and
+    block on it: the innermost block of the calling thread, else the first active
+    wrapper, else the original forward."""
 
     def __init__(self, model: Any) -> None:
         self.had_instance_forward = "forward" in getattr(model, "__dict__", {})
         self.original: Callable[..., Any] = model.forward
+        self.__wrapped__ = self.original  # inspect.signature shows the model's own
         # Replaced as a whole (never changed in place): a call in another thread iterates
         # a consistent tuple.
         self.wrappers: Tuple["ForwardWrapper", ...] = ()
@@ -62,36 +63,44 @@ class _Dispatch:
         #: Per thread: ``stack``, the forwards of that thread's open blocks (innermost last).
         self.local = threading.local()
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not _dynamo_tracing():
+            stack = getattr(self.local, "stack", None)
+            if stack:
+                return stack[-1](*args, **kwargs)
+            for wrapper in self.wrappers:
+                if wrapper.is_active():
+                    return wrapper(*args, **kwargs)
+        return self.original(*args, **kwargs)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        # A pickled model (torch.save, or Dynamo saving a compiled forward's guards, which
+        # reach the model through its bound forward) keeps its forward as written; the
+        # thread-local state and weakly held backends are this process's only.
+        return (_same, (self.original,))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _installed(model: Any) -> Optional[_Dispatch]:
+    forward = getattr(model, "__dict__", {}).get("forward")
+    return forward if isinstance(forward, _Dispatch) else None
+
 
 def _install(model: Any) -> _Dispatch:
     """The model's dispatcher, installed as its ``forward`` if it has none (under ``_LOCK``)."""
-    dispatch = model.__dict__.get(_ATTR)
-    if dispatch is not None:
-        return dispatch
-    dispatch = _Dispatch(model)
-    original, local = dispatch.original, dispatch.local
-
-    def dispatched_forward(*args: Any, **kwargs: Any) -> Any:
-        if not _dynamo_tracing():
-            stack = getattr(local, "stack", None)
-            if stack:
-                return stack[-1](*args, **kwargs)
-            for wrapper in dispatch.wrappers:
-                if wrapper.is_active():
-                    return wrapper(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    dispatched_forward.__wrapped__ = original  # type: ignore[attr-defined]
-    model.__dict__[_ATTR] = dispatch
-    model.__dict__["forward"] = dispatched_forward
+    dispatch = _installed(model)
+    if dispatch is None:
+        dispatch = model.__dict__["forward"] = _Dispatch(model)
     return dispatch
 
 
 def _release(model: Any, dispatch: _Dispatch) -> None:
     """Give ``model`` its forward back once nothing uses ``dispatch`` (under ``_LOCK``)."""
-    if dispatch.wrappers or dispatch.blocks or model is None or model.__dict__.get(_ATTR) is not dispatch:
+    if dispatch.wrappers or dispatch.blocks or model is None or _installed(model) is not dispatch:
         return
-    del model.__dict__[_ATTR]
     if dispatch.had_instance_forward:
         model.__dict__["forward"] = dispatch.original
     else:
@@ -180,7 +189,7 @@ def wrap_model_forward(model: Any, forward: Callable[..., Any], *, active: Calla
 
 def forward_wrappers(model: Any) -> List[ForwardWrapper]:
     """The wrappers installed on ``model`` (empty when its forward is its own)."""
-    dispatch = getattr(model, "__dict__", {}).get(_ATTR)
+    dispatch = _installed(model)
     return list(dispatch.wrappers) if dispatch is not None else []
 
 
@@ -192,7 +201,7 @@ def forward_as_written(model: Any) -> Callable[..., Any]:
     compile: Dynamo cannot trace its thread-local dispatch, and compiling it would make
     one backend's code call another's.
     """
-    dispatch = getattr(model, "__dict__", {}).get(_ATTR)
+    dispatch = _installed(model)
     return dispatch.original if dispatch is not None else model.forward
 
 
