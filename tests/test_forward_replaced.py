@@ -8,12 +8,7 @@ import threading
 import pytest
 import torch
 
-from cuda_graph_runner.model_forward import (
-    forward_as_written,
-    forward_replaced,
-    forward_wrappers,
-    wrap_model_forward,
-)
+from cuda_graph_runner.model_forward import forward_replaced, forward_wrappers, wrap_model_forward
 
 WAIT_S = 30  # a thread that waits longer has lost its partner: the test fails, never hangs
 
@@ -118,10 +113,19 @@ def test_dynamo_compiles_the_forward_as_written_through_the_dispatcher():
     """A wrapper's dispatch reads thread-local state through weak references, which Dynamo
     cannot trace (``fullgraph=True`` made it an error); traced, the dispatcher is the
     model's own forward, and ``forward_as_written`` is what backends compile."""
-    model = _Model()
-    wrapper = wrap_model_forward(model, lambda x: x * 7, active=lambda: False)
+    class Backend:  # bound methods: kept weakly, as a backend's are
+        def forward(self, x):
+            return x * 7
+
+        def active(self):
+            return False
+
+    model, backend = _Model(), Backend()
+    wrapper = wrap_model_forward(model, backend.forward, active=backend.active)
     compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
     assert compiled(torch.tensor(2)).item() == 3
+    from cuda_graph_runner.model_forward import forward_as_written
+
     assert forward_as_written(model) == wrapper.original and forward_as_written(model)(torch.tensor(2)).item() == 3
     wrapper.remove()
     assert forward_as_written(model) == model.forward
