@@ -113,6 +113,7 @@ def test_dynamo_compiles_the_forward_as_written_through_the_dispatcher():
     """A wrapper's dispatch reads thread-local state through weak references, which Dynamo
     cannot trace (``fullgraph=True`` made it an error); traced, the dispatcher is the
     model's own forward, and ``forward_as_written`` is what backends compile."""
+
     class Backend:  # bound methods: kept weakly, as a backend's are
         def forward(self, x):
             return x * 7
