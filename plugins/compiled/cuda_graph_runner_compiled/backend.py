@@ -65,7 +65,6 @@ for tests: the same Dynamo trace without code generation), or a callable Dynamo 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Union
@@ -124,8 +123,8 @@ class CompiledBackend(BaseCudaGraphBackend):
     # Only what Dynamo traces is frozen into the compiled code; a host read there would
     # become a guard (a recompile per value), so it is an error while tracing.
     host_value_guard = "trace"
-    # The compiling call is the first run; one more checks the compiled code runs
-    # without recompiling and warms its allocations up.
+    # The compiling call is the first run; one more runs the compiled code warm (its
+    # allocations made).
     num_warmups = 1
 
     def __init__(
@@ -171,12 +170,8 @@ class CompiledBackend(BaseCudaGraphBackend):
             raise RuntimeError("backend 'compiled': call prepare(plan) first (the runner's capture() does)")
         entry = entry_function(self._original_forward, f"compiled_forward_{key.variant or 'v'}_{key.size}")
         options: Dict[str, Any] = dict(self.inductor_options) if self.compiler == "inductor" else {}
-        if _GUARD_FILTER:
-            options["guard_filter_fn"] = _no_guards
-        kwargs: Dict[str, Any] = {"backend": self.compiler, "dynamic": False, "fullgraph": True}
-        if options:
-            kwargs["options"] = options
-        return torch.compile(entry, **kwargs)
+        options["guard_filter_fn"] = _no_guards  # torch pops it from the dict it is given
+        return torch.compile(entry, backend=self.compiler, dynamic=False, fullgraph=True, options=options)
 
     # -- the contract -----------------------------------------------------------------
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
@@ -261,21 +256,8 @@ def _no_guards(guards: Sequence[Any]) -> List[bool]:
     Unlike ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (process-wide:
     every thread's compiled code, a marked op's own compiled helpers among it, would skip
     its guards or fail to compile while a replay runs) it belongs to this entry alone.
-    Where torch has no guard filter (:data:`_GUARD_FILTER`) the guards stay, and are
-    evaluated at every replay.
     """
     return [False] * len(guards)
-
-
-def _takes_guard_filter() -> bool:
-    try:
-        return "guard_filter_fn" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
-    except (AttributeError, TypeError, ValueError):  # a torch without the (private) function
-        return False
-
-
-#: Whether ``torch.compile`` takes ``options={"guard_filter_fn": ...}`` (torch >= 2.8).
-_GUARD_FILTER = _takes_guard_filter()
 
 
 def _below_autograd() -> ContextManager[Any]:
