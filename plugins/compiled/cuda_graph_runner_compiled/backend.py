@@ -43,8 +43,8 @@ eager / compiled per step, the median of 9 interleaved rounds,
 
 * ``cpp_wrapper`` (kept, :data:`DEFAULT_INDUCTOR_OPTIONS`): the compiled graph's host
   code in C++ (numbers there).
-* no guards on the per-bucket entry (kept, :func:`_no_guards`): evaluating them was a
-  third of the host time of a ``tiny`` decode step.
+* no guards on the per-bucket entry (kept, :func:`_no_guards`): evaluating them made a
+  step 1.14x / 1.06x slower at batch 1 / 4 (paired rounds, inductor, on a loaded machine).
 * dispatch below autograd in ``replay`` (kept): 0.86 -> 0.66 ms per step, 1.6x -> 2.0x
   over eager; see :func:`_below_autograd`. ``torch.inference_mode()`` instead saves less
   (0.80 ms) and makes the outputs inference tensors a caller cannot write into.
