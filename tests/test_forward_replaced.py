@@ -130,3 +130,17 @@ def test_dynamo_compiles_the_forward_as_written_through_the_dispatcher():
     assert forward_as_written(model) == wrapper.original and forward_as_written(model)(torch.tensor(2)).item() == 3
     wrapper.remove()
     assert forward_as_written(model) == model.forward
+
+
+def test_a_model_with_a_backend_on_it_pickles_with_its_forward_as_written():
+    """Dynamo's package cache pickles a compiled forward's model through its bound
+    forward, as ``torch.save`` pickles a model: the dispatcher's thread-local state and
+    weakly held backends stay behind."""
+    import pickle
+
+    model = _Model()
+    wrapper = wrap_model_forward(model, lambda x: x * 7, active=lambda: True)
+    with forward_replaced(model, lambda x: x * 10):
+        copy = pickle.loads(pickle.dumps(model))
+    assert copy(torch.tensor(2)).item() == 3
+    wrapper.remove()
