@@ -11,29 +11,100 @@ runs, else the original. Removing the last wrapper gives the model its original
 forward back (the class's, or the instance attribute it had). Wrappers keep their
 backend only weakly: dropping a runner frees its backend even while the model lives.
 A backend that runs its own forward only inside a block it runs itself (a compile
-pass, one capture, one replay) uses :func:`forward_replaced` instead.
+pass, one capture, one replay) uses :func:`forward_replaced` instead: the same
+dispatcher, with the block's forward seen by the block's thread only.
+
+What the dispatcher keeps true, whatever sequence of runners and backends one model
+sees (several at once, cleaned up and made again, from several threads):
+
+* a ``forward_replaced`` block is seen by its own thread only, and the model's forward
+  comes back when the last block and the last wrapper are gone, in whatever order the
+  threads end them;
+* Dynamo never traces the dispatch (which reads thread-local state and weak references
+  it cannot trace): a ``torch.compile`` reaching the dispatcher compiles the model's
+  forward as written, and backends compile :func:`forward_as_written` directly.
 
 Borrowed from sglang's ``install_torch_compiled`` (a compiled forward installed on the
-model, dispatched by a context flag), made owner-aware and reversible.
+model, dispatched by a context flag), made owner-aware, thread-aware and reversible.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-_ATTR = "_cuda_graph_runner_forward_dispatch"
+import torch
+
+#: Serializes installing and removing dispatchers, and their wrapper lists and block counts.
+_LOCK = threading.Lock()
+
+#: False when run, True when Dynamo traces it (PyTorch's ``is_dynamo_compiling``; unlike
+#: ``is_compiling``, never True in a thread that merely runs while another compiles).
+_dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 
 class _Dispatch:
-    """The dispatcher installed on one model, shared by every wrapper on it."""
+    """The dispatcher installed as one model's ``forward``, shared by every wrapper and
+    block on it: the innermost block of the calling thread, else the first active
+    wrapper, else the original forward."""
 
     def __init__(self, model: Any) -> None:
         self.had_instance_forward = "forward" in getattr(model, "__dict__", {})
         self.original: Callable[..., Any] = model.forward
-        self.wrappers: List["ForwardWrapper"] = []
+        self.__wrapped__ = self.original  # inspect.signature shows the model's own
+        # Replaced as a whole (never changed in place): a call in another thread iterates
+        # a consistent tuple.
+        self.wrappers: Tuple["ForwardWrapper", ...] = ()
+        #: forward_replaced blocks open now, all threads together.
+        self.blocks = 0
+        #: Per thread: ``stack``, the forwards of that thread's open blocks (innermost last).
+        self.local = threading.local()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not _dynamo_tracing():
+            stack = getattr(self.local, "stack", None)
+            if stack:
+                return stack[-1](*args, **kwargs)
+            for wrapper in self.wrappers:
+                if wrapper.is_active():
+                    return wrapper(*args, **kwargs)
+        return self.original(*args, **kwargs)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        # A pickled model (torch.save, or Dynamo saving a compiled forward's guards, which
+        # reach the model through its bound forward) keeps its forward as written; the
+        # thread-local state and weakly held backends are this process's only.
+        return (_same, (self.original,))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _installed(model: Any) -> Optional[_Dispatch]:
+    forward = getattr(model, "__dict__", {}).get("forward")
+    return forward if isinstance(forward, _Dispatch) else None
+
+
+def _install(model: Any) -> _Dispatch:
+    """The model's dispatcher, installed as its ``forward`` if it has none (under ``_LOCK``)."""
+    dispatch = _installed(model)
+    if dispatch is None:
+        dispatch = model.__dict__["forward"] = _Dispatch(model)
+    return dispatch
+
+
+def _release(model: Any, dispatch: _Dispatch) -> None:
+    """Give ``model`` its forward back once nothing uses ``dispatch`` (under ``_LOCK``)."""
+    if dispatch.wrappers or dispatch.blocks or model is None or _installed(model) is not dispatch:
+        return
+    if dispatch.had_instance_forward:
+        model.__dict__["forward"] = dispatch.original
+    else:
+        model.__dict__.pop("forward", None)
 
 
 def _weak(fn: Callable[..., Any]) -> Callable[[], Optional[Callable[..., Any]]]:
@@ -75,17 +146,12 @@ class ForwardWrapper:
         return forward(*args, **kwargs)
 
     def remove(self) -> None:
-        """Stop standing in; the last wrapper removed restores the model's forward."""
-        wrappers = self._dispatch.wrappers
-        if self in wrappers:
-            wrappers.remove(self)
-        model = self._model()
-        if not wrappers and model is not None and model.__dict__.get(_ATTR) is self._dispatch:
-            del model.__dict__[_ATTR]
-            if self._dispatch.had_instance_forward:
-                model.__dict__["forward"] = self._dispatch.original
-            else:
-                model.__dict__.pop("forward", None)
+        """Stop standing in; the last wrapper removed (with no ``forward_replaced`` block
+        open) restores the model's forward."""
+        with _LOCK:
+            dispatch = self._dispatch
+            dispatch.wrappers = tuple(w for w in dispatch.wrappers if w is not self)
+            _release(self._model(), dispatch)
 
 
 def _weakrefable(obj: Any) -> bool:
@@ -114,30 +180,29 @@ def wrap_model_forward(model: Any, forward: Callable[..., Any], *, active: Calla
     """
     if not hasattr(model, "__dict__"):
         raise TypeError(f"cannot wrap the forward of a {type(model).__name__}: it has no instance __dict__")
-    dispatch = model.__dict__.get(_ATTR)
-    if dispatch is None:
-        dispatch = _Dispatch(model)
-        original = dispatch.original
-        wrappers = dispatch.wrappers
-
-        def dispatched_forward(*args: Any, **kwargs: Any) -> Any:
-            for wrapper in wrappers:
-                if wrapper.is_active():
-                    return wrapper(*args, **kwargs)
-            return original(*args, **kwargs)
-
-        dispatched_forward.__wrapped__ = original  # type: ignore[attr-defined]
-        model.__dict__[_ATTR] = dispatch
-        model.__dict__["forward"] = dispatched_forward
-    wrapper = ForwardWrapper(model, dispatch, forward, active)
-    dispatch.wrappers.append(wrapper)
+    with _LOCK:
+        dispatch = _install(model)
+        wrapper = ForwardWrapper(model, dispatch, forward, active)
+        dispatch.wrappers = (*dispatch.wrappers, wrapper)
     return wrapper
 
 
 def forward_wrappers(model: Any) -> List[ForwardWrapper]:
     """The wrappers installed on ``model`` (empty when its forward is its own)."""
-    dispatch = getattr(model, "__dict__", {}).get(_ATTR)
+    dispatch = _installed(model)
     return list(dispatch.wrappers) if dispatch is not None else []
+
+
+def forward_as_written(model: Any) -> Callable[..., Any]:
+    """``model``'s forward beneath any dispatcher: what a backend compiles or captures.
+
+    ``model.forward`` itself may be the dispatcher (another backend on the model wrapped
+    it, or a block of :func:`forward_replaced` is open), which a backend must never
+    compile: Dynamo cannot trace its thread-local dispatch, and compiling it would make
+    one backend's code call another's.
+    """
+    dispatch = _installed(model)
+    return dispatch.original if dispatch is not None else model.forward
 
 
 def entry_function(original: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -162,14 +227,17 @@ def entry_function(original: Callable[..., Any], name: str) -> Callable[..., Any
 
 @contextlib.contextmanager
 def forward_replaced(model: Any, forward: Callable[..., Any]) -> Iterator[None]:
-    """``model.forward`` is ``forward`` for the block, then exactly what it was before.
+    """In this thread, ``model.forward(...)`` runs ``forward`` for the block; then the
+    model's forward is exactly what it was before.
 
     For a backend that runs its own forward only inside a block it controls (a compile
-    pass, one capture, one replay): an instance attribute shadows the class's method
-    (and any dispatcher :func:`wrap_model_forward` installed) and is removed afterwards,
-    or the instance attribute the model had is put back. Not reentrant across threads:
-    another thread calling ``model.forward`` meanwhile runs ``forward`` too; a backend
-    whose forward must stay installed between calls uses :func:`wrap_model_forward`.
+    pass, one capture, one replay). The block installs the model's dispatcher
+    (:func:`wrap_model_forward`'s) if it has none; the block's ``forward`` wins over any
+    wrapper, inner blocks over outer ones. Other threads keep seeing the model's forward
+    (or their own blocks' forwards), so two runners of one model may capture or replay
+    from two threads; the dispatcher goes when the last block and wrapper end, in
+    whatever order. ``forward`` should call :func:`forward_as_written`'s forward, never
+    ``model.forward`` (that is the dispatcher again).
 
     Raises:
         TypeError: ``model`` has no instance ``__dict__``; ``forward`` is not callable.
@@ -179,12 +247,21 @@ def forward_replaced(model: Any, forward: Callable[..., Any]) -> Iterator[None]:
         raise TypeError(f"cannot replace the forward of {type(model).__name__} object: it has no instance __dict__")
     if not callable(forward):
         raise TypeError(f"forward_replaced: forward must be callable, got {forward!r}")
-    had, before = "forward" in attrs, attrs.get("forward")
-    attrs["forward"] = forward
+    with _LOCK:
+        dispatch = _install(model)
+        dispatch.blocks += 1
+    stack = getattr(dispatch.local, "stack", None)
+    if stack is None:
+        stack = dispatch.local.stack = []
+    stack.append(forward)
     try:
         yield
     finally:
-        if had:
-            attrs["forward"] = before
-        else:
-            attrs.pop("forward", None)
+        # This block's entry: the last one equal to it (blocks of one thread end innermost first).
+        for index in range(len(stack) - 1, -1, -1):
+            if stack[index] is forward:
+                del stack[index]
+                break
+        with _LOCK:
+            dispatch.blocks -= 1
+            _release(model, dispatch)

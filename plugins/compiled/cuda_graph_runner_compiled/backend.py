@@ -10,23 +10,27 @@ replay runs the code compiled for that bucket on the runner's static buffers.
 How it runs:
 
 ``prepare(plan)``
-    Remembers the capture plan's model and ``forward`` (the runner's public "what one
-    graph records" method).
+    Remembers the capture plan's model, its forward as written
+    (:func:`~cuda_graph_runner.model_forward.forward_as_written`: never another
+    backend's dispatcher) and the plan's ``forward`` (the runner's public "what one graph
+    records" method).
 ``capture_one(key, forward_fn)``
-    Makes ``torch.compile(model.forward, dynamic=False, fullgraph=True)`` for ``key``
-    (a code object of its own per key, so Dynamo keeps one cache entry per bucket and
-    never hits its recompile limit), then calls ``forward_fn`` with that compiled forward
-    put in place of ``model.forward``: the first call compiles, the next runs warm the
-    compiled code up. Marked ops (attention) are torch custom ops: Dynamo and inductor
-    keep them opaque, and they run on the live batch's metadata at every call.
+    Makes ``torch.compile(forward, dynamic=False, fullgraph=True)`` for ``key`` (a code
+    object of its own per key, so Dynamo keeps one cache entry per bucket and never hits
+    its recompile limit) with no guards (:func:`_no_guards`), then calls ``forward_fn``
+    with that compiled forward put in place of ``model.forward``: the first call
+    compiles, the next runs warm the compiled code up. Marked ops (attention) are torch
+    custom ops: Dynamo and inductor keep them opaque, and they run on the live batch's
+    metadata at every call.
 ``replay(key, static_batch)``
     ``plan.forward(static_batch)`` with ``key``'s compiled forward in place of
-    ``model.forward`` (only for the duration of the call: the runner's eager fallback, and
-    any other backend on the model, see the forward as written), with Dynamo's guard
-    checks skipped (one entry per bucket, always called on the same static buffers: a
-    third of the host time of a ``tiny`` decode step) and with dispatch below the
-    autograd and ADInplaceOrView keys (:func:`_below_autograd`). The output is fresh
-    tensors per call, which the contract allows.
+    ``model.forward`` (only for the call and only in the calling thread:
+    :func:`~cuda_graph_runner.model_forward.forward_replaced`; the runner's eager
+    fallback, any other backend on the model and other threads see the forward as
+    written) and with dispatch below the autograd and ADInplaceOrView keys
+    (:func:`_below_autograd`). The output is fresh tensors per call, which the contract
+    allows. Nothing of it is process-wide: replays from several threads, and compiled
+    code the model's marked ops call themselves, run as they would alone.
 
 Compile time is bounded: once this backend has compiled for ``compile_budget_s`` seconds
 the sizes still to capture are left uncompiled (a warning names them); the runner runs
@@ -39,6 +43,8 @@ eager / compiled per step, the median of 9 interleaved rounds,
 
 * ``cpp_wrapper`` (kept, :data:`DEFAULT_INDUCTOR_OPTIONS`): the compiled graph's host
   code in C++ (numbers there).
+* no guards on the per-bucket entry (kept, :func:`_no_guards`): evaluating them made a
+  step 1.14x / 1.06x slower at batch 1 / 4 (paired rounds, inductor, on a loaded machine).
 * dispatch below autograd in ``replay`` (kept): 0.86 -> 0.66 ms per step, 1.6x -> 2.0x
   over eager; see :func:`_below_autograd`. ``torch.inference_mode()`` instead saves less
   (0.80 ms) and makes the outputs inference tensors a caller cannot write into.
@@ -67,7 +73,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -76,7 +82,7 @@ from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey,
 from cuda_graph_runner.capture_plan import CapturePlan
 from cuda_graph_runner.compile_cache import compile_cache_scope
 from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.model_forward import entry_function, forward_replaced
+from cuda_graph_runner.model_forward import entry_function, forward_as_written, forward_replaced
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +129,8 @@ class CompiledBackend(BaseCudaGraphBackend):
     # Only what Dynamo traces is frozen into the compiled code; a host read there would
     # become a guard (a recompile per value), so it is an error while tracing.
     host_value_guard = "trace"
-    # The compiling call is the first run; one more checks the compiled code runs
-    # without recompiling and warms its allocations up.
+    # The compiling call is the first run; one more runs the compiled code warm (its
+    # allocations made).
     num_warmups = 1
 
     def __init__(
@@ -159,19 +165,19 @@ class CompiledBackend(BaseCudaGraphBackend):
 
     # -- set-up ---------------------------------------------------------------------
     def prepare(self, plan: CapturePlan) -> None:
-        """Remember the plan's model, its forward as written, and the plan's forward."""
+        """Remember the plan's model, its forward as written (beneath any other backend's
+        dispatcher), and the plan's forward."""
         self._model = plan.model
         self._graph_forward = plan.forward
-        self._original_forward = plan.model.forward
+        self._original_forward = forward_as_written(plan.model)
 
     def _compile(self, key: ShapeKey) -> Callable[..., Any]:
         if self._original_forward is None:
             raise RuntimeError("backend 'compiled': call prepare(plan) first (the runner's capture() does)")
         entry = entry_function(self._original_forward, f"compiled_forward_{key.variant or 'v'}_{key.size}")
-        kwargs: Dict[str, Any] = {"backend": self.compiler, "dynamic": False, "fullgraph": True}
-        if self.compiler == "inductor" and self.inductor_options:
-            kwargs["options"] = self.inductor_options
-        return torch.compile(entry, **kwargs)
+        options: Dict[str, Any] = dict(self.inductor_options) if self.compiler == "inductor" else {}
+        options["guard_filter_fn"] = _no_guards  # torch pops it from the dict it is given
+        return torch.compile(entry, backend=self.compiler, dynamic=False, fullgraph=True, options=options)
 
     # -- the contract -----------------------------------------------------------------
     def capture_one(self, key: ShapeKey, forward_fn: ForwardFn, *, post_warmup_hook: WarmupHook = None) -> None:
@@ -196,7 +202,7 @@ class CompiledBackend(BaseCudaGraphBackend):
             )
             return
         # The inductor caches only (no compile key): Dynamo's traced code loaded from the
-        # cache checks its dispatch-state guard even where replay skips guard evaluation,
+        # cache brings the guards it was saved with (its dispatch-state guard among them),
         # so a loaded entry would refuse every replay below autograd (_below_autograd).
         compiled = self._compile(key)
         scope = compile_cache_scope() if self.cache else contextlib.nullcontext()
@@ -220,7 +226,7 @@ class CompiledBackend(BaseCudaGraphBackend):
         if compiled is None:
             raise KeyError(f"no compiled forward for {key}; compiled: {sorted(self._compiled)}")
         assert self._graph_forward is not None
-        with forward_replaced(self._model, compiled), _SKIP_GUARDS(), _below_autograd():
+        with forward_replaced(self._model, compiled), _below_autograd():
             return self._graph_forward(static_batch)
 
     def cleanup(self) -> None:
@@ -245,14 +251,19 @@ class CompiledBackend(BaseCudaGraphBackend):
         return super().verify_tolerance(dtype)
 
 
-def _SKIP_GUARDS() -> ContextManager[Any]:
-    # Each bucket's code object holds exactly one compiled entry and the runner hands it
-    # the same static buffers every time (the shapes the entry was made for), so a replay
-    # skips Dynamo's guard checks, as a graph replay runs no Python at all (PyTorch's
-    # ``set_stance(skip_guard_eval_unsafe=True)``, made for this steady-state case).
-    # The caller's stance (a test's "fail_on_recompile") is kept.
-    stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
-    return torch.compiler.set_stance(stance, skip_guard_eval_unsafe=True)
+def _no_guards(guards: Sequence[Any]) -> List[bool]:
+    """Dynamo guard filter (``torch.compile(options={"guard_filter_fn": ...})``) that
+    keeps none of a per-bucket entry's guards: PyTorch's ``skip_all_guards_unsafe``.
+
+    Why it is safe here: each bucket's code object holds exactly one compiled entry and
+    only this backend calls it, always on the same static buffers (the shapes the entry
+    was made for), as a graph replay runs no Python at all; and the replay dispatches
+    below autograd (:func:`_below_autograd`), which a dispatch-key guard would refuse.
+    Unlike ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (process-wide:
+    every thread's compiled code, a marked op's own compiled helpers among it, would skip
+    its guards or fail to compile while a replay runs) it belongs to this entry alone.
+    """
+    return [False] * len(guards)
 
 
 def _below_autograd() -> ContextManager[Any]:

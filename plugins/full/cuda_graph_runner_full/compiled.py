@@ -13,9 +13,10 @@ overhead of what is left, so a decode step beats ``torch.compile(mode="reduce-ov
 How it runs (:class:`CompiledForward`):
 
 ``prepare(plan)``
-    ``torch.compile(model.forward, backend=inductor, fullgraph=True)`` with a code object
-    of its own (a compile size's: ``fullgraph=False``, so the op bodies' own compiles
-    run inside it; a forward that splits into several graphs is refused all the same),
+    ``torch.compile(model.forward, backend=inductor, fullgraph=True)`` (the forward as
+    written, never another backend's dispatcher) with a code object of its own (a
+    compile size's: ``fullgraph=False``, so the op bodies' own compiles run inside it; a
+    forward that splits into several graphs is refused all the same),
     and the *compile pass*: one forward per planned key, largest first, on
     ``plan.static_batch(key)``, with dim 0 of the batch's tensors marked dynamic.
     The first call (largest size) compiles one graph that serves every size >= 2 (the
@@ -33,8 +34,9 @@ How it runs (:class:`CompiledForward`):
 ``capture_one`` / verify
     While ``full`` warms up and records a size, and while verify mode computes its
     reference, the size's compiled forward (static, else the dynamic one) stands in for
-    ``model.forward`` (an instance attribute, removed afterwards): the graph records
-    inductor's kernels with the marked ops (attention) as opaque custom ops in between.
+    ``model.forward`` in that thread (``model_forward.forward_replaced``): the graph
+    records inductor's kernels with the marked ops (attention) as opaque custom ops in
+    between.
     A replay runs no Python at all.
 
 Marked op bodies (regional compilation)
@@ -62,7 +64,7 @@ from cuda_graph_runner.compile_cache import cache_counters, compile_cache_scope,
 from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.graph_break import marked_op_bodies
-from cuda_graph_runner.model_forward import entry_function, forward_replaced
+from cuda_graph_runner.model_forward import entry_function, forward_as_written, forward_replaced
 
 from .op_bodies import compiled_op_bodies
 
@@ -182,7 +184,9 @@ class CompiledForward:
                 raise RuntimeError("full: torch_compile 'inductor' on CUDA needs Triton (pip install triton)")
         self._model = model
         backend = self._dynamo_backend()
-        entry = entry_function(model.forward, f"full_compiled_forward_full_{self.tag}")
+        # The forward as written: model.forward may be another backend's dispatcher.
+        forward = forward_as_written(model)
+        entry = entry_function(forward, f"full_compiled_forward_full_{self.tag}")
         hits = cache_counters()["dynamo_hit"]
         self._compiled = torch.compile(entry, backend=backend, fullgraph=True)  # loads cached Dynamo code, if any
         self.loaded = cache_counters()["dynamo_hit"] > hits
@@ -195,7 +199,7 @@ class CompiledForward:
         # wrap every size's entry in one shared code object, and so one recompile limit).
         self._static = {
             size: torch.compile(
-                entry_function(model.forward, f"full_compiled_forward_full_{self.tag}_static_{size}"),
+                entry_function(forward, f"full_compiled_forward_full_{self.tag}_static_{size}"),
                 backend=backend,
                 fullgraph=False,
                 dynamic=False,
