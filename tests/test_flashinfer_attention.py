@@ -11,6 +11,7 @@ raises when a plan overwrites a pinned buffer whose copy is still pending.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any, List
 
@@ -30,7 +31,11 @@ from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
 CONTEXT = 48
-TOL = model_tolerance(PRESETS["tiny"], torch.bfloat16, context_len=CONTEXT)
+#: The tiny preset with a head dim FlashInfer has kernels for.
+CONFIG = dataclasses.replace(
+    PRESETS["tiny"], hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1
+)
+TOL = model_tolerance(CONFIG, torch.bfloat16, context_len=CONTEXT)
 
 
 class PinnedBufferRace(AssertionError):
@@ -94,7 +99,11 @@ class FakeDecodeWrapper(_Wrapper):
         self.use_tensor_cores = use_tensor_cores
         if use_cuda_graph:
             assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
-        self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+        self.indptr, self.indices, self.last = (
+            paged_kv_indptr_buffer,
+            paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer,
+        )
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              window_left=-1, q_data_type=None, kv_data_type=None, sm_scale=None, non_blocking=True):  # fmt: skip
@@ -185,13 +194,13 @@ def fake(monkeypatch):
 
 
 def fi_model(attention: str = "flashinfer", dtype: torch.dtype = torch.bfloat16) -> ReferenceLlamaForCausalLM:
-    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=dtype, attention=attention)
+    model = ReferenceLlamaForCausalLM.from_config(CONFIG, dtype=dtype, attention=attention)
     model.create_kv_cache(num_slots=12 * CONTEXT + 1, max_reqs=13, max_context_len=CONTEXT)
     return model
 
 
 def torch_twin(model: ReferenceLlamaForCausalLM) -> ReferenceLlamaForCausalLM:
-    twin = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=model.dtype, attention="torch")
+    twin = ReferenceLlamaForCausalLM.from_config(CONFIG, dtype=model.dtype, attention="torch")
     twin.load_state_dict(model.state_dict())
     twin.attach_kv_cache(model.kv_cache)  # type: ignore[arg-type]
     return twin
@@ -204,9 +213,13 @@ def test_the_names_and_a_missing_package_is_a_clear_error(monkeypatch):
         ReferenceLlamaForCausalLM.from_preset("tiny", attention="flashinfer")
 
 
-def test_float32_is_refused_naming_the_dtypes(fake):
+def test_float32_and_other_head_dims_are_refused_naming_what_is_accepted(fake):
     model = fi_model(dtype=torch.float32)
     with pytest.raises(ValueError, match=r"no torch.float32 kernels; FlashInfer takes torch.bfloat16, torch.float16"):
+        staggered_decode_case(model, 2, seed=0)
+    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.bfloat16, attention="flashinfer")
+    model.create_kv_cache(num_slots=4 * CONTEXT + 1, max_reqs=5, max_context_len=CONTEXT)
+    with pytest.raises(ValueError, match=r"head_dim=16 has no FlashInfer kernels; accepted: 64, 128, 256"):
         staggered_decode_case(model, 2, seed=0)
 
 
@@ -291,7 +304,11 @@ def test_replay_plans_never_read_the_device_lengths(fake):
 
 def test_a_plan_waits_for_the_copy_of_its_pinned_buffer(fake):
     decode = fia._flashinfer().BatchDecodeWithPagedKVCacheWrapper(None)
-    args = (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    args = (
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+    )
     decode.plan(*args, 1, 1, 4, 1, q_data_type=torch.bfloat16)
     with pytest.raises(PinnedBufferRace):  # the fake catches two plans on one buffer with a pending copy
         decode.plan(*args, 1, 1, 4, 1, q_data_type=torch.bfloat16)
@@ -304,8 +321,7 @@ def test_a_plan_waits_for_the_copy_of_its_pinned_buffer(fake):
         for _ in range(5):
             torch.testing.assert_close(runner.forward(batch), expected, **TOL)
         session.close()
-    ring = model.attn_backend.states[(ForwardMode.DECODE, 1, 2, "")].ring
-    assert ring is not None and ring.waits > 0  # it did wait, and no plan raced
+    assert model.attn_backend.pinned_ring.waits > 0  # it did wait, and no plan raced
 
 
 def test_extend_through_the_breakable_prefill_runner_equals_torch(fake):

@@ -30,10 +30,10 @@ outside the graph) plans them; every later hook plans at once. A forward recorde
 a graph with no plan raises instead of recording stale buffers.
 
 FlashInfer's ``plan()`` fills a pinned host buffer and copies it to the device with an
-asynchronous copy, and re-planning the same wrapper overwrites that buffer: each wrapper
-gets a ring of two pinned buffers and an event per buffer, and a plan first waits for the
-copy that last read its buffer (:class:`PinnedPlanRing`; in steady state that copy ran
-two steps ago, so it never waits).
+asynchronous copy, and re-planning the same wrapper overwrites that buffer: the backend
+keeps a ring of two pinned buffers and an event per buffer, and a plan first waits for the
+copy that last read its buffer (:class:`PinnedPlanRing`, shared by the backend's
+wrappers; in steady state that copy ran two steps ago, so it never waits).
 
 FlashInfer has no float32 kernels: a float32 model is refused (ValueError naming the
 dtypes it takes). Needs ``flashinfer-python`` (``pip install 'cuda-graph-runner[flashinfer]'``),
@@ -61,6 +61,8 @@ from .attention_backend import AttentionBackend, graph_key
 WORKSPACE_BYTES = 128 * 1024 * 1024
 #: The dtypes FlashInfer's attention kernels take.
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+#: The head dims FlashInfer's attention kernels are generated for.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 _instances: "weakref.WeakValueDictionary[int, FlashInferAttention]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -95,34 +97,44 @@ class Geometry:
 
 
 class PinnedPlanRing:
-    """Two pinned host buffers that a wrapper's ``plan()`` fills in turn, each with the event
-    recorded after the plan whose asynchronous copy reads it; :meth:`before_plan` waits for
-    that event before the buffer is handed to the next plan.
+    """Two pinned host buffers that every wrapper's ``plan()`` of one backend fills in turn,
+    each with the event recorded after the plan whose asynchronous copy reads it:
+    :meth:`before_plan` waits for that event, then hands the buffer to the wrapper (its
+    ``_pin_memory_int_workspace_buffer``). One ring per backend keeps pinned memory at two
+    buffers however many sizes are captured (the wrappers' own buffers are released).
 
     Args:
-        wrapper: a FlashInfer wrapper (its ``_pin_memory_int_workspace_buffer`` is swapped).
         event_factory: ``() -> event`` with ``record()``, ``query()``, ``synchronize()``
             (``torch.cuda.Event`` on CUDA; tests pass fakes).
         size: buffers in the ring (>= 1).
+
+    Attributes:
+        waits: plans that found their buffer's copy still pending and waited for it.
     """
 
-    def __init__(self, wrapper: Any, event_factory: Callable[[], Any], size: int = 2) -> None:
-        first = wrapper._pin_memory_int_workspace_buffer
-        pinned = torch.cuda.is_available() and first.is_pinned()
-        self.buffers = [first] + [torch.empty_like(first, pin_memory=pinned) for _ in range(size - 1)]
-        self.events: List[Any] = [None] * size
-        self.wrapper = wrapper
+    def __init__(self, event_factory: Callable[[], Any], size: int = 2) -> None:
         self.event_factory = event_factory
+        self.buffers: List[Optional[torch.Tensor]] = [None] * size
+        self.events: List[Any] = [None] * size
         self.index = size - 1
-        self.waits = 0  # plans that found their buffer's copy still pending
+        self.waits = 0
 
-    def before_plan(self) -> None:
+    def before_plan(self, wrapper: Any) -> None:
         self.index = (self.index + 1) % len(self.buffers)
         event = self.events[self.index]
         if event is not None and not event.query():
             self.waits += 1
             event.synchronize()
-        self.wrapper._pin_memory_int_workspace_buffer = self.buffers[self.index]
+        own = wrapper._pin_memory_int_workspace_buffer
+        buffer = self.buffers[self.index]
+        if buffer is None or buffer.numel() < own.numel():
+            if buffer is None and own is not self.buffers[self.index - 1]:
+                buffer = own  # the first wrapper's own buffer starts the ring
+            else:
+                pinned = torch.cuda.is_available() and own.is_pinned()
+                buffer = torch.empty(own.shape, dtype=own.dtype, pin_memory=pinned)
+            self.buffers[self.index] = buffer
+        wrapper._pin_memory_int_workspace_buffer = buffer
 
     def after_plan(self) -> None:
         event = self.event_factory()
@@ -137,7 +149,6 @@ class DecodeState:
     key: tuple
     batch_size: int
     wrapper: Any = None
-    ring: Optional[PinnedPlanRing] = None
     indptr: Optional[torch.Tensor] = None  # [bs + 1] int32
     indices: Optional[torch.Tensor] = None  # [bs * max_context_len] int32
     last_page_len: Optional[torch.Tensor] = None  # [bs] int32 ones
@@ -252,7 +263,7 @@ class FlashInferAttention(AttentionBackend):
         self._workspace: Optional[torch.Tensor] = None
         self._eager_decode: Optional[DecodeState] = None
         self._prefill: Any = None
-        self._prefill_ring: Optional[PinnedPlanRing] = None
+        self.pinned_ring = PinnedPlanRing(event_factory or torch.cuda.Event)
         # What the eager decode / prefill wrappers were last planned for: (batch ref, lengths).
         self._eager_plan: Optional[Tuple[Any, tuple]] = None
         self._prefill_plan: Optional[Tuple[Any, tuple]] = None
@@ -267,6 +278,11 @@ class FlashInferAttention(AttentionBackend):
                 f"attention {self.name!r} has no {dtype} kernels; FlashInfer takes "
                 f"{', '.join(str(t) for t in SUPPORTED_DTYPES)}: build the model in one of them, "
                 "or use attention 'torch'"
+            )
+        if d not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"attention {self.name!r}: head_dim={d} has no FlashInfer kernels; accepted: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} (use attention 'torch' for this model)"
             )
         if call.q.device.type != "cuda" and self.event_factory is None:
             raise RuntimeError(
@@ -292,9 +308,6 @@ class FlashInferAttention(AttentionBackend):
             self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.geometry.device)
         return self._workspace
 
-    def _ring(self, wrapper: Any) -> PinnedPlanRing:
-        return PinnedPlanRing(wrapper, self.event_factory or torch.cuda.Event)
-
     def _build_decode(self, state: DecodeState, graph: bool) -> None:
         geometry, req_to_token = self.geometry, self.req_to_token
         assert geometry is not None and req_to_token is not None
@@ -317,12 +330,11 @@ class FlashInferAttention(AttentionBackend):
             state.wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace_buffer(), "NHD", use_tensor_cores=self.use_tensor_cores
             )
-        state.ring = self._ring(state.wrapper)
 
     # -- plans -------------------------------------------------------------------------
     def _plan_decode(self, state: DecodeState, batch: ForwardBatch, lens: List[int], kind: str) -> None:
         geometry, req_to_token = self.geometry, self.req_to_token
-        assert geometry is not None and req_to_token is not None and state.ring is not None
+        assert geometry is not None and req_to_token is not None
         graph = state.indices is not None
         if graph:
             if len(lens) != state.batch_size:
@@ -336,7 +348,7 @@ class FlashInferAttention(AttentionBackend):
         else:
             indices = torch.empty(sum(lens), dtype=torch.int32, device=geometry.device)
             write_page_ids(indices, req_to_token, batch.req_pool_indices, lens)
-        state.ring.before_plan()
+        self.pinned_ring.before_plan(state.wrapper)
         state.wrapper.plan(
             _indptr(lens),
             indices,
@@ -351,7 +363,7 @@ class FlashInferAttention(AttentionBackend):
             sm_scale=geometry.scaling,
             non_blocking=True,
         )
-        state.ring.after_plan()
+        self.pinned_ring.after_plan()
         state.planned = lens
         state.pending = None
         state.plans += 1
@@ -362,12 +374,10 @@ class FlashInferAttention(AttentionBackend):
         assert geometry is not None and req_to_token is not None
         if self._prefill is None:
             self._prefill = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), "NHD")
-            self._prefill_ring = self._ring(self._prefill)
-        assert self._prefill_ring is not None
         kv = [n + p for n, p in zip(ext, pre)]
         indices = torch.empty(sum(kv), dtype=torch.int32, device=geometry.device)
         write_page_ids(indices, req_to_token, batch.req_pool_indices, kv)
-        self._prefill_ring.before_plan()
+        self.pinned_ring.before_plan(self._prefill)
         self._prefill.plan(
             _indptr(ext),
             _indptr(kv),
@@ -384,7 +394,7 @@ class FlashInferAttention(AttentionBackend):
             kv_data_type=geometry.dtype,
             non_blocking=True,
         )
-        self._prefill_ring.after_plan()
+        self.pinned_ring.after_plan()
         self._prefill_plan = (weakref.ref(batch), (tuple(ext), tuple(pre)))
         self.plan_log.append((kind, graph_key(batch) if isinstance(batch, StaticForwardBatch) else None, kv))
 
@@ -522,8 +532,10 @@ class FlashInferAttention(AttentionBackend):
                     )
                 if state.wrapper is None:
                     self._build_decode(state, graph=True)
-                lens = state.pending if state.pending is not None else _host_lens(
-                    _stored(batch, "seq_lens_cpu"), "seq_lens_cpu"
+                lens = (
+                    state.pending
+                    if state.pending is not None
+                    else _host_lens(_stored(batch, "seq_lens_cpu"), "seq_lens_cpu")
                 )
                 self._plan_decode(state, batch, lens, "capture")
             return state.wrapper

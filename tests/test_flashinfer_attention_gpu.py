@@ -1,0 +1,180 @@
+"""GPU: the ``flashinfer`` attention (FlashInfer's paged wrappers) in bf16.
+
+* eager DECODE (plain and tensor-core) and EXTEND (ragged requests over cached
+  prefixes) against the ``torch`` attention on the same weights and KV cache;
+* replay equals eager and never synchronizes (``torch.cuda.set_sync_debug_mode("error")``)
+  through ``full``, ``breakable`` and ``tc_piecewise`` (eager compiler) decode and
+  ``breakable`` prefill, for captured and padded sizes and a continuous-batching
+  schedule (requests joining and leaving between steps);
+* the host time of one replay hook (the re-plan) in microseconds, printed as a
+  benchmark row (no wall-clock assertion).
+
+FlashInfer JIT-compiles its decode and prefill modules with the machine's nvcc on first
+use (tens of seconds each; kept in its JIT cache afterwards). Run on the device machine:
+``python -m pytest tests/test_flashinfer_attention_gpu.py -s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.model.flashinfer_attention import flashinfer_available
+from cuda_graph_runner.testing.reference_setup import free_requests, next_decode_batch, prefilled_decode_batch
+from cuda_graph_runner.testing.tolerances import model_tolerance
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not flashinfer_available(), reason="needs flashinfer-python (cuda-graph-runner[flashinfer])"),
+]
+
+CONTEXT = 256
+#: Llama-3.2-1b's attention shape (head_dim 64, GQA 4) at two small layers.
+CONFIG = dataclasses.replace(
+    PRESETS["tiny"], hidden_size=512, head_dim=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024
+)
+TOL = model_tolerance(CONFIG, torch.bfloat16, context_len=CONTEXT)
+
+
+def _model(attention: str) -> ReferenceLlamaForCausalLM:
+    model = ReferenceLlamaForCausalLM.from_config(CONFIG, dtype=torch.bfloat16, device="cuda", attention=attention)
+    model.create_kv_cache(num_slots=40 * CONTEXT + 1, max_reqs=41, max_context_len=CONTEXT)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    fi = _model("flashinfer")
+    ref = ReferenceLlamaForCausalLM.from_config(CONFIG, dtype=torch.bfloat16, device="cuda", attention="torch")
+    ref.load_state_dict(fi.state_dict())
+    ref.attach_kv_cache(fi.kv_cache)  # type: ignore[arg-type]
+    return fi, ref
+
+
+@pytest.mark.parametrize("attention", ["flashinfer", "flashinfer_tc"])
+def test_eager_decode_and_extend_equal_torch_attention(pair, attention):
+    fi, ref = pair
+    model = fi if attention == "flashinfer" else _model(attention)
+    if model is not fi:
+        model.load_state_dict(fi.state_dict())
+        model.attach_kv_cache(fi.kv_cache)  # type: ignore[arg-type]
+    cache = fi.kv_cache
+    prompts = make_dummy_prompts(3, [37, 5, 120], CONFIG.vocab_size, seed=1)
+    first = make_extend_batch(cache, [p[:20] for p in prompts[:1]] + [p for p in prompts[1:]])
+    with torch.no_grad():
+        torch.testing.assert_close(eager_logits_fn(model)(first), eager_logits_fn(ref)(first), **TOL)
+        rows = [int(r) for r in first.req_pool_indices.tolist()]
+        second = make_extend_batch(cache, [prompts[0][20:], [7, 8, 9]], rows=rows[:2])  # cached prefixes
+        torch.testing.assert_close(eager_logits_fn(model)(second), eager_logits_fn(ref)(second), **TOL)
+    session, batch = prefilled_decode_batch(ref, make_dummy_prompts(5, [3, 64, 17, 200, 9], CONFIG.vocab_size, seed=2))
+    with torch.no_grad():
+        torch.testing.assert_close(eager_logits_fn(model)(batch), eager_logits_fn(ref)(batch), **TOL)
+    session.close()
+    free_requests(cache, first)  # second continued two of its rows
+
+
+def _replays_without_sync(runner: Any, batches: Dict[str, Any], eager: Any) -> None:
+    outputs = {}
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            for what, batch in batches.items():
+                assert runner.can_run(batch), what
+                runner.forward(batch)
+                outputs[what] = runner.forward(batch).clone()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        for what, batch in batches.items():
+            torch.testing.assert_close(outputs[what], eager(batch), **TOL, msg=what)
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
+def test_decode_replay_equals_eager_and_never_synchronizes(pair, backend):
+    fi, _ = pair
+    options = {"tc_compiler": "eager"} if backend == "tc_piecewise" else {}
+    runner = DecodeCudaGraphRunner(
+        fi, {"decode": {"backend": backend, "bs": [1, 2, 4, 8], "max_bs": 8, **options}}, show_progress=False
+    )
+    runner.capture()
+    sessions, batches = [], {}
+    for bs in (1, 3, 8):  # captured, padded, the maximum
+        prompts = make_dummy_prompts(bs, [3 + 29 * i % 150 for i in range(bs)], CONFIG.vocab_size, seed=bs)
+        session, batches[f"{backend} decode bs={bs}"] = prefilled_decode_batch(fi, prompts)
+        sessions.append(session)
+    try:
+        _replays_without_sync(runner, batches, eager_logits_fn(fi))
+        if backend == "full":
+            _continuous_batching(fi, runner)
+            _plan_microseconds(fi, runner, batches["full decode bs=3"])
+    finally:
+        for s in sessions:
+            s.close()
+        runner.cleanup()
+        uninstall = getattr(runner.backend, "uninstall", None)
+        if uninstall is not None:
+            uninstall()
+
+
+def _continuous_batching(model: Any, runner: Any) -> None:
+    """Requests join and leave between steps; every step's replay equals its eager forward."""
+    session = GreedySession(model, model.kv_cache)
+    others = []
+    with torch.no_grad():
+        session.prefill(make_dummy_prompts(2, [11, 40], CONFIG.vocab_size, seed=5))
+        for step in range(6):
+            if step in (2, 4):  # a new request joins through its own prefill, then decodes with the rest
+                joined = GreedySession(model, model.kv_cache)
+                joined.prefill(make_dummy_prompts(1, [7 + step], CONFIG.vocab_size, seed=step))
+                others.append(joined)
+            batches = [next_decode_batch(s) for s in [session, *others]]
+            for b in batches:
+                torch.testing.assert_close(runner.forward(b), eager_logits_fn(model)(b), **TOL, msg=f"step {step}")
+            session.decode()
+            for o in others:
+                o.decode()
+    for s in [session, *others]:
+        s.close()
+
+
+def _plan_microseconds(model: Any, runner: Any, batch: Any) -> None:
+    """Host microseconds of the replay hook (page ids written, wrapper re-planned): a row."""
+    _, static = runner.replay_prepare(batch)
+    hook = model.init_forward_metadata_replay
+    torch.cuda.synchronize()
+    n = 200
+    start = time.perf_counter()
+    for _ in range(n):
+        hook(static)
+    elapsed = (time.perf_counter() - start) / n * 1e6
+    torch.cuda.synchronize()
+    print(f"\nflashinfer replay plan: {elapsed:.1f} us of host time per replay (batch size 3 padded to 4)")
+
+
+def test_prefill_replay_equals_eager_and_never_synchronizes(pair):
+    fi, _ = pair
+    runner = PrefillCudaGraphRunner(
+        fi, {"prefill": {"backend": "breakable", "bs": [16, 32, 64], "max_bs": 64}}, show_progress=False
+    )
+    runner.capture()
+    cache = fi.kv_cache
+    batches = {}
+    for lengths in ([16], [5, 9, 7], [20, 20, 24]):  # on a bucket, padded, the maximum
+        prompts = make_dummy_prompts(len(lengths), lengths, CONFIG.vocab_size, seed=sum(lengths))
+        batches[f"breakable prefill {sum(lengths)} tokens"] = make_extend_batch(cache, prompts)
+    try:
+        _replays_without_sync(runner, batches, eager_logits_fn(fi))
+    finally:
+        free_requests(cache, *batches.values())
+        runner.cleanup()
