@@ -78,6 +78,20 @@ def _host(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+CALLS: List[tuple] = []  # (wrapper kind, method, args, kwargs) of every call the backend made
+
+
+def _recorded(kind: str) -> Any:
+    def wrap(method: Any) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            CALLS.append((kind, method.__name__, args, kwargs))
+            return method(self, *args, **kwargs)
+
+        return call
+
+    return wrap
+
+
 class _Wrapper:
     stream: FakeStream
     log: List[dict]
@@ -91,6 +105,7 @@ class _Wrapper:
 
 
 class FakeDecodeWrapper(_Wrapper):
+    @_recorded("decode")
     def __init__(self, workspace, layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):  # fmt: skip
         super().__init__()
@@ -105,6 +120,7 @@ class FakeDecodeWrapper(_Wrapper):
             paged_kv_last_page_len_buffer,
         )
 
+    @_recorded("decode")
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              window_left=-1, q_data_type=None, kv_data_type=None, sm_scale=None, non_blocking=True):  # fmt: skip
         _host(indptr, "indptr")
@@ -123,6 +139,7 @@ class FakeDecodeWrapper(_Wrapper):
         self.scale, self.window = sm_scale, window_left
         self._copy()
 
+    @_recorded("decode")
     def run(self, q, kv, out):
         # Static shapes from the buffers only: emulated graphs replay these ops as recorded.
         k_cache, v_cache = kv[0][:, 0], kv[1][:, 0]
@@ -143,9 +160,11 @@ class FakeDecodeWrapper(_Wrapper):
 
 
 class FakePrefillWrapper(_Wrapper):
+    @_recorded("prefill")
     def __init__(self, workspace, layout="NHD"):
         super().__init__()
 
+    @_recorded("prefill")
     def plan(self, qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              causal, sm_scale, window_left, q_data_type, kv_data_type, non_blocking):  # fmt: skip
         _host(qo_indptr, "qo_indptr")
@@ -156,6 +175,7 @@ class FakePrefillWrapper(_Wrapper):
         self.scale, self.window = sm_scale, window_left
         self._copy()
 
+    @_recorded("prefill")
     def run(self, q, kv, out):
         k_cache, v_cache = kv[0][:, 0], kv[1][:, 0]
         heads = q.shape[1]
@@ -341,3 +361,20 @@ def test_extend_through_the_breakable_prefill_runner_equals_torch(fake):
         got = runner.forward(batch).clone()
         torch.testing.assert_close(got, eager_logits_fn(twin)(batch), **TOL)
     assert [p["qo"] for p in fake.log if p["kind"] == "prefill"][0] == [0, 4, 11, 13]
+
+
+@pytest.mark.skipif(not fia.flashinfer_available(), reason="needs flashinfer-python (cuda-graph-runner[flashinfer])")
+def test_the_calls_made_to_the_fakes_bind_to_flashinfers_own_signatures():
+    import inspect
+
+    import flashinfer
+
+    real = {
+        "decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+        "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+    }
+    assert {(kind, method) for kind, method, _, _ in CALLS} == {
+        (k, m) for k in real for m in ("__init__", "plan", "run")
+    }, "run this file whole: the other tests make the calls"
+    for kind, method, args, kwargs in CALLS:
+        inspect.signature(getattr(real[kind], method)).bind(None, *args, **kwargs)  # raises TypeError on a mismatch
