@@ -24,10 +24,16 @@ import pytest
 import torch
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.batches import (
+    GreedySession,
+    eager_logits_fn,
+    make_decode_batch,
+    make_dummy_prompts,
+    make_extend_batch,
+)
 from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.model.flashinfer_attention import flashinfer_available
-from cuda_graph_runner.testing.reference_setup import free_requests, next_decode_batch, prefilled_decode_batch
+from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 
 pytestmark = [
@@ -128,23 +134,27 @@ def test_decode_replay_equals_eager_and_never_synchronizes(pair, backend):
 
 
 def _continuous_batching(model: Any, runner: Any) -> None:
-    """Requests join and leave between steps; every step's replay equals its eager forward."""
-    session = GreedySession(model, model.kv_cache)
-    others = []
+    """Requests join (after their own prefill) and leave between decode steps of one batch;
+    every step's replay equals its eager forward."""
+    sessions = [GreedySession(model, model.kv_cache)]
     with torch.no_grad():
-        session.prefill(make_dummy_prompts(2, [11, 40], CONFIG.vocab_size, seed=5))
+        sessions[0].prefill(make_dummy_prompts(2, [11, 40], CONFIG.vocab_size, seed=5))
         for step in range(6):
-            if step in (2, 4):  # a new request joins through its own prefill, then decodes with the rest
+            if step in (2, 4):
                 joined = GreedySession(model, model.kv_cache)
-                joined.prefill(make_dummy_prompts(1, [7 + step], CONFIG.vocab_size, seed=step))
-                others.append(joined)
-            batches = [next_decode_batch(s) for s in [session, *others]]
-            for b in batches:
-                torch.testing.assert_close(runner.forward(b), eager_logits_fn(model)(b), **TOL, msg=f"step {step}")
-            session.decode()
-            for o in others:
-                o.decode()
-    for s in [session, *others]:
+                n = 1 + step // 2
+                joined.prefill(
+                    make_dummy_prompts(n, [7 + step + 13 * i for i in range(n)], CONFIG.vocab_size, seed=step)
+                )
+                sessions.append(joined)
+            live = sessions[1:] if step == 5 else sessions  # the first two requests left
+            rows = [r for s in live for r in s.rows]
+            batch = make_decode_batch(model.kv_cache, rows, None, [t[-1] for s in live for t in s.tokens])
+            got = runner.forward(batch).clone()
+            torch.testing.assert_close(
+                got, eager_logits_fn(model)(batch), **TOL, msg=f"step {step}, {len(rows)} requests"
+            )
+    for s in sessions:
         s.close()
 
 
