@@ -378,3 +378,15 @@ def test_the_calls_made_to_the_fakes_bind_to_flashinfers_own_signatures():
     }, "run this file whole: the other tests make the calls"
     for kind, method, args, kwargs in CALLS:
         inspect.signature(getattr(real[kind], method)).bind(None, *args, **kwargs)  # raises TypeError on a mismatch
+
+
+def test_an_eager_plan_over_another_caches_table_is_made_again(fake):
+    model = fi_model()
+    session, batch, expected = staggered_decode_case(model, 2, seed=4)
+    session.close()
+    model.create_kv_cache(num_slots=6 * CONTEXT + 1, max_reqs=7, max_context_len=CONTEXT)  # a new table
+    twin = torch_twin(model)
+    session, batch, expected = staggered_decode_case(twin, 3, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(eager_logits_fn(model)(batch), expected, **TOL)
+    session.close()

@@ -265,8 +265,8 @@ class FlashInferAttention(AttentionBackend):
         self._prefill: Any = None
         self.pinned_ring = PinnedPlanRing(event_factory or torch.cuda.Event)
         # What the eager decode / prefill wrappers were last planned for: (batch ref, lengths).
-        self._eager_plan: Optional[Tuple[Any, tuple]] = None
-        self._prefill_plan: Optional[Tuple[Any, tuple]] = None
+        self._eager_plan: Optional[Tuple[Any, tuple, Any]] = None  # (batch ref, lengths, req_to_token)
+        self._prefill_plan: Optional[Tuple[Any, tuple, Any]] = None
         self._eager_pending: Optional[Tuple[Any, tuple]] = None
 
     # -- setup -------------------------------------------------------------------------
@@ -299,7 +299,7 @@ class FlashInferAttention(AttentionBackend):
         )
         if self.geometry is None:
             self.geometry = geometry
-            self.req_to_token = call.req_to_token
+        self.req_to_token = call.req_to_token  # the latest table: a model may attach another cache
         return self.geometry
 
     def _workspace_buffer(self) -> torch.Tensor:
@@ -395,7 +395,7 @@ class FlashInferAttention(AttentionBackend):
             non_blocking=True,
         )
         self.pinned_ring.after_plan()
-        self._prefill_plan = (weakref.ref(batch), (tuple(ext), tuple(pre)))
+        self._prefill_plan = (weakref.ref(batch), (tuple(ext), tuple(pre)), req_to_token)
         self.plan_log.append((kind, graph_key(batch) if isinstance(batch, StaticForwardBatch) else None, kv))
 
     def _check_mode(self, mode: ForwardMode) -> None:
@@ -427,7 +427,7 @@ class FlashInferAttention(AttentionBackend):
                 self._eager_decode = DecodeState(("eager",), 0)
                 self._build_decode(self._eager_decode, graph=False)
             self._plan_decode(self._eager_decode, batch, list(lens[0]), "eager")
-            self._eager_plan = (weakref.ref(batch), lens)
+            self._eager_plan = (weakref.ref(batch), lens, self.req_to_token)
         else:
             self._plan_prefill(batch, list(lens[0]), list(lens[1]), "eager")
         self._eager_pending = None
@@ -507,7 +507,7 @@ class FlashInferAttention(AttentionBackend):
             return
         ext, pre = _extend_lens(batch, allow_device=not isinstance(batch, StaticForwardBatch))
         plan = self._prefill_plan
-        if plan is None or plan[0]() is not batch or plan[1] != (tuple(ext), tuple(pre)):
+        if plan is None or plan[0]() is not batch or plan[1:] != ((tuple(ext), tuple(pre)), call.req_to_token):
             # No hook planned this batch (or only before the geometry was known): the op runs
             # eagerly (EXTEND is never recorded), so planning here is safe and correct.
             self._plan_prefill(batch, ext, pre, "forward")
@@ -543,6 +543,10 @@ class FlashInferAttention(AttentionBackend):
         if pending is not None and pending[0]() is batch:
             self._plan_eager(batch)  # the hook ran before the geometry was known
         plan = self._eager_plan
+        if plan is not None and plan[0]() is batch and plan[2] is not self.req_to_token:
+            self._eager_pending = (plan[0], plan[1])  # planned over another cache's table: again
+            self._plan_eager(batch)
+            plan = self._eager_plan
         if plan is None or plan[0]() is not batch:
             raise FlashInferPlanError(
                 f"attention {self.name!r}: an eager decode forward ran without init_forward_metadata(batch) "
