@@ -364,20 +364,31 @@ def test_extend_through_the_breakable_prefill_runner_equals_torch(fake):
 
 
 @pytest.mark.skipif(not fia.flashinfer_available(), reason="needs flashinfer-python (cuda-graph-runner[flashinfer])")
-def test_the_calls_made_to_the_fakes_bind_to_flashinfers_own_signatures():
+@pytest.mark.parametrize("attention", ["flashinfer", "flashinfer_tc"])
+def test_the_calls_made_to_the_fakes_bind_to_flashinfers_own_signatures(fake, attention):
     import inspect
 
     import flashinfer
 
+    CALLS.clear()
+    model = fi_model(attention)
+    prompts = make_dummy_prompts(2, [5, 3], model.config.vocab_size, seed=1)
+    runner = _runner(model, "full")
+    with torch.no_grad():
+        eager_logits_fn(model)(make_extend_batch(model.kv_cache, prompts))  # eager prefill
+        runner.capture()  # graph wrappers, capture plans
+        session, batch, _ = staggered_decode_case(model, 3, seed=2)  # eager decode
+        runner.forward(batch)  # a replay plan
+        session.close()
     real = {
         "decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper,
         "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper,
     }
     assert {(kind, method) for kind, method, _, _ in CALLS} == {
         (k, m) for k in real for m in ("__init__", "plan", "run")
-    }, "run this file whole: the other tests make the calls"
+    }
     for kind, method, args, kwargs in CALLS:
-        inspect.signature(getattr(real[kind], method)).bind(None, *args, **kwargs)  # raises TypeError on a mismatch
+        inspect.signature(getattr(real[kind], method)).bind(None, *args, **kwargs)  # TypeError on a mismatch
 
 
 def test_an_eager_plan_over_another_caches_table_is_made_again(fake):
