@@ -231,7 +231,9 @@ def test_torch_attention_has_no_hooks_and_unknown_names_are_refused():
     for hook in ("init_forward_metadata", "init_forward_metadata_capture", "init_forward_metadata_replay"):
         assert getattr(model, hook) is None  # the runner's replay path: one None check
     assert attention_backend_names() == ["flashinfer", "flashinfer_tc", "planned_standin", "torch", "triton"]
-    with pytest.raises(ValueError, match="attention='flash' .*accepted: flashinfer, flashinfer_tc, planned_standin, torch, triton"):
+    with pytest.raises(
+        ValueError, match="attention='flash' .*accepted: flashinfer, flashinfer_tc, planned_standin, torch, triton"
+    ):
         ReferenceLlamaForCausalLM.from_preset("tiny", attention="flash")
 
 
