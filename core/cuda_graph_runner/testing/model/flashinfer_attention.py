@@ -185,12 +185,19 @@ def _host_lens(values: Optional[Sequence[int]], what: str) -> List[int]:
     return [int(x) for x in values]
 
 
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in pinned memory where CUDA is: a host-to-device copy from it is truly
+    asynchronous (from pageable memory the driver may wait for the stream), and the caching
+    host allocator keeps the block until the copy ran."""
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
 def _indptr(lens: Sequence[int]) -> torch.Tensor:
-    """``[len(lens) + 1]`` int32 host running sum (pageable: copied by value when enqueued)."""
+    """``[len(lens) + 1]`` int32 host running sum, pinned (:func:`_pinned`)."""
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)
     if lens:
         torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
-    return out
+    return _pinned(out)
 
 
 def write_page_ids(
@@ -208,7 +215,7 @@ def write_page_ids(
         raise ValueError(f"page-id buffer of {out.numel()} entries cannot hold {total} page ids")
     device = out.device
     n = len(kv_lens)
-    lens = torch.tensor(list(kv_lens), dtype=torch.int64).to(device, non_blocking=True)
+    lens = _pinned(torch.tensor(list(kv_lens), dtype=torch.int64)).to(device, non_blocking=True)
     req = torch.repeat_interleave(torch.arange(n, device=device), lens, output_size=total)
     starts = torch.cumsum(lens, 0) - lens
     col = torch.arange(total, device=device) - starts[req]
@@ -264,6 +271,7 @@ class FlashInferAttention(AttentionBackend):
         self._eager_decode: Optional[DecodeState] = None
         self._prefill: Any = None
         self.pinned_ring = PinnedPlanRing(event_factory or torch.cuda.Event)
+        self._last_page_lens: Dict[int, torch.Tensor] = {}
         # What the eager decode / prefill wrappers were last planned for: (batch ref, lengths).
         self._eager_plan: Optional[Tuple[Any, tuple, Any]] = None  # (batch ref, lengths, req_to_token)
         self._prefill_plan: Optional[Tuple[Any, tuple, Any]] = None
@@ -332,6 +340,14 @@ class FlashInferAttention(AttentionBackend):
             )
 
     # -- plans -------------------------------------------------------------------------
+    def _ones(self, n: int) -> torch.Tensor:
+        """``last_page_len`` of ``n`` requests (page size 1): pinned, never written after
+        it is made, so copies from it may still be pending when it is handed out again."""
+        ones = self._last_page_lens.get(n)
+        if ones is None:
+            ones = self._last_page_lens[n] = _pinned(torch.ones(n, dtype=torch.int32))
+        return ones
+
     def _plan_decode(self, state: DecodeState, batch: ForwardBatch, lens: List[int], kind: str) -> None:
         geometry, req_to_token = self.geometry, self.req_to_token
         assert geometry is not None and req_to_token is not None
@@ -352,7 +368,7 @@ class FlashInferAttention(AttentionBackend):
         state.wrapper.plan(
             _indptr(lens),
             indices,
-            torch.ones(len(lens), dtype=torch.int32),
+            self._ones(len(lens)),
             geometry.num_qo_heads,
             geometry.num_kv_heads,
             geometry.head_dim,
@@ -382,7 +398,7 @@ class FlashInferAttention(AttentionBackend):
             _indptr(ext),
             _indptr(kv),
             indices,
-            torch.ones(len(kv), dtype=torch.int32),
+            self._ones(len(kv)),
             geometry.num_qo_heads,
             geometry.num_kv_heads,
             geometry.head_dim,
