@@ -214,9 +214,8 @@ def write_page_ids(
     if total > out.numel():
         raise ValueError(f"page-id buffer of {out.numel()} entries cannot hold {total} page ids")
     device = out.device
-    n = len(kv_lens)
     lens = _pinned(torch.tensor(list(kv_lens), dtype=torch.int64)).to(device, non_blocking=True)
-    req = torch.repeat_interleave(torch.arange(n, device=device), lens, output_size=total)
+    req = torch.repeat_interleave(lens, output_size=total)  # request i, lens[i] times: no sync
     starts = torch.cumsum(lens, 0) - lens
     col = torch.arange(total, device=device) - starts[req]
     rows = req_pool_indices.to(torch.int64)[req]
