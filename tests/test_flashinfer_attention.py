@@ -229,8 +229,16 @@ def torch_twin(model: ReferenceLlamaForCausalLM) -> ReferenceLlamaForCausalLM:
 def test_the_names_and_a_missing_package_is_a_clear_error(monkeypatch):
     assert {"flashinfer", "flashinfer_tc"} <= set(ATTENTION_BACKENDS)
     monkeypatch.setattr(fia, "flashinfer_available", lambda: False)
-    with pytest.raises(ValueError, match=r"pip install 'cuda-graph-runner\[flashinfer\]'"):
+    with pytest.raises(ValueError, match=r"not installed: pip install 'cuda-graph-runner\[flashinfer\]'"):
         ReferenceLlamaForCausalLM.from_preset("tiny", attention="flashinfer")
+    monkeypatch.setattr(fia, "flashinfer_available", lambda: True)
+
+    def broken() -> None:
+        raise ModuleNotFoundError("No module named 'pynvml'")
+
+    monkeypatch.setattr(fia, "_flashinfer", broken)
+    with pytest.raises(ValueError, match=r"'flashinfer_tc': importing flashinfer failed \(ModuleNotFoundError: No mod"):
+        ReferenceLlamaForCausalLM.from_preset("tiny", attention="flashinfer_tc")
 
 
 def test_float32_and_other_head_dims_are_refused_naming_what_is_accepted(fake):

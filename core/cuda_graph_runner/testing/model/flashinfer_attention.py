@@ -582,14 +582,21 @@ def _extend_lens(batch: ForwardBatch, *, allow_device: bool) -> Tuple[List[int],
 
 
 def make_flashinfer_attention(use_tensor_cores: bool = False) -> FlashInferAttention:
-    """A new ``flashinfer`` (``flashinfer_tc`` with ``use_tensor_cores``) backend.
+    """A new ``flashinfer`` (``flashinfer_tc`` with ``use_tensor_cores``) backend; imports
+    ``flashinfer`` here, so a broken install is reported when the model is built.
 
     Raises:
-        ValueError: the ``flashinfer`` package is not installed (says how to install it).
+        ValueError: the ``flashinfer`` package is not installed, or its import fails (names
+            the error, e.g. a missing dependency; says how to install it).
     """
+    name = "flashinfer_tc" if use_tensor_cores else "flashinfer"
+    install = "pip install 'cuda-graph-runner[flashinfer]' (or use attention 'torch')"
     if not flashinfer_available():
+        raise ValueError(f"attention={name!r} needs the flashinfer-python package, which is not installed: {install}")
+    try:
+        _flashinfer()
+    except Exception as exc:  # an import error of one of its dependencies, an ABI mismatch
         raise ValueError(
-            "attention='flashinfer' needs the flashinfer-python package, which is not installed: "
-            "pip install 'cuda-graph-runner[flashinfer]' (or use attention 'torch')"
-        )
+            f"attention={name!r}: importing flashinfer failed ({type(exc).__name__}: {exc}); {install}"
+        ) from exc
     return FlashInferAttention(use_tensor_cores=use_tensor_cores)
