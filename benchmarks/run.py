@@ -97,7 +97,11 @@ from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
-from cuda_graph_runner.testing.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM  # noqa: E402
+from cuda_graph_runner.testing.model import (  # noqa: E402
+    DEFAULT_ATTENTION,
+    ReferenceLlamaForCausalLM,
+    make_attention_backend,
+)
 
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL_TOKENS = [128, 512, 2048]
@@ -927,6 +931,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(
             "benchmarks/run.py needs a CUDA device (or --device cpu for a smoke test of the harness)", file=sys.stderr
         )
+        return 2
+    try:  # an optional attention package missing or broken: say so before any work
+        make_attention_backend(args.attention)
+    except ValueError as exc:
+        print(f"benchmarks/run.py: {exc}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     env = {

@@ -409,3 +409,17 @@ def test_an_eager_plan_over_another_caches_table_is_made_again(fake):
     with torch.no_grad():
         torch.testing.assert_close(eager_logits_fn(model)(batch), expected, **TOL)
     session.close()
+
+
+def test_run_py_refuses_a_missing_attention_package_before_any_work(monkeypatch, tmp_path, capsys):
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import run
+
+    monkeypatch.setattr(fia, "flashinfer_available", lambda: False)
+    out = tmp_path / "out"
+    assert run.main(["--device", "cpu", "--attention", "flashinfer", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "attention='flashinfer' needs the flashinfer-python package" in err and "Traceback" not in err
+    assert not out.exists()  # nothing was written
