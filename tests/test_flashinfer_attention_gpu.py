@@ -188,3 +188,17 @@ def test_prefill_replay_equals_eager_and_never_synchronizes(pair):
     finally:
         free_requests(cache, *batches.values())
         runner.cleanup()
+
+
+@pytest.mark.parametrize("attention", ["flashinfer", "flashinfer_tc"])
+def test_attention_us_times_flashinfer_as_the_runner_drives_it(attention, monkeypatch):
+    """benchmarks/attention_us.py: graph replays re-planned before each replay, eager steps
+    planned per step, and the plan's host µs (a row printed; nothing timed is asserted)."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import attention_us
+
+    row = attention_us.time_attention(attention, "llama-3.2-1b", 512, 20)
+    assert set(row) == {"graph_us", "eager_us", "plan_us"} and all(v > 0 for v in row.values())
+    print(f"\n{attention} llama-3.2-1b context 512: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
