@@ -225,7 +225,10 @@ def test_default_on_npu_falls_back_to_disabled_while_unavailable_and_is_npu_once
     reg = registry.get_registry()
     assert reg.default_backend("decode", "npu") == "disabled"
     monkeypatch.setattr(plugin, "probe", lambda device_type: None)
-    assert reg.default_backend("decode", "npu") == "npu"
+    # A probe's answer is kept per registry and device type: a fresh registry asks again.
+    assert reg.default_backend("decode", "npu") == "disabled"
+    registry.reset_registry()
+    assert registry.get_registry().default_backend("decode", "npu") == "npu"
 
 
 def test_list_and_resolve_say_why_npu_is_unavailable(no_torch_npu):
