@@ -1,0 +1,201 @@
+"""Hugging Face transformers causal LMs through the runners (cuda_graph_runner.models.hf), on the CPU.
+
+Per architecture (tiny random-weight configs): 5 ragged prompts admitted at different
+steps into one continuous batch, prefilled and decoded through emulated graphs (full for
+decode, breakable for prefill) with verify mode on and the host-value guard on, give
+greedy tokens identical to transformers' own eager ``generate()`` of each prompt alone.
+Also: transformers' mask code returns before its host branches under the adapter's
+attention name, and unsupported features are refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
+)
+
+from cuda_graph_runner.forward_context import forward_context  # noqa: E402
+from cuda_graph_runner.models import hf  # noqa: E402
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.testing.batches import make_decode_batch, make_extend_batch  # noqa: E402
+from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend  # noqa: E402
+from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule  # noqa: E402
+from cuda_graph_runner_full.backend import FullCudaGraphBackend  # noqa: E402
+
+STEPS = 32
+PROMPT_LENS = (7, 3, 12, 1, 9)
+ADMIT_AT = (0, 0, 2, 5, 9)  # decode step at which each prompt joins the running batch
+
+
+def _models(arch: str, seed: int = 0):
+    """(adapter, reference): the adapter and an eager transformers model with the same weights."""
+    adapter = hf.HFCausalLM.from_config(arch, seed=seed, std=0.15)
+    ref_config = adapter.config.__class__.from_dict(adapter.config.to_dict())
+    ref_config._attn_implementation = "eager"
+    reference = transformers.AutoModelForCausalLM.from_config(ref_config, dtype=torch.float32).eval()
+    reference.load_state_dict(adapter.hf_model.state_dict())
+    return adapter, reference
+
+
+def _prompts(vocab: int):
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _hf_generate(reference, prompt):
+    """transformers' eager greedy ``generate()`` of ``prompt`` alone: ``STEPS`` tokens
+    (no end-of-sequence stop, and no processor that would mask the EOS logit)."""
+    reference.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out.shape[1] == len(prompt) + STEPS
+    return out[0, len(prompt) :].tolist()
+
+
+def _continuous_batch(adapter, prompts, prefill, decode):
+    """Greedy ``STEPS`` tokens per prompt; prompt ``i`` joins at decode step ``ADMIT_AT[i]``."""
+    cache = adapter.kv_cache
+    tokens = {}
+    rows = {}
+    step = 0
+    with torch.no_grad():
+        while len(tokens) < len(prompts) or any(len(t) < STEPS for t in tokens.values()):
+            joining = [i for i, at in enumerate(ADMIT_AT) if at == step]
+            if joining:
+                batch = make_extend_batch(cache, [prompts[i] for i in joining])
+                rows.update({i: int(r) for i, r in zip(joining, batch.req_pool_indices.tolist())})
+                logits = prefill(batch)[: len(joining)]
+                for i, t in zip(joining, logits.argmax(-1).tolist()):
+                    tokens[i] = [t]
+            live = [i for i in sorted(tokens) if len(tokens[i]) < STEPS]
+            if live:
+                batch = make_decode_batch(cache, [rows[i] for i in live], None, [tokens[i][-1] for i in live])
+                logits = decode(batch)[: len(live)]
+                for i, t in zip(live, logits.argmax(-1).tolist()):
+                    tokens[i].append(t)
+            for i in [i for i in live if len(tokens[i]) == STEPS]:
+                cache.free_request(rows[i])
+            step += 1
+    return [tokens[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", hf.SUPPORTED_ARCHITECTURES)
+def test_continuous_batch_through_graphs_matches_hf_generate(arch):
+    adapter, reference = _models(arch)
+    prompts = _prompts(adapter.config.vocab_size)
+    expected = [_hf_generate(reference, p) for p in prompts]
+    adapter.create_kv_cache(num_slots=len(prompts) * (max(PROMPT_LENS) + STEPS) + 1, max_reqs=8, max_context_len=64)
+    emulated = EmulatedGraphDeviceModule()
+    decode = DecodeCudaGraphRunner(
+        adapter,
+        {"decode": {"bs": [1, 2, 4, 8], "verify": True}},
+        device="cpu",
+        backend=FullCudaGraphBackend("cpu", phase="decode", device_module=emulated, memory_pool="pool-0"),
+        show_progress=False,
+    )
+    prefill = PrefillCudaGraphRunner(
+        adapter,
+        {"prefill": {"bs": [1, 8, 16], "verify": True}},
+        device="cpu",
+        backend=BreakableCudaGraphBackend("cpu", phase="prefill", device_module=emulated, memory_pool="pool-0"),
+        show_progress=False,
+    )
+    assert decode.config.decode.host_value_guard and prefill.config.prefill.host_value_guard
+    with torch.no_grad():
+        decode.capture()
+        prefill.capture()
+    got = _continuous_batch(adapter, prompts, prefill.forward, decode.forward)
+    # Every step replayed a graph (no eager fallback), over several batch sizes.
+    assert not decode.stats.fallbacks and not prefill.stats.fallbacks
+    assert len(decode.stats.replays_by_size) >= 3 and sum(prefill.stats.replays_by_size.values()) == 4
+    assert got == expected, f"{arch}: the runner's greedy tokens differ from transformers' generate()"
+    if arch == "mistral":  # the window is crossed, so the sliding mask is exercised
+        assert max(PROMPT_LENS) + STEPS > adapter.config.sliding_window
+
+
+def test_mask_code_returns_before_its_host_branches(monkeypatch):
+    """Under the adapter's attention name transformers builds no mask: its host-side mask
+    branches never run (each raises here) and the attention gets ``attention_mask=None``."""
+    from transformers import masking_utils
+
+    hf.check_mask_bypass()
+    for name in ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa", "sdpa_mask", "eager_mask"):
+        if hasattr(masking_utils, name):
+
+            def boom(*args, _name=name, **kwargs):
+                raise AssertionError(f"transformers ran its host-side mask code {_name} under the adapter")
+
+            monkeypatch.setattr(masking_utils, name, boom)
+    for arch in ("llama", "mistral"):
+        adapter = hf.HFCausalLM.from_config(arch)
+        cache = adapter.create_kv_cache(num_slots=64, max_reqs=4, max_context_len=32)
+        batch = make_extend_batch(cache, [[1, 2, 3], [4, 5]])
+        with torch.no_grad(), forward_context(batch):
+            hidden = adapter(batch)
+        assert hidden.shape == (5, adapter.config.hidden_size)
+
+
+def test_a_built_mask_fails_loudly():
+    adapter = hf.HFCausalLM.from_config("llama")
+    cache = adapter.create_kv_cache(num_slots=16, max_reqs=2, max_context_len=8)
+    batch = make_extend_batch(cache, [[1, 2]])
+    attn = adapter.hf_model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 2, 16)
+    kv = torch.zeros(1, 2, 2, 16)
+    with forward_context(batch), pytest.raises(RuntimeError, match="no longer returns early"):
+        hf.paged_attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 2, 2))
+
+
+@pytest.mark.parametrize(
+    ("make", "feature"),
+    [
+        (lambda: transformers.LlamaConfig(**hf.TINY_CONFIG, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+         "dynamic RoPE"),
+        (lambda: transformers.Phi3Config(
+            **hf.TINY_CONFIG,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                          "original_max_position_embeddings": 256},
+        ), "longrope RoPE"),
+        (lambda: transformers.Gemma2Config(**hf.TINY_CONFIG), "softcapping"),
+        (lambda: transformers.MixtralConfig(**hf.TINY_CONFIG), "MoE"),
+        (lambda: transformers.DeepseekV3Config(vocab_size=256, kv_lora_rank=16), "MLA"),
+        (lambda: transformers.GptOssConfig(vocab_size=256), "attention sinks"),
+        (lambda: transformers.Qwen3NextConfig(vocab_size=256), "hybrid / linear attention"),
+        (lambda: transformers.GPT2Config(), "architecture 'gpt2'"),
+    ],
+)
+def test_unsupported_features_are_refused_by_name(make, feature):
+    try:
+        config = make()
+    except (AttributeError, TypeError, ValueError) as exc:  # a config this transformers lacks or rejects
+        pytest.skip(f"transformers {transformers.__version__} cannot build this config: {exc}")
+    with pytest.raises(hf.UnsupportedHFModelError, match=feature.replace("(", r"\(").replace(")", r"\)")) as info:
+        hf.check_supported(config)
+    assert repr(config.model_type) in str(info.value)
+
+
+def test_unknown_attention_backend_and_missing_cache_are_named():
+    with pytest.raises(ValueError, match="accepted: planned_standin, torch"):
+        hf.HFCausalLM.from_config("qwen2", attention="flash")
+    adapter = hf.HFCausalLM.from_config("qwen2")
+    with pytest.raises(RuntimeError, match="no KV cache"):
+        adapter(None)
+
+
+def test_from_pretrained_loads_a_local_folder(tmp_path):
+    adapter, reference = _models("qwen3", seed=3)
+    reference.save_pretrained(tmp_path / "ckpt")
+    loaded = hf.HFCausalLM.from_pretrained(str(tmp_path / "ckpt"))
+    for (name, a), b in zip(adapter.hf_model.state_dict().items(), loaded.hf_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        hf.HFCausalLM.from_pretrained(str(tmp_path))
