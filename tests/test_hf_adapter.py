@@ -30,6 +30,16 @@ PROMPT_LENS = (7, 3, 12, 1, 9)
 ADMIT_AT = (0, 0, 2, 5, 9)  # decode step at which each prompt joins the running batch
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: a tiny model's kernels are far smaller than a thread pool's
+    hand-off, which costs ten times the work on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _models(arch: str, seed: int = 0):
     """(adapter, reference): the adapter and an eager transformers model with the same weights."""
     adapter = hf.HFCausalLM.from_config(arch, seed=seed, std=0.15)
