@@ -43,11 +43,7 @@ def _one_thread():
 def _models(arch: str, seed: int = 0):
     """(adapter, reference): the adapter and an eager transformers model with the same weights."""
     adapter = hf.HFCausalLM.from_config(arch, seed=seed, std=0.15)
-    ref_config = adapter.config.__class__.from_dict(adapter.config.to_dict())
-    ref_config._attn_implementation = "eager"
-    reference = transformers.AutoModelForCausalLM.from_config(ref_config, dtype=torch.float32).eval()
-    reference.load_state_dict(adapter.hf_model.state_dict())
-    return adapter, reference
+    return adapter, hf.eager_reference(adapter)
 
 
 def _prompts(vocab: int):
@@ -162,7 +158,9 @@ def test_a_built_mask_fails_loudly():
     q = torch.zeros(1, 4, 2, 16)
     kv = torch.zeros(1, 2, 2, 16)
     with forward_context(batch), pytest.raises(RuntimeError, match="no longer returns early"):
-        hf.paged_attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 2, 2))
+        hf.paged_attention_forward(
+            attn, q, kv, kv, torch.zeros(1, 1, 2, 2), forward_batch=batch, paged_kv_cache=cache
+        )
 
 
 @pytest.mark.parametrize(

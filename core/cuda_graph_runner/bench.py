@@ -110,15 +110,25 @@ def load_model(
 ) -> Any:
     """A preset name (see ``testing.model.PRESETS``), a real model name
     (:data:`cuda_graph_runner.real_model.REAL_MODELS`: its checkpoint prepared once into the
-    cache) or a checkpoint directory, with the attention backend ``attention`` (None:
-    ``torch``; :mod:`cuda_graph_runner.testing.model.attention_backend`).
+    cache), a checkpoint directory, or ``hf:<arch>`` / ``hf:<folder>`` (transformers' own
+    model through :mod:`cuda_graph_runner.models.hf`), with the attention backend
+    ``attention`` (None: ``torch``; :mod:`cuda_graph_runner.testing.model.attention_backend`).
 
     Raises:
-        ValueError: ``spec`` is none of these (lists the presets and real models).
+        ValueError: ``spec`` is none of these (lists the presets and real models), or
+            ``hf:`` with tensor parallelism or a model the adapter refuses.
         RealModelUnavailableError: a real model whose packages are not installed.
+        TransformersUnavailableError: ``hf:`` without transformers.
     """
     from .real_model import REAL_MODELS, prepare
     from .testing.model import PRESETS, ReferenceLlamaForCausalLM
+
+    if spec.startswith("hf:"):
+        from .models.hf import load_hf_model
+
+        if tp_group is not None:
+            raise ValueError(f"--model {spec!r}: the Hugging Face adapter runs on one rank (no tensor parallelism)")
+        return load_hf_model(spec, dtype=dtype, device=device, attention=attention)
 
     if spec in REAL_MODELS:
         spec = prepare(spec)
@@ -335,6 +345,12 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             return 2
     from . import real_model
 
+    if model_spec.startswith("hf:"):
+        from .models.hf import INSTALL_HINT, transformers_available
+
+        if not transformers_available():  # before any work
+            print(f"error: --model {model_spec} needs transformers: {INSTALL_HINT}", file=sys.stderr)
+            return 2
     if model_spec in real_model.REAL_MODELS:
         try:  # before any work: the packages a real model needs
             real_model.check_available(model_spec)
@@ -372,6 +388,11 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    reference_logits = None
+    if model_spec.startswith("hf:"):
+        from .models.hf import eager_reference, reference_logits_fn
+
+        reference_logits = reference_logits_fn(eager_reference(model))
     tokenizer, eager_texts = None, []
     if model_spec in real_model.REAL_MODELS:
         tokenizer = real_model.load_tokenizer(real_model.prepare(model_spec))  # prepared: returns at once
@@ -422,7 +443,8 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say(real_model.format_generations(rows, GENERATED_TOKENS))
 
     decode_table = (
-        ["batch", *TIMING_HEADERS, "replayed", "prepare us", "tokens match", "max |diff|", "within tol"],
+        ["batch", *TIMING_HEADERS, "replayed", "prepare us", "tokens match", "max |diff|", "within tol"]
+        + (["HF match"] if reference_logits is not None else []),
         lambda r: [
             r["batch_size"],
             r["eager_ms"],
@@ -434,7 +456,8 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             r.get("tokens_match"),
             r.get("max_abs_diff"),
             r.get("within_tolerance"),
-        ],
+        ]
+        + ([r.get("hf_match")] if reference_logits is not None else []),
     )
     failed = _bench_phase(
         "decode",
@@ -452,6 +475,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             iters=iters,
             warmup=args.warmup,
             rounds=rounds,
+            reference_logits=reference_logits,
         ),
         say,
         after_decode,

@@ -204,6 +204,7 @@ def bench_decode(
     warmup: int,
     seed: int = 0,
     rounds: int = DEFAULT_PAIRED_ROUNDS,
+    reference_logits: Optional[Callable[[List[int]], torch.Tensor]] = None,
 ) -> List[Dict[str, Any]]:
     """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff,
     within_tolerance}``, plus ``replay_prepare_us`` (host µs of ``replay_prepare``, median)
@@ -211,7 +212,11 @@ def bench_decode(
     ``max_abs_diff`` / ``within_tolerance``: logits of the same inputs, step by step,
     against the backend's tolerance (:func:`backend_tolerance`).
 
-    ``runner`` None means eager only (graph columns None).
+    ``runner`` None means eager only (graph columns None). ``reference_logits``
+    (``tokens -> [len, vocab]`` logits of another implementation's forward of one
+    sequence, e.g. transformers' own for :mod:`cuda_graph_runner.models.hf`) adds
+    ``hf_match``: that forward, fed each request's prompt and the greedy tokens (the
+    runner's, or eager's without one), predicts the same tokens at every step.
     """
     from .testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
@@ -245,8 +250,14 @@ def bench_decode(
                 for _ in range(steps):
                     got.decode()
                 row["tokens_match"] = got.tokens == ref_tokens
+                ref_tokens = got.tokens
                 got.close()
                 row.update(_teacher_forced_check(model, cache, runner, eager, prompts, steps))
+            if reference_logits is not None:
+                row["hf_match"] = all(
+                    reference_logits(list(p) + toks[:-1])[len(p) - 1 :].argmax(-1).tolist() == toks
+                    for p, toks in zip(prompts, ref_tokens)
+                )
         row.setdefault("speedup", None)
         rows.append(row)
     return rows

@@ -41,7 +41,6 @@ import torch
 from torch import nn
 
 from ..forward_batch import ForwardBatch, ForwardMode
-from ..forward_context import get_forward_batch
 from ..testing.kv_cache import PagedKVCache
 from ..testing.model.attention_backend import AttentionBackend, make_attention_backend
 
@@ -137,6 +136,8 @@ def paged_attention_forward(
     scaling: Optional[float] = None,
     dropout: float = 0.0,
     sliding_window: Optional[int] = None,
+    forward_batch: Optional[ForwardBatch] = None,
+    paged_kv_cache: Optional[PagedKVCache] = None,
     **kwargs: Any,
 ) -> Tuple[torch.Tensor, None]:
     """transformers' attention-function signature over the paged KV cache.
@@ -148,6 +149,9 @@ def paged_attention_forward(
         attention_mask: must be None (the mask bypass); the batch's lengths mask instead.
         scaling: softmax scale; None: ``head_dim ** -0.5``.
         sliding_window: this layer's window (None or 0: full attention).
+        forward_batch, paged_kv_cache: the batch and the cache, passed by
+            :meth:`HFCausalLM.forward` through transformers' attention kwargs (arguments,
+            not a context lookup, so Dynamo traces them as inputs).
 
     Returns:
         ``([1, num_tokens, num_heads, head_dim], None)`` in the query's dtype.
@@ -158,6 +162,7 @@ def paged_attention_forward(
             as one row.
     """
     binding: Optional[_PagedBinding] = getattr(module, "_cgr_paged", None)
+    del kwargs  # transformers' other attention kwargs (output flags, ...): nothing to do
     if binding is None:
         raise RuntimeError(
             f"attn_implementation {ATTN_IMPLEMENTATION!r} runs only inside an HFCausalLM (this module is not bound)"
@@ -169,12 +174,10 @@ def paged_attention_forward(
         )
     if query.shape[0] != 1:
         raise RuntimeError(f"the paged attention takes one packed row, got a batch of {query.shape[0]}")
-    adapter = binding.adapter
-    cache = adapter.kv_cache
-    assert cache is not None  # HFCausalLM.forward checked it
-    batch = get_forward_batch()
+    if forward_batch is None or paged_kv_cache is None:
+        raise RuntimeError("the paged attention needs forward_batch and paged_kv_cache (HFCausalLM.forward passes them)")
+    batch, cache = forward_batch, paged_kv_cache
     _, heads, t, d = query.shape
-    kv_heads = key.shape[1]
     k_cache = cache.k_buffers[binding.layer_id]
     v_cache = cache.v_buffers[binding.layer_id]
     # Device index tensor: an index_put kernel, safe inside a graph capture.
@@ -182,7 +185,7 @@ def paged_attention_forward(
     v_cache[batch.out_cache_loc] = value[0].transpose(0, 1).to(v_cache.dtype)
     q = query[0].transpose(0, 1).reshape(t, heads * d)
     out = torch.empty(t, heads * d, dtype=query.dtype, device=query.device)
-    adapter.attn_backend.forward(
+    binding.adapter.attn_backend.forward(
         out,
         q,
         k_cache,
@@ -192,7 +195,6 @@ def paged_attention_forward(
         int(sliding_window or 0),
         binding.last_layer,
     )
-    del kv_heads
     return out.view(1, t, heads, d), None
 
 
@@ -488,6 +490,8 @@ class HFCausalLM(nn.Module):
             position_ids=batch.positions[None],
             attention_mask=None,
             use_cache=False,
+            forward_batch=batch,
+            paged_kv_cache=self.kv_cache,
         )
         return out.last_hidden_state[0]
 
@@ -511,32 +515,50 @@ def load_hf_model(
     dtype: torch.dtype,
     device: Union[str, torch.device],
     attention: Optional[str] = None,
-) -> Tuple[HFCausalLM, nn.Module]:
-    """``bench --model hf:<arch>`` (random weights: :func:`builtin_config`, tiny on the
-    CPU, the llama-3.2-1b shape elsewhere) or ``hf:<folder>`` (a checkpoint).
-
-    Returns:
-        ``(adapter, reference)``: the adapter and an independent transformers model with
-        the same weights on eager attention (HF's own forward, for the match column).
+) -> HFCausalLM:
+    """``bench --model hf:<arch>`` (random weights of :func:`builtin_config`: tiny on the
+    CPU, with weights drawn wide enough for clear greedy margins; the llama-3.2-1b shape
+    with transformers' own initialisation elsewhere) or ``hf:<folder>`` (a checkpoint).
 
     Raises:
-        UnsupportedHFModelError, FileNotFoundError, TransformersUnavailableError: as named.
+        UnsupportedHFModelError: neither an architecture nor a folder, or a refused model.
+        TransformersUnavailableError: transformers is not installed.
     """
-    transformers = _transformers()
+    _transformers()
     name = spec[len("hf:") :] if spec.startswith("hf:") else spec
     device = torch.device(device)
     if name in SUPPORTED_ARCHITECTURES:
-        config = builtin_config(name, size="tiny" if device.type == "cpu" else "llama-3.2-1b")
-        adapter = HFCausalLM.from_config(config, dtype=dtype, device=device, attention=attention)
-    elif os.path.isdir(name):
-        adapter = HFCausalLM.from_pretrained(name, dtype=dtype, device=device, attention=attention)
-    else:
-        raise UnsupportedHFModelError(
-            f"--model {spec!r}: after 'hf:' give an architecture ({', '.join(SUPPORTED_ARCHITECTURES)}) "
-            "or a checkpoint folder"
+        tiny = device.type == "cpu"
+        config = builtin_config(name, size="tiny" if tiny else "llama-3.2-1b")
+        return HFCausalLM.from_config(
+            config, dtype=dtype, device=device, std=0.15 if tiny else None, attention=attention
         )
-    ref_config = adapter.config.__class__.from_dict(adapter.config.to_dict())
-    ref_config._attn_implementation = "eager"
-    reference = transformers.AutoModelForCausalLM.from_config(ref_config, dtype=dtype).to(device).eval()
+    if os.path.isdir(name):
+        return HFCausalLM.from_pretrained(name, dtype=dtype, device=device, attention=attention)
+    raise UnsupportedHFModelError(
+        f"--model {spec!r}: after 'hf:' give an architecture ({', '.join(SUPPORTED_ARCHITECTURES)}) "
+        "or a checkpoint folder"
+    )
+
+
+def eager_reference(adapter: HFCausalLM) -> nn.Module:
+    """An independent transformers model with ``adapter``'s config and weights on
+    transformers' own ``eager`` attention: HF's own forward, to check the adapter against."""
+    transformers = _transformers()
+    config = adapter.config.__class__.from_dict(adapter.config.to_dict())
+    config._attn_implementation = "eager"
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=adapter.dtype).to(adapter.device)
     reference.load_state_dict(adapter.hf_model.state_dict())
-    return adapter, reference
+    return reference.eval()
+
+
+def reference_logits_fn(reference: nn.Module) -> Callable[[List[int]], torch.Tensor]:
+    """``tokens -> [len(tokens), vocab]`` float32 logits of transformers' own forward of
+    one sequence (no cache, no padding)."""
+
+    def run(tokens: List[int]) -> torch.Tensor:
+        device = next(reference.parameters()).device
+        with torch.no_grad():
+            return reference(input_ids=torch.tensor([tokens], device=device)).logits[0].float()
+
+    return run
