@@ -55,10 +55,11 @@ def _hf_generate(reference, prompt):
     """transformers' eager greedy ``generate()`` of ``prompt`` alone: ``STEPS`` tokens
     (no end-of-sequence stop, and no processor that would mask the EOS logit)."""
     reference.generation_config.eos_token_id = None
+    device = next(reference.parameters()).device
     with torch.no_grad():
         out = reference.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=STEPS,
             do_sample=False,
             pad_token_id=0,
@@ -158,21 +159,28 @@ def test_a_built_mask_fails_loudly():
     q = torch.zeros(1, 4, 2, 16)
     kv = torch.zeros(1, 2, 2, 16)
     with forward_context(batch), pytest.raises(RuntimeError, match="no longer returns early"):
-        hf.paged_attention_forward(
-            attn, q, kv, kv, torch.zeros(1, 1, 2, 2), forward_batch=batch, paged_kv_cache=cache
-        )
+        hf.paged_attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 2, 2), forward_batch=batch, paged_kv_cache=cache)
 
 
 @pytest.mark.parametrize(
     ("make", "feature"),
     [
-        (lambda: transformers.LlamaConfig(**hf.TINY_CONFIG, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-         "dynamic RoPE"),
-        (lambda: transformers.Phi3Config(
-            **hf.TINY_CONFIG,
-            rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
-                          "original_max_position_embeddings": 256},
-        ), "longrope RoPE"),
+        (
+            lambda: transformers.LlamaConfig(**hf.TINY_CONFIG, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+            "dynamic RoPE",
+        ),
+        (
+            lambda: transformers.Phi3Config(
+                **hf.TINY_CONFIG,
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [1.0] * 8,
+                    "original_max_position_embeddings": 256,
+                },
+            ),
+            "longrope RoPE",
+        ),
         (lambda: transformers.Gemma2Config(**hf.TINY_CONFIG), "softcapping"),
         (lambda: transformers.MixtralConfig(**hf.TINY_CONFIG), "MoE"),
         (lambda: transformers.DeepseekV3Config(vocab_size=256, kv_lora_rank=16), "MLA"),

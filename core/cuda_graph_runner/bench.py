@@ -445,19 +445,21 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     decode_table = (
         ["batch", *TIMING_HEADERS, "replayed", "prepare us", "tokens match", "max |diff|", "within tol"]
         + (["HF match"] if reference_logits is not None else []),
-        lambda r: [
-            r["batch_size"],
-            r["eager_ms"],
-            r.get("graph_ms"),
-            _speedup(r),
-            _speedup_range(r),
-            r.get("replayed"),
-            r.get("replay_prepare_us"),
-            r.get("tokens_match"),
-            r.get("max_abs_diff"),
-            r.get("within_tolerance"),
-        ]
-        + ([r.get("hf_match")] if reference_logits is not None else []),
+        lambda r: (
+            [
+                r["batch_size"],
+                r["eager_ms"],
+                r.get("graph_ms"),
+                _speedup(r),
+                _speedup_range(r),
+                r.get("replayed"),
+                r.get("replay_prepare_us"),
+                r.get("tokens_match"),
+                r.get("max_abs_diff"),
+                r.get("within_tolerance"),
+            ]
+            + ([r.get("hf_match")] if reference_logits is not None else [])
+        ),
     )
     failed = _bench_phase(
         "decode",

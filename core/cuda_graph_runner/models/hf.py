@@ -175,7 +175,9 @@ def paged_attention_forward(
     if query.shape[0] != 1:
         raise RuntimeError(f"the paged attention takes one packed row, got a batch of {query.shape[0]}")
     if forward_batch is None or paged_kv_cache is None:
-        raise RuntimeError("the paged attention needs forward_batch and paged_kv_cache (HFCausalLM.forward passes them)")
+        raise RuntimeError(
+            "the paged attention needs forward_batch and paged_kv_cache (HFCausalLM.forward passes them)"
+        )
     batch, cache = forward_batch, paged_kv_cache
     _, heads, t, d = query.shape
     k_cache = cache.k_buffers[binding.layer_id]
