@@ -215,3 +215,26 @@ def test_from_pretrained_loads_a_local_folder(tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(FileNotFoundError, match="no config.json"):
         hf.HFCausalLM.from_pretrained(str(tmp_path))
+
+
+def test_readme_hf_snippet_runs(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippets = [s for s in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "HFCausalLM" in s]
+    assert snippets, "README lost its HFCausalLM snippet"
+    exec(compile(snippets[0], "README.md", "exec"), {"__name__": "readme"})
+    assert len(eval(capsys.readouterr().out.strip())) == 3
+
+
+def test_bench_hf_model_shows_its_match_against_hf(capsys):
+    from cuda_graph_runner.cli import main
+
+    flags = ["--device", "cpu", "--batch-sizes", "2", "--no-prefill", "--decode-backends", "disabled"]
+    assert main(["bench", "--model", "hf:mistral", "--steps", "12", "--prompt-len", "6", *flags]) == 0
+    out = capsys.readouterr().out
+    header, _, row = out.strip().splitlines()[-3:]
+    assert header.split()[-2:] == ["HF", "match"] and row.split()[-1] == "yes", out
+    assert main(["bench", "--model", "hf:gpt2", *flags]) == 2
+    assert "after 'hf:' give an architecture (llama, qwen2, mistral, qwen3)" in capsys.readouterr().err

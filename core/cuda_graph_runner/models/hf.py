@@ -339,12 +339,14 @@ class HFCausalLM(nn.Module):
         TransformersUnavailableError: transformers is not installed.
     """
 
+    hf_model: Any  # a transformers PreTrainedModel (a submodule)
+    config: Any  # its transformers PretrainedConfig
     init_forward_metadata: Optional[Callable[[ForwardBatch], None]]
     init_forward_metadata_capture: Optional[Callable[[ForwardBatch], None]]
     init_forward_metadata_replay: Optional[Callable[[ForwardBatch], None]]
     cleanup_cuda_graph_state: Optional[Callable[..., None]]
 
-    def __init__(self, hf_model: nn.Module, *, attention: Optional[str] = None) -> None:
+    def __init__(self, hf_model: Any, *, attention: Optional[str] = None) -> None:
         super().__init__()
         config = hf_model.config
         check_supported(config)
