@@ -130,8 +130,11 @@ def test_continuous_batch_through_graphs_matches_hf_generate(arch):
 
 
 def test_mask_code_returns_before_its_host_branches(monkeypatch):
-    """Under the adapter's attention name transformers builds no mask: its host-side mask
-    branches never run (each raises here) and the attention gets ``attention_mask=None``."""
+    """Under the adapter's attention name transformers' mask builders (as each model's
+    module calls them) return None, its host-side mask branches never run (each raises
+    here), and the attention gets ``attention_mask=None``."""
+    import importlib
+
     from transformers import masking_utils
 
     hf.check_mask_bypass()
@@ -142,13 +145,26 @@ def test_mask_code_returns_before_its_host_branches(monkeypatch):
                 raise AssertionError(f"transformers ran its host-side mask code {_name} under the adapter")
 
             monkeypatch.setattr(masking_utils, name, boom)
-    for arch in ("llama", "mistral"):
+    built = []
+    for arch in hf.SUPPORTED_ARCHITECTURES:
+        modeling = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+        for builder in ("create_causal_mask", "create_sliding_window_causal_mask"):
+            original = getattr(modeling, builder, None)
+            if original is not None:
+
+                def record(*args, _original=original, **kwargs):
+                    mask = _original(*args, **kwargs)
+                    built.append(mask)
+                    return mask
+
+                monkeypatch.setattr(modeling, builder, record)
         adapter = hf.HFCausalLM.from_config(arch)
         cache = adapter.create_kv_cache(num_slots=64, max_reqs=4, max_context_len=32)
         batch = make_extend_batch(cache, [[1, 2, 3], [4, 5]])
         with torch.no_grad(), forward_context(batch):
             hidden = adapter(batch)
         assert hidden.shape == (5, adapter.config.hidden_size)
+    assert len(built) >= len(hf.SUPPORTED_ARCHITECTURES) and all(m is None for m in built), built
 
 
 def test_a_built_mask_fails_loudly():
