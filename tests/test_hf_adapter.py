@@ -40,9 +40,9 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _models(arch: str, seed: int = 0):
+def _models(arch: str, seed: int = 0, attention=None):
     """(adapter, reference): the adapter and an eager transformers model with the same weights."""
-    adapter = hf.HFCausalLM.from_config(arch, seed=seed, std=0.15)
+    adapter = hf.HFCausalLM.from_config(arch, seed=seed, std=0.15, attention=attention)
     return adapter, hf.eager_reference(adapter)
 
 
@@ -95,9 +95,14 @@ def _continuous_batch(adapter, prompts, prefill, decode):
     return [tokens[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("arch", hf.SUPPORTED_ARCHITECTURES)
-def test_continuous_batch_through_graphs_matches_hf_generate(arch):
-    adapter, reference = _models(arch)
+@pytest.mark.parametrize(
+    ("arch", "attention"), [(arch, "torch") for arch in hf.SUPPORTED_ARCHITECTURES] + [("llama", "planned_standin")]
+)
+def test_continuous_batch_through_graphs_matches_hf_generate(arch, attention):
+    """``planned_standin``: a plan-based attention backend (it fails any forward that runs
+    unplanned or with a stale plan) gets the runner's metadata hooks through the adapter."""
+    adapter, reference = _models(arch, attention=attention)
+    assert adapter.attn_backend.name == attention
     prompts = _prompts(adapter.config.vocab_size)
     expected = [_hf_generate(reference, p) for p in prompts]
     adapter.create_kv_cache(num_slots=len(prompts) * (max(PROMPT_LENS) + STEPS) + 1, max_reqs=8, max_context_len=64)
@@ -216,7 +221,9 @@ def test_unsupported_features_are_refused_by_name(make, feature):
 
 
 def test_unknown_attention_backend_and_missing_cache_are_named():
-    with pytest.raises(ValueError, match="accepted: planned_standin, torch"):
+    from cuda_graph_runner.testing.model import attention_backend_names
+
+    with pytest.raises(ValueError, match=f"accepted: {', '.join(attention_backend_names())}$"):
         hf.HFCausalLM.from_config("qwen2", attention="flash")
     adapter = hf.HFCausalLM.from_config("qwen2")
     with pytest.raises(RuntimeError, match="no KV cache"):
@@ -250,7 +257,8 @@ def test_bench_hf_model_shows_its_match_against_hf(capsys):
     flags = ["--device", "cpu", "--batch-sizes", "2", "--no-prefill", "--decode-backends", "disabled"]
     assert main(["bench", "--model", "hf:mistral", "--steps", "12", "--prompt-len", "6", *flags]) == 0
     out = capsys.readouterr().out
-    header, _, row = out.strip().splitlines()[-3:]
-    assert header.split()[-2:] == ["HF", "match"] and row.split()[-1] == "yes", out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("batch"))
+    assert lines[at].split()[-2:] == ["HF", "match"] and lines[at + 2].split()[-1] == "yes", out
     assert main(["bench", "--model", "hf:gpt2", *flags]) == 2
     assert "after 'hf:' give an architecture (llama, qwen2, mistral, qwen3)" in capsys.readouterr().err
