@@ -251,14 +251,20 @@ def test_readme_hf_snippet_runs(capsys):
     assert len(eval(capsys.readouterr().out.strip())) == 3
 
 
-def test_bench_hf_model_shows_its_match_against_hf(capsys):
+def test_bench_hf_model_shows_its_match_against_hf(capsys, tmp_path):
     from cuda_graph_runner.cli import main
 
-    flags = ["--device", "cpu", "--batch-sizes", "2", "--no-prefill", "--decode-backends", "disabled"]
-    assert main(["bench", "--model", "hf:mistral", "--steps", "12", "--prompt-len", "6", *flags]) == 0
-    out = capsys.readouterr().out
-    lines = out.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("batch"))
-    assert lines[at].split()[-2:] == ["HF", "match"] and lines[at + 2].split()[-1] == "yes", out
+    flags = ["--device", "cpu", "--batch-sizes", "2", "--decode-backends", "disabled"]
+    flags += ["--prefill-backends", "disabled", "--prefill-tokens", "12", "--prefill-requests", "2", "--iters", "1"]
+    adapter, reference = _models("qwen3", seed=5)
+    reference.save_pretrained(tmp_path / "ckpt")
+    for model in ("hf:mistral", f"hf:{tmp_path / 'ckpt'}"):
+        assert main(["bench", "--model", model, "--steps", "12", "--prompt-len", "6", *flags]) == 0
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        tables = [i for i, line in enumerate(lines) if line.startswith(("batch ", "tokens "))]
+        assert len(tables) == 2, out  # decode and prefill
+        for at in tables:
+            assert lines[at].split()[-2:] == ["HF", "match"] and lines[at + 2].split()[-1] == "yes", out
     assert main(["bench", "--model", "hf:gpt2", *flags]) == 2
     assert "after 'hf:' give an architecture (llama, qwen2, mistral, qwen3)" in capsys.readouterr().err

@@ -494,19 +494,23 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 "argmax match",
                 "max |diff|",
                 "within tol",
-            ],
-            lambda r: [
-                r["num_tokens"],
-                r["requests"],
-                r["eager_ms"],
-                r.get("graph_ms"),
-                _speedup(r),
-                _speedup_range(r),
-                r.get("replayed"),
-                r.get("argmax_match"),
-                r.get("max_abs_diff"),
-                r.get("within_tolerance"),
-            ],
+            ]
+            + (["HF match"] if reference_logits is not None else []),
+            lambda r: (
+                [
+                    r["num_tokens"],
+                    r["requests"],
+                    r["eager_ms"],
+                    r.get("graph_ms"),
+                    _speedup(r),
+                    _speedup_range(r),
+                    r.get("replayed"),
+                    r.get("argmax_match"),
+                    r.get("max_abs_diff"),
+                    r.get("within_tolerance"),
+                ]
+                + ([r.get("hf_match")] if reference_logits is not None else [])
+            ),
         )
         failed |= _bench_phase(
             "prefill",
@@ -523,6 +527,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 iters=iters,
                 warmup=args.warmup,
                 rounds=rounds,
+                reference_logits=reference_logits,
             ),
             say,
         )

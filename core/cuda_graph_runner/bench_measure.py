@@ -318,10 +318,13 @@ def bench_prefill(
     warmup: int,
     seed: int = 0,
     rounds: int = DEFAULT_PAIRED_ROUNDS,
+    reference_logits: Optional[Callable[[List[int]], torch.Tensor]] = None,
 ) -> List[Dict[str, Any]]:
     """Rows ``{num_tokens, requests, eager_ms, graph_ms, speedup, replayed, max_abs_diff,
     within_tolerance, argmax_match}`` (``within_tolerance``: against the backend's tolerance,
-    :func:`backend_tolerance`)."""
+    :func:`backend_tolerance`). ``reference_logits`` (see :func:`bench_decode`) adds
+    ``hf_match``: each request's next token (the runner's, or eager's without one) is
+    the argmax of that forward's last logits of the request's prompt."""
     from .testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 
     cache = model.kv_cache
@@ -346,6 +349,9 @@ def bench_prefill(
                     row["max_abs_diff"] = float((got - ref).abs().max())
                     row["within_tolerance"] = bool(torch.allclose(got, ref, atol=atol, rtol=rtol))
                     row["argmax_match"] = bool((got.argmax(-1) == ref.argmax(-1)).all())
+                if reference_logits is not None:
+                    picked = (got if runner is not None else ref).argmax(-1).tolist()
+                    row["hf_match"] = picked == [int(reference_logits(list(p))[-1].argmax()) for p in prompts]
                 row.update(row_times(eager, runner, batch, iters=iters, warmup=warmup, sync=sync, rounds=rounds))
             for r in reqs:
                 cache.free_request(r)
