@@ -268,3 +268,15 @@ def test_bench_hf_model_shows_its_match_against_hf(capsys, tmp_path):
             assert lines[at].split()[-2:] == ["HF", "match"] and lines[at + 2].split()[-1] == "yes", out
     assert main(["bench", "--model", "hf:gpt2", *flags]) == 2
     assert "after 'hf:' give an architecture (llama, qwen2, mistral, qwen3)" in capsys.readouterr().err
+
+
+def test_bench_hf_real_model_needs_its_packages(capsys, monkeypatch):
+    from cuda_graph_runner import real_model
+    from cuda_graph_runner.cli import main
+
+    def missing(name):
+        raise real_model.RealModelUnavailableError(f"--model {name} needs gguf: {real_model.INSTALL_HINT}")
+
+    monkeypatch.setattr(real_model, "check_available", missing)
+    assert main(["bench", "--model", "hf:smollm2-135m", "--device", "cpu", "--no-prefill"]) == 2
+    assert "needs gguf" in capsys.readouterr().err

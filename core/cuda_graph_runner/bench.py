@@ -351,9 +351,9 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         if not transformers_available():  # before any work
             print(f"error: --model {model_spec} needs transformers: {INSTALL_HINT}", file=sys.stderr)
             return 2
-    if model_spec in real_model.REAL_MODELS:
+    if model_spec in real_model.REAL_MODELS or model_spec[len("hf:") :] in real_model.REAL_MODELS:
         try:  # before any work: the packages a real model needs
-            real_model.check_available(model_spec)
+            real_model.check_available(model_spec.removeprefix("hf:"))
         except real_model.RealModelUnavailableError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -522,15 +522,22 @@ def load_hf_model(
 ) -> HFCausalLM:
     """``bench --model hf:<arch>`` (random weights of :func:`builtin_config`: tiny on the
     CPU, with weights drawn wide enough for clear greedy margins; the llama-3.2-1b shape
-    with transformers' own initialisation elsewhere) or ``hf:<folder>`` (a checkpoint).
+    with transformers' own initialisation elsewhere), ``hf:<real model>`` (a name of
+    :data:`cuda_graph_runner.real_model.REAL_MODELS`, e.g. ``smollm2-135m``: its prepared
+    checkpoint through transformers' own ``LlamaForCausalLM``) or ``hf:<folder>`` (a checkpoint).
 
     Raises:
-        UnsupportedHFModelError: neither an architecture nor a folder, or a refused model.
+        UnsupportedHFModelError: none of these, or a refused model.
         TransformersUnavailableError: transformers is not installed.
+        RealModelUnavailableError: a real model whose packages are not installed.
     """
+    from .. import real_model
+
     _transformers()
     name = spec[len("hf:") :] if spec.startswith("hf:") else spec
     device = torch.device(device)
+    if name in real_model.REAL_MODELS:
+        name = real_model.prepare(name)
     if name in SUPPORTED_ARCHITECTURES:
         tiny = device.type == "cpu"
         config = builtin_config(name, size="tiny" if tiny else "llama-3.2-1b")
@@ -540,8 +547,8 @@ def load_hf_model(
     if os.path.isdir(name):
         return HFCausalLM.from_pretrained(name, dtype=dtype, device=device, attention=attention)
     raise UnsupportedHFModelError(
-        f"--model {spec!r}: after 'hf:' give an architecture ({', '.join(SUPPORTED_ARCHITECTURES)}) "
-        "or a checkpoint folder"
+        f"--model {spec!r}: after 'hf:' give an architecture ({', '.join(SUPPORTED_ARCHITECTURES)}), "
+        f"a real model ({', '.join(sorted(real_model.REAL_MODELS))}) or a checkpoint folder"
     )
 
 
