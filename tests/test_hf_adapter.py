@@ -17,17 +17,15 @@ transformers = pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
+from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
+
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import make_decode_batch, make_extend_batch  # noqa: E402
+from cuda_graph_runner.testing.batches import make_extend_batch  # noqa: E402
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend  # noqa: E402
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule  # noqa: E402
 from cuda_graph_runner_full.backend import FullCudaGraphBackend  # noqa: E402
-
-STEPS = 32
-PROMPT_LENS = (7, 3, 12, 1, 9)
-ADMIT_AT = (0, 0, 2, 5, 9)  # decode step at which each prompt joins the running batch
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,71 +38,16 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _models(arch: str, seed: int = 0, attention=None):
-    """(adapter, reference): the adapter and an eager transformers model with the same weights."""
-    adapter = hf.HFCausalLM.from_config(arch, seed=seed, std=0.15, attention=attention)
-    return adapter, hf.eager_reference(adapter)
-
-
-def _prompts(vocab: int):
-    gen = torch.Generator().manual_seed(11)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-def _hf_generate(reference, prompt):
-    """transformers' eager greedy ``generate()`` of ``prompt`` alone: ``STEPS`` tokens
-    (no end-of-sequence stop, and no processor that would mask the EOS logit)."""
-    reference.generation_config.eos_token_id = None
-    device = next(reference.parameters()).device
-    with torch.no_grad():
-        out = reference.generate(
-            torch.tensor([prompt], device=device),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-            max_new_tokens=STEPS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    assert out.shape[1] == len(prompt) + STEPS
-    return out[0, len(prompt) :].tolist()
-
-
-def _continuous_batch(adapter, prompts, prefill, decode):
-    """Greedy ``STEPS`` tokens per prompt; prompt ``i`` joins at decode step ``ADMIT_AT[i]``."""
-    cache = adapter.kv_cache
-    tokens = {}
-    rows = {}
-    step = 0
-    with torch.no_grad():
-        while len(tokens) < len(prompts) or any(len(t) < STEPS for t in tokens.values()):
-            joining = [i for i, at in enumerate(ADMIT_AT) if at == step]
-            if joining:
-                batch = make_extend_batch(cache, [prompts[i] for i in joining])
-                rows.update({i: int(r) for i, r in zip(joining, batch.req_pool_indices.tolist())})
-                logits = prefill(batch)[: len(joining)]
-                for i, t in zip(joining, logits.argmax(-1).tolist()):
-                    tokens[i] = [t]
-            live = [i for i in sorted(tokens) if len(tokens[i]) < STEPS]
-            if live:
-                batch = make_decode_batch(cache, [rows[i] for i in live], None, [tokens[i][-1] for i in live])
-                logits = decode(batch)[: len(live)]
-                for i, t in zip(live, logits.argmax(-1).tolist()):
-                    tokens[i].append(t)
-            for i in [i for i in live if len(tokens[i]) == STEPS]:
-                cache.free_request(rows[i])
-            step += 1
-    return [tokens[i] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize(
     ("arch", "attention"), [(arch, "torch") for arch in hf.SUPPORTED_ARCHITECTURES] + [("llama", "planned_standin")]
 )
 def test_continuous_batch_through_graphs_matches_hf_generate(arch, attention):
     """``planned_standin``: a plan-based attention backend (it fails any forward that runs
     unplanned or with a stale plan) gets the runner's metadata hooks through the adapter."""
-    adapter, reference = _models(arch, attention=attention)
+    adapter, reference = tiny_models(arch, attention=attention)
     assert adapter.attn_backend.name == attention
-    prompts = _prompts(adapter.config.vocab_size)
-    expected = [_hf_generate(reference, p) for p in prompts]
+    prompts = ragged_prompts(adapter.config.vocab_size)
+    expected = [hf_generate(reference, p) for p in prompts]
     adapter.create_kv_cache(num_slots=len(prompts) * (max(PROMPT_LENS) + STEPS) + 1, max_reqs=8, max_context_len=64)
     emulated = EmulatedGraphDeviceModule()
     decode = DecodeCudaGraphRunner(
@@ -125,7 +68,7 @@ def test_continuous_batch_through_graphs_matches_hf_generate(arch, attention):
     with torch.no_grad():
         decode.capture()
         prefill.capture()
-    got = _continuous_batch(adapter, prompts, prefill.forward, decode.forward)
+    got = run_continuous_batch(adapter, prompts, prefill.forward, decode.forward)
     # Every step replayed a graph (no eager fallback), over several batch sizes.
     assert not decode.stats.fallbacks and not prefill.stats.fallbacks
     assert len(decode.stats.replays_by_size) >= 3 and sum(prefill.stats.replays_by_size.values()) == 4
@@ -231,7 +174,7 @@ def test_unknown_attention_backend_and_missing_cache_are_named():
 
 
 def test_from_pretrained_loads_a_local_folder(tmp_path):
-    adapter, reference = _models("qwen3", seed=3)
+    adapter, reference = tiny_models("qwen3", seed=3)
     reference.save_pretrained(tmp_path / "ckpt")
     loaded = hf.HFCausalLM.from_pretrained(str(tmp_path / "ckpt"))
     for (name, a), b in zip(adapter.hf_model.state_dict().items(), loaded.hf_model.state_dict().values()):
@@ -256,7 +199,7 @@ def test_bench_hf_model_shows_its_match_against_hf(capsys, tmp_path):
 
     flags = ["--device", "cpu", "--batch-sizes", "2", "--decode-backends", "disabled"]
     flags += ["--prefill-backends", "disabled", "--prefill-tokens", "12", "--prefill-requests", "2", "--iters", "1"]
-    adapter, reference = _models("qwen3", seed=5)
+    adapter, reference = tiny_models("qwen3", seed=5)
     reference.save_pretrained(tmp_path / "ckpt")
     for model in ("hf:mistral", f"hf:{tmp_path / 'ckpt'}"):
         assert main(["bench", "--model", model, "--steps", "12", "--prompt-len", "6", *flags]) == 0

@@ -20,7 +20,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
-from test_hf_adapter import PROMPT_LENS, STEPS, _continuous_batch, _hf_generate, _prompts  # noqa: E402
+from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch  # noqa: E402
 
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.models import hf  # noqa: E402
@@ -55,7 +55,7 @@ def test_bf16_teacher_forced_logits_within_tolerance(arch, backend):
     )
     assert runner.backend.name == backend and runner.config.decode.host_value_guard
     atol, rtol = runner.backend.verify_tolerance(torch.bfloat16)
-    prompts = _prompts(adapter.config.vocab_size)
+    prompts = ragged_prompts(adapter.config.vocab_size)
     worst = 0.0
 
     def both(batch):
@@ -87,8 +87,8 @@ def test_bf16_teacher_forced_logits_within_tolerance(arch, backend):
 def test_fp32_continuous_batch_matches_hf_generate(arch, backend, no_tf32):
     adapter = _adapter(arch, torch.float32)
     reference = hf.eager_reference(adapter)
-    prompts = _prompts(adapter.config.vocab_size)
-    expected = [_hf_generate(reference, p) for p in prompts]
+    prompts = ragged_prompts(adapter.config.vocab_size)
+    expected = [hf_generate(reference, p) for p in prompts]
     decode = DecodeCudaGraphRunner(
         adapter, {"decode": {"backend": backend, "bs": [1, 2, 4, 8], "verify": True}}, show_progress=False
     )
@@ -98,7 +98,9 @@ def test_fp32_continuous_batch_matches_hf_generate(arch, backend, no_tf32):
     with torch.no_grad():
         decode.capture()
         prefill.capture()
-    got = _continuous_batch(adapter, prompts, lambda b: prefill.forward(b).clone(), lambda b: decode.forward(b).clone())
+    got = run_continuous_batch(
+        adapter, prompts, lambda b: prefill.forward(b).clone(), lambda b: decode.forward(b).clone()
+    )
     assert not decode.stats.fallbacks and len(decode.stats.replays_by_size) >= 3
     assert got == expected, f"{arch} / {backend}: greedy tokens differ from transformers' generate()"
     assert len(got) == len(PROMPT_LENS)

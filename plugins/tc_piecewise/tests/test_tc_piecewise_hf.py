@@ -13,8 +13,8 @@ pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
+from hf_cases import hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler  # noqa: E402
-from test_hf_adapter import _continuous_batch, _hf_generate, _models, _prompts  # noqa: E402
 
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.batches import eager_logits_fn  # noqa: E402
@@ -36,9 +36,9 @@ def emulated(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:tc_piecewise for decode captures piecewise graphs")
 def test_hf_mistral_continuous_batch_through_piece_graphs_matches_hf_generate(emulated):
-    adapter, reference = _models("mistral")
-    prompts = _prompts(adapter.config.vocab_size)
-    expected = [_hf_generate(reference, p) for p in prompts]
+    adapter, reference = tiny_models("mistral")
+    prompts = ragged_prompts(adapter.config.vocab_size)
+    expected = [hf_generate(reference, p) for p in prompts]
     adapter.create_kv_cache(num_slots=300, max_reqs=8, max_context_len=64)
     backend = TcPiecewiseCudaGraphBackend("cpu", phase="decode", device_module=emulated, enable_capture=True)
     decode = DecodeCudaGraphRunner(
@@ -46,6 +46,6 @@ def test_hf_mistral_continuous_batch_through_piece_graphs_matches_hf_generate(em
     )
     with torch.no_grad():
         decode.capture()
-    got = _continuous_batch(adapter, prompts, eager_logits_fn(adapter), decode.forward)
+    got = run_continuous_batch(adapter, prompts, eager_logits_fn(adapter), decode.forward)
     assert not decode.stats.fallbacks and len(decode.stats.replays_by_size) >= 3
     assert got == expected
