@@ -15,9 +15,15 @@ PROMPT_LENS = (7, 3, 12, 1, 9)
 ADMIT_AT = (0, 0, 2, 5, 9)  # decode step at which each prompt joins the running batch
 
 
-def tiny_models(arch: str, seed: int = 0, attention=None):
-    """(adapter, reference): the adapter and an eager transformers model with the same weights."""
-    adapter = hf.HFCausalLM.from_config(arch, seed=seed, std=0.15, attention=attention)
+def tiny_models(arch: str, seed: int = 0, attention=None, **overrides):
+    """(adapter, reference): the adapter of ``arch``'s tiny built-in config (with
+    ``overrides`` of its keys) and an eager transformers model with the same weights."""
+    config = hf.builtin_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if overrides.get("use_sliding_window"):  # Qwen2's per-layer windows follow from these keys
+        config = config.__class__(**{**config.to_dict(), "layer_types": None})
+    adapter = hf.HFCausalLM.from_config(config, seed=seed, std=0.15, attention=attention)
     return adapter, hf.eager_reference(adapter)
 
 

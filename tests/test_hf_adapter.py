@@ -38,14 +38,23 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+QWEN2_LAYER_WINDOWS = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+
+
 @pytest.mark.parametrize(
-    ("arch", "attention"), [(arch, "torch") for arch in hf.SUPPORTED_ARCHITECTURES] + [("llama", "planned_standin")]
+    ("arch", "attention", "overrides"),
+    [(arch, "torch", {}) for arch in hf.SUPPORTED_ARCHITECTURES]
+    + [("llama", "planned_standin", {}), ("qwen2", "torch", QWEN2_LAYER_WINDOWS)],
+    ids=[*hf.SUPPORTED_ARCHITECTURES, "llama-planned_standin", "qwen2-layer_windows"],
 )
-def test_continuous_batch_through_graphs_matches_hf_generate(arch, attention):
+def test_continuous_batch_through_graphs_matches_hf_generate(arch, attention, overrides):
     """``planned_standin``: a plan-based attention backend (it fails any forward that runs
-    unplanned or with a stale plan) gets the runner's metadata hooks through the adapter."""
-    adapter, reference = tiny_models(arch, attention=attention)
+    unplanned or with a stale plan) gets the runner's metadata hooks through the adapter.
+    ``qwen2-layer_windows``: full attention in layer 0, a sliding window in layer 1."""
+    adapter, reference = tiny_models(arch, attention=attention, **overrides)
     assert adapter.attn_backend.name == attention
+    if overrides:
+        assert [hf.HFCausalLM._window(layer.self_attn) for layer in adapter.hf_model.model.layers] == [0, 8]
     prompts = ragged_prompts(adapter.config.vocab_size)
     expected = [hf_generate(reference, p) for p in prompts]
     adapter.create_kv_cache(num_slots=len(prompts) * (max(PROMPT_LENS) + STEPS) + 1, max_reqs=8, max_context_len=64)
@@ -73,7 +82,7 @@ def test_continuous_batch_through_graphs_matches_hf_generate(arch, attention):
     assert not decode.stats.fallbacks and not prefill.stats.fallbacks
     assert len(decode.stats.replays_by_size) >= 3 and sum(prefill.stats.replays_by_size.values()) == 4
     assert got == expected, f"{arch}: the runner's greedy tokens differ from transformers' generate()"
-    if arch == "mistral":  # the window is crossed, so the sliding mask is exercised
+    if arch == "mistral" or overrides:  # the window is crossed, so the sliding mask is exercised
         assert max(PROMPT_LENS) + STEPS > adapter.config.sliding_window
 
 
