@@ -232,3 +232,17 @@ def test_bench_hf_real_model_needs_its_packages(capsys, monkeypatch):
     monkeypatch.setattr(real_model, "check_available", missing)
     assert main(["bench", "--model", "hf:smollm2-135m", "--device", "cpu", "--no-prefill"]) == 2
     assert "needs gguf" in capsys.readouterr().err
+
+
+def test_modules_with_sinks_or_host_rope_are_refused():
+    """A model whose config says nothing but whose modules carry attention sinks or a
+    dynamic RoPE is refused by what the modules show."""
+    adapter = hf.HFCausalLM.from_config("llama")
+    attn = adapter.hf_model.model.layers[1].self_attn
+    attn.register_parameter("sinks", torch.nn.Parameter(torch.zeros(4)))
+    with pytest.raises(hf.UnsupportedHFModelError, match=r"'llama' with attention sinks \(model.layers.1.self_attn\)"):
+        hf.HFCausalLM(adapter.hf_model)
+    del attn.sinks
+    adapter.hf_model.model.rotary_emb.rope_type = "dynamic"
+    with pytest.raises(hf.UnsupportedHFModelError, match="'llama' with dynamic RoPE"):
+        hf.HFCausalLM(adapter.hf_model)

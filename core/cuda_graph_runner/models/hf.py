@@ -286,6 +286,24 @@ def check_supported(config: Any) -> None:
         )
 
 
+def _check_modules(hf_model: Any) -> None:
+    """What a config may not say but the built modules show: attention sinks (a
+    ``sinks`` parameter) and a host-updated RoPE (the rotary module's ``rope_type``).
+
+    Raises:
+        UnsupportedHFModelError: names the feature, the module and the architecture.
+    """
+    arch = getattr(hf_model.config, "model_type", None)
+    for name, module in hf_model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise UnsupportedHFModelError(
+                f"the Hugging Face adapter does not serve {arch!r} with attention sinks ({name})"
+            )
+        rope = getattr(module, "rope_type", None)
+        if isinstance(rope, str) and rope in ("dynamic", "longrope"):
+            raise UnsupportedHFModelError(f"the Hugging Face adapter does not serve {arch!r} with {rope} RoPE ({name})")
+
+
 # -- configs --------------------------------------------------------------------------------
 
 
@@ -350,6 +368,7 @@ class HFCausalLM(nn.Module):
         super().__init__()
         config = hf_model.config
         check_supported(config)
+        _check_modules(hf_model)
         backend: AttentionBackend = make_attention_backend(attention)
         _register_attention()
         self.hf_model = hf_model.eval()
