@@ -110,15 +110,25 @@ def load_model(
 ) -> Any:
     """A preset name (see ``testing.model.PRESETS``), a real model name
     (:data:`cuda_graph_runner.real_model.REAL_MODELS`: its checkpoint prepared once into the
-    cache) or a checkpoint directory, with the attention backend ``attention`` (None:
-    ``torch``; :mod:`cuda_graph_runner.testing.model.attention_backend`).
+    cache), a checkpoint directory, or ``hf:<arch>`` / ``hf:<folder>`` (transformers' own
+    model through :mod:`cuda_graph_runner.models.hf`), with the attention backend
+    ``attention`` (None: ``torch``; :mod:`cuda_graph_runner.testing.model.attention_backend`).
 
     Raises:
-        ValueError: ``spec`` is none of these (lists the presets and real models).
+        ValueError: ``spec`` is none of these (lists the presets and real models), or
+            ``hf:`` with tensor parallelism or a model the adapter refuses.
         RealModelUnavailableError: a real model whose packages are not installed.
+        TransformersUnavailableError: ``hf:`` without transformers.
     """
     from .real_model import REAL_MODELS, prepare
     from .testing.model import PRESETS, ReferenceLlamaForCausalLM
+
+    if spec.startswith("hf:"):
+        from .models.hf import load_hf_model
+
+        if tp_group is not None:
+            raise ValueError(f"--model {spec!r}: the Hugging Face adapter runs on one rank (no tensor parallelism)")
+        return load_hf_model(spec, dtype=dtype, device=device, attention=attention)
 
     if spec in REAL_MODELS:
         spec = prepare(spec)
@@ -335,9 +345,15 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             return 2
     from . import real_model
 
-    if model_spec in real_model.REAL_MODELS:
+    if model_spec.startswith("hf:"):
+        from .models.hf import INSTALL_HINT, transformers_available
+
+        if not transformers_available():  # before any work
+            print(f"error: --model {model_spec} needs transformers: {INSTALL_HINT}", file=sys.stderr)
+            return 2
+    if model_spec in real_model.REAL_MODELS or model_spec[len("hf:") :] in real_model.REAL_MODELS:
         try:  # before any work: the packages a real model needs
-            real_model.check_available(model_spec)
+            real_model.check_available(model_spec.removeprefix("hf:"))
         except real_model.RealModelUnavailableError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -372,6 +388,11 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    reference_logits = None
+    if model_spec.startswith("hf:"):
+        from .models.hf import eager_reference, reference_logits_fn
+
+        reference_logits = reference_logits_fn(eager_reference(model))
     tokenizer, eager_texts = None, []
     if model_spec in real_model.REAL_MODELS:
         tokenizer = real_model.load_tokenizer(real_model.prepare(model_spec))  # prepared: returns at once
@@ -422,19 +443,23 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             say(real_model.format_generations(rows, GENERATED_TOKENS))
 
     decode_table = (
-        ["batch", *TIMING_HEADERS, "replayed", "prepare us", "tokens match", "max |diff|", "within tol"],
-        lambda r: [
-            r["batch_size"],
-            r["eager_ms"],
-            r.get("graph_ms"),
-            _speedup(r),
-            _speedup_range(r),
-            r.get("replayed"),
-            r.get("replay_prepare_us"),
-            r.get("tokens_match"),
-            r.get("max_abs_diff"),
-            r.get("within_tolerance"),
-        ],
+        ["batch", *TIMING_HEADERS, "replayed", "prepare us", "tokens match", "max |diff|", "within tol"]
+        + (["HF match"] if reference_logits is not None else []),
+        lambda r: (
+            [
+                r["batch_size"],
+                r["eager_ms"],
+                r.get("graph_ms"),
+                _speedup(r),
+                _speedup_range(r),
+                r.get("replayed"),
+                r.get("replay_prepare_us"),
+                r.get("tokens_match"),
+                r.get("max_abs_diff"),
+                r.get("within_tolerance"),
+            ]
+            + ([r.get("hf_match")] if reference_logits is not None else [])
+        ),
     )
     failed = _bench_phase(
         "decode",
@@ -452,6 +477,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
             iters=iters,
             warmup=args.warmup,
             rounds=rounds,
+            reference_logits=reference_logits,
         ),
         say,
         after_decode,
@@ -468,19 +494,23 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 "argmax match",
                 "max |diff|",
                 "within tol",
-            ],
-            lambda r: [
-                r["num_tokens"],
-                r["requests"],
-                r["eager_ms"],
-                r.get("graph_ms"),
-                _speedup(r),
-                _speedup_range(r),
-                r.get("replayed"),
-                r.get("argmax_match"),
-                r.get("max_abs_diff"),
-                r.get("within_tolerance"),
-            ],
+            ]
+            + (["HF match"] if reference_logits is not None else []),
+            lambda r: (
+                [
+                    r["num_tokens"],
+                    r["requests"],
+                    r["eager_ms"],
+                    r.get("graph_ms"),
+                    _speedup(r),
+                    _speedup_range(r),
+                    r.get("replayed"),
+                    r.get("argmax_match"),
+                    r.get("max_abs_diff"),
+                    r.get("within_tolerance"),
+                ]
+                + ([r.get("hf_match")] if reference_logits is not None else [])
+            ),
         )
         failed |= _bench_phase(
             "prefill",
@@ -497,6 +527,7 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
                 iters=iters,
                 warmup=args.warmup,
                 rounds=rounds,
+                reference_logits=reference_logits,
             ),
             say,
         )

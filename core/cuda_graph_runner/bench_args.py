@@ -66,8 +66,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="preset name, real trained model (smollm2-135m: prepared once into the cache, prints generated "
-        "text; needs cuda-graph-runner[smollm2]) or Hugging Face checkpoint directory "
-        "(default: llama-3.2-1b on CUDA, tiny on CPU)",
+        "text; needs cuda-graph-runner[smollm2]), Hugging Face checkpoint directory, or hf:ARCH / hf:FOLDER "
+        "(transformers' own llama, qwen2, mistral or qwen3 code through the adapter, random weights or a "
+        "checkpoint; each decode row shows its match against HF's eager forward; needs "
+        "cuda-graph-runner[transformers]) (default: llama-3.2-1b on CUDA, tiny on CPU)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(

@@ -204,6 +204,7 @@ def bench_decode(
     warmup: int,
     seed: int = 0,
     rounds: int = DEFAULT_PAIRED_ROUNDS,
+    reference_logits: Optional[Callable[[List[int]], torch.Tensor]] = None,
 ) -> List[Dict[str, Any]]:
     """Rows ``{batch_size, eager_ms, graph_ms, speedup, tokens_match, max_abs_diff,
     within_tolerance}``, plus ``replay_prepare_us`` (host µs of ``replay_prepare``, median)
@@ -211,7 +212,11 @@ def bench_decode(
     ``max_abs_diff`` / ``within_tolerance``: logits of the same inputs, step by step,
     against the backend's tolerance (:func:`backend_tolerance`).
 
-    ``runner`` None means eager only (graph columns None).
+    ``runner`` None means eager only (graph columns None). ``reference_logits``
+    (``tokens -> [len, vocab]`` logits of another implementation's forward of one
+    sequence, e.g. transformers' own for :mod:`cuda_graph_runner.models.hf`) adds
+    ``hf_match``: that forward, fed each request's prompt and the greedy tokens (the
+    runner's, or eager's without one), predicts the same tokens at every step.
     """
     from .testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
@@ -245,8 +250,14 @@ def bench_decode(
                 for _ in range(steps):
                     got.decode()
                 row["tokens_match"] = got.tokens == ref_tokens
+                ref_tokens = got.tokens
                 got.close()
                 row.update(_teacher_forced_check(model, cache, runner, eager, prompts, steps))
+            if reference_logits is not None:
+                row["hf_match"] = all(
+                    reference_logits(list(p) + toks[:-1])[len(p) - 1 :].argmax(-1).tolist() == toks
+                    for p, toks in zip(prompts, ref_tokens)
+                )
         row.setdefault("speedup", None)
         rows.append(row)
     return rows
@@ -307,10 +318,13 @@ def bench_prefill(
     warmup: int,
     seed: int = 0,
     rounds: int = DEFAULT_PAIRED_ROUNDS,
+    reference_logits: Optional[Callable[[List[int]], torch.Tensor]] = None,
 ) -> List[Dict[str, Any]]:
     """Rows ``{num_tokens, requests, eager_ms, graph_ms, speedup, replayed, max_abs_diff,
     within_tolerance, argmax_match}`` (``within_tolerance``: against the backend's tolerance,
-    :func:`backend_tolerance`)."""
+    :func:`backend_tolerance`). ``reference_logits`` (see :func:`bench_decode`) adds
+    ``hf_match``: each request's next token (the runner's, or eager's without one) is
+    the argmax of that forward's last logits of the request's prompt."""
     from .testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 
     cache = model.kv_cache
@@ -335,6 +349,9 @@ def bench_prefill(
                     row["max_abs_diff"] = float((got - ref).abs().max())
                     row["within_tolerance"] = bool(torch.allclose(got, ref, atol=atol, rtol=rtol))
                     row["argmax_match"] = bool((got.argmax(-1) == ref.argmax(-1)).all())
+                if reference_logits is not None:
+                    picked = (got if runner is not None else ref).argmax(-1).tolist()
+                    row["hf_match"] = picked == [int(reference_logits(list(p))[-1].argmax()) for p in prompts]
                 row.update(row_times(eager, runner, batch, iters=iters, warmup=warmup, sync=sync, rounds=rounds))
             for r in reqs:
                 cache.free_request(r)
