@@ -346,3 +346,23 @@ def test_bench_runs_the_model_with_the_named_attention(capsys, tmp_path):
     assert main([*argv, *BENCH_TINY]) == 0
     assert ", attention planned_standin" in capsys.readouterr().out
     assert json.loads(out.read_text())["env"]["attention"] == "planned_standin"
+
+
+def test_one_runners_cleanup_keeps_the_state_another_runners_graphs_use():
+    # Two decode runners of one mode share the model's per-size plan state: the first one's
+    # cleanup and recapture must leave what the second one's graphs read.
+    model = planned_model()
+    a, b = decode_runner(model, "full"), decode_runner(model, "full")
+    with torch.no_grad():
+        a.capture()
+        b.capture()
+        session, batch, expected = staggered_decode_case(model, 2, seed=5)
+        a.cleanup()
+        torch.testing.assert_close(b.forward(batch), expected, **TOL)
+        a.capture()
+        session.close()
+        _, batch2, expected2 = staggered_decode_case(model, 2, seed=9, decode_steps=3)
+        torch.testing.assert_close(b.forward(batch2), expected2, **TOL)
+        torch.testing.assert_close(a.forward(batch2), expected2, **TOL)
+    assert b.stats.replays_by_size[2] == 2 and a.stats.replays_by_size[2] == 1
+    model.attn_backend.check()

@@ -129,7 +129,7 @@ def test_a_bad_time_limit_is_named_with_what_is_accepted(monkeypatch, text):
 
 
 def test_the_time_limit_comes_from_the_environment_or_the_argument(monkeypatch):
-    assert BackendRegistry(autoload=False).probes.timeout_s == 10.0
+    assert BackendRegistry(autoload=False).probes.timeout_s == 60.0
     monkeypatch.setenv(envs.PROBE_TIMEOUT_S, " 0.25 ")
     assert BackendRegistry(autoload=False).probes.timeout_s == 0.25
     assert BackendRegistry(autoload=False, probe_timeout_s=3).probes.timeout_s == 3.0

@@ -406,6 +406,12 @@ def test_sglang_saved_config_errors_name_the_value(saved: Any, fragments: List[s
         assert fragment in str(info.value)
 
 
+def test_prefill_full_keys_on_decode_full_are_read_as_sglang_reads_them():
+    # sglang's PhaseConfig carries the prefill-full keys in every phase; decode full ignores them.
+    config = from_sglang_dict({"decode": {"backend": "full", "max_seq_len": 4096}, "prefill": {}})
+    assert config.decode.backend == "full"
+
+
 def test_breakable_prefill_default_of_later_sglang(tmp_path):
     config = from_sglang_dict({"decode": {}, "prefill": {}}, prefill_default="breakable")
     assert config.prefill.backend == "breakable"

@@ -124,6 +124,11 @@ def _sizes_to_capture(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
     runner = _runner(model, RecordingBackend("cpu", phase="decode"))
     runner.capture()
     out["sizes_then"] = _replays_like_eager(runner, model, 2)
+    # One rank with nothing left to capture (all captured), the other after cleanup(): the
+    # rank returning early still meets the agreement, so both raise instead of waiting.
+    if tp.rank == 0:
+        runner.cleanup()
+    out["sizes_none_left"] = _outcome(runner.capture)
 
 
 def _decision(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
@@ -201,6 +206,9 @@ def test_ranks_with_different_sizes_to_capture_both_raise(ranks):
         assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
         assert "rank 0: [4, 2, 1]" in message and "rank 1: [8, 4, 2, 1]" in message
         assert r["sizes_then"] is True
+        kind, message = r["sizes_none_left"]
+        assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
+        assert "rank 0: [4, 2, 1]" in message and "rank 1: []" in message
 
 
 def test_a_decision_failing_on_one_rank_raises_on_every_rank(ranks):

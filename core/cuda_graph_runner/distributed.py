@@ -33,6 +33,9 @@ usable after any of them. Out of scope: a failure inside the model's forward bet
 of its own collectives (a warm-up, an eager step) or inside a replayed graph; the other
 ranks then wait in that collective until the process group's timeout
 (:func:`init_tensor_parallel`'s ``timeout_s``) and get the communication library's error.
+Tensor parallelism assumes every rank is given the same batch each step: checks that run
+after the ranks agreed to replay (a live input of another dtype, an ``extra`` key the
+capture lacked) see the same batch, and so raise on every rank alike.
 
 The model's collectives run on the current stream of the rank's device: during a
 graph capture that is the capture stream, so they are recorded into the graph

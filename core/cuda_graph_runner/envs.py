@@ -281,7 +281,7 @@ PREFER = define(
 PROBE_TIMEOUT_S = define(
     "CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S",
     "seconds",
-    10.0,
+    60.0,
     "Seconds a backend's availability probe may take before it is listed unavailable (timed out); "
     "0: no limit. Read when a registry is created without probe_timeout_s.",
 ).name

@@ -101,7 +101,9 @@ def from_sglang_dict(saved: Any, *, prefill_default: str = Backend.TC_PIECEWISE)
             values[phase]["tc_compiler"] = settings["tc_compiler"]
             sources[(phase, "tc_compiler")] = SOURCE_SGLANG
         for key in _FULL_PREFILL_KEYS:
-            if settings.get(key) is not None and backend == Backend.FULL:
+            # Keys of sglang's prefill full graphs: refused only where prefill would be full
+            # (decode full reads none of them, in sglang too).
+            if settings.get(key) is not None and backend == Backend.FULL and phase == Phase.PREFILL:
                 raise CudaGraphConfigError(
                     f"is read by sglang's prefill backend full, which {phase} here does not have",
                     phase=phase,

@@ -67,7 +67,7 @@ Environment variables (parsed by :mod:`cuda_graph_runner.envs`; booleans accept
 * ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS=1``: a plugin failure raises instead of being listed.
 * ``CUDA_GRAPH_RUNNER_PREFER="name=distribution,..."``: which distribution's backend to
   use when several register the same name (same as :func:`prefer`).
-* ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` (default 10, 0: no limit; read when a registry is
+* ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` (default 60, 0: no limit; read when a registry is
   created, as ``BackendRegistry(probe_timeout_s=...)``): seconds one availability probe
   may take; a slower one is listed unavailable ("timed out"), the others still listed.
   Probe answers are kept per probe and device type for the registry's lifetime.

@@ -71,7 +71,7 @@ class BackendRegistry(PluginLoading):
             ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS``.
         probe_timeout_s: seconds one backend's availability probe may take before it is
             listed unavailable (timed out); 0 means no limit; None reads
-            ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` (default 10). Probe answers are kept per
+            ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` (default 60). Probe answers are kept per
             probe and device type for the registry's lifetime (:mod:`.probing`).
 
     Raises:

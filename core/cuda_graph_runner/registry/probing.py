@@ -25,8 +25,11 @@ from typing import Any, Dict, Optional, Tuple
 
 from .discovery import load_ref, ref_name
 
-#: The default time limit of one probe call, in seconds (the environment variable's default).
-DEFAULT_PROBE_TIMEOUT_S = 10.0
+#: The default time limit of one probe call, in seconds (the environment variable's default):
+#: long enough for a healthy probe that imports a vendor's torch extension on a loaded
+#: machine (``import torch_npu`` can take tens of seconds), short enough that a hung probe
+#: ends within a minute.
+DEFAULT_PROBE_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import logging
 import time
+import weakref
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -52,6 +53,18 @@ logger = logging.getLogger(__name__)
 
 #: Most replay plans (one per live size seen) a runner keeps before starting afresh.
 MAX_REPLAY_PLANS = 4096
+
+
+# The live runners of each model (weak both ways), so one runner's cleanup() leaves the
+# model state that another runner's graphs still use.
+_RUNNERS: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]]" = weakref.WeakKeyDictionary()
+
+
+def _runners_of(model: Any) -> "weakref.WeakSet[Any]":
+    try:
+        return _RUNNERS.setdefault(model, weakref.WeakSet())
+    except TypeError:  # a model that cannot be weakly referenced: only this runner is known
+        return weakref.WeakSet()
 
 
 class BaseCudaGraphRunner(abc.ABC):
@@ -177,6 +190,7 @@ class BaseCudaGraphRunner(abc.ABC):
         if not self.is_disabled:  # ``disabled`` never replays: static buffers would be dead memory
             self.init_buffers()
         self.captured_keys: List[ShapeKey] = []
+        _runners_of(model).add(self)
         # Replay plans per live size and reused static batches per captured size
         # (subclasses' replay_prepare): built on first use, valid for the runner's
         # lifetime (the static buffers never move).
@@ -424,6 +438,9 @@ class BaseCudaGraphRunner(abc.ABC):
         if self.is_disabled:
             return report
         claim_backend(self.backend, self)  # another runner may have taken it since construction
+        # Before the early return: a rank with nothing left to capture must still meet the
+        # others' gather, or a rank that has something to capture would wait for it.
+        self._agree_sizes_to_capture(todo)
         if not todo:  # every requested size already holds a graph
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
@@ -435,7 +452,6 @@ class BaseCudaGraphRunner(abc.ABC):
 
         device, module = self._graph_device()
         start = time.perf_counter()
-        self._agree_sizes_to_capture(todo)
         with device_guard(device, module):
             scope = self.host_value_guard_scope()
             # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
@@ -751,7 +767,11 @@ class BaseCudaGraphRunner(abc.ABC):
         self._last_layout = (None, ())
         self.buffers.reset()
         drop = getattr(self.model, "cleanup_cuda_graph_state", None)
-        if drop is not None:
+        # The model's per-size state of a mode is shared by every runner of that mode on the
+        # model (built once, re-planned in place): dropped only when no other runner still
+        # replays graphs that point at it.
+        others = [r for r in _runners_of(self.model) if r is not self and r.mode == self.mode and r.captured_keys]
+        if drop is not None and not others:
             drop(self.mode)
 
     def _synchronize(self) -> None:
