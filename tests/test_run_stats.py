@@ -75,7 +75,7 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
     from cuda_graph_runner.bench_backends import BackendChoice
     from cuda_graph_runner.cli import main
 
-    def plan(phase, selection, config, device, default_max):
+    def plan(phase, selection, config, device, default_max, *_):
         if phase != "decode":
             return [BackendChoice(phase, "disabled", config, None, "eager only")]
         backend = RecordingBackend("cpu", phase="decode")
