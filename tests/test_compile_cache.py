@@ -149,3 +149,15 @@ def test_the_key_follows_model_config_dtype_and_options():
     )
     assert key != compile_key(ReferenceLlamaForCausalLM.from_config(config, dtype=torch.bfloat16), "opts", 1)
     assert key != compile_key(torch.nn.Linear(2, 2), "opts", 1)
+
+
+def test_the_bench_reports_an_unwritable_cache_root_in_one_line(tmp_path, monkeypatch, capsys):
+    from cuda_graph_runner.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(envs.CACHE_DIR, str(blocker))
+    args = "bench --device cpu --batch-sizes 1 --no-prefill --decode-backends compiled --iters 1 --steps 1"
+    assert main(args.split()) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: compile cache folder") and "Traceback" not in err

@@ -20,7 +20,7 @@ from . import __version__, envs
 from .cli_logging import add_logging_arguments, configure_logging, hide_third_party_noise, level_from_args
 from .config import CudaGraphConfigError
 from .envs import EnvVarError
-from .errors import CudaGraphRunnerError, UnknownBackendError
+from .errors import CompileCacheError, CudaGraphRunnerError, UnknownBackendError
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -192,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
-    except (CudaGraphConfigError, UnknownBackendError, EnvVarError) as err:
+    except (CudaGraphConfigError, UnknownBackendError, EnvVarError, CompileCacheError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except CudaGraphRunnerError as err:  # a backend that cannot run, a broken plugin

@@ -32,6 +32,7 @@ from typing import Dict, Iterator, Optional
 from . import envs
 from .compile_cache_dynamo import compile_key, dynamo_cache_scope
 from .compile_cache_dynamo import counters as _dynamo_counters
+from .errors import CompileCacheError
 
 __all__ = ["cache_counters", "compile_cache_dir", "compile_cache_scope", "compile_key"]
 
@@ -74,7 +75,8 @@ def compile_cache_scope(key: Optional[str] = None) -> Iterator[Optional[str]]:
 
     Raises:
         cuda_graph_runner.envs.EnvVarError: a malformed ``CUDA_GRAPH_RUNNER_COMPILE_CACHE``.
-        OSError: the folder cannot be created (names it).
+        cuda_graph_runner.errors.CompileCacheError: the folder cannot be created (names
+            it; an ``OSError``).
     """
     if not envs.get(envs.COMPILE_CACHE):
         yield None
@@ -87,7 +89,7 @@ def compile_cache_scope(key: Optional[str] = None) -> Iterator[Optional[str]]:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        raise OSError(
+        raise CompileCacheError(
             f"compile cache folder {folder!r} cannot be created ({exc}); set {envs.CACHE_DIR} to a writable "
             f"folder or {envs.COMPILE_CACHE}=0"
         ) from exc

@@ -88,3 +88,9 @@ class CudaGraphVerifyError(CudaGraphRunnerError, RuntimeError):
         self.key = key
         self.max_abs_diff = max_abs_diff
         self.replay_index = replay_index
+
+
+class CompileCacheError(CudaGraphRunnerError, OSError):
+    """The compile cache folder (``CUDA_GRAPH_RUNNER_CACHE_DIR``) cannot be created or
+    written; the message names the folder and the two settings that fix it. Still an
+    ``OSError``, as before."""

@@ -425,7 +425,9 @@ def add_cuda_graph_args(parser: Any) -> Any:
     """
     group = parser.add_argument_group(
         "CUDA graphs",
-        "precedence, lowest to highest: defaults < deprecated flags < per-phase flags < --cuda-graph-config",
+        "precedence, lowest to highest: defaults < --disable-cuda-graph < per-phase off switches < flags "
+        "naming a value (an alias and its replacement share one value: the one written last wins) "
+        "< --cuda-graph-config",
     )
     group.add_argument(
         "--cuda-graph-config",
