@@ -106,10 +106,10 @@ def test_runners_in_sequence_and_side_by_side_on_one_model(name, monkeypatch):
     wrapper = wrap_model_forward(model, stand_in.forward, active=stand_in.active)
     decode = _runner(model, make(), [1, 2])
     verify = _runner(model, make(), [2], width=2)
-    for round_ in range(2):  # the second round after a cleanup and recapture of the decode runner
-        check(model, decode, 1, offset=round_ + 1)
-        check(model, verify, 2, width=2, offset=round_ + 3)
-        check(model, decode, 2, offset=round_ + 5)
+    for pass_ in range(2):  # pass 1 follows a cleanup and recapture of the decode runner
+        check(model, decode, 1, offset=pass_ + 1)
+        check(model, verify, 2, width=2, offset=pass_ + 3)
+        check(model, decode, 2, offset=pass_ + 5)
         decode.cleanup()
         with torch.no_grad():
             decode.capture()

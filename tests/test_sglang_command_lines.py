@@ -333,7 +333,7 @@ def test_old_compiled_full_spelling_warns_and_compiles(build):
     with pytest.warns(DeprecationWarning, match="use torch_compile: 'inductor'.*--enable-torch-compile"):
         config = build()
     assert config.decode.torch_compile == "inductor" and config.decode.tc_compiler == "eager"
-    assert config.decode.compiled_max_bs() >= 256  # every captured size compiled, as before
+    assert config.decode.compiled_max_bs() >= 256  # the deprecated spelling compiles every captured size
 
 
 def test_old_bench_label_warns_and_reads_as_the_new_one():

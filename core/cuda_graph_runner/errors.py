@@ -92,5 +92,5 @@ class CudaGraphVerifyError(CudaGraphRunnerError, RuntimeError):
 
 class CompileCacheError(CudaGraphRunnerError, OSError):
     """The compile cache folder (``CUDA_GRAPH_RUNNER_CACHE_DIR``) cannot be created or
-    written; the message names the folder and the two settings that fix it. Still an
-    ``OSError``, as before."""
+    written; the message names the folder and the two settings that fix it. An
+    ``OSError``."""

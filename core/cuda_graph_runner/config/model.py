@@ -318,7 +318,7 @@ def migrate_tc_compiler(values: Dict[str, Dict[str, Any]], sources: Dict[Tuple[s
     """The deprecated spelling of compiled full, rewritten in place: a decode ``tc_compiler``
     other than ``eager`` with backend ``full`` (or auto) from a source that is not one of
     sglang's (the API, a JSON file, ``--cuda-graph-tc-compiler-decode``) becomes
-    ``torch_compile`` with that compiler, every captured size compiled (as before), with a
+    ``torch_compile`` with that compiler, every captured size compiled, with a
     ``DeprecationWarning`` naming the new spelling. sglang's sources
     (:data:`SGLANG_TC_COMPILER_SOURCES`) keep sglang's meaning: full ignores the key.
 
