@@ -237,3 +237,11 @@ def test_output_into_a_closed_pipe_ends_quietly():
     err = cli.stderr.read().decode()
     cli.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_bench_prompt_longer_than_the_model_takes_exits_2_naming_the_limit(capsys):
+    argv = ["--batch-sizes", "1", "--iters", "1", "--warmup", "0", "--steps", "1", "--no-prefill"]
+    assert main(["bench", "--device", "cpu", *argv, "--prompt-len", "5000"]) == 2
+    out, err = capsys.readouterr()
+    assert "--prompt-len 5000 plus --steps 1 is 5001 positions" in err
+    assert "max_position_embeddings=4096" in err and "Traceback" not in err and "eager ms" not in out

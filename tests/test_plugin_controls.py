@@ -57,6 +57,19 @@ def test_plugins_variable_limits_autoload(ctl, value, expected):
     assert _names() == expected
 
 
+def test_plugins_variable_naming_nothing_installed_is_reported(ctl):
+    ctl.setenv(registry.ENV_PLUGINS, "ctl_a,ctl_typo")
+    with pytest.warns(RuntimeWarning, match=r"'ctl_typo' matches no installed backend or distribution.*'ctl_a'"):
+        assert _names() == {"ctl_a", "disabled"}
+    assert any("ctl_typo" in p for p in registry.get_registry().problems)
+
+
+def test_plugins_variable_naming_only_installed_ones_warns_nothing(ctl, recwarn):
+    ctl.setenv(registry.ENV_PLUGINS, "ctl_a,cgr-ctl-b")
+    _names()
+    assert not [w for w in recwarn if "matches no installed" in str(w.message)]
+
+
 def test_not_loaded_plugin_is_explained_when_asked_for(ctl):
     load_only(ctl, "ctl_a")
     with pytest.raises(

@@ -402,6 +402,15 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     if tokenizer is not None:
         longest = max(len(tokenizer(p)["input_ids"]) for p in real_model.PROMPTS)
         context = max(context, longest + GENERATED_TOKENS + 1)
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(max_positions, int) and args.prompt_len + args.steps > max_positions:
+        print(
+            f"error: --prompt-len {args.prompt_len} plus --steps {args.steps} is "
+            f"{args.prompt_len + args.steps} positions; model {model_spec} takes at most "
+            f"max_position_embeddings={max_positions}",
+            file=sys.stderr,
+        )
+        return 2
     max_reqs = max_bs * 3 + 1
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     env = {

@@ -72,10 +72,19 @@ def all_entry_points(group: str, problem: Callable[[str], None]) -> List[metadat
 
 
 def select_entry_points(
-    eps: List[metadata.EntryPoint], env: Mapping[str, Any], *, autoload: bool, skipped: Skipped
+    eps: List[metadata.EntryPoint],
+    env: Mapping[str, Any],
+    *,
+    autoload: bool,
+    skipped: Skipped,
+    problem: Optional[Callable[[str], None]] = None,
 ) -> List[metadata.EntryPoint]:
     """The entry points to load under the autoload switches; the others go to ``skipped``
-    (so an unknown-name error can say the plugin is installed but was not loaded)."""
+    (so an unknown-name error can say the plugin is installed but was not loaded).
+
+    ``problem(message)`` hears each name in ``CUDA_GRAPH_RUNNER_PLUGINS`` that matches no
+    installed entry point or distribution (a typo would otherwise load nothing, silently).
+    """
     if not autoload or env["autoload_off"]:
         why = (
             f"plugin autoload is off ({ENV_DISABLE_AUTOLOAD}=1)"
@@ -95,6 +104,15 @@ def select_entry_points(
             kept.append(ep)
         else:
             skipped.setdefault(ep.name, (ep_dist(ep)[0], f"{ENV_PLUGINS}={env['plugins_text']!r} does not list it"))
+    if problem is not None:
+        known = {ep.name for ep in eps} | {normalize_dist(ep_dist(ep)[0]) for ep in eps}
+        unmatched = sorted(n for n in names if n not in known and normalize_dist(n) not in known)
+        if unmatched:
+            installed = sorted({ep.name for ep in eps})
+            problem(
+                f"{ENV_PLUGINS}={env['plugins_text']!r}: {', '.join(map(repr, unmatched))} "
+                f"matches no installed backend or distribution; installed backends: {installed}"
+            )
     return kept
 
 

@@ -129,7 +129,11 @@ class PluginLoading:
 
     def _scan_entry_points(self, env: Mapping[str, Any]) -> None:
         eps = discovery.select_entry_points(
-            discovery.all_entry_points(self.group, self._problem), env, autoload=self.autoload, skipped=self._skipped
+            discovery.all_entry_points(self.group, self._problem),
+            env,
+            autoload=self.autoload,
+            skipped=self._skipped,
+            problem=self._problem,
         )
         seen: set = set()
         for ep in eps:
