@@ -6,9 +6,10 @@
   the rows of one program, so each K/V block is loaded once for them) reading the page
   table ``req_to_token`` and ``seq_lens`` on the device, and one merge kernel.
   Capture-safe (the marked op declares those modes): ``full`` and compiled full record
-  it (Dynamo does not trace into the op), ``breakable`` records it inside its segment;
-  ``tc_piecewise`` splits its FX graph at every marked op, so there the op runs
-  eagerly between pieces at replay (host-bound, as the ``torch`` attention there).
+  it, ``breakable`` records it inside its segment. ``tc_piecewise`` splits its FX graph
+  at every marked op, capture-safe or not, so there the op does not stay inside a
+  piece: it runs eagerly between pieces at replay (host-bound, as the ``torch``
+  attention there).
 * EXTEND: one kernel per layer over a tile table built on the host from the batch's
   host lengths by the first layer of the forward (shared by the others through
   :func:`~cuda_graph_runner.forward_context.forward_scratch`); causal, cached prefixes,
@@ -22,6 +23,14 @@ that runs the op) records its batch size per (mode, width), and an eager forward
 ``n`` requests uses the count of the smallest recorded size ``>= n`` (``n`` itself when
 none is), the size a runner pads it to. So a replay and the eager forward of the same
 batch (verify mode, the fallback) reduce each request's keys in the same order.
+
+Opaque to every compiler: Dynamo records the marked op ``triton_paged_attention`` as one
+call (its fake runs while tracing), compiled full does not compile its body at compile
+sizes (``torch.compiler.disable``: host bookkeeping only), and the body launches the
+kernels through two custom ops of their own with fake implementations
+(``cuda_graph_runner::triton_decode_attention``, ``cuda_graph_runner::triton_extend_attention``),
+so whatever traces the backend's code records those calls and never the user-defined
+Triton kernels (inductor would type a Python float argument of one as fp64).
 
 Plans nothing on the host between forwards (:attr:`plans` False): the runner's replay
 path gets no hook, and hand-written graphs of the model are valid baselines.
@@ -77,7 +86,66 @@ def _kernels() -> Any:
     return triton_kernels
 
 
+@torch.library.custom_op("cuda_graph_runner::triton_decode_attention", mutates_args=("output",))
+def decode_attention_op(
+    output: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    width: int,
+    num_splits: int,
+    scaling: float,
+    sliding_window: int,
+    bidirectional: bool,
+    block_n: int,
+) -> None:
+    """:func:`.triton_kernels.decode_attention` as one opaque op (arguments as there):
+    whatever traces the backend (Dynamo, inductor, a marked op's compiled body) records
+    this call and never the user-defined Triton kernels inside."""
+    _kernels().decode_attention(
+        output, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        width=width, num_splits=num_splits, scaling=scaling, sliding_window=sliding_window,
+        bidirectional=bidirectional, block_n=block_n,
+    )  # fmt: skip
+
+
+@decode_attention_op.register_fake
+def _decode_attention_fake(output: torch.Tensor, *args: Any) -> None:
+    return None  # writes ``output`` in place: its shape and dtype are the output's
+
+
+@torch.library.custom_op("cuda_graph_runner::triton_extend_attention", mutates_args=("output",))
+def extend_attention_op(
+    output: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    tiles: torch.Tensor,
+    num_tiles: int,
+    scaling: float,
+    sliding_window: int,
+    block_m: int,
+    block_n: int,
+) -> None:
+    """:func:`.triton_kernels.extend_attention` as one opaque op (arguments as there)."""
+    _kernels().extend_attention(
+        output, q, k_cache, v_cache, req_to_token, req_pool_indices, tiles, num_tiles,
+        scaling=scaling, sliding_window=sliding_window, block_m=block_m, block_n=block_n,
+    )  # fmt: skip
+
+
+@extend_attention_op.register_fake
+def _extend_attention_fake(output: torch.Tensor, *args: Any) -> None:
+    return None
+
+
 @eager_op("triton_paged_attention", capture_safe=("decode", "target_verify", "dllm_extend"))
+@torch.compiler.disable  # its body is host bookkeeping around opaque kernel ops: nothing to compile
 def triton_paged_attention(
     output: torch.Tensor,
     q: torch.Tensor,
@@ -165,11 +233,11 @@ class TritonAttention(AttentionBackend):
         self._check_device(call.q)
         batch = call.batch
         splits = self.num_splits(batch, call.k_cache.shape[1], call.req_to_token.shape[1])
-        _kernels().decode_attention(
+        decode_attention_op(
             call.output, call.q, call.k_cache, call.v_cache, call.req_to_token,
             batch.req_pool_indices, batch.seq_lens,
-            width=batch.num_tokens_per_req, num_splits=splits, scaling=call.scaling,
-            sliding_window=call.sliding_window, bidirectional=batch.forward_mode.is_block_bidirectional(),
+            width=batch.num_tokens_per_req, num_splits=splits, scaling=float(call.scaling),
+            sliding_window=int(call.sliding_window), bidirectional=batch.forward_mode.is_block_bidirectional(),
             block_n=self.decode_block_n,
         )  # fmt: skip
 
@@ -191,9 +259,9 @@ class TritonAttention(AttentionBackend):
             table = _kernels().extend_tile_tensor(tiles, call.q.device)
             entry = scratch[self._scratch_key] = (table, len(tiles), sum(int(n) for n in ext))
         table, num_tiles, total = entry
-        _kernels().extend_attention(
+        extend_attention_op(
             call.output, call.q, call.k_cache, call.v_cache, call.req_to_token, batch.req_pool_indices,
-            table, num_tiles, scaling=call.scaling, sliding_window=call.sliding_window,
+            table, num_tiles, scaling=float(call.scaling), sliding_window=int(call.sliding_window),
             block_m=self.extend_block_m, block_n=self.extend_block_n,
         )  # fmt: skip
         # Padded tail tokens (a prefill runner's padding) belong to no request.

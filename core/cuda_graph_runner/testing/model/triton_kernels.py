@@ -8,8 +8,12 @@ tensor shapes and constants (the batch size, the width, the heads, the split cou
 fixed per padded batch size), every length is read by the kernel from device tensors
 (``seq_lens``, ``req_pool_indices``, the page table ``req_to_token``), and the
 scratch buffers are allocated by the caller inside the forward (so inside a graph's
-memory pool). fp32 inputs use ``tl.dot(..., input_precision="ieee")`` (Triton's default
-is TF32 on Ampere and later).
+memory pool). The softmax scale is cast to fp32 inside the kernels (a caller tracing
+them, as inductor does a user-defined kernel, may pass a Python float as fp64), and the
+backend calls them through opaque custom ops
+(:func:`.triton_attention.decode_attention_op`, :func:`.triton_attention.extend_attention_op`),
+so no compiler traces into them at all. fp32 inputs use
+``tl.dot(..., input_precision="ieee")`` (Triton's default is TF32 on Ampere and later).
 
 With ``TRITON_INTERPRET=1`` set before this module is first imported, the kernels run in
 Triton's interpreter on CPU tensors (small shapes; the tests).
@@ -56,6 +60,9 @@ def _decode_split_kernel(
     BIDIR: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # fp32 whatever the caller passed: inductor hands a user kernel a Python float as fp64,
+    # which would make the loop-carried softmax state fp64 (Triton refuses that).
+    qk_scale = qk_scale.to(tl.float32)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,6 +184,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    qk_scale = qk_scale.to(tl.float32)  # as in _decode_split_kernel
     t = tl.program_id(0)
     head = tl.program_id(1)
     kvh = head // GROUP
