@@ -14,7 +14,13 @@
   full (``tc_compiler: inductor``) in decode (captured and padded
   sizes, a changing batch over steps), and through ``breakable`` and ``tc_piecewise`` in
   prefill (ragged requests, chunked prefill);
-* bf16 llama-3.2-1b through ``full``: 12 greedy tokens equal eager's.
+* bf16 llama-3.2-1b through ``full``: 12 greedy tokens equal eager's;
+* compiled full with compile sizes (``torch_compile: true``, ``compile_sizes``) on a
+  2-layer model of llama-3.2-1b's layer shapes in bf16: no marked-op body compiled, replay
+  equals eager within ``compiled_verify_tolerance`` at compile sizes, dynamic sizes and
+  padded ones, nothing recompiled while serving;
+* the decode kernel traced by inductor (a user-defined Triton kernel, its scale a float
+  argument) equals the kernel run eagerly.
 
 Run on the device machine: ``python -m pytest -m gpu tests/test_triton_attention_gpu.py``
 (about a minute on an H200).
@@ -259,3 +265,72 @@ def test_bf16_llama_greedy_tokens_through_full_equal_eager():
         assert_greedy_tokens_equal_eager(model, 12, decode_fn=runner.forward, what="llama-3.2-1b triton")
     finally:
         _uninstall(runner)
+
+
+def small_llama(dtype=torch.bfloat16, *, requests: int = 16, context: int = 128):
+    """llama-3.2-1b's layer shapes (32 query heads, 8 KV heads, head_dim 64), 2 layers."""
+    config = dataclasses.replace(PRESETS["llama-3.2-1b"], num_hidden_layers=2, vocab_size=8192)
+    model = ReferenceLlamaForCausalLM.from_config(config, dtype=dtype, device="cuda", attention="triton")
+    model.create_kv_cache(num_slots=requests * context + 1, max_reqs=requests + 1, max_context_len=context)
+    return model
+
+
+def test_compiled_full_with_compile_sizes_replay_equals_eager_bf16(tmp_path, monkeypatch):
+    # Compiled full with compile sizes once failed in inductor (the op's body compiled per
+    # size traced into the Triton kernels and typed the softmax scale fp64).
+    from cuda_graph_runner.backend import compiled_verify_tolerance
+
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))  # a cold cache: everything compiles here
+    torch._dynamo.reset()
+    model = small_llama()
+    cache, vocab = model.kv_cache, model.config.vocab_size
+    phase = {"backend": "full", "bs": [1, 4, 8, 16], "torch_compile": True, "compile_sizes": [1, 4]}
+    runner = DecodeCudaGraphRunner(model, {"decode": phase}, show_progress=False)
+    eager = eager_logits_fn(model)
+    atol, rtol = compiled_verify_tolerance(torch.bfloat16)
+    try:
+        with torch.no_grad():
+            runner.capture()
+        compiled = runner.backend.compiled_forward
+        assert compiled.static_sizes == (1, 4)
+        assert compiled.op_body_graphs == 0  # the attention's body is not compiled: its kernels are opaque ops
+        graphs = compiled.dynamo_graphs
+        session = GreedySession(model, cache)
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+            session.prefill(make_dummy_prompts(16, [3 + (11 * i) % 100 for i in range(16)], vocab, seed=45))
+            # compile sizes 1 and 4, 3 padded to 4, dynamic 8 and 16, 13 padded to 16
+            for step, bs in enumerate((1, 4, 3, 8, 13, 16)):
+                rows, last = session.rows[:bs], [t[-1] for t in session.tokens[:bs]]
+                batch = make_decode_batch(cache, rows, None, last)
+                expected = eager(batch).clone()
+                got = runner.forward(batch)
+                torch.testing.assert_close(
+                    got, expected, atol=atol, rtol=rtol, msg=lambda m: f"step {step} bs {bs}: {m}"
+                )
+                for i, t in enumerate(got.argmax(-1).tolist()):
+                    session.tokens[i].append(t)
+        session.close()
+        assert compiled.dynamo_graphs == graphs  # nothing recompiled while serving
+    finally:
+        _uninstall(runner)
+
+
+def test_the_kernels_traced_by_inductor_take_a_float_scale():
+    # Inductor types a float argument of a user-defined Triton kernel fp64; the kernels
+    # cast it to fp32 (their loop-carried softmax state stays fp32).
+    k, v, r2t = paged_cache(torch.bfloat16, 4, 256)
+    batch = decode_batch(ForwardMode.DECODE, [1, 3], [200, 31], 1)
+    q = torch.randn(2, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    tk = kernels()
+
+    def attend(out, q, scale: float):
+        tk.decode_attention(
+            out, q, k, v, r2t, batch.req_pool_indices, batch.seq_lens, width=1, num_splits=4, scaling=scale
+        )
+        return out
+
+    torch._dynamo.reset()
+    expected = attend(torch.empty_like(q), q, HEAD_DIM**-0.5)
+    got = torch.compile(attend, backend="inductor", fullgraph=True)(torch.empty_like(q), q, HEAD_DIM**-0.5)
+    torch.testing.assert_close(got, expected, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    torch._dynamo.reset()
