@@ -693,6 +693,21 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         torch.cuda.empty_cache()
 
 
+def prefill_lengths(tokens: int, requests: int) -> List[int]:
+    """``tokens`` split over ``requests`` requests (at most ``tokens``) as evenly as can
+    be, the first ones one longer."""
+    return [tokens // requests + (1 if i < tokens % requests else 0) for i in range(requests)]
+
+
+def prefill_section(m: Dict[str, Any], requests: int) -> Dict[str, Any]:
+    """Where the prefill cells of ``requests`` requests per batch go in a model's tables:
+    ``m["prefill"]`` for the first request count of the run (``m["prefill_requests"]``),
+    ``m["prefill_by_requests"][R]`` for the others (the same ``{TOKENS: {METHOD: cell}}``)."""
+    if m.setdefault("prefill_requests", requests) == requests:
+        return m["prefill"]
+    return m.setdefault("prefill_by_requests", {}).setdefault(str(requests), {})
+
+
 def run_prefill(
     name: str,
     model: Any,
@@ -706,21 +721,22 @@ def run_prefill(
 
     m = results.model(name)
     max_tokens = max(args.prefill_tokens)
-    # R requests per batch, every batch alive at once (re-running one rewrites its own slots).
-    r = args.prefill_requests
-    n = len(args.prefill_tokens)
+    counts = list(dict.fromkeys(args.prefill_requests))  # in the given order, once each
+    # Every batch (token count x request count) alive at once, in one cache, so one set
+    # of runners serves them all (re-running a batch rewrites its own slots only).
+    cases = [(t, r) for r in counts for t in args.prefill_tokens]
+    lengths = {case: prefill_lengths(*case) for case in cases}
     model.create_kv_cache(
-        num_slots=sum(args.prefill_tokens) + 1, max_reqs=r * n + 1, max_context_len=-(-max_tokens // r) + 1
+        num_slots=sum(args.prefill_tokens) * len(counts) + 1,
+        max_reqs=sum(len(x) for x in lengths.values()) + 1,
+        max_context_len=max(max(x) for x in lengths.values()) + 1,
     )
     batches = {}
-    lengths: Dict[int, List[int]] = {}
-    methods: Dict[int, Dict[str, Callable[[], Any]]] = {}
-    for t in args.prefill_tokens:
-        lengths[t] = [t // r + (1 if i < t % r else 0) for i in range(r)]
-        lengths[t] = [x for x in lengths[t] if x] or [t]
-        prompts = make_dummy_prompts(len(lengths[t]), lengths[t], model.config.vocab_size)
-        batches[t] = make_extend_batch(model.kv_cache, prompts)
-        methods[t] = {"eager": lambda b=batches[t]: eager(b)}
+    methods: Dict[Any, Dict[str, Callable[[], Any]]] = {}
+    for case in cases:
+        prompts = make_dummy_prompts(len(lengths[case]), lengths[case], model.config.vocab_size)
+        batches[case] = make_extend_batch(model.kv_cache, prompts)
+        methods[case] = {"eager": lambda b=batches[case]: eager(b)}
     runners = []
     backends = available("prefill", args.backends) if on_cuda else {b: "--device cpu" for b in args.backends}
     for backend, reason in backends.items():
@@ -740,19 +756,29 @@ def run_prefill(
                 "capture_s": runner.capture_seconds,
                 "pool_mb": (runner.capture_memory_bytes or 0) / 2**20,
             }
-            for t, b in batches.items():
-                methods[t][backend] = lambda b=b, runner=runner: runner.forward(b)
+            for case, b in batches.items():
+                methods[case][backend] = lambda b=b, runner=runner: runner.forward(b)
             runners.append(runner)
         except Exception as exc:
             results.note(f"{name}: prefill backend {backend} failed: {type(exc).__name__}: {exc}")
-    m["prefill_requests"] = r
-    for t in args.prefill_tokens:
-        m["prefill"][str(t)] = timer.time(f"{name} prefill {t} tokens", methods[t])
+    for t, r in cases:
+        cells = timer.time(f"{name} prefill {t} tokens, {r} requests", methods[(t, r)])
+        for cell in cells.values():
+            cell["requests"] = r
+        prefill_section(m, r)[str(t)] = cells
         if on_cuda:
             rates = rates_of(m)
-            floor = prefill_floor_ms(model, lengths[t], rates)
-            m.setdefault("floor_ms", {}).setdefault("prefill", {})[str(t)] = floor
-            print(f"{name} prefill {t}: floor {floor:.3f} ms (FLOPs / {rates.gemm_tflops:.0f} TFLOP/s)", flush=True)
+            floor = prefill_floor_ms(model, lengths[(t, r)], rates)
+            floors = m.setdefault("floor_ms", {})
+            if r == m["prefill_requests"]:
+                floors.setdefault("prefill", {})[str(t)] = floor
+            else:
+                floors.setdefault("prefill_by_requests", {}).setdefault(str(r), {})[str(t)] = floor
+            print(
+                f"{name} prefill {t} tokens, {r} requests: floor {floor:.3f} ms "
+                f"(FLOPs / {rates.gemm_tflops:.0f} TFLOP/s)",
+                flush=True,
+            )
         results.save()
     for runner in runners:
         runner.cleanup()
@@ -820,10 +846,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument(
         "--prefill-requests",
-        type=count_arg(1),
-        default=4,
+        type=sizes_arg,
+        action=FlattenSizes,
+        nargs="+",
+        default=[4],
         metavar="R",
-        help="requests each prefill token count is split over (default 4; 1: one request)",
+        help="requests each prefill token count is split over, space or comma separated; each count "
+        "is timed (default 4; 1: one request; the first count's rows are the prefill table)",
     )
     parser.add_argument("--prompt-len", type=count_arg(1), default=32)
     parser.add_argument("--iters", type=count_arg(1), default=20, help="calls per timed block")
@@ -907,6 +936,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(
             f"need --iters >= 1, --rounds >= 1, 0 <= --warmup-min <= --warmup-max and --warmup-min-s >= 0; "
             f"got {args.iters}, {args.rounds}, {args.warmup_min}, {args.warmup_max}, {args.warmup_min_s}"
+        )
+    if args.prefill_tokens and max(args.prefill_requests) > min(args.prefill_tokens):
+        parser.error(
+            f"--prefill-requests {max(args.prefill_requests)}: more requests than the smallest --prefill-tokens "
+            f"({min(args.prefill_tokens)}); accepted: request counts up to {min(args.prefill_tokens)}"
         )
     # Today's spelling of each label (the deprecated full:inductor warns and becomes full+torch_compile).
     args.backends = [label_of(*parse_label(b)) for b in args.backends.split(",") if b.strip()]

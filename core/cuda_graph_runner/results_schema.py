@@ -336,6 +336,7 @@ _RUN_SECTIONS = (
     "capture",
     "replay_prepare_us",
     "max_abs_diff_vs_eager",
+    "prefill_by_requests",
 )
 
 
@@ -351,7 +352,10 @@ def from_run_models(
     """A :data:`SCHEMA` document from benchmarks/run.py's per-model tables
     (``models[MODEL].decode[BS][METHOD]`` = timing cell, ``ratios[BS][METHOD][REF]``,
     ``prefill``, ``prefill_ratios``, ``capture[NAME]``, ``replay_prepare_us[NAME]``,
-    ``max_abs_diff_vs_eager[NAME][BS]``; other keys go to ``extra.models[MODEL]``).
+    ``max_abs_diff_vs_eager[NAME][BS]``, ``prefill_by_requests[R][TOKENS][METHOD]`` (the
+    prefill cells of the run's other request counts, each cell with its ``requests``);
+    other keys go to ``extra.models[MODEL]``: run.py's ``floor_ms``, ``device_rates``,
+    ``prefill_requests``, machine state).
     run.py writes with it; :func:`upgrade` reads ``cuda-graph-runner-benchmarks/2`` with it.
     A bare float cell (the oldest run.py files) is its median."""
     timings: List[Dict[str, Any]] = []
@@ -372,6 +376,13 @@ def from_run_models(
                     if phase == "decode" and str(x) in (diffs.get(method) or {}):
                         rec["max_abs_diff"] = diffs[method][str(x)]
                     timings.append(rec)
+            sections = [m.get(phase) or {}]
+            if phase == "prefill":  # the run's other request counts: cells carry "requests"
+                sections += [rows for _, rows in sorted((m.get("prefill_by_requests") or {}).items())]
+            for rows in sections[1:]:
+                for x, methods in rows.items():
+                    for method, cell in methods.items():
+                        timings.append({"model": model, "phase": phase, "method": method, size: int(x), **cell})
             for x, methods in (m.get(ratio_key) or {}).items():
                 for method, refs in methods.items():
                     for ref, stats in refs.items():
@@ -457,7 +468,9 @@ def nested_view(doc: Dict[str, Any]) -> Dict[str, Any]:
     """The per-model tables of a document, in run.py's layout, for the docs generators
     and ``compare.py``: ``{"env", "settings", "notes", "host_probe_us", "models": {MODEL:
     {"decode": {BS: {METHOD: cell}}, "ratios": {BS: {METHOD: {REF: {median, lo, hi}}}},
-    "prefill", "prefill_ratios", "capture": {NAME: {sizes, capture_s, pool_mb, ...}},
+    "prefill" (the first request count's rows), "prefill_by_requests": {R: {TOKENS: {METHOD:
+    cell}}} (the other request counts', where there are several), "prefill_ratios",
+    "capture": {NAME: {sizes, capture_s, pool_mb, ...}},
     "replay_prepare_us": {NAME: us}, "max_abs_diff_vs_eager": {NAME: {BS: diff}}, ...}}}``
     (size keys are strings, as JSON keys were; prefill runners are ``"NAME (prefill)"``)."""
     extra = doc.get("extra") or {}
@@ -468,11 +481,19 @@ def nested_view(doc: Dict[str, Any]) -> Dict[str, Any]:
             name, {"decode": {}, "ratios": {}, "prefill": {}, "capture": {}, "replay_prepare_us": {}}
         )
 
+    first_requests: Dict[str, Any] = {}
     for t in doc.get("timings", []):
         x = str(t.get(_size_field(t["phase"])))
         cell = {k: v for k, v in t.items() if k not in ("model", "phase", "method", "batch_size", "num_tokens")}
         diff = cell.pop("max_abs_diff", None)
-        model(t["model"])[t["phase"]].setdefault(x, {})[t["method"]] = cell
+        rows = model(t["model"])[t["phase"]]
+        if t["phase"] == "prefill" and t.get("requests") is not None:
+            # The first request count of a model's prefill rows is its prefill table.
+            first = first_requests.setdefault(t["model"], t["requests"])
+            if t["requests"] != first and cell.get("requests") is not None:
+                by = model(t["model"]).setdefault("prefill_by_requests", {})
+                rows = by.setdefault(str(t["requests"]), {})
+        rows.setdefault(x, {})[t["method"]] = cell
         if diff is not None and t["phase"] == "decode":
             model(t["model"]).setdefault("max_abs_diff_vs_eager", {}).setdefault(t["method"], {})[x] = diff
     for r in doc.get("ratios", []):

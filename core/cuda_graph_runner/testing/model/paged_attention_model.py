@@ -267,3 +267,51 @@ def tiled_extend(
             )  # fmt: skip
             result[tile.token_start + rows, h] = o
     return result.view(q.shape[0], heads * d)
+
+
+class TorchKernels:
+    """:mod:`.triton_kernels`' entry points (same arguments, same writes) computed by this
+    module's functions: the CPU tests' stand-in for the kernels (``triton_attention._kernels``
+    replaced by an instance), so the ``triton`` backend's own code runs without Triton.
+    Reads the batch's device tensors on the host (not capture-safe). Counts the calls made
+    while Dynamo traced (``traced_calls``: a compiler looking inside the ops) and the
+    others (``calls``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.traced_calls = 0
+
+    def _count(self) -> None:
+        if torch.compiler.is_compiling():
+            self.traced_calls += 1
+        else:
+            self.calls += 1
+
+    def decode_attention(
+        self, output, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *,
+        width, num_splits, scaling, sliding_window=0, bidirectional=False, block_n=64,
+    ) -> None:  # fmt: skip
+        self._count()
+        parts = split_kv_decode(
+            q, k_cache, v_cache, req_to_token, req_pool_indices.tolist(), seq_lens.tolist(),
+            width=width, num_splits=num_splits, scaling=scaling, sliding_window=sliding_window,
+            bidirectional=bidirectional,
+        )  # fmt: skip
+        output.copy_(merge_splits(parts.out, parts.lse).reshape_as(output))
+
+    def extend_attention(
+        self, output, q, k_cache, v_cache, req_to_token, req_pool_indices, tiles, num_tiles, *,
+        scaling, sliding_window=0, block_m=64, block_n=64,
+    ) -> None:  # fmt: skip
+        self._count()
+        table = [ExtendTile(*row) for row in tiles.tolist()[:num_tiles]]
+        got = tiled_extend(
+            q, k_cache, v_cache, req_to_token, req_pool_indices.tolist(), table,
+            scaling=scaling, sliding_window=sliding_window, block_m=block_m,
+        )  # fmt: skip
+        covered = sum(t.extend for t in table if t.m_start == 0)
+        output[:covered].copy_(got[:covered])
+
+    @staticmethod
+    def extend_tile_tensor(tiles, device) -> torch.Tensor:
+        return torch.tensor([list(t) for t in tiles] or [[0] * 5], dtype=torch.int32, device=device)

@@ -34,53 +34,9 @@ from cuda_graph_runner_full.backend import FullCudaGraphBackend
 OP = "cuda_graph_runner.triton_paged_attention"
 
 
-class TorchKernels:
-    """:mod:`.triton_kernels`' entry points computed by the pure-torch model; counts the
-    calls made while Dynamo was tracing (``traced_calls``) and outside (``calls``)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.traced_calls = 0
-
-    def _count(self) -> None:
-        if torch.compiler.is_compiling():
-            self.traced_calls += 1
-        else:
-            self.calls += 1
-
-    def decode_attention(
-        self, output, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *,
-        width, num_splits, scaling, sliding_window=0, bidirectional=False, block_n=64,
-    ) -> None:  # fmt: skip
-        self._count()
-        parts = pam.split_kv_decode(
-            q, k_cache, v_cache, req_to_token, req_pool_indices.tolist(), seq_lens.tolist(),
-            width=width, num_splits=num_splits, scaling=scaling, sliding_window=sliding_window,
-            bidirectional=bidirectional,
-        )  # fmt: skip
-        output.copy_(pam.merge_splits(parts.out, parts.lse).reshape_as(output))
-
-    def extend_attention(
-        self, output, q, k_cache, v_cache, req_to_token, req_pool_indices, tiles, num_tiles, *,
-        scaling, sliding_window=0, block_m=64, block_n=64,
-    ) -> None:  # fmt: skip
-        self._count()
-        table = [pam.ExtendTile(*row) for row in tiles.tolist()[:num_tiles]]
-        got = pam.tiled_extend(
-            q, k_cache, v_cache, req_to_token, req_pool_indices.tolist(), table,
-            scaling=scaling, sliding_window=sliding_window, block_m=block_m,
-        )  # fmt: skip
-        covered = sum(t.extend for t in table if t.m_start == 0)
-        output[:covered].copy_(got[:covered])
-
-    @staticmethod
-    def extend_tile_tensor(tiles, device) -> torch.Tensor:
-        return torch.tensor([list(t) for t in tiles] or [[0] * 5], dtype=torch.int32, device=device)
-
-
 @pytest.fixture()
 def kernels(monkeypatch):
-    stand_in = TorchKernels()
+    stand_in = pam.TorchKernels()
     monkeypatch.setattr(triton_attention, "_kernels", lambda: stand_in)
     monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
     monkeypatch.setattr(triton_attention, "interpreting", lambda: True)  # CPU tensors accepted
@@ -149,7 +105,7 @@ def _extend_args():
     r2t = torch.arange(1, 37, dtype=torch.int64).view(3, 12)
     q = torch.randn(7, 4 * 16, generator=gen)
     out = torch.zeros_like(q)
-    tiles = TorchKernels.extend_tile_tensor(pam.extend_tiles([4, 3], [2, 0], 16), q.device)
+    tiles = pam.TorchKernels.extend_tile_tensor(pam.extend_tiles([4, 3], [2, 0], 16), q.device)
     return (out, q, k, v, r2t, torch.tensor([1, 2]), tiles, 2, 0.25, 0, 16, 16)
 
 
@@ -209,3 +165,32 @@ def test_compiled_full_with_compile_sizes_compiles_no_kernel_and_equals_eager(ke
         assert kernels.traced_calls == 0
     assert backend.compiled_forward.op_body_graphs == 0
     assert model.attn_backend.padded_batch_size(ForwardMode.DECODE, 1, 3) == 4  # what the eager 3 used
+
+
+def test_breakable_prefill_with_triton_breaks_at_each_extend_and_replays_eager(kernels):
+    # The extend kernel's tile table follows the request lengths: not capture-safe, so
+    # breakable runs it eagerly between segments (decode records it inside its segment).
+    from cuda_graph_runner.runner import PrefillCudaGraphRunner
+    from cuda_graph_runner.testing.batches import make_extend_batch
+    from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
+    from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
+
+    model = reference_model("tiny", requests=12, attention="triton", device="cpu")
+    backend = BreakableCudaGraphBackend("cpu", phase="prefill", device_module=EmulatedGraphDeviceModule())
+    runner = PrefillCudaGraphRunner(
+        model, {"prefill": {"bs": [32]}}, device="cpu", backend=backend, show_progress=False
+    )
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        runner.capture()
+        for key in backend.captured_keys:
+            graph = backend.graph(key)
+            assert graph.op_names == ["triton_paged_attention"] * layers and graph.inlined == [], key
+        for step, lens in enumerate(([23], [9, 1, 4, 7])):  # 1 and 4 requests, padded to 32 tokens
+            prompts = make_dummy_prompts(len(lens), lens, model.config.vocab_size, seed=step)
+            batch = make_extend_batch(model.kv_cache, prompts)
+            assert runner.can_run(batch)
+            expected = runner.eager_forward(batch).clone()
+            got = runner.forward(batch)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{lens}: {m}")
+    runner.cleanup()
