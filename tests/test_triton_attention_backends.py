@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardMode
+from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
@@ -194,3 +194,32 @@ def test_breakable_prefill_with_triton_breaks_at_each_extend_and_replays_eager(k
             got = runner.forward(batch)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{lens}: {m}")
     runner.cleanup()
+
+
+def test_a_trace_of_the_op_s_body_records_the_kernel_op_and_not_the_kernels(kernels):
+    # What a compiler that ignored the body's opt-out would see: the kernel launch as one
+    # opaque custom op (its fake while tracing, the launch when the graph runs).
+    backend = triton_attention.TritonAttention()
+    body = triton_attention.triton_paged_attention.fn.__wrapped__  # under torch.compiler.disable
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _, _, k, v, r2t, rows, lens, *_ = _decode_args()
+    z = torch.zeros(2, dtype=torch.int64)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, input_ids=z, positions=z, out_cache_loc=z,
+        req_pool_indices=rows, seq_lens=lens, seq_lens_cpu=lens.tolist(),
+    )  # fmt: skip
+    q = torch.randn(2, 4 * 16, generator=torch.Generator().manual_seed(3))
+    expected, got = torch.empty_like(q), torch.empty_like(q)
+    with torch.no_grad(), forward_context(batch):
+        body(expected, q, k, v, r2t, 0.25, 0, False, backend.id)
+        calls = kernels.calls
+        torch.compile(body, backend=recording)(got, q, k, v, r2t, 0.25, 0, False, backend.id)
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert "cuda_graph_runner.triton_decode_attention.default" in targets, targets
+    assert kernels.traced_calls == 0 and kernels.calls == calls + 1
+    torch.testing.assert_close(got, expected)

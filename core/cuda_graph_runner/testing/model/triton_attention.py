@@ -144,6 +144,12 @@ def _extend_attention_fake(output: torch.Tensor, *args: Any) -> None:
     return None
 
 
+def _launcher(op: Any, name: str) -> Any:
+    """The kernel op ``op`` while a compiler traces (the opaque call it records), else the
+    launcher itself (eager calls and captures skip the custom op's dispatch)."""
+    return op if torch.compiler.is_compiling() else getattr(_kernels(), name)
+
+
 @eager_op("triton_paged_attention", capture_safe=("decode", "target_verify", "dllm_extend"))
 @torch.compiler.disable  # its body is host bookkeeping around opaque kernel ops: nothing to compile
 def triton_paged_attention(
@@ -233,7 +239,7 @@ class TritonAttention(AttentionBackend):
         self._check_device(call.q)
         batch = call.batch
         splits = self.num_splits(batch, call.k_cache.shape[1], call.req_to_token.shape[1])
-        decode_attention_op(
+        _launcher(decode_attention_op, "decode_attention")(
             call.output, call.q, call.k_cache, call.v_cache, call.req_to_token,
             batch.req_pool_indices, batch.seq_lens,
             width=batch.num_tokens_per_req, num_splits=splits, scaling=float(call.scaling),
@@ -259,7 +265,7 @@ class TritonAttention(AttentionBackend):
             table = _kernels().extend_tile_tensor(tiles, call.q.device)
             entry = scratch[self._scratch_key] = (table, len(tiles), sum(int(n) for n in ext))
         table, num_tiles, total = entry
-        extend_attention_op(
+        _launcher(extend_attention_op, "extend_attention")(
             call.output, call.q, call.k_cache, call.v_cache, call.req_to_token, batch.req_pool_indices,
             table, num_tiles, scaling=float(call.scaling), sliding_window=int(call.sliding_window),
             block_m=self.extend_block_m, block_n=self.extend_block_n,
