@@ -13,12 +13,13 @@ For each model preset (bfloat16, random weights; shapes of Llama-3.2-1B and Qwen
 * capture seconds and graph memory for the default decode size list (up to 256), and
   the memory of the largest size alone (the pool-sharing ratio; not with ``--quick``);
 * host-side time of ``replay_prepare`` (µs, median);
-* prefill latency (ms) over token counts (split over ``--prefill-requests`` requests),
-  eager vs each prefill-capable backend;
-* the floor of each decode size and prefill token count (CUDA; ``floor_ms``, printed
-  beside the times): decode, the bytes a step reads (weights, K/V) over the copy
-  bandwidth measured in the run; prefill, its FLOPs over the bf16 GEMM rate measured in
-  the run (:mod:`floors`; the rates in ``device_rates``).
+* prefill latency (ms) over token counts, each split over every ``--prefill-requests``
+  count of requests (``1 4``: one request, then four), eager vs each prefill-capable
+  backend;
+* the floor of each decode size and prefill token count (CUDA; ``floor_ms``, a column
+  of the tables with each method's time over it): decode, the bytes a step reads
+  (weights, K/V) over the copy bandwidth measured in the run; prefill, its FLOPs over the
+  bf16 GEMM rate measured in the run (:mod:`floors`; the rates in ``device_rates``).
 
 How the numbers are made to hold from run to run (docs/benchmarks.md says why):
 
