@@ -19,7 +19,9 @@ The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
     size), then calls ``forward_fn`` once more to record each piece into its own
     ``CUDAGraph`` in the shared pool on the capture stream (caches emptied only before
     the session's first graph). The
-    marked ops (attention) run eagerly between the pieces during both.
+    marked ops (attention) run eagerly between the pieces during both, capture-safe ones
+    too (a declared capture-safe mode does not keep an op inside a piece: the split is
+    at every marked op, vLLM's ``splitting_ops``).
 ``replay(key, static_batch)``
     Runs ``plan.forward(static_batch)`` through the compiled forward: each piece
     replays its graph for ``key`` and returns its capture-time outputs (stable
