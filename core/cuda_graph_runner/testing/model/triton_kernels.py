@@ -316,8 +316,15 @@ def decode_attention(
 
 
 def extend_tile_tensor(tiles: "list[ExtendTile]", device: torch.device) -> torch.Tensor:
-    """The tile table as the extend kernel reads it: ``[n_tiles, 5]`` int32."""
-    return torch.tensor([list(t) for t in tiles] or [[0] * 5], dtype=torch.int32, device=device)
+    """The tile table as the extend kernel reads it: ``[n_tiles, 5]`` int32 on ``device``.
+
+    On CUDA it goes through pinned memory without blocking: a copy from pageable memory
+    synchronizes the stream, which would make the host wait for the forward's queued
+    kernels at the first layer and lose its lead over the device."""
+    host = torch.tensor([list(t) for t in tiles] or [[0] * 5], dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def extend_attention(
