@@ -367,8 +367,11 @@ def render_store(results: str) -> str:
         out += [f"From `{extra.shown_path(path)}`.", "", render(nested_view(read(path))).rstrip(), ""]
     path = extra.newest_with_prefill(results)
     if path:
+        # The prefill table's request count: its rows' (run.py's first count), else run.py's old fixed 4.
+        counts = [m.get("prefill_requests") for m in nested_view(read(path))["models"].values()]
+        requests = next((c for c in counts if c), 4)
         out += [
-            "### Prefill: 4 requests per batch, ms (median [min-max])",
+            f"### Prefill: {requests} request{'s' if requests != 1 else ''} per batch, ms (median [min-max])",
             "",
             extra.source_line(path, _read_json(path)),
             "",

@@ -96,6 +96,11 @@ def test_the_tables_show_the_floor_and_each_method_over_it_through_the_results_j
     assert "| 128 | 3.000 [2.000-4.000] | 1.500 [1.000-2.000] | 0.250 | 12.00 [8.00-16.00] | 6.00 [4.00-8.00] |" in text
     assert "#### m: prefill, ms, 1 request per batch (median [min-max]); floor: FLOPs" in text
     assert "| 128 | 2.500 [2.000-3.000] | 0.500 | 5.00 [4.00-6.00] |" in text
+    import make_docs_extra  # the docs page's prefill table (make_docs --results)
+
+    table = make_docs_extra.prefill_table(doc)[0].splitlines()
+    assert table[0] == "| model | tokens | eager | breakable | breakable / eager | floor | breakable / floor |"
+    assert table[2] == "| m | 128 | 3.000 [2.000-4.000] | 1.500 [1.000-2.000] | 0.500 | 0.250 | 6.00 |"
 
 
 def test_run_py_times_every_prefill_request_count_with_triton_attention(tmp_path, monkeypatch):
