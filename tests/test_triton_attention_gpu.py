@@ -20,7 +20,9 @@
   equals eager within ``compiled_verify_tolerance`` at compile sizes, dynamic sizes and
   padded ones, nothing recompiled while serving;
 * the decode kernel traced by inductor (a user-defined Triton kernel, its scale a float
-  argument) equals the kernel run eagerly.
+  argument) equals the kernel run eagerly;
+* benchmarks/run.py with ``--attention triton``: compiled full with a compile size, and
+  breakable's prefill rows for 1 and 4 requests with their floors.
 
 Run on the device machine: ``python -m pytest -m gpu tests/test_triton_attention_gpu.py``
 (about a minute on an H200).
@@ -334,3 +336,31 @@ def test_the_kernels_traced_by_inductor_take_a_float_scale():
     got = torch.compile(attend, backend="inductor", fullgraph=True)(torch.empty_like(q), q, HEAD_DIM**-0.5)
     torch.testing.assert_close(got, expected, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     torch._dynamo.reset()
+
+
+def test_run_py_with_triton_times_compiled_full_and_breakable_prefill_per_request_count(tmp_path):
+    """benchmarks/run.py end to end with ``--attention triton`` (structure, no time
+    asserted): compiled full with a compile size captures and runs, breakable's prefill
+    rows exist for 1 and 4 requests, each with its floor."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import run
+
+    from cuda_graph_runner.results_schema import nested_view
+
+    argv = ["--out", str(tmp_path), "--models", "tiny", "--batch-sizes", "1", "4", "--quick"]
+    argv += ["--attention", "triton", "--backends", "full,full+torch_compile,breakable", "--compile-sizes", "1"]
+    argv += ["--prefill-tokens", "64", "--prefill-requests", "1", "4", "--iters", "2", "--rounds", "2"]
+    argv += ["--warmup-max", "3", "--warmup-min-s", "0"]
+    assert run.main(argv) == 0
+    with open(tmp_path / "benchmarks.json") as f:
+        view = nested_view(json.load(f))
+    assert not [n for n in view["notes"] if "failed" in n], view["notes"]
+    m = view["models"]["tiny"]
+    assert {"full", "full+torch_compile", "breakable"} <= set(m["decode"]["1"])
+    assert set(m["prefill"]["64"]) >= {"eager", "breakable"} and m["prefill"]["64"]["breakable"]["requests"] == 1
+    assert set(m["prefill_by_requests"]["4"]["64"]) >= {"eager", "breakable"}
+    assert m["floor_ms"]["prefill"]["64"] > 0 and m["floor_ms"]["prefill_by_requests"]["4"]["64"] > 0
