@@ -118,6 +118,10 @@ class BaseCudaGraphBackend(abc.ABC):
     #: records the forward as one graph), ``"outside_marked_ops"`` (marked ops run eagerly
     #: at replay), ``"trace"`` (only while torch.compile traces), ``"off"``.
     host_value_guard: ClassVar[str] = "forward"
+    #: Record CUDA-graph kernel annotations in :meth:`graph_capture` (``enable_annotations``
+    #: of ``torch.cuda.graph``); the runner turns it on where torch offers them
+    #: (:mod:`cuda_graph_runner.profiling`).
+    kernel_annotations: bool = False
 
     def __init__(
         self,
@@ -245,6 +249,8 @@ class BaseCudaGraphBackend(abc.ABC):
         first = self._session_graphs == 0
         self._session_graphs += 1
         dm = self.device_module
+        if self.kernel_annotations:  # resolved before capture_end, remapped to the exec graph after
+            options.setdefault("enable_annotations", True)
         ctx = dm.graph(graph, pool=self.memory_pool, stream=self.capture_stream, **options)
         return graph_owned_cublas_workspace(ctx if first else _without_cache_emptying(dm, ctx), dm)
 

@@ -1,0 +1,184 @@
+"""Profiler support (:mod:`cuda_graph_runner.profiling`): the named range of every replay in
+a CPU profiler trace, nothing entered with no profiler, per-size capture traces written
+where asked, kernel annotations off where torch or the device lacks them and layer-named
+where a (stand-in) annotation module records."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import types
+
+import pytest
+import torch
+from toy_model import ToyModel, decode_batch
+
+from cuda_graph_runner import profiling
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.testing.fakes import RecordingBackend
+
+
+class LayeredToy(ToyModel):
+    """The toy model with one submodule layer (kernel annotations name layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+    def forward(self, batch):
+        return self.proj(super().forward(batch))
+
+
+def _runner(model=None, **kwargs) -> DecodeCudaGraphRunner:
+    return DecodeCudaGraphRunner(
+        model if model is not None else ToyModel(),
+        {"decode": {"bs": [2, 4, 8], "max_bs": 8}},
+        device="cpu",
+        backend=RecordingBackend("cpu"),
+        show_progress=False,
+        **kwargs,
+    )
+
+
+def test_replay_range_appears_in_an_exported_cpu_trace(tmp_path):
+    runner = _runner()
+    runner.capture()
+    batch3, batch8 = decode_batch(3), decode_batch(8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.forward(batch3)
+        runner.forward(batch8)
+        runner.forward(batch3)
+    path = str(tmp_path / "replay.trace.json")
+    prof.export_chrome_trace(path)
+    names = [e["name"] for e in profiling.trace_ranges(path, "cuda_graph_runner.replay")]
+    assert names.count("cuda_graph_runner.replay decode/recording/bs=4 decode") == 2
+    assert names.count("cuda_graph_runner.replay decode/recording/bs=8 decode") == 1
+    # Each range spans time (a complete event with a duration).
+    assert all(e["dur"] >= 0 for e in profiling.trace_ranges(path))
+
+
+def test_no_range_is_entered_without_a_profiler(monkeypatch):
+    runner = _runner()
+    runner.capture()
+
+    def refuse(name):
+        raise AssertionError(f"record_function({name!r}) entered with no profiler")
+
+    monkeypatch.setattr(torch.profiler, "record_function", refuse)
+    out = runner.forward(decode_batch(3))
+    assert out.shape[0] == 3
+
+
+def test_capture_traces_one_file_per_size(tmp_path):
+    folder = tmp_path / "traces" / "decode"  # made by the runner
+    runner = _runner(capture_trace_dir=str(folder))
+    runner.capture()
+    files = sorted(os.listdir(folder))
+    assert files == [f"capture-decode-recording-rank0-bs{s}.trace.json" for s in (2, 4, 8)]
+    for size in (2, 4, 8):
+        path = profiling.capture_trace_path(str(folder), "decode", "recording", 0, size)
+        ranges = [e["name"] for e in profiling.trace_ranges(path)]
+        assert ranges == [f"cuda_graph_runner.capture decode/recording/bs={size}"]
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        # The capture's forward ran inside the trace (the toy model's logits matmul).
+        assert any(e.get("name") == "aten::mm" for e in events)
+
+
+def test_capture_trace_skipped_under_an_outer_profiler(tmp_path):
+    runner = _runner(capture_trace_dir=str(tmp_path))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        runner.capture(sizes=[2])
+    assert os.listdir(tmp_path) == []
+    assert runner.captured_keys
+
+
+@pytest.mark.parametrize("bad", [123, ""])
+def test_capture_trace_dir_of_a_wrong_type_is_refused(bad):
+    with pytest.raises(profiling.CaptureTraceError, match="capture_trace_dir"):
+        _runner(capture_trace_dir=bad)
+
+
+def test_capture_trace_dir_naming_a_file_is_refused(tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("keep me")
+    with pytest.raises(profiling.CaptureTraceError, match="is a file"):
+        _runner(capture_trace_dir=str(file))
+    assert file.read_text() == "keep me"
+
+
+def test_kernel_annotations_are_off_on_the_cpu_and_capture_still_works(caplog):
+    ok, why = profiling.kernel_annotations_available(torch.device("cpu"))
+    assert not ok and "cpu" in why
+    runner = _runner(kernel_annotations=True)
+    with caplog.at_level("INFO", logger="cuda_graph_runner.runner.base"):
+        runner.capture()
+    assert runner.backend.kernel_annotations is False
+    assert sum("kernel annotations off" in r.getMessage() for r in caplog.records) == 1
+    assert runner.forward(decode_batch(3)).shape[0] == 3
+
+
+def test_kernel_annotations_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match="kernel_annotations"):
+        _runner(kernel_annotations="yes")
+
+
+def test_annotation_module_matches_the_torch_version():
+    module = profiling.annotations_module()
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 12):
+        assert module is not None and callable(module.mark_kernels)
+    else:
+        assert module is None
+
+
+def test_layers_are_named_where_an_annotation_module_records(monkeypatch):
+    seen = []
+
+    @contextlib.contextmanager
+    def mark_kernels(annotation):
+        seen.append(annotation["name"])
+        yield
+
+    fake = types.SimpleNamespace(mark_kernels=mark_kernels)
+    monkeypatch.setattr(profiling, "annotations_module", lambda: fake)
+    monkeypatch.setattr(profiling, "kernel_annotations_available", lambda device: (True, ""))
+    runner = _runner(LayeredToy(), kernel_annotations=True)
+    runner.capture(sizes=[2])
+    assert runner.backend.kernel_annotations is True
+    # Every warm-up and the capture run, each layer by its qualified name, outer first.
+    assert seen[:2] == ["proj", "proj.0"]
+    assert len(seen) % 2 == 0 and len(seen) >= 4 and set(seen) == {"proj", "proj.0"}
+    # The hooks are gone after capture: an eager forward annotates nothing.
+    seen.clear()
+    runner.run_eager(decode_batch(3))
+    assert seen == []
+
+
+def test_base_backend_asks_the_device_graph_for_annotations():
+    from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+
+    module = FakeGraphDeviceModule()
+    options = []
+    graph = module.graph
+
+    def recording_graph(cuda_graph, pool=None, stream=None, **kwargs):
+        options.append(kwargs)
+        return graph(cuda_graph, pool=pool, stream=stream)
+
+    module.graph = recording_graph
+    backend = RecordingBackend("cpu", device_module=module)
+    with backend.graph_capture(module.CUDAGraph()):
+        pass
+    backend.kernel_annotations = True
+    with backend.graph_capture(module.CUDAGraph()):
+        pass
+    assert options == [{}, {"enable_annotations": True}]
+
+
+def test_trace_ranges_refuses_a_file_that_is_not_a_trace(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"nothing": 1}')
+    with pytest.raises(ValueError, match="not a chrome trace"):
+        profiling.trace_ranges(str(path))
