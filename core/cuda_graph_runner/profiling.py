@@ -162,9 +162,7 @@ def trace_ranges(path: str, prefix: str = RANGE_PREFIX) -> List[Dict[str, Any]]:
     if not isinstance(events, list):
         raise ValueError(f"{path}: not a chrome trace (no traceEvents list)")
     return [
-        e
-        for e in events
-        if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)
+        e for e in events if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)
     ]
 
 
