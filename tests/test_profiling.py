@@ -182,3 +182,25 @@ def test_trace_ranges_refuses_a_file_that_is_not_a_trace(tmp_path):
     path.write_text('{"nothing": 1}')
     with pytest.raises(ValueError, match="not a chrome trace"):
         profiling.trace_ranges(str(path))
+
+
+def test_graph_launches_are_counted_inside_each_range_on_its_thread(tmp_path):
+    def event(name, ts, dur, tid=1, cat="cuda_runtime"):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "cat": cat}
+
+    events = [
+        event("cuda_graph_runner.replay decode/full/bs=8 decode", 100, 50, cat="user_annotation"),
+        event("cudaGraphLaunch", 110, 5),
+        event("cudaGraphLaunch", 120, 5, tid=2),  # another thread: not this replay's
+        event("cuda_graph_runner.replay decode/full/bs=4 decode", 10, 20, cat="user_annotation"),
+        event("cudaGraphLaunch", 15, 5),
+        event("cudaGraphLaunch", 25, 5),
+        event("cudaGraphLaunch", 60, 5),  # between the ranges
+        {"ph": "i", "name": "cuda_graph_runner.replay decode/full/bs=2 decode", "ts": 70},  # not a complete event
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert profiling.graph_launches_per_replay(str(path)) == [
+        ("cuda_graph_runner.replay decode/full/bs=4 decode", 2),
+        ("cuda_graph_runner.replay decode/full/bs=8 decode", 1),
+    ]

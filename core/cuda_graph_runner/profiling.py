@@ -46,6 +46,7 @@ __all__ = [
     "capture_trace",
     "capture_trace_path",
     "check_trace_dir",
+    "graph_launches_per_replay",
     "kernel_annotations_available",
     "profiler_enabled",
     "replay_range_name",
@@ -156,14 +157,41 @@ def trace_ranges(path: str, prefix: str = RANGE_PREFIX) -> List[Dict[str, Any]]:
         OSError: the file cannot be read.
         ValueError: it is not a chrome trace (no ``traceEvents`` list).
     """
+    return [e for e in _load_events(path) if e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)]
+
+
+def _load_events(path: str) -> List[Dict[str, Any]]:
     with open(path) as f:
         doc = json.load(f)
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise ValueError(f"{path}: not a chrome trace (no traceEvents list)")
-    return [
-        e for e in events if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)
+    return [e for e in events if isinstance(e, dict)]
+
+
+def graph_launches_per_replay(path: str) -> List[Tuple[str, int]]:
+    """Per replay range of a chrome trace, in time order: ``(its name, how many graph
+    launches (``cudaGraphLaunch`` runtime calls) ran inside it on its thread)``. A trace of
+    real replays has at least one launch in each range (a ``breakable`` replay one per
+    segment); a range without one means the range does not cover the replay.
+
+    Raises:
+        OSError, ValueError: as :func:`trace_ranges`.
+    """
+    events = _load_events(path)
+    launches = [
+        e
+        for e in events
+        if e.get("ph") == "X" and "cudaGraphLaunch" in str(e.get("name", "")) and isinstance(e.get("ts"), (int, float))
     ]
+    found = []
+    for r in sorted(trace_ranges(path, f"{RANGE_PREFIX}.replay"), key=lambda e: float(e["ts"])):
+        start, end = float(r["ts"]), float(r["ts"]) + float(r.get("dur", 0))
+        inside = [
+            e for e in launches if e.get("tid") == r.get("tid") and start <= float(e["ts"]) and float(e["ts"]) <= end
+        ]
+        found.append((str(r["name"]), len(inside)))
+    return found
 
 
 # -- kernel annotations inside graphs ---------------------------------------------------
