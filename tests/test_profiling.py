@@ -58,6 +58,18 @@ def test_replay_range_appears_in_an_exported_cpu_trace(tmp_path):
     assert all(e["dur"] >= 0 for e in profiling.trace_ranges(path))
 
 
+def test_an_eager_fallback_step_is_a_range_with_its_reason(tmp_path):
+    from cuda_graph_runner.runner.stats import REASON_TOO_LARGE
+
+    runner = _runner()
+    runner.capture()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.forward(decode_batch(12))  # above the largest captured size: eager
+    path = str(tmp_path / "eager.trace.json")
+    prof.export_chrome_trace(path)
+    assert [e["name"] for e in profiling.trace_ranges(path)] == [f"cuda_graph_runner.eager decode/{REASON_TOO_LARGE}"]
+
+
 def test_no_range_is_entered_without_a_profiler(monkeypatch):
     runner = _runner()
     runner.capture()
@@ -68,6 +80,7 @@ def test_no_range_is_entered_without_a_profiler(monkeypatch):
     monkeypatch.setattr(torch.profiler, "record_function", refuse)
     out = runner.forward(decode_batch(3))
     assert out.shape[0] == 3
+    assert runner.forward(decode_batch(12)).shape[0] == 12  # the eager fallback enters none either
 
 
 def test_capture_traces_one_file_per_size(tmp_path):

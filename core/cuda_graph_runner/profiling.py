@@ -6,7 +6,8 @@ Three tools for reading a torch profiler trace of graphs, all off unless asked f
   legacy ``torch.autograd.profiler.profile``, or one started on demand), every replay
   runs inside a ``record_function`` range named :func:`replay_range_name`
   (``"cuda_graph_runner.replay decode/full/bs=8 decode"``: phase, backend and shape key),
-  so a trace shows which graph each launch was. With no profiler active the replay path
+  so a trace shows which graph each launch was; an eager fallback step of ``forward`` is a
+  range ``"cuda_graph_runner.eager <phase>/<reason>"``. With no profiler active the replay path
   asks one C flag (``torch.autograd._profiler_enabled``, the state the profiler itself
   keeps; tens of nanoseconds) and enters nothing: ``record_function`` costs host time
   even with no profiler.
@@ -46,6 +47,7 @@ __all__ = [
     "capture_trace",
     "capture_trace_path",
     "check_trace_dir",
+    "eager_range_name",
     "graph_launches_per_replay",
     "kernel_annotations_available",
     "profiler_enabled",
@@ -78,6 +80,12 @@ def replay_range_name(phase: str, backend: str, key: Any) -> str:
     variant = getattr(key, "variant", "")
     shape = f"bs={size} {variant}".strip()
     return f"{RANGE_PREFIX}.replay {phase}/{backend}/{shape}"
+
+
+def eager_range_name(phase: str, reason: str) -> str:
+    """The profiler range of one eager fallback step of ``forward``:
+    ``"cuda_graph_runner.eager <phase>/<fallback reason>"``."""
+    return f"{RANGE_PREFIX}.eager {phase}/{reason}"
 
 
 def capture_range_name(phase: str, backend: str, size: int) -> str:

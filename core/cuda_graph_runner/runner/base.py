@@ -31,7 +31,7 @@ from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard, missing_extra
 from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
-from ..profiling import profiler_enabled, replay_range_name
+from ..profiling import eager_range_name, profiler_enabled, replay_range_name
 from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
@@ -769,7 +769,11 @@ class BaseCudaGraphRunner(abc.ABC):
                     return self.replay(batch)
                 finally:
                     self._decided = None
-            self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
+            reason = REASON_OTHER_RANK if local else fallback_reason(self, batch)
+            self.stats.record_fallback(reason)
+            if profiler_enabled():  # the eager step is named in a trace, as a replay is
+                with torch.profiler.record_function(eager_range_name(self.phase, reason)):
+                    return self.run_eager(batch)
             return self.run_eager(batch)
 
     def run_eager(self, batch: ForwardBatch) -> Any:
