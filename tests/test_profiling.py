@@ -158,6 +158,7 @@ def test_layers_are_named_where_an_annotation_module_records(monkeypatch):
     monkeypatch.setattr(profiling, "annotations_module", lambda: fake)
     monkeypatch.setattr(profiling, "kernel_annotations_available", lambda device: (True, ""))
     runner = _runner(LayeredToy(), kernel_annotations=True)
+    runner.backend.annotates_layers = lambda: True  # as full's does
     runner.capture(sizes=[2])
     assert runner.backend.kernel_annotations is True
     # Every warm-up and the capture run, each layer by its qualified name, outer first.
@@ -167,6 +168,15 @@ def test_layers_are_named_where_an_annotation_module_records(monkeypatch):
     seen.clear()
     runner.run_eager(decode_batch(3))
     assert seen == []
+
+
+def test_layer_annotations_wait_for_a_backend_that_records_one_graph_per_shape(monkeypatch, caplog):
+    monkeypatch.setattr(profiling, "kernel_annotations_available", lambda device: (True, ""))
+    runner = _runner(LayeredToy(), kernel_annotations=True)  # RecordingBackend: the base's False
+    with caplog.at_level("INFO", logger="cuda_graph_runner.runner.base"):
+        runner.capture(sizes=[2])
+    assert runner.backend.kernel_annotations is False
+    assert any("does not record one eager graph per shape" in r.getMessage() for r in caplog.records)
 
 
 def test_base_backend_asks_the_device_graph_for_annotations():

@@ -232,6 +232,15 @@ class BaseCudaGraphBackend(abc.ABC):
             return 0
         return min(1, self.num_warmups)
 
+    def annotates_layers(self) -> bool:
+        """Whether the runner may open kernel-annotation scopes around the model's layers
+        during this backend's capture (:mod:`cuda_graph_runner.profiling`): True only for
+        a backend that records the forward, run as Python module calls, into one graph per
+        key, so no scope spans two graphs or a compiled trace. False here (``breakable``
+        ends graphs inside layers, ``tc_piecewise`` compiles the forward); ``full``
+        without ``torch_compile`` says True. Optional: the default is safe."""
+        return False
+
     def graph_capture(self, graph: Any, **options: Any) -> ContextManager[None]:
         """``device_module.graph(graph, pool=self.memory_pool, stream=self.capture_stream,
         **options)``, where only the session's first graph empties the allocator caches.

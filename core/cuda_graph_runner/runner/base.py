@@ -96,8 +96,10 @@ class BaseCudaGraphRunner(abc.ABC):
             (:mod:`cuda_graph_runner.profiling`); None (default): no traces.
         kernel_annotations: annotate each kernel the graphs record with the ``nn.Module``
             it ran in, where torch offers CUDA-graph kernel annotations
-            (:func:`cuda_graph_runner.profiling.kernel_annotations_available`; elsewhere
-            logged and ignored). Default False.
+            (:func:`cuda_graph_runner.profiling.kernel_annotations_available`) and the
+            backend records one eager graph per shape (``backend.annotates_layers()``:
+            ``full`` without ``torch_compile``); elsewhere logged once and ignored.
+            Default False.
 
     Outputs (the same contract for every backend):
         By default (zero-copy) a replayed output is valid until the next replay of any
@@ -561,6 +563,8 @@ class BaseCudaGraphRunner(abc.ABC):
             )
         if self.kernel_annotations:
             ok, why = profiling.kernel_annotations_available(self.backend.device)
+            if ok and not self.backend.annotates_layers():
+                ok, why = False, f"backend {self._backend_label()} does not record one eager graph per shape"
             if ok:
                 self.backend.kernel_annotations = True  # graph_capture records and remaps them
                 stack.enter_context(profiling.annotate_layers(self.model, profiling.annotations_module()))
