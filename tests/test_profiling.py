@@ -227,3 +227,20 @@ def test_graph_launches_are_counted_inside_each_range_on_its_thread(tmp_path):
         ("cuda_graph_runner.replay decode/full/bs=4 decode", 2),
         ("cuda_graph_runner.replay decode/full/bs=8 decode", 1),
     ]
+
+
+def test_layer_scopes_run_with_torchs_own_annotation_module(monkeypatch):
+    """The real mark_kernels (a no-op without a capturing CUDA stream) takes what the layer
+    hooks pass, and torch.cuda.graph takes the keyword graph_capture passes."""
+    import inspect
+
+    module = profiling.annotations_module()
+    if module is None:
+        pytest.skip(f"torch {torch.__version__} has no CUDA-graph kernel annotations")
+    assert "enable_annotations" in inspect.signature(torch.cuda.graph).parameters
+    monkeypatch.setattr(profiling, "kernel_annotations_available", lambda device: (True, ""))
+    runner = _runner(LayeredToy(), kernel_annotations=True)
+    runner.backend.annotates_layers = lambda: True
+    runner.capture(sizes=[2])
+    batch = decode_batch(2)
+    torch.testing.assert_close(runner.forward(batch), runner.run_eager(batch))
