@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .. import profiling
 from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
@@ -159,11 +160,9 @@ class BaseCudaGraphRunner(abc.ABC):
         check_backend_arg(backend)
         if not isinstance(kernel_annotations, bool):
             raise TypeError(f"kernel_annotations={kernel_annotations!r}: must be True or False")
-        from ..profiling import check_trace_dir
-
         #: Where each size's capture trace goes (None: not traced).
         self.capture_trace_dir: Optional[str] = (
-            None if capture_trace_dir is None else check_trace_dir(capture_trace_dir)
+            None if capture_trace_dir is None else profiling.check_trace_dir(capture_trace_dir)
         )
         self.kernel_annotations = kernel_annotations
         self._annotations_noted = False
@@ -551,8 +550,6 @@ class BaseCudaGraphRunner(abc.ABC):
         annotations (when ``kernel_annotations`` is on and available) around its capture."""
         if self.capture_trace_dir is None and not self.kernel_annotations:
             return contextlib.nullcontext()
-        from .. import profiling
-
         stack = contextlib.ExitStack()
         if self.capture_trace_dir is not None:
             rank = self.tp_group.rank if self.tp_group is not None else 0
