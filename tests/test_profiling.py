@@ -99,6 +99,12 @@ def test_capture_traces_one_file_per_size(tmp_path):
         assert any(e.get("name") == "aten::mm" for e in events)
 
 
+def test_capture_traces_are_named_by_the_process_rank_without_a_tp_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(profiling, "process_rank", lambda: 3)
+    _runner(capture_trace_dir=str(tmp_path)).capture(sizes=[4])
+    assert os.listdir(tmp_path) == ["capture-decode-recording-rank3-bs4.trace.json"]
+
+
 def test_capture_trace_skipped_under_an_outer_profiler(tmp_path):
     runner = _runner(capture_trace_dir=str(tmp_path))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

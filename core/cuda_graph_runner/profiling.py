@@ -50,6 +50,7 @@ __all__ = [
     "eager_range_name",
     "graph_launches_per_replay",
     "kernel_annotations_available",
+    "process_rank",
     "profiler_enabled",
     "replay_range_name",
     "save_kernel_annotations",
@@ -121,6 +122,16 @@ def check_trace_dir(path: Any) -> str:
 def capture_trace_path(folder: str, phase: str, backend: str, rank: int, size: int) -> str:
     """``<folder>/capture-<phase>-<backend>-rank<rank>-bs<size>.trace.json``."""
     return os.path.join(folder, f"capture-{phase}-{backend}-rank{rank}-bs{size}.trace.json")
+
+
+def process_rank() -> int:
+    """This process's rank in the default ``torch.distributed`` group, 0 without one: the
+    rank in a capture trace's name when the model has no TP group (processes of a data
+    parallel group writing into one folder keep their own files)."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
 
 
 def _activities(device: torch.device) -> List[Any]:

@@ -552,7 +552,7 @@ class BaseCudaGraphRunner(abc.ABC):
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         if self.capture_trace_dir is not None:
-            rank = self.tp_group.rank if self.tp_group is not None else 0
+            rank = self.tp_group.rank if self.tp_group is not None else profiling.process_rank()
             stack.enter_context(
                 profiling.capture_trace(
                     self.capture_trace_dir, self.phase, self._backend_label(), rank, size, self.backend.device
