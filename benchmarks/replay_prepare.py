@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host time of ``replay_prepare`` per step (µs), decode and prefill, on any device.
+"""Host time of ``replay_prepare`` (and of a whole ``replay``) per step (µs), on any device.
 
 A micro-benchmark of the runner's per-step host work only: copying a live batch into the
 static buffers (padded to the captured size) and building the static batch. No graph is
@@ -10,9 +10,11 @@ what is timed is the runner's Python and the copy launches.
 For each case the median over ``--repeats`` blocks of ``--iters`` calls is printed (µs per
 call), plus the min; ``--json PATH`` writes them. Cases: decode at a steady batch size on a
 bucket (8 of 8), off a bucket (5 of 8, padded), alternating sizes within a bucket (the
-padding refill path), and prefill at a steady token count. Compare two checkouts by running
-this script in each (``git stash`` / another worktree); on CUDA the numbers include the
-kernel launches of the copies.
+padding refill path), prefill at a steady token count, and a whole decode ``replay`` (prepare,
+the backend's replay of a stored output, slicing: the runner's per-step host path, profiler
+range check included). Compare two checkouts in one run by pointing ``PYTHONPATH`` at each
+checkout's ``core`` in turn, or by running this script in each (``git stash`` / another
+worktree); on CUDA the numbers include the kernel launches of the copies.
 
 Usage::
 
@@ -36,6 +38,13 @@ from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.integers import count_arg
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
+
+
+class _StoredOutputBackend(RecordingBackend):
+    """Replays by returning the captured output: what is timed is the runner's side."""
+
+    def replay(self, key: Any, static_batch: ForwardBatch) -> Any:
+        return self._outputs[key]
 
 
 class _Model(torch.nn.Module):
@@ -104,6 +113,13 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
         backend=RecordingBackend(device, phase="prefill"),
         show_progress=False,
     )
+    replayer = DecodeCudaGraphRunner(
+        model,
+        {"decode": {"bs": [1, 2, 4, 8, 16], "max_bs": 16}},
+        backend=_StoredOutputBackend(device),
+        show_progress=False,
+    )
+    replayer.capture()
     b8, b5, b7 = (_decode_batch(n, device) for n in (8, 5, 7))
     p100 = _extend_batch([40, 30, 30], device)
     alternating = iter(())
@@ -121,6 +137,7 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
         "decode bs=5 (padded to 8)": lambda: decode.replay_prepare(b5),
         "decode bs=5/7 alternating (padded to 8)": alternate,
         "prefill 100 tokens, 3 requests (padded to 128)": lambda: prefill.replay_prepare(p100),
+        "decode replay bs=5 (prepare + replay + slice)": lambda: replayer.replay(b5),
     }
     gc.collect()
     gc.freeze()

@@ -118,6 +118,10 @@ class BaseCudaGraphBackend(abc.ABC):
     #: records the forward as one graph), ``"outside_marked_ops"`` (marked ops run eagerly
     #: at replay), ``"trace"`` (only while torch.compile traces), ``"off"``.
     host_value_guard: ClassVar[str] = "forward"
+    #: Record CUDA-graph kernel annotations in :meth:`graph_capture` (``enable_annotations``
+    #: of ``torch.cuda.graph``); the runner turns it on where torch offers them
+    #: (:mod:`cuda_graph_runner.profiling`).
+    kernel_annotations: bool = False
 
     def __init__(
         self,
@@ -228,6 +232,15 @@ class BaseCudaGraphBackend(abc.ABC):
             return 0
         return min(1, self.num_warmups)
 
+    def annotates_layers(self) -> bool:
+        """Whether the runner may open kernel-annotation scopes around the model's layers
+        during this backend's capture (:mod:`cuda_graph_runner.profiling`): True only for
+        a backend that records the forward, run as Python module calls, into one graph per
+        key, so no scope spans two graphs or a compiled trace. False here (``breakable``
+        ends graphs inside layers, ``tc_piecewise`` compiles the forward); ``full``
+        without ``torch_compile`` says True. Optional: the default is safe."""
+        return False
+
     def graph_capture(self, graph: Any, **options: Any) -> ContextManager[None]:
         """``device_module.graph(graph, pool=self.memory_pool, stream=self.capture_stream,
         **options)``, where only the session's first graph empties the allocator caches.
@@ -245,6 +258,8 @@ class BaseCudaGraphBackend(abc.ABC):
         first = self._session_graphs == 0
         self._session_graphs += 1
         dm = self.device_module
+        if self.kernel_annotations:  # resolved before capture_end, remapped to the exec graph after
+            options.setdefault("enable_annotations", True)
         ctx = dm.graph(graph, pool=self.memory_pool, stream=self.capture_stream, **options)
         return graph_owned_cublas_workspace(ctx if first else _without_cache_emptying(dm, ctx), dm)
 

@@ -302,6 +302,15 @@ BREAKABLE_INLINE_SAFE_OPS = define(
     "inline_capture_safe_ops.",
     owner="cuda-graph-runner-breakable",
 ).name
+BREAKABLE_CHECK_LEAKED_OUTPUTS = define(
+    "CUDA_GRAPH_RUNNER_BREAKABLE_CHECK_LEAKED_OUTPUTS",
+    "bool",
+    False,
+    "breakable: at capture, report tensors a marked op made between segments that later code reads "
+    "without the op declaring them (a debug switch, default off). Read when a BreakableBackend is built "
+    "without check_leaked_outputs.",
+    owner="cuda-graph-runner-breakable",
+).name
 TC_PIECEWISE_DEBUG = define(
     "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG",
     "bool",

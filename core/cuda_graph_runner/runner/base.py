@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .. import profiling
 from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
@@ -31,6 +32,7 @@ from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard, missing_extra
 from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
+from ..profiling import eager_range_name, profiler_enabled, replay_range_name
 from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
@@ -90,6 +92,15 @@ class BaseCudaGraphRunner(abc.ABC):
             None reads the phase config's ``owned_outputs`` key (default False).
         enable_cudagraph_gc: keep the garbage collector running during capture.
         show_progress: progress bar during capture (None: only on a terminal).
+        capture_trace_dir: a folder (made when missing) that gets a torch profiler
+            trace of each size's capture, one chrome-trace JSON per phase, rank and size
+            (:mod:`cuda_graph_runner.profiling`); None (default): no traces.
+        kernel_annotations: annotate each kernel the graphs record with the ``nn.Module``
+            it ran in, where torch offers CUDA-graph kernel annotations
+            (:func:`cuda_graph_runner.profiling.kernel_annotations_available`) and the
+            backend records one eager graph per shape (``backend.annotates_layers()``:
+            ``full`` without ``torch_compile``); elsewhere logged once and ignored.
+            Default False.
 
     Outputs (the same contract for every backend):
         By default (zero-copy) a replayed output is valid until the next replay of any
@@ -121,6 +132,8 @@ class BaseCudaGraphRunner(abc.ABC):
         ValueError: ``backend`` is an instance on which another live runner holds
             graphs (names both).
         ValueError: ``device`` is None and the model has no parameters or buffers.
+        cuda_graph_runner.profiling.CaptureTraceError: (a ``ValueError``)
+            ``capture_trace_dir`` is not a folder that can be made and written.
         cuda_graph_runner.errors.UnknownBackendError and friends, from resolution.
     """
 
@@ -141,8 +154,18 @@ class BaseCudaGraphRunner(abc.ABC):
         owned_outputs: Optional[bool] = None,
         enable_cudagraph_gc: bool = False,
         show_progress: Optional[bool] = None,
+        capture_trace_dir: Optional[str] = None,
+        kernel_annotations: bool = False,
     ) -> None:
         check_backend_arg(backend)
+        if not isinstance(kernel_annotations, bool):
+            raise TypeError(f"kernel_annotations={kernel_annotations!r}: must be True or False")
+        #: Where each size's capture trace goes (None: not traced).
+        self.capture_trace_dir: Optional[str] = (
+            None if capture_trace_dir is None else profiling.check_trace_dir(capture_trace_dir)
+        )
+        self.kernel_annotations = kernel_annotations
+        self._annotations_noted = False
         if owned_outputs is not None and not isinstance(owned_outputs, bool):
             raise TypeError(f"owned_outputs={owned_outputs!r}: must be True, False or None (the config's value)")
         self.model: GraphModel = model
@@ -214,6 +237,8 @@ class BaseCudaGraphRunner(abc.ABC):
         #: Bytes of the graph pool after capture (shared pool: includes other runners'
         #: graphs in it), else the growth of reserved memory over the capture.
         self.capture_memory_bytes: Optional[int] = None
+        # The profiler range name of each key's replay (profiling.replay_range_name), made once.
+        self._range_names: Dict[ShapeKey, str] = {}
 
     # -- subclass policy --------------------------------------------------------------
     @abc.abstractmethod
@@ -491,7 +516,7 @@ class BaseCudaGraphRunner(abc.ABC):
                     tp_step = tp_capture_step(self.tp_group, f"{self.phase} size {size}")
                     had = set(self.captured_keys)
                     try:
-                        with tp_step:  # ranks warm up together; a failure on one fails all
+                        with tp_step, self._capture_tracing(size):  # ranks warm up together
                             self.capture_one_shape(size)
                     except Exception as exc:
                         # A size is captured in every variant on every rank, or in none.
@@ -519,6 +544,31 @@ class BaseCudaGraphRunner(abc.ABC):
             "captured %d %s graphs with %s in %.2f s", len(todo), self.phase, self.backend.name, self.capture_seconds
         )
         return report
+
+    def _capture_tracing(self, size: int) -> Any:
+        """The capture trace of ``size`` (when ``capture_trace_dir`` is set) and the layer
+        annotations (when ``kernel_annotations`` is on and available) around its capture."""
+        if self.capture_trace_dir is None and not self.kernel_annotations:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if self.capture_trace_dir is not None:
+            rank = self.tp_group.rank if self.tp_group is not None else profiling.process_rank()
+            stack.enter_context(
+                profiling.capture_trace(
+                    self.capture_trace_dir, self.phase, self._backend_label(), rank, size, self.backend.device
+                )
+            )
+        if self.kernel_annotations:
+            ok, why = profiling.kernel_annotations_available(self.backend.device)
+            if ok and not self.backend.annotates_layers():
+                ok, why = False, f"backend {self._backend_label()} does not record one eager graph per shape"
+            if ok:
+                self.backend.kernel_annotations = True  # graph_capture records and remaps them
+                stack.enter_context(profiling.annotate_layers(self.model, profiling.annotations_module()))
+            elif not self._annotations_noted:  # once per runner
+                self._annotations_noted = True
+                logger.info("kernel annotations off for %s: %s", self.phase, why)
+        return stack
 
     def _agree_sizes_to_capture(self, todo: List[int]) -> None:
         """Every rank captures the same sizes in the same order, or none does: ranks that
@@ -662,7 +712,11 @@ class BaseCudaGraphRunner(abc.ABC):
         with device_guard(device, module), grad_off:
             key, static_batch = self.replay_prepare(batch)
             with forward_context(static_batch), self.backend.replay_session():
-                output = self.backend.replay(key, static_batch)
+                if profiler_enabled():  # record_function costs host time even with no profiler
+                    with torch.profiler.record_function(self._replay_range(key)):
+                        output = self.backend.replay(key, static_batch)
+                else:
+                    output = self.backend.replay(key, static_batch)
             result = self.finish_output(output, batch, static_batch, key)
             if self.verifier is not None:
                 self.verifier.after_replay(
@@ -673,6 +727,12 @@ class BaseCudaGraphRunner(abc.ABC):
                 # results the runner already computed eagerly (prefill logits).
                 result = clone_tensors(result, aliasing=output)
             return result
+
+    def _replay_range(self, key: ShapeKey) -> str:
+        name = self._range_names.get(key)
+        if name is None:
+            name = self._range_names[key] = replay_range_name(self.phase, self._backend_label(), key)
+        return name
 
     def host_value_guard_scope(self) -> str:
         """Where a host read during capture is an error: the backend's ``host_value_guard``
@@ -710,7 +770,11 @@ class BaseCudaGraphRunner(abc.ABC):
                     return self.replay(batch)
                 finally:
                     self._decided = None
-            self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
+            reason = REASON_OTHER_RANK if local else fallback_reason(self, batch)
+            self.stats.record_fallback(reason)
+            if profiler_enabled():  # the eager step is named in a trace, as a replay is
+                with torch.profiler.record_function(eager_range_name(self.phase, reason)):
+                    return self.run_eager(batch)
             return self.run_eager(batch)
 
     def run_eager(self, batch: ForwardBatch) -> Any:

@@ -55,13 +55,17 @@ from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly, 
 from cuda_graph_runner.nested import iter_tensors, map_tensors
 from cuda_graph_runner.weak_ref import weak_ref_tensor
 
+from .leak_check import LeakCheck
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BreakableCaptureError",
+    "BreakableLeakedOutputError",
     "BreakableCudaGraphBackend",
     "BreakableGraph",
     "EagerBreak",
+    "ENV_CHECK_LEAKED_OUTPUTS",
     "ENV_INLINE_SAFE_OPS",
     "ENV_WEAK_REF_ARGS",
 ]
@@ -73,11 +77,36 @@ ENV_WEAK_REF_ARGS = envs.BREAKABLE_WEAK_REF_ARGS
 #: Sets ``inline_capture_safe_ops`` for backends built without the argument (e.g. ``0`` to
 #: measure or debug the all-breaks form); parsed by the core's ``envs`` like the one above.
 ENV_INLINE_SAFE_OPS = envs.BREAKABLE_INLINE_SAFE_OPS
+#: Sets ``check_leaked_outputs`` for backends built without the argument (a debug switch,
+#: off by default); parsed by the core's ``envs`` like the ones above.
+ENV_CHECK_LEAKED_OUTPUTS = envs.BREAKABLE_CHECK_LEAKED_OUTPUTS
 
 
 class BreakableCaptureError(RuntimeError):
     """A breakable capture cannot proceed (nested capture, an unusable op argument, a
     segment that failed to end); the message says what to change."""
+
+
+class BreakableLeakedOutputError(BreakableCaptureError):
+    """The leaked-output check (``check_leaked_outputs``) found tensors a marked op made
+    between segments and handed on without declaring them (:mod:`.leak_check`).
+
+    Attributes:
+        key: the shape being captured.
+        leaks: the :class:`~cuda_graph_runner_breakable.leak_check.Leak` records, each
+            naming the op, the reader and the tensor.
+    """
+
+    def __init__(self, key: ShapeKey, leaks: List[Any]) -> None:
+        self.key = key
+        self.leaks = list(leaks)
+        found = "; ".join(leak.describe() for leak in self.leaks)
+        super().__init__(
+            f"breakable capture of {key}: {found}. A replay runs the op again into new tensors while the "
+            "graph segments (and later ops, replayed with their capture-time arguments) read the capture's: "
+            "stale values. Write the result into an argument the op mutates (mutates_args, 'output' by "
+            "default: allocate it before the op) or return it from the op"
+        )
 
 
 # One breakable capture at a time per thread (CUDA allows one capture per process;
@@ -188,11 +217,19 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
             behaviour before capture-safe declarations; slower decode, for comparison or
             debugging). None (default): True unless ``CUDA_GRAPH_RUNNER_BREAKABLE_INLINE_SAFE_OPS``
             is off (parsed like the variable above).
+        check_leaked_outputs: a debug switch: at capture, report every tensor a marked op
+            made between segments that a later segment, a later op's argument or the
+            forward's output reads without it being one of the op's declared outputs
+            (mutated arguments, return value) (:mod:`.leak_check`; costs capture time,
+            not replay time). None (default): ``CUDA_GRAPH_RUNNER_BREAKABLE_CHECK_LEAKED_OUTPUTS``
+            (off unless set).
 
     Raises (from ``capture_one``):
         BreakableCaptureError: nested capture; a marked op given a tensor that is not
             on the capture device (a host tensor would replay its capture-time values);
             a segment that could not end (e.g. a side stream left unjoined).
+        BreakableLeakedOutputError: (``check_leaked_outputs``) a marked op leaked a
+            tensor (names the op, the reader, shape and dtype); the shape is not kept.
         ValueError: the shape was already captured.
     """
 
@@ -205,6 +242,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         *args: Any,
         weak_ref_args: Optional[bool] = None,
         inline_capture_safe_ops: Optional[bool] = None,
+        check_leaked_outputs: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -214,6 +252,9 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         if inline_capture_safe_ops is None:
             inline_capture_safe_ops = envs.get(ENV_INLINE_SAFE_OPS)
         self.inline_capture_safe_ops = bool(inline_capture_safe_ops)
+        if check_leaked_outputs is None:
+            check_leaked_outputs = envs.get(ENV_CHECK_LEAKED_OUTPUTS)
+        self.check_leaked_outputs = bool(check_leaked_outputs)
         #: Replays since construction (tests and the bench read it).
         self.num_replays = 0
 
@@ -237,8 +278,14 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
 
         capture = _SegmentCapture(self, key)
         _local.capture = capture
+        check = capture.leak_check
         try:
-            with self.on_capture_stream(), capture.tracker.installed(), break_handler(capture.on_op):
+            with (
+                self.on_capture_stream(),
+                capture.tracker.installed(),
+                break_handler(capture.on_op),
+                check if check is not None else contextlib.nullcontext(),
+            ):
                 capture.begin_segment()
                 try:
                     output = forward_fn()
@@ -246,11 +293,17 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
                     capture.abort(sys.exc_info())
                     raise
                 capture.end_segment()
+                if check is not None:
+                    check.check_output(output)
+            if check is not None and check.leaks:
+                raise BreakableLeakedOutputError(key, check.leaks)
         except BaseException:
             capture.graph.reset()
             raise
         finally:
             _local.capture = None
+            if check is not None:
+                check.forget()
         # As in ``full``: aliases let smaller shapes reuse this shape's output blocks.
         self.graph_table.add(key, capture.graph, self.output_to_keep(output, self.weak_ref_args))
         logger.debug(
@@ -339,6 +392,7 @@ class _SegmentCapture:
         self.tracker = _ForkTracker(self.dm, self.stream)
         self._ctx: Any = None
         self._in_op = False
+        self.leak_check: Optional[LeakCheck] = LeakCheck() if backend.check_leaked_outputs else None
 
     def begin_segment(self) -> None:
         segment = self.dm.CUDAGraph()
@@ -392,20 +446,28 @@ class _SegmentCapture:
             return op.fn(*args, **kwargs)
         self.backend.check_op_args(op, args, kwargs)
         self.end_segment()
+        check = self.leak_check
         self._in_op = True
         try:
-            result = call_eagerly(op, args, kwargs)
+            if check is None:
+                result = call_eagerly(op, args, kwargs)
+            else:
+                check.check_args(op, _named_tensors(op, args, kwargs))
+                result = check.run_op(op, lambda: call_eagerly(op, args, kwargs))
         finally:
             self._in_op = False
         freeze = self.backend.freeze
-        self.graph.breaks.append(
-            EagerBreak(
-                op=op,
-                args=tuple(freeze(a) for a in args),
-                kwargs={k: freeze(v) for k, v in kwargs.items()},
-                returned=result if _has_tensor(result) else None,
+        with check.paused() if check is not None else contextlib.nullcontext():
+            self.graph.breaks.append(
+                EagerBreak(
+                    op=op,
+                    args=tuple(freeze(a) for a in args),
+                    kwargs={k: freeze(v) for k, v in kwargs.items()},
+                    returned=result if _has_tensor(result) else None,
+                )
             )
-        )
+        if check is not None:
+            check.next_segment()
         self.begin_segment()
         return result
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any, List, Optional
 
 import pytest
@@ -541,3 +542,26 @@ def test_weak_ref_args_default_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(ENV_WEAK_REF_ARGS, "0")
     assert not breakable(FakeGraphDeviceModule()).weak_ref_args
     assert breakable(FakeGraphDeviceModule(), weak_ref_args=True).weak_ref_args
+
+
+def test_emulated_replay_is_a_named_range_in_a_cpu_profiler_trace(tmp_path):
+    from cuda_graph_runner.profiling import trace_ranges
+
+    backend = breakable(EmulatedGraphDeviceModule())
+    runner = prefill_runner(MixModel(), backend, max_bs=8)
+    with torch.no_grad():
+        runner.capture()
+        batch = extend_batch([3, 5])
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = runner.forward(batch)
+        torch.testing.assert_close(got, runner.eager_forward(batch))
+    path = str(tmp_path / "replay.trace.json")
+    prof.export_chrome_trace(path)
+    (replay,) = trace_ranges(path, "cuda_graph_runner.replay")
+    # Built without the registry: no registry name, so the class names the backend.
+    assert replay["name"] == "cuda_graph_runner.replay prefill/BreakableCudaGraphBackend/bs=8 extend"
+    # The eager breaks ran inside the range: the marked op's custom-op call lies within it.
+    events = json.loads(open(path).read())["traceEvents"]
+    start, end = replay["ts"], replay["ts"] + replay["dur"]
+    ops = [e for e in events if e.get("name") == "cuda_graph_runner::test_breakable_cpu_request_mix"]
+    assert len(ops) == 2 and all(start <= e["ts"] <= end for e in ops)

@@ -107,6 +107,12 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
             return contextlib.nullcontext()
         return self.compiled_forward.active(key.size if key is not None else None)
 
+    def annotates_layers(self) -> bool:
+        """Layer scopes for kernel annotations: the forward runs as Python module calls
+        inside one graph per key, unless it is compiled (module hooks would enter Dynamo's
+        trace)."""
+        return self.compiled_forward is None
+
     def warmup_runs(self, key: Optional[ShapeKey] = None) -> int:
         """The policy's count (:meth:`BaseCudaGraphBackend.warmup_runs`), but at least one
         at a compile size: its marked-op bodies may still meet a Dynamo guard they did
