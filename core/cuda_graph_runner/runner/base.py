@@ -156,6 +156,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self.phase_config: PhaseConfig = self.config[self.phase]
         #: Whether replayed outputs are cloned for the caller (see the class docstring).
         self.owned_outputs: bool = bool(self.phase_config.owned_outputs) if owned_outputs is None else owned_outputs
+        #: Eager forwards run at the padded size a replay would use (:mod:`.padded_eager`).
+        self.padded_eager: bool = bool(getattr(self.phase_config, "padded_eager", False))
         if isinstance(backend, BaseCudaGraphBackend):
             theirs = backend.device
             if (
@@ -666,7 +668,7 @@ class BaseCudaGraphRunner(abc.ABC):
             result = self.finish_output(output, batch, static_batch, key)
             if self.verifier is not None:
                 self.verifier.after_replay(
-                    self.backend, self.model, key, static_batch, result, lambda: self.run_eager(batch)
+                    self.backend, self.model, key, static_batch, result, lambda: self.eager(batch)
                 )
             if self.owned_outputs:
                 # Only what shares memory with the graph's output: one copy, none for
@@ -711,7 +713,25 @@ class BaseCudaGraphRunner(abc.ABC):
                 finally:
                     self._decided = None
             self.stats.record_fallback(REASON_OTHER_RANK if local else fallback_reason(self, batch))
-            return self.run_eager(batch)
+            return self.eager(batch)
+
+    def eager(self, batch: ForwardBatch) -> Any:
+        """The eager forward of ``batch`` that ``forward`` and verify mode run: :meth:`run_eager`,
+        or, with the phase key ``padded_eager``, the batch padded to the captured size a
+        replay would use, run eagerly and cut back (:mod:`.padded_eager`), so that replay
+        and eager run the same shapes."""
+        if self.padded_eager:
+            from .padded_eager import padded_eager_size, run_padded_eager
+
+            padded = padded_eager_size(self, batch)
+            if padded is not None:
+                return run_padded_eager(self, batch, padded)
+        return self.run_eager(batch)
+
+    def pad_batch(self, batch: ForwardBatch, padded: int) -> ForwardBatch:
+        """A new batch: ``batch`` padded to captured size ``padded`` with the values a replay
+        pads with (:mod:`.padded_eager`); each runner defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not pad batches for padded_eager")
 
     def run_eager(self, batch: ForwardBatch) -> Any:
         """:meth:`eager_forward` of ``batch`` after the model's eager metadata hook

@@ -275,3 +275,15 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def eager_forward(self, batch: ForwardBatch) -> Any:
         with forward_context(batch):
             return self.model.compute_logits(self.model.forward(batch), batch)
+
+    def pad_batch(self, batch: ForwardBatch, padded: int) -> ForwardBatch:
+        """``batch`` padded to ``padded`` tokens as :meth:`replay_prepare` pads it (new
+        tensors): token 0 at position 0 into KV slot 0 past the live tokens; request
+        fields the live ones (:mod:`.padded_eager`)."""
+        from .padded_eager import pad_rows
+
+        return batch.replace(
+            input_ids=pad_rows(batch.input_ids, padded, 0),
+            positions=pad_rows(batch.positions, padded, 0),
+            out_cache_loc=pad_rows(batch.out_cache_loc, padded, 0),
+        )
