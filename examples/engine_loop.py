@@ -325,16 +325,26 @@ class Engine:
         return self.stats
 
 
-def workload(num_requests: int, vocab: int, *, temperature: float, seed: int) -> List[Tuple[List[int], SamplingParams]]:
-    """A reproducible mix: prompt lengths 5..40, 4..19 new tokens, every third request
-    greedy, the rest at ``temperature`` with its own seed."""
-    lengths = [5 + (7 * i + seed) % 36 for i in range(num_requests)]
+def workload(
+    num_requests: int,
+    vocab: int,
+    *,
+    temperature: float,
+    seed: int,
+    prompt_lens: Tuple[int, int] = (5, 40),
+    new_tokens: Tuple[int, int] = (4, 19),
+) -> List[Tuple[List[int], SamplingParams]]:
+    """A reproducible mix: prompt lengths and new tokens spread over the inclusive ranges
+    ``prompt_lens`` and ``new_tokens``, every third request greedy, the rest at
+    ``temperature`` with its own seed."""
+    span = prompt_lens[1] - prompt_lens[0] + 1
+    lengths = [prompt_lens[0] + (7 * i + seed) % span for i in range(num_requests)]
     prompts = make_dummy_prompts(num_requests, lengths, vocab, seed=seed)
     return [
         (
             prompt,
             SamplingParams(
-                max_new_tokens=4 + (5 * i) % 16,
+                max_new_tokens=new_tokens[0] + (5 * i) % (new_tokens[1] - new_tokens[0] + 1),
                 temperature=0.0 if i % 3 == 0 else temperature,
                 seed=seed * 1000 + i,
             ),

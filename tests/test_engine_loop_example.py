@@ -52,7 +52,9 @@ def _emulated():
 
 @pytest.fixture(scope="module")
 def runs(model):
-    requests = engine_loop.workload(7, model.config.vocab_size, temperature=0.9, seed=3)
+    requests = engine_loop.workload(
+        6, model.config.vocab_size, temperature=0.9, seed=3, prompt_lens=(5, 20), new_tokens=(3, 8)
+    )
     graphs = engine_loop.run_engine(model, requests, keep_logits=True, **_emulated(), **SHAPE)
     eager = engine_loop.run_engine(model, requests, decode_backend="disabled", prefill_backend="disabled", **SHAPE)
     return requests, graphs, eager
@@ -91,7 +93,7 @@ def test_kept_logits_are_owned_and_match_the_tokens(runs):
 
 
 def test_stop_token_ends_a_request_and_frees_its_row(model):
-    prompt = engine_loop.workload(1, model.config.vocab_size, temperature=0.0, seed=5)[0][0]
+    prompt = engine_loop.workload(1, model.config.vocab_size, temperature=0.0, seed=5, prompt_lens=(6, 6))[0][0]
     params = engine_loop.SamplingParams(max_new_tokens=8)
     [free], _ = engine_loop.run_engine(model, [(prompt, params)], **SHAPE)
     stop = free.output[2]
