@@ -284,7 +284,7 @@ class Engine:
         rows = logits[[i for i, _ in picks]]  # a gather: a fresh tensor
         logprobs = torch.log_softmax(rows, dim=-1)
         tokens = rows.argmax(dim=-1)
-        for j, (i, request) in enumerate(picks):
+        for j, (_, request) in enumerate(picks):
             temperature = request.params.temperature
             if temperature > 0:
                 probs = torch.softmax(rows[j] / temperature, dim=-1)
@@ -404,7 +404,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama-3.2-1b" if on_gpu else "tiny")
     parser.add_argument("--device", default="cuda" if on_gpu else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16" if on_gpu else "float32")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16" if on_gpu else "float32"
+    )
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-running", type=int, default=8)
     parser.add_argument("--chunk-size", type=int, default=16)
@@ -418,7 +420,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     model = ReferenceLlamaForCausalLM.from_preset(args.preset, dtype=getattr(torch, args.dtype), device=args.device)
     requests = workload(args.requests, model.config.vocab_size, temperature=args.temperature, seed=args.seed)
-    shape = dict(max_running=args.max_running, chunk_size=args.chunk_size, prefill_token_budget=args.prefill_token_budget)
+    shape = dict(
+        max_running=args.max_running, chunk_size=args.chunk_size, prefill_token_budget=args.prefill_token_budget
+    )
     done, stats = run_engine(
         model,
         requests,
@@ -428,12 +432,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         **shape,
     )
     for request in done:
-        print(f"request {request.rid}: {len(request.prompt)} prompt tokens -> {request.output} ({request.finish_reason})")
+        print(
+            f"request {request.rid}: {len(request.prompt)} prompt tokens -> {request.output} ({request.finish_reason})"
+        )
     for line in stats.lines():
         print(line)
     if args.compare_eager:
         eager, _ = run_engine(
-            model, requests, decode_backend="disabled", prefill_backend="disabled", padded_eager=args.padded_eager, **shape
+            model,
+            requests,
+            decode_backend="disabled",
+            prefill_backend="disabled",
+            padded_eager=args.padded_eager,
+            **shape,
         )
         same = sum(a == b for r, e in zip(done, eager) for a, b in zip(r.output, e.output))
         total = sum(len(r.output) for r in done)

@@ -143,10 +143,26 @@ def test_declared_static_inputs_pad_with_their_pad_value():
         StaticInput("absent", axis="batch", dtype=torch.int32, pad_value=7),
     ]
     other = object()
-    out = pad_extra(
-        {"adapter": [3, 4], "mask": torch.ones(4, 2), "other": other}, specs, 2, 4, 2, torch.device("cpu")
-    )
+    out = pad_extra({"adapter": [3, 4], "mask": torch.ones(4, 2), "other": other}, specs, 2, 4, 2, torch.device("cpu"))
     assert out["adapter"].tolist() == [3, 4, -1, -1] and out["adapter"].dtype == torch.int64
     assert out["mask"].shape == (8, 2) and out["mask"][4:].eq(0.5).all() and out["mask"][:4].eq(1).all()
     assert out["absent"].tolist() == [7, 7, 7, 7] and out["absent"].dtype == torch.int32
     assert out["other"] is other
+
+
+@pytest.mark.parametrize("padded_eager, expected", [(True, [(4, 4)]), (False, [(3, 3)])])
+def test_verify_reference_runs_at_the_replayed_size_under_padded_eager(model, monkeypatch, padded_eager, expected):
+    backend = FullCudaGraphBackend("cpu", phase="decode", device_module=EmulatedGraphDeviceModule(), memory_pool="p")
+    runner = _decode_runner(model, backend, padded_eager=padded_eager, verify=True, verify_first_n=1)
+    session = GreedySession(model, model.kv_cache)
+    try:
+        with torch.no_grad():
+            runner.capture()
+            session.prefill(make_dummy_prompts(3, 5, model.config.vocab_size, seed=2))
+            batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
+            seen = _sizes_seen(model, monkeypatch)
+            runner.forward(batch)  # the emulated replay runs no Python forward; verify's reference does
+            assert seen == expected
+            assert runner.run_stats()["replays"] == 1
+    finally:
+        session.close()

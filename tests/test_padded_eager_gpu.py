@@ -39,7 +39,9 @@ def test_decode_padded_eager_equals_full_replay_bitwise_in_bf16(model):
         session = GreedySession(model, model.kv_cache)
         try:
             with torch.no_grad():
-                session.prefill(make_dummy_prompts(bs, [9 + 5 * i for i in range(bs)], model.config.vocab_size, seed=bs))
+                session.prefill(
+                    make_dummy_prompts(bs, [9 + 5 * i for i in range(bs)], model.config.vocab_size, seed=bs)
+                )
                 batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
                 replayed = graphs.forward(batch).clone()
                 got = padded.forward(batch).clone()

@@ -80,9 +80,7 @@ def pad_extra(
         rows, padded = requests * per, padded_requests * per
         value = extra.get(spec.name)
         if value is None:
-            out[spec.name] = torch.full(
-                (padded, *spec.trailing_shape), spec.pad_value, dtype=spec.dtype, device=device
-            )
+            out[spec.name] = torch.full((padded, *spec.trailing_shape), spec.pad_value, dtype=spec.dtype, device=device)
             continue
         t = value if isinstance(value, torch.Tensor) else torch.tensor(list(value), dtype=spec.dtype)
         out[spec.name] = pad_rows(t.to(device=device, dtype=spec.dtype)[:rows], padded, spec.pad_value)
