@@ -131,6 +131,22 @@ def test_prefill_eager_pads_tokens_and_equals_replay_bitwise(model, monkeypatch)
             assert seen == [(2, 16)], "padded_eager did not pad the token axis to the bucket"
             assert got.shape == (2, model.config.vocab_size)
             assert torch.equal(got, replayed)
+            seen.clear()
+            short = batch.replace(  # 3 tokens: the bucket 8 is more than twice that, so no replay either
+                input_ids=batch.input_ids[:3],
+                positions=batch.positions[:3],
+                out_cache_loc=batch.out_cache_loc[:3],
+                req_pool_indices=batch.req_pool_indices[:1],
+                seq_lens=torch.tensor([3], dtype=torch.int32),
+                extend_seq_lens=torch.tensor([3], dtype=torch.int32),
+                extend_prefix_lens=batch.extend_prefix_lens[:1],
+                seq_lens_cpu=[3],
+                extend_seq_lens_cpu=[3],
+                extend_prefix_lens_cpu=[0],
+            )
+            assert not graphs.can_run(short)
+            padded.forward(short)
+            assert seen == [(1, 3)], "a batch no graph would take runs as it is"
         finally:
             for row in batch.req_pool_indices.tolist():
                 cache.free_request(row)

@@ -95,8 +95,9 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     with an attention whose eager and captured paths run the same kernels, give
     bitwise-equal outputs in every dtype (bf16 GEMMs pick their kernels by shape).
     Costs the padded rows' compute on every eager step (decode: up to the next bucket,
-    e.g. 13 requests run as 16). A batch larger than the largest size still runs as it
-    is. Read by the runner (``cuda_graph_runner.runner.padded_eager``), for every backend.
+    e.g. 13 requests run as 16). A batch no replay would take either (larger than the
+    largest size; prefill: padded to more than twice its tokens) runs as it is. Read by
+    the runner (``cuda_graph_runner.runner.padded_eager``), for every backend.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,

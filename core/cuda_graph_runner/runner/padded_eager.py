@@ -18,8 +18,9 @@ does; an attention that plans other kernels for graphs, a FlashInfer wrapper wit
 
 Cost: the padded rows' compute on every eager step (up to the next bucket: decode 13
 requests run as 16, prefill 600 tokens as 640) and one allocation per padded field. A
-batch larger than the largest captured size, empty, or of another mode runs as it is
-(no replay would take it either).
+batch larger than the largest captured size, empty, of another mode, or (prefill) padded
+to more than twice its tokens runs as it is: no replay would take it either, so replay
+and eager still run the same shapes.
 
 Idea: batch-invariant inference (vLLM's ``VLLM_BATCH_INVARIANT``, SGLang's
 deterministic inference) fixes reduction orders in the kernels; padding the eager run
@@ -44,13 +45,19 @@ __all__ = ["padded_eager_size", "pad_rows", "pad_extra", "run_padded_eager"]
 
 def padded_eager_size(runner: "BaseCudaGraphRunner", batch: ForwardBatch) -> Optional[int]:
     """The captured size ``batch`` pads to under ``padded_eager``, or None when it runs as
-    it is (another mode or layout, empty, or larger than the largest captured size)."""
+    it is: another mode or layout, empty, larger than the largest captured size, or padded
+    beyond the runner's ``max_padding_ratio`` (prefill: more than twice its tokens), where
+    a runner with graphs runs the live size too."""
     if not runner.batch_matches(batch):
         return None
     size = runner.size_of(batch)
     if size <= 0 or size > runner.max_size:
         return None
-    return runner.replay_target(size)[0]
+    padded = runner.replay_target(size)[0]
+    ratio = getattr(runner, "max_padding_ratio", None)
+    if ratio is not None and padded > ratio * size:
+        return None
+    return padded
 
 
 def pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
