@@ -1,6 +1,6 @@
 """A small continuous-batching engine on the reference workload, in an engine's shape.
 
-What an inference engine does around this library, in about 300 lines:
+What an inference engine does around this library:
 
 * a request queue: requests wait until a request row of the KV cache and room for their
   tokens (prompt plus ``max_new_tokens``) are free, then run until they stop;

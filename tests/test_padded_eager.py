@@ -12,6 +12,7 @@ import torch
 
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.runner.base import BaseCudaGraphRunner
 from cuda_graph_runner.runner.padded_eager import pad_extra
 from cuda_graph_runner.runner.static_inputs import StaticInput
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch
@@ -182,3 +183,12 @@ def test_verify_reference_runs_at_the_replayed_size_under_padded_eager(model, mo
             assert runner.run_stats()["replays"] == 1
     finally:
         session.close()
+
+
+def test_a_runner_class_without_pad_batch_refuses_padded_eager_at_construction(model):
+    class NoPadding(DecodeCudaGraphRunner):
+        pad_batch = BaseCudaGraphRunner.pad_batch
+
+    with pytest.raises(ValueError, match="NoPadding defines no pad_batch"):
+        NoPadding(model, {"decode": {"backend": "disabled", "padded_eager": True}})
+    NoPadding(model, {"decode": {"backend": "disabled"}})  # off: nothing to pad

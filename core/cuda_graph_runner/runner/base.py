@@ -118,6 +118,8 @@ class BaseCudaGraphRunner(abc.ABC):
     Raises:
         TypeError: ``backend`` is not an instance, a name or None; ``owned_outputs`` not
             a bool or None.
+        ValueError: the phase config's ``padded_eager`` is on and the runner class defines
+            no ``pad_batch``.
         ValueError: ``backend`` is an instance on which another live runner holds
             graphs (names both).
         ValueError: ``device`` is None and the model has no parameters or buffers.
@@ -158,6 +160,11 @@ class BaseCudaGraphRunner(abc.ABC):
         self.owned_outputs: bool = bool(self.phase_config.owned_outputs) if owned_outputs is None else owned_outputs
         #: Eager forwards run at the padded size a replay would use (:mod:`.padded_eager`).
         self.padded_eager: bool = bool(getattr(self.phase_config, "padded_eager", False))
+        if self.padded_eager and type(self).pad_batch is BaseCudaGraphRunner.pad_batch:
+            raise ValueError(
+                f"{self.phase} padded_eager is on but {type(self).__name__} defines no pad_batch(batch, padded): "
+                "define it (the batch padded as replay_prepare pads it) or turn padded_eager off"
+            )
         if isinstance(backend, BaseCudaGraphBackend):
             theirs = backend.device
             if (

@@ -22,9 +22,11 @@ batch larger than the largest captured size, empty, of another mode, or (prefill
 to more than twice its tokens runs as it is: no replay would take it either, so replay
 and eager still run the same shapes.
 
-Idea: batch-invariant inference (vLLM's ``VLLM_BATCH_INVARIANT``, SGLang's
-deterministic inference) fixes reduction orders in the kernels; padding the eager run
-instead needs no kernel of its own, only shapes that match.
+Idea: batch-invariant kernels (vLLM's ``VLLM_BATCH_INVARIANT=1``, docs.vllm.ai "Batch
+Invariance"; SGLang's ``--enable-deterministic-inference``) make a row's result independent
+of the batch it is in, at a kernel cost on every step; padding the eager run needs no
+kernel of its own, only that replay and eager run the same shapes, and costs only on eager
+steps. It does not make a request's result independent of its batch mates' count.
 """
 
 from __future__ import annotations
