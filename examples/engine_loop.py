@@ -211,6 +211,8 @@ class Engine:
                 f"prompt of {len(prompt)} + {params.max_new_tokens} new tokens exceeds the cache's context "
                 f"{self.cache.max_context_len}"
             )
+        if len(prompt) + params.max_new_tokens - 1 > self.cache.num_slots - 1:  # slot 0 is the dummies'
+            raise ValueError(f"the request needs more KV slots than the cache has ({self.cache.num_slots - 1})")
         request = Request(self._next_id, [int(t) for t in prompt], params)
         self._next_id += 1
         self.waiting.append(request)
@@ -316,6 +318,8 @@ class Engine:
         with torch.no_grad():
             while self.step():
                 pass
+        if self.waiting:  # admission never refuses a request the cache can hold, so this is a bug
+            raise RuntimeError(f"{len(self.waiting)} requests never admitted")
         device = self.cache.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)

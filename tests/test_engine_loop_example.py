@@ -113,5 +113,9 @@ def test_bad_requests_are_refused_with_the_reason(model):
         engine.add_request([])
     with pytest.raises(ValueError, match="exceeds the cache's context 32"):
         engine.add_request([1] * 30, engine_loop.SamplingParams(max_new_tokens=8))
+    small = model.create_kv_cache(num_slots=17, max_reqs=3, max_context_len=32)
+    tight = engine_loop.Engine(model, small, decode, prefill, max_running=2, chunk_size=4, prefill_token_budget=8)
+    with pytest.raises(ValueError, match="more KV slots than the cache has"):
+        tight.add_request([1] * 12, engine_loop.SamplingParams(max_new_tokens=8))
     with pytest.raises(ValueError, match="owned_outputs"):
         engine_loop.Engine(model, cache, decode, prefill, keep_logits=True)
