@@ -53,7 +53,7 @@ def _emulated():
 @pytest.fixture(scope="module")
 def runs(model):
     requests = engine_loop.workload(
-        6, model.config.vocab_size, temperature=0.9, seed=3, prompt_lens=(5, 20), new_tokens=(3, 8)
+        5, model.config.vocab_size, temperature=0.9, seed=3, prompt_lens=(5, 20), new_tokens=(3, 7)
     )
     graphs = engine_loop.run_engine(model, requests, keep_logits=True, **_emulated(), **SHAPE)
     eager = engine_loop.run_engine(model, requests, decode_backend="disabled", prefill_backend="disabled", **SHAPE)

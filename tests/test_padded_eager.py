@@ -63,17 +63,24 @@ def _decode_runner(model, backend, **phase):
     )
 
 
-@pytest.mark.parametrize("bs", [3, 5])
-def test_decode_eager_pads_slices_and_equals_replay_bitwise(model, monkeypatch, bs):
-    graphs = _decode_runner(
+@pytest.fixture(scope="module")
+def decode_graphs(model):
+    runner = _decode_runner(
         model, FullCudaGraphBackend("cpu", phase="decode", device_module=EmulatedGraphDeviceModule(), memory_pool="p")
     )
+    runner.capture()
+    return runner
+
+
+@pytest.mark.parametrize("bs", [3, 5])
+def test_decode_eager_pads_slices_and_equals_replay_bitwise(model, decode_graphs, monkeypatch, bs):
+    graphs = decode_graphs
+    graphs.stats.reset()
     padded = _decode_runner(model, "disabled", padded_eager=True)
     live = _decode_runner(model, "disabled")
     session = GreedySession(model, model.kv_cache)
     try:
         with torch.no_grad():
-            graphs.capture()
             session.prefill(make_dummy_prompts(bs, [3 + i for i in range(bs)], model.config.vocab_size, seed=bs))
             batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
             replayed = graphs.forward(batch).clone()  # the KV write is idempotent: same slots, same values
