@@ -87,6 +87,17 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     batch whose variant was not captured runs eagerly (fallback reason
     ``"variant not captured"``). Labels are letters, digits and ``_``; a label the
     model does not declare is an error when the runner is built.
+``padded_eager``
+    ``false`` (default): an eager forward (backend ``disabled``, a fallback, verify
+    mode's reference) runs the live batch as it is. ``true``: a batch that a captured
+    size covers runs eagerly padded to that size (the padded batch a replay would see),
+    its outputs cut back to the live rows, so replay and eager run the same shapes and,
+    with an attention whose eager and captured paths run the same kernels, give
+    bitwise-equal outputs in every dtype (bf16 GEMMs pick their kernels by shape).
+    Costs the padded rows' compute on every eager step (decode: up to the next bucket,
+    e.g. 13 requests run as 16). A batch no replay would take either (larger than the
+    largest size; prefill: padded to more than twice its tokens) runs as it is. Read by
+    the runner (``cuda_graph_runner.runner.padded_eager``), for every backend.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,

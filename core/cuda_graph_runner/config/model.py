@@ -88,6 +88,7 @@ PHASE_KEYS = (
     "verify_every",
     "warmup",
     "variants",
+    "padded_eager",
 )
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
@@ -179,6 +180,7 @@ class PhaseConfig:
     verify_every: int = 0
     warmup: str = "auto"
     variants: Optional[List[str]] = None
+    padded_eager: bool = False
 
     def __post_init__(self) -> None:
         self._check()
@@ -240,7 +242,7 @@ class PhaseConfig:
             raise CudaGraphConfigError(
                 "must be a boolean", key="owned_outputs", value=self.owned_outputs, accepted="true or false"
             )
-        for key in ("host_value_guard", "verify"):
+        for key in ("host_value_guard", "verify", "padded_eager"):
             if not isinstance(getattr(self, key), bool):
                 raise CudaGraphConfigError(
                     "must be a boolean", key=key, value=getattr(self, key), accepted="true or false"

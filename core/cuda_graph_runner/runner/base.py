@@ -129,6 +129,8 @@ class BaseCudaGraphRunner(abc.ABC):
     Raises:
         TypeError: ``backend`` is not an instance, a name or None; ``owned_outputs`` not
             a bool or None.
+        ValueError: the phase config's ``padded_eager`` is on and the runner class defines
+            no ``pad_batch``.
         ValueError: ``backend`` is an instance on which another live runner holds
             graphs (names both).
         ValueError: ``device`` is None and the model has no parameters or buffers.
@@ -179,6 +181,13 @@ class BaseCudaGraphRunner(abc.ABC):
         self.phase_config: PhaseConfig = self.config[self.phase]
         #: Whether replayed outputs are cloned for the caller (see the class docstring).
         self.owned_outputs: bool = bool(self.phase_config.owned_outputs) if owned_outputs is None else owned_outputs
+        #: Eager forwards run at the padded size a replay would use (:mod:`.padded_eager`).
+        self.padded_eager: bool = bool(getattr(self.phase_config, "padded_eager", False))
+        if self.padded_eager and type(self).pad_batch is BaseCudaGraphRunner.pad_batch:
+            raise ValueError(
+                f"{self.phase} padded_eager is on but {type(self).__name__} defines no pad_batch(batch, padded): "
+                "define it (the batch padded as replay_prepare pads it) or turn padded_eager off"
+            )
         if isinstance(backend, BaseCudaGraphBackend):
             theirs = backend.device
             if (
@@ -720,7 +729,7 @@ class BaseCudaGraphRunner(abc.ABC):
             result = self.finish_output(output, batch, static_batch, key)
             if self.verifier is not None:
                 self.verifier.after_replay(
-                    self.backend, self.model, key, static_batch, result, lambda: self.run_eager(batch)
+                    self.backend, self.model, key, static_batch, result, lambda: self.eager(batch)
                 )
             if self.owned_outputs:
                 # Only what shares memory with the graph's output: one copy, none for
@@ -774,8 +783,26 @@ class BaseCudaGraphRunner(abc.ABC):
             self.stats.record_fallback(reason)
             if profiler_enabled():  # the eager step is named in a trace, as a replay is
                 with torch.profiler.record_function(eager_range_name(self.phase, reason)):
-                    return self.run_eager(batch)
-            return self.run_eager(batch)
+                    return self.eager(batch)
+            return self.eager(batch)
+
+    def eager(self, batch: ForwardBatch) -> Any:
+        """The eager forward of ``batch`` that ``forward`` and verify mode run: :meth:`run_eager`,
+        or, with the phase key ``padded_eager``, the batch padded to the captured size a
+        replay would use, run eagerly and cut back (:mod:`.padded_eager`), so that replay
+        and eager run the same shapes."""
+        if self.padded_eager:
+            from .padded_eager import padded_eager_size, run_padded_eager
+
+            padded = padded_eager_size(self, batch)
+            if padded is not None:
+                return run_padded_eager(self, batch, padded)
+        return self.run_eager(batch)
+
+    def pad_batch(self, batch: ForwardBatch, padded: int) -> ForwardBatch:
+        """A new batch: ``batch`` padded to captured size ``padded`` with the values a replay
+        pads with (:mod:`.padded_eager`); each runner defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not pad batches for padded_eager")
 
     def run_eager(self, batch: ForwardBatch) -> Any:
         """:meth:`eager_forward` of ``batch`` after the model's eager metadata hook

@@ -278,3 +278,26 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def eager_forward(self, batch: ForwardBatch) -> Any:
         with forward_context(batch):
             return self.graph_forward(batch)
+
+    def pad_batch(self, batch: ForwardBatch, padded: int) -> ForwardBatch:
+        """``batch`` padded to ``padded`` requests as :meth:`replay_prepare` pads it (new
+        tensors): padded requests on request row 0 and KV slot 0 with token 0 at position 0,
+        ``seq_lens`` and ``seq_lens_cpu`` ``seq_len_fill_value``, the model's declared static
+        inputs their ``pad_value`` (:mod:`.padded_eager`)."""
+        from .padded_eager import pad_extra, pad_host, pad_rows
+
+        tokens = padded * self.num_tokens_per_req
+        specs = declared_static_inputs(self.model, reserved=[name for name, _, _ in _DECODE_SLOTS])
+        return batch.replace(
+            input_ids=pad_rows(batch.input_ids, tokens, 0),
+            positions=pad_rows(batch.positions, tokens, 0),
+            out_cache_loc=pad_rows(batch.out_cache_loc, tokens, 0),
+            req_pool_indices=pad_rows(batch.req_pool_indices, padded, 0),
+            seq_lens=pad_rows(batch.seq_lens, padded, self.seq_len_fill_value),
+            seq_lens_cpu=pad_host(batch.seq_lens_cpu, padded, self.seq_len_fill_value),
+            extra=pad_extra(
+                batch.extra, specs, batch.batch_size, padded, self.num_tokens_per_req, batch.input_ids.device
+            )
+            if specs
+            else batch.extra,
+        )

@@ -103,6 +103,9 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     phase: ClassVar[str] = "prefill"
     mode: ForwardMode = ForwardMode.EXTEND
     default_max_size: ClassVar[int] = 4096
+    #: A padded size above this multiple of the token count runs eagerly (and, under
+    #: ``padded_eager``, at its live size: :mod:`.padded_eager`).
+    max_padding_ratio: ClassVar[int] = MAX_PADDING_RATIO
 
     def __init__(
         self, model: GraphModel, config: ConfigInput = None, *, max_request_tokens: Optional[int] = None, **kwargs: Any
@@ -149,7 +152,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         """How ``batch`` replays, or None: EXTEND, captured, within the maximum, and padded
         to at most ``MAX_PADDING_RATIO`` times its token count."""
         decision = super().decide(batch)
-        if decision is None or decision.padded > MAX_PADDING_RATIO * decision.size:
+        if decision is None or decision.padded > self.max_padding_ratio * decision.size:
             return None
         return decision
 
@@ -275,3 +278,15 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def eager_forward(self, batch: ForwardBatch) -> Any:
         with forward_context(batch):
             return self.model.compute_logits(self.model.forward(batch), batch)
+
+    def pad_batch(self, batch: ForwardBatch, padded: int) -> ForwardBatch:
+        """``batch`` padded to ``padded`` tokens as :meth:`replay_prepare` pads it (new
+        tensors): token 0 at position 0 into KV slot 0 past the live tokens; request
+        fields the live ones (:mod:`.padded_eager`)."""
+        from .padded_eager import pad_rows
+
+        return batch.replace(
+            input_ids=pad_rows(batch.input_ids, padded, 0),
+            positions=pad_rows(batch.positions, padded, 0),
+            out_cache_loc=pad_rows(batch.out_cache_loc, padded, 0),
+        )
