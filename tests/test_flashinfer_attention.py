@@ -20,12 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from cuda_graph_runner.forward_batch import ForwardMode
+from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.model import ATTENTION_BACKENDS, PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.model import flashinfer_attention as fia
 from cuda_graph_runner.testing.reference_setup import staggered_decode_case
 from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.weak_ref import weak_ref_tensors
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
@@ -62,9 +64,13 @@ class FakeStream:
 
 class FakeEvent:
     stream: FakeStream
+    waits = 0  # device-side waits of a stream on this event
 
     def record(self) -> None:
         self.seq = self.stream.enqueued
+
+    def wait(self) -> None:
+        self.waits += 1
 
     def query(self) -> bool:
         return self.stream.completed >= self.seq
@@ -423,3 +429,118 @@ def test_run_py_refuses_a_missing_attention_package_before_any_work(monkeypatch,
     err = capsys.readouterr().err
     assert "attention='flashinfer' needs the flashinfer-python package" in err and "Traceback" not in err
     assert not out.exists()  # nothing was written
+
+
+def _breakable_prefill(model: Any, *, alias_args: bool) -> PrefillCudaGraphRunner:
+    backend = BreakableCudaGraphBackend(
+        "cpu", phase="prefill", device_module=EmulatedGraphDeviceModule(), memory_pool="pool-0"
+    )
+    if alias_args:
+        # What breakable does to CUDA arguments of an eager break: non-owning aliases, new
+        # tensor objects over the same memory (the KV cache, req_to_token).
+        backend.freeze = weak_ref_tensors  # type: ignore[method-assign]
+    return PrefillCudaGraphRunner(
+        model, {"prefill": {"bs": [16, 32]}}, device="cpu", backend=backend, show_progress=False
+    )
+
+
+def test_a_breakable_prefill_replay_over_aliased_arguments_runs_the_hooks_plan(fake):
+    model = fi_model()
+    twin = torch_twin(model)
+    backend = model.attn_backend
+    assert isinstance(backend, fia.FlashInferAttention)
+    runner = _breakable_prefill(model, alias_args=True)
+    table = model.kv_cache.req_to_token
+    with torch.no_grad():
+        runner.capture()
+        for lengths in ([4, 7, 2], [16], [9, 9]):  # padded, on a bucket, padded again
+            batch = make_extend_batch(model.kv_cache, make_dummy_prompts(len(lengths), lengths, 256, seed=len(lengths)))
+            start = len(backend.plan_log)
+            got = runner.forward(batch).clone()
+            torch.testing.assert_close(got, eager_logits_fn(twin)(batch), **TOL, msg=str(lengths))
+            # The replay hook's plan served every layer: the op found it made for this batch
+            # (same table by storage, though its argument is another tensor object).
+            assert [k for k, _, _ in list(backend.plan_log)[start:]] == ["replay"], lengths
+        assert backend.req_to_token is table  # the owning table is kept, never the alias
+        # An eager decode after it is planned once (its plan was made over the same table).
+        session, batch, expected = staggered_decode_case(model, 2, seed=3)
+        start = len(backend.plan_log)
+        torch.testing.assert_close(eager_logits_fn(model)(batch), expected, **TOL)
+        assert [k for k, _, _ in list(backend.plan_log)[start:]] == ["eager"]
+        session.close()
+
+
+def test_a_plan_key_compares_no_tensor_and_tells_tables_and_rows_apart():
+    table = torch.zeros(4, 8, dtype=torch.int64)
+    batch = types.SimpleNamespace(req_pool_indices=torch.tensor([1, 2]))
+    key = fia._prefill_key(batch, [3, 4], [0, 1], table)  # type: ignore[arg-type]
+    assert key == fia._prefill_key(batch, [3, 4], [0, 1], weak_ref_tensors(table))  # type: ignore[arg-type]
+    assert key != fia._prefill_key(batch, [3, 4], [0, 1], table.clone())  # type: ignore[arg-type]
+    other_rows = types.SimpleNamespace(req_pool_indices=torch.tensor([1, 2]))
+    assert key != fia._prefill_key(other_rows, [3, 4], [0, 1], table)  # type: ignore[arg-type]
+    assert all(not isinstance(x, torch.Tensor) for x in key)
+
+
+def test_a_plan_that_raises_still_guards_its_pinned_buffer(fake, monkeypatch):
+    model = fi_model()
+    session, batch, expected = staggered_decode_case(model, 2, seed=6)  # the geometry is learnt
+    backend = model.attn_backend
+    assert isinstance(backend, fia.FlashInferAttention) and backend._eager_decode is not None
+    cls = type(backend._eager_decode.wrapper)
+    real_plan, fail = cls.plan, []
+
+    def plan(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_plan(self, *args, **kwargs)  # its copy is enqueued
+        if fail:
+            raise RuntimeError("plan failed after its copy was enqueued")
+
+    monkeypatch.setattr(cls, "plan", plan)
+    with torch.no_grad():
+        model.init_forward_metadata(batch)
+        model.init_forward_metadata(batch)
+        fail.append(True)
+        with pytest.raises(RuntimeError, match="plan failed"):
+            model.init_forward_metadata(batch)  # its buffer's copy stays pending on the device
+        fail.clear()
+        waits = backend.pinned_ring.waits
+        model.init_forward_metadata(batch)
+        model.init_forward_metadata(batch)  # that buffer again: waits for the failed plan's copy
+        assert backend.pinned_ring.waits == waits + 2
+        torch.testing.assert_close(eager_logits_fn(model)(batch), expected, **TOL)
+    session.close()
+
+
+def test_plans_and_runs_on_two_streams_are_ordered(fake, monkeypatch):
+    model = fi_model()
+    twin = torch_twin(model)
+    backend = model.attn_backend
+    assert isinstance(backend, fia.FlashInferAttention)
+    stream = {"id": 2}
+    monkeypatch.setattr(fia, "_stream_id", lambda: stream["id"])
+
+    def kinds_of(step: Any) -> List[str]:
+        start = len(backend.plan_log)
+        step()
+        return [k for k, _, _ in list(backend.plan_log)[start:]]
+
+    def forward_without_hook() -> None:
+        with forward_context(batch):
+            outputs.append(model.compute_logits(model.forward(batch), batch))
+
+    outputs: List[torch.Tensor] = []
+    batch = make_extend_batch(model.kv_cache, make_dummy_prompts(2, [5, 3], model.config.vocab_size, seed=8))
+    with torch.no_grad():
+        outputs.append(eager_logits_fn(model)(batch))  # the first forward: the geometry is learnt
+        assert kinds_of(lambda: outputs.append(eager_logits_fn(model)(batch))) == ["eager"]  # planned, run on 2
+        event, _ = backend._runs[backend._prefill]
+        waits = event.waits
+        stream["id"] = 1
+        assert kinds_of(lambda: model.init_forward_metadata(batch)) == ["eager"]  # a hook on stream 1 ...
+        assert event.waits == waits + 1  # ... waits on the device for the runs of stream 2 first
+        stream["id"] = 2
+        assert kinds_of(forward_without_hook) == ["forward"]  # stream 1's plan is not run on stream 2
+        assert kinds_of(lambda: model.init_forward_metadata(batch)) == ["eager"]
+        assert kinds_of(forward_without_hook) == []  # one stream: the hook's plan serves
+    expected = eager_logits_fn(twin)(batch)
+    for got in outputs:
+        torch.testing.assert_close(got, expected, **TOL)

@@ -33,7 +33,17 @@ FlashInfer's ``plan()`` fills a pinned host buffer and copies it to the device w
 asynchronous copy, and re-planning the same wrapper overwrites that buffer: the backend
 keeps a ring of two pinned buffers and an event per buffer, and a plan first waits for the
 copy that last read its buffer (:class:`PinnedPlanRing`, shared by the backend's
-wrappers; in steady state that copy ran two steps ago, so it never waits).
+wrappers; in steady state that copy ran two steps ago, so it never waits). The event is
+recorded after every plan, one that raised included (its copy may already be enqueued).
+
+A plan's device buffers (page ids, indptr, the wrapper's int workspace) are written on
+the stream that planned, and freed to that stream's allocator when the next plan replaces
+them; so the eager wrappers (extend, eager decode) run only with a plan made on the stream
+they run on: a run on another stream (a capture's eager breaks run on the capture stream,
+the hooks on the caller's) plans again there first. The plan of the extend wrapper is
+keyed by what it depends on: the batch, its host lengths, the ``req_to_token`` table by
+storage (address, shape, strides: a backend may pass a non-owning alias of the same table,
+as breakable does for an eager break's arguments) and the request rows' tensor.
 
 FlashInfer has no float32 kernels: a float32 model is refused (ValueError naming the
 dtypes it takes). Needs ``flashinfer-python`` (``pip install 'cuda-graph-runner[flashinfer]'``),
@@ -42,11 +52,13 @@ imported at the first plan, and CUDA tensors.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,6 +75,9 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 #: The head dims FlashInfer's attention kernels are generated for.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+#: Entries of :attr:`FlashInferAttention.plan_log` kept (the oldest are dropped past it:
+#: one plan per replay would otherwise grow without bound).
+PLAN_LOG_SIZE = 1024
 
 _instances: "weakref.WeakValueDictionary[int, FlashInferAttention]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -102,10 +117,13 @@ class PinnedPlanRing:
     :meth:`before_plan` waits for that event, then hands the buffer to the wrapper (its
     ``_pin_memory_int_workspace_buffer``). One ring per backend keeps pinned memory at two
     buffers however many sizes are captured (the wrappers' own buffers are released).
+    :meth:`planning` brackets one plan and records the event even when the plan raises
+    (its copy may be enqueued already), so a failed plan leaves no unguarded copy.
 
     Args:
         event_factory: ``() -> event`` with ``record()``, ``query()``, ``synchronize()``
-            (``torch.cuda.Event`` on CUDA; tests pass fakes).
+            (``torch.cuda.Event`` on CUDA; tests pass fakes); one event per buffer, made
+            once and re-recorded.
         size: buffers in the ring (>= 1).
 
     Attributes:
@@ -116,13 +134,19 @@ class PinnedPlanRing:
         self.event_factory = event_factory
         self.buffers: List[Optional[torch.Tensor]] = [None] * size
         self.events: List[Any] = [None] * size
+        self.recorded: List[bool] = [False] * size
         self.index = size - 1
         self.waits = 0
+
+    @property
+    def last_event(self) -> Any:
+        """The event recorded after the latest plan (None before the first)."""
+        return self.events[self.index] if self.recorded[self.index] else None
 
     def before_plan(self, wrapper: Any) -> None:
         self.index = (self.index + 1) % len(self.buffers)
         event = self.events[self.index]
-        if event is not None and not event.query():
+        if self.recorded[self.index] and not event.query():
             self.waits += 1
             event.synchronize()
         own = wrapper._pin_memory_int_workspace_buffer
@@ -137,9 +161,35 @@ class PinnedPlanRing:
         wrapper._pin_memory_int_workspace_buffer = buffer
 
     def after_plan(self) -> None:
-        event = self.event_factory()
+        event = self.events[self.index]
+        if event is None:
+            event = self.events[self.index] = self.event_factory()
         event.record()
-        self.events[self.index] = event
+        self.recorded[self.index] = True
+
+    @contextlib.contextmanager
+    def planning(self, wrapper: Any) -> Iterator[None]:
+        """``before_plan(wrapper)``, the block (the wrapper's ``plan()``), then
+        ``after_plan()`` whether or not the block raised."""
+        self.before_plan(wrapper)
+        try:
+            yield
+        finally:
+            self.after_plan()
+
+
+def table_key(t: torch.Tensor) -> tuple:
+    """What identifies a ``req_to_token`` table for a plan made from it: its storage
+    address, shape and strides (two tensor objects viewing one table, e.g. a non-owning
+    alias, give one key; a new table gives another). Never compares values (that would
+    read the device)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def _stream_id() -> int:
+    """The current CUDA stream's handle (0 without CUDA): the stream a plan's device
+    buffers are written and freed on."""
+    return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -185,19 +235,16 @@ def _host_lens(values: Optional[Sequence[int]], what: str) -> List[int]:
     return [int(x) for x in values]
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in pinned memory where CUDA is: a host-to-device copy from it is truly
-    asynchronous (from pageable memory the driver may wait for the stream), and the caching
-    host allocator keeps the block until the copy ran."""
-    return t.pin_memory() if torch.cuda.is_available() else t
+def _pinned_ints(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of ``values``, made in pinned memory at once where CUDA is: a
+    host-to-device copy from it is truly asynchronous (from pageable memory the driver may
+    wait for the stream), and the caching host allocator keeps the block until the copy ran."""
+    return torch.tensor(values, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
 def _indptr(lens: Sequence[int]) -> torch.Tensor:
-    """``[len(lens) + 1]`` int32 host running sum, pinned (:func:`_pinned`)."""
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    if lens:
-        torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
-    return _pinned(out)
+    """``[len(lens) + 1]`` int32 host running sum, pinned (:func:`_pinned_ints`)."""
+    return _pinned_ints([0, *itertools.accumulate(lens)], torch.int32)
 
 
 def write_page_ids(
@@ -214,7 +261,7 @@ def write_page_ids(
     if total > out.numel():
         raise ValueError(f"page-id buffer of {out.numel()} entries cannot hold {total} page ids")
     device = out.device
-    lens = _pinned(torch.tensor(list(kv_lens), dtype=torch.int64)).to(device, non_blocking=True)
+    lens = _pinned_ints(list(kv_lens), torch.int64).to(device, non_blocking=True)
     req = torch.repeat_interleave(lens, output_size=total)  # request i, lens[i] times: no sync
     starts = torch.cumsum(lens, 0) - lens
     col = torch.arange(total, device=device) - starts[req]
@@ -235,7 +282,8 @@ class FlashInferAttention(AttentionBackend):
         states: per-size decode state by graph key.
         state_builds: how often each key's wrapper was built (1 per key between cleanups).
         geometry: learned from the first layer's call (None before).
-        plan_log: ``(wrapper kind, graph key or None, host kv lengths)`` per plan, oldest first.
+        plan_log: ``(wrapper kind, graph key or None, host kv lengths)`` per plan, oldest
+            first (the latest :data:`PLAN_LOG_SIZE`).
 
     Raises (at a forward or a plan):
         ValueError: a float32 (or other unsupported) dtype, names the accepted ones; a
@@ -265,15 +313,18 @@ class FlashInferAttention(AttentionBackend):
         self.req_to_token: Optional[torch.Tensor] = None
         self.states: Dict[tuple, DecodeState] = {}
         self.state_builds: Dict[tuple, int] = {}
-        self.plan_log: List[Tuple[str, Optional[tuple], List[int]]] = []
+        self.plan_log: Deque[Tuple[str, Optional[tuple], List[int]]] = collections.deque(maxlen=PLAN_LOG_SIZE)
         self._workspace: Optional[torch.Tensor] = None
         self._eager_decode: Optional[DecodeState] = None
         self._prefill: Any = None
         self.pinned_ring = PinnedPlanRing(event_factory or torch.cuda.Event)
+        # Per wrapper: the event recorded after its latest eager run, and that run's stream.
+        self._runs: "weakref.WeakKeyDictionary[Any, Tuple[Any, int]]" = weakref.WeakKeyDictionary()
         self._last_page_lens: Dict[int, torch.Tensor] = {}
-        # What the eager decode / prefill wrappers were last planned for: (batch ref, lengths).
-        self._eager_plan: Optional[Tuple[Any, tuple, Any]] = None  # (batch ref, lengths, req_to_token)
-        self._prefill_plan: Optional[Tuple[Any, tuple, Any]] = None
+        # What the eager decode / prefill wrappers were last planned for: (batch ref, lengths,
+        # table_key of req_to_token, stream id) / (batch ref, _prefill_key(...)).
+        self._eager_plan: Optional[Tuple[Any, tuple, tuple, int]] = None
+        self._prefill_plan: Optional[Tuple[Any, tuple]] = None
         self._eager_pending: Optional[Tuple[Any, tuple]] = None
 
     # -- setup -------------------------------------------------------------------------
@@ -306,7 +357,12 @@ class FlashInferAttention(AttentionBackend):
         )
         if self.geometry is None:
             self.geometry = geometry
-        self.req_to_token = call.req_to_token  # the latest table: a model may attach another cache
+        table = call.req_to_token
+        # The latest table (a model may attach another cache), kept as the tensor first seen
+        # for its storage: an alias of it (breakable's eager breaks get non-owning ones) would
+        # dangle once the cache is freed.
+        if self.req_to_token is None or table_key(self.req_to_token) != table_key(table):
+            self.req_to_token = table
         return self.geometry
 
     def _workspace_buffer(self) -> torch.Tensor:
@@ -339,18 +395,41 @@ class FlashInferAttention(AttentionBackend):
             )
 
     # -- plans -------------------------------------------------------------------------
+    def _ran(self, wrapper: Any) -> None:
+        """Note an eager run of ``wrapper`` (not one recorded into a graph) on the current
+        stream, for :meth:`_after_runs_of`."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        entry = self._runs.get(wrapper)
+        event = entry[0] if entry is not None else (self.event_factory or torch.cuda.Event)()
+        event.record()
+        self._runs[wrapper] = (event, _stream_id())
+
+    def _after_runs_of(self, wrapper: Any) -> None:
+        """Order a plan of ``wrapper`` after its latest run when that ran on another stream
+        (a capture's warm-ups and eager breaks run on the capture stream, the hooks on the
+        caller's): a plan rewrites the wrapper's int workspace and index buffers, and frees
+        the ones it replaces, which that run may still be reading. A device-side wait, no
+        host sync; nothing on one stream, whose order already holds."""
+        entry = self._runs.get(wrapper)
+        stream = _stream_id()
+        if entry is not None and entry[1] != stream:
+            entry[0].wait()
+            self._runs[wrapper] = (entry[0], stream)  # this stream is ordered after that run now
+
     def _ones(self, n: int) -> torch.Tensor:
         """``last_page_len`` of ``n`` requests (page size 1): pinned, never written after
         it is made, so copies from it may still be pending when it is handed out again."""
         ones = self._last_page_lens.get(n)
         if ones is None:
-            ones = self._last_page_lens[n] = _pinned(torch.ones(n, dtype=torch.int32))
+            ones = self._last_page_lens[n] = _pinned_ints([1] * n, torch.int32)
         return ones
 
     def _plan_decode(self, state: DecodeState, batch: ForwardBatch, lens: List[int], kind: str) -> None:
         geometry, req_to_token = self.geometry, self.req_to_token
         assert geometry is not None and req_to_token is not None
         graph = state.indices is not None
+        self._after_runs_of(state.wrapper)
         if graph:
             if len(lens) != state.batch_size:
                 raise ValueError(
@@ -359,26 +438,27 @@ class FlashInferAttention(AttentionBackend):
                 )
             assert state.indices is not None
             write_page_ids(state.indices, req_to_token, batch.req_pool_indices, lens)
-            indices = state.indices[: sum(lens)]  # the buffer itself: plan's copy is a no-op
+            # The page ids are in the wrapper's own index buffer already: an empty view makes
+            # plan()'s copy of `indices` into that buffer copy nothing (it reads no more of it).
+            indices = state.indices[:0]
         else:
             indices = torch.empty(sum(lens), dtype=torch.int32, device=geometry.device)
             write_page_ids(indices, req_to_token, batch.req_pool_indices, lens)
-        self.pinned_ring.before_plan(state.wrapper)
-        state.wrapper.plan(
-            _indptr(lens),
-            indices,
-            self._ones(len(lens)),
-            geometry.num_qo_heads,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            1,
-            window_left=geometry.window_left,
-            q_data_type=geometry.dtype,
-            kv_data_type=geometry.dtype,
-            sm_scale=geometry.scaling,
-            non_blocking=True,
-        )
-        self.pinned_ring.after_plan()
+        with self.pinned_ring.planning(state.wrapper):
+            state.wrapper.plan(
+                _indptr(lens),
+                indices,
+                self._ones(len(lens)),
+                geometry.num_qo_heads,
+                geometry.num_kv_heads,
+                geometry.head_dim,
+                1,
+                window_left=geometry.window_left,
+                q_data_type=geometry.dtype,
+                kv_data_type=geometry.dtype,
+                sm_scale=geometry.scaling,
+                non_blocking=True,
+            )
         state.planned = lens
         state.pending = None
         state.plans += 1
@@ -390,27 +470,28 @@ class FlashInferAttention(AttentionBackend):
         if self._prefill is None:
             self._prefill = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(self._workspace_buffer(), "NHD")
         kv = [n + p for n, p in zip(ext, pre)]
+        self._after_runs_of(self._prefill)
         indices = torch.empty(sum(kv), dtype=torch.int32, device=geometry.device)
         write_page_ids(indices, req_to_token, batch.req_pool_indices, kv)
-        self.pinned_ring.before_plan(self._prefill)
-        self._prefill.plan(
-            _indptr(ext),
-            _indptr(kv),
-            indices,
-            self._ones(len(kv)),
-            geometry.num_qo_heads,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            1,
-            causal=True,
-            sm_scale=geometry.scaling,
-            window_left=geometry.window_left,
-            q_data_type=geometry.dtype,
-            kv_data_type=geometry.dtype,
-            non_blocking=True,
-        )
-        self.pinned_ring.after_plan()
-        self._prefill_plan = (weakref.ref(batch), (tuple(ext), tuple(pre)), req_to_token)
+        self._prefill_plan = None  # until this plan is made
+        with self.pinned_ring.planning(self._prefill):
+            self._prefill.plan(
+                _indptr(ext),
+                _indptr(kv),
+                indices,
+                self._ones(len(kv)),
+                geometry.num_qo_heads,
+                geometry.num_kv_heads,
+                geometry.head_dim,
+                1,
+                causal=True,
+                sm_scale=geometry.scaling,
+                window_left=geometry.window_left,
+                q_data_type=geometry.dtype,
+                kv_data_type=geometry.dtype,
+                non_blocking=True,
+            )
+        self._prefill_plan = (weakref.ref(batch), _prefill_key(batch, ext, pre, req_to_token))
         self.plan_log.append((kind, graph_key(batch) if isinstance(batch, StaticForwardBatch) else None, kv))
 
     def _check_mode(self, mode: ForwardMode) -> None:
@@ -441,8 +522,10 @@ class FlashInferAttention(AttentionBackend):
             if self._eager_decode is None:
                 self._eager_decode = DecodeState(("eager",), 0)
                 self._build_decode(self._eager_decode, graph=False)
+            self._eager_plan = None  # until this plan is made
             self._plan_decode(self._eager_decode, batch, list(lens[0]), "eager")
-            self._eager_plan = (weakref.ref(batch), lens, self.req_to_token)
+            assert self.req_to_token is not None
+            self._eager_plan = (weakref.ref(batch), lens, table_key(self.req_to_token), _stream_id())
         else:
             self._plan_prefill(batch, list(lens[0]), list(lens[1]), "eager")
         self._eager_pending = None
@@ -519,15 +602,18 @@ class FlashInferAttention(AttentionBackend):
             wrapper = self._decode_wrapper(batch, first)
             bs = batch.req_pool_indices.shape[0]
             wrapper.run(call.q.view(bs, heads, d), kv, out=call.output.view(bs, heads, d))
+            self._ran(wrapper)
             return
         ext, pre = _extend_lens(batch, allow_device=not isinstance(batch, StaticForwardBatch))
         plan = self._prefill_plan
-        if plan is None or plan[0]() is not batch or plan[1:] != ((tuple(ext), tuple(pre)), call.req_to_token):
-            # No hook planned this batch (or only before the geometry was known): the op runs
-            # eagerly (EXTEND is never recorded), so planning here is safe and correct.
+        if plan is None or plan[0]() is not batch or plan[1] != _prefill_key(batch, ext, pre, call.req_to_token):
+            # No hook planned this batch (or only before the geometry was known, or on another
+            # stream): the op runs eagerly (EXTEND is never recorded), so planning here is
+            # safe and correct.
             self._plan_prefill(batch, ext, pre, "forward")
         total = sum(ext)
         self._prefill.run(call.q[:total].view(total, heads, d), kv, out=call.output[:total].view(total, heads, d))
+        self._ran(self._prefill)
         call.output[total:].zero_()  # padded tail tokens belong to no request
 
     def _decode_wrapper(self, batch: ForwardBatch, first: bool) -> Any:
@@ -558,8 +644,10 @@ class FlashInferAttention(AttentionBackend):
         if pending is not None and pending[0]() is batch:
             self._plan_eager(batch)  # the hook ran before the geometry was known
         plan = self._eager_plan
-        if plan is not None and plan[0]() is batch and plan[2] is not self.req_to_token:
-            self._eager_pending = (plan[0], plan[1])  # planned over another cache's table: again
+        assert self.req_to_token is not None
+        if plan is not None and plan[0]() is batch and plan[2:] != (table_key(self.req_to_token), _stream_id()):
+            # Planned over another cache's table, or on another stream: again, here.
+            self._eager_pending = (plan[0], plan[1])
             self._plan_eager(batch)
             plan = self._eager_plan
         if plan is None or plan[0]() is not batch:
@@ -569,6 +657,16 @@ class FlashInferAttention(AttentionBackend):
             )
         assert self._eager_decode is not None
         return self._eager_decode.wrapper
+
+
+def _prefill_key(batch: ForwardBatch, ext: Sequence[int], pre: Sequence[int], req_to_token: torch.Tensor) -> tuple:
+    """What an extend plan of ``batch`` depends on besides the batch object (which a runner
+    reuses for every replay of one padded size): the host lengths, the table by storage
+    (:func:`table_key`), the request rows' tensor by address (its values are on the device)
+    and the stream the plan's buffers belong to (:func:`_stream_id`). Plain ints and tuples:
+    comparing two keys never touches a tensor."""
+    rows = batch.req_pool_indices
+    return (tuple(ext), tuple(pre), table_key(req_to_token), rows.data_ptr() if rows is not None else 0, _stream_id())
 
 
 def _extend_lens(batch: ForwardBatch, *, allow_device: bool) -> Tuple[List[int], List[int]]:
