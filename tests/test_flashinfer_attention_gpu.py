@@ -6,11 +6,16 @@
   through ``full``, ``breakable`` and ``tc_piecewise`` (eager compiler) decode and
   ``breakable`` prefill, for captured and padded sizes and a continuous-batching
   schedule (requests joining and leaving between steps);
-* the host time of one replay hook (the re-plan) in microseconds, printed as a
-  benchmark row (no wall-clock assertion).
+* the host time of one replay hook (the re-plan) in microseconds, and of its two parts
+  (the page ids written on the device, FlashInfer's ``plan()``), printed as benchmark rows
+  (no wall-clock assertion).
 
-FlashInfer JIT-compiles its decode and prefill modules with the machine's nvcc on first
-use (tens of seconds each; kept in its JIT cache afterwards). Run on the device machine:
+One device run holds the whole file (8 tests). FlashInfer JIT-compiles its decode and
+prefill modules with the machine's nvcc on first use and keeps them in its JIT cache
+(``FLASHINFER_WORKSPACE_BASE``): on an H200, 118 s for the first test's modules (decode,
+prefill) and 47 s for the tensor-core decode's, cold; every other test takes 12-18 s, so
+the file takes about 5 minutes cold, each test in its own process, and under 2 minutes
+with the cache carried. Run on the device machine:
 ``python -m pytest tests/test_flashinfer_attention_gpu.py -s``.
 """
 
@@ -164,17 +169,44 @@ def _continuous_batching(model: Any, runner: Any) -> None:
 
 
 def _plan_microseconds(model: Any, runner: Any, batch: Any) -> None:
-    """Host microseconds of the replay hook (page ids written, wrapper re-planned): a row."""
+    """Host microseconds of the replay hook (page ids written, wrapper re-planned), and of
+    each part alone: rows."""
+    from cuda_graph_runner.testing.model.flashinfer_attention import _indptr, write_page_ids
+
     _, static = runner.replay_prepare(batch)
+    backend = model.attn_backend
+    state = backend.states[(static.forward_mode, 1, static.req_pool_indices.shape[0], "")]
+    lens = list(static.seq_lens_cpu)
     hook = model.init_forward_metadata_replay
-    torch.cuda.synchronize()
-    n = 200
-    start = time.perf_counter()
-    for _ in range(n):
-        hook(static)
-    elapsed = (time.perf_counter() - start) / n * 1e6
-    torch.cuda.synchronize()
-    print(f"\nflashinfer replay plan: {elapsed:.1f} us of host time per replay (batch size 3 padded to 4)")
+
+    def page_ids() -> None:
+        write_page_ids(state.indices, backend.req_to_token, static.req_pool_indices, lens)
+
+    indptr, g = _indptr(lens), backend.geometry  # the same values every time: one host tensor
+
+    def plan_only() -> None:
+        with backend.pinned_ring.planning(state.wrapper):
+            state.wrapper.plan(
+                indptr,
+                state.indices[:0], backend._ones(len(lens)), g.num_qo_heads, g.num_kv_heads, g.head_dim, 1,
+                window_left=g.window_left, q_data_type=g.dtype, kv_data_type=g.dtype, sm_scale=g.scaling,
+                non_blocking=True,
+            )  # fmt: skip
+
+    rows = {}
+    for what, fn in (("replay hook", lambda: hook(static)), ("page ids", page_ids), ("plan()", plan_only)):
+        torch.cuda.synchronize()
+        n = 200
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rows[what] = (time.perf_counter() - start) / n * 1e6
+        torch.cuda.synchronize()
+    hook(static)  # the graph's buffers hold this batch's plan again
+    print(
+        f"\nflashinfer replay plan: {rows['replay hook']:.1f} us of host time per replay (batch size 3 padded "
+        f"to 4): page ids {rows['page ids']:.1f} us, FlashInfer plan() {rows['plan()']:.1f} us"
+    )
 
 
 def test_prefill_replay_equals_eager_and_never_synchronizes(pair):
@@ -193,6 +225,7 @@ def test_prefill_replay_equals_eager_and_never_synchronizes(pair):
     finally:
         free_requests(cache, *batches.values())
         runner.cleanup()
+        torch.cuda.synchronize()  # a fault of any kernel above fails this test, not the teardown
 
 
 @pytest.mark.parametrize("attention", ["flashinfer", "flashinfer_tc"])
