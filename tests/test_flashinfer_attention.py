@@ -544,3 +544,17 @@ def test_plans_and_runs_on_two_streams_are_ordered(fake, monkeypatch):
     expected = eager_logits_fn(twin)(batch)
     for got in outputs:
         torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_an_extend_or_eager_decode_recorded_into_a_graph_is_refused(fake, monkeypatch):
+    model = fi_model()
+    batch = make_extend_batch(model.kv_cache, make_dummy_prompts(2, [5, 3], model.config.vocab_size, seed=9))
+    with torch.no_grad():
+        eager_logits_fn(model)(batch)  # the geometry is learnt
+        monkeypatch.setattr(fia, "_capturing", lambda: True)  # as under a graph capture of `full`
+        with pytest.raises(fia.FlashInferPlanError, match=r"extend forward of a live batch is being recorded"):
+            eager_logits_fn(model)(batch)
+        session, decode, _ = staggered_decode_case(torch_twin(model), 2, seed=9)
+        with pytest.raises(fia.FlashInferPlanError, match=r"decode forward of a live batch is being recorded"):
+            eager_logits_fn(model)(decode)
+        session.close()

@@ -47,7 +47,7 @@ as breakable does for an eager break's arguments) and the request rows' tensor.
 
 FlashInfer has no float32 kernels: a float32 model is refused (ValueError naming the
 dtypes it takes). Needs ``flashinfer-python`` (``pip install 'cuda-graph-runner[flashinfer]'``),
-imported at the first plan, and CUDA tensors.
+imported when the backend is built (:func:`make_flashinfer_attention`), and CUDA tensors.
 """
 
 from __future__ import annotations
@@ -138,11 +138,6 @@ class PinnedPlanRing:
         self.index = size - 1
         self.waits = 0
 
-    @property
-    def last_event(self) -> Any:
-        """The event recorded after the latest plan (None before the first)."""
-        return self.events[self.index] if self.recorded[self.index] else None
-
     def before_plan(self, wrapper: Any) -> None:
         self.index = (self.index + 1) % len(self.buffers)
         event = self.events[self.index]
@@ -184,6 +179,11 @@ def table_key(t: torch.Tensor) -> tuple:
     alias, give one key; a new table gives another). Never compares values (that would
     read the device)."""
     return (t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is recording a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _stream_id() -> int:
@@ -398,7 +398,7 @@ class FlashInferAttention(AttentionBackend):
     def _ran(self, wrapper: Any) -> None:
         """Note an eager run of ``wrapper`` (not one recorded into a graph) on the current
         stream, for :meth:`_after_runs_of`."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return
         entry = self._runs.get(wrapper)
         event = entry[0] if entry is not None else (self.event_factory or torch.cuda.Event)()
@@ -598,6 +598,17 @@ class FlashInferAttention(AttentionBackend):
         geometry = self._learn(call)
         kv = (call.k_cache.unsqueeze(1), call.v_cache.unsqueeze(1))  # [slots, page_size 1, kv_heads, d]
         heads, d = geometry.num_qo_heads, geometry.head_dim
+        decode_graph = batch.forward_mode is ForwardMode.DECODE and isinstance(batch, StaticForwardBatch)
+        if not decode_graph and _capturing():
+            # Only a decode graph's wrapper has buffers at fixed addresses that the replay hook
+            # re-plans in place; the eager wrappers' plans make new tensors every time, so a
+            # recorded run would replay the capture's plan over freed memory.
+            raise FlashInferPlanError(
+                f"attention {self.name!r}: a {batch.forward_mode.value} forward of "
+                f"{'a static' if isinstance(batch, StaticForwardBatch) else 'a live'} batch is being recorded "
+                "into a graph; only decode graphs are capture-safe (prefill: use backend breakable or "
+                "tc_piecewise, which run this op eagerly between graph pieces)"
+            )
         if batch.forward_mode is ForwardMode.DECODE:
             wrapper = self._decode_wrapper(batch, first)
             bs = batch.req_pool_indices.shape[0]
@@ -626,7 +637,7 @@ class FlashInferAttention(AttentionBackend):
                     "(init_forward_metadata_capture) did not run for it, or cleanup dropped it"
                 )
             if state.wrapper is None or state.pending is not None:
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                if _capturing():
                     raise FlashInferPlanError(
                         f"attention {self.name!r}: graph {key} is being recorded with no plan (the capture hook "
                         "ran before the model's first forward and no warm-up forward ran before the capture)"
