@@ -558,3 +558,15 @@ def test_an_extend_or_eager_decode_recorded_into_a_graph_is_refused(fake, monkey
         with pytest.raises(fia.FlashInferPlanError, match=r"decode forward of a live batch is being recorded"):
             eager_logits_fn(model)(decode)
         session.close()
+
+
+def test_page_ids_are_each_requests_row_prefix_in_order():
+    table = torch.arange(5 * 6, dtype=torch.int64).view(5, 6) + 100
+    rows = torch.tensor([3, 1, 4, 0])
+    lens = [2, 0, 6, 1]  # an empty request included
+    out = torch.full((16,), -1, dtype=torch.int32)
+    assert fia.write_page_ids(out, table, rows, lens) == 9
+    want = [int(table[r, c]) for r, n in zip(rows.tolist(), lens) for c in range(n)]
+    assert out[:9].tolist() == want and out[9:].eq(-1).all()
+    with pytest.raises(ValueError, match="page-id buffer of 16 entries cannot hold 18 page ids"):
+        fia.write_page_ids(out, table, rows[:3], [6, 6, 6])

@@ -247,6 +247,20 @@ def _indptr(lens: Sequence[int]) -> torch.Tensor:
     return _pinned_ints([0, *itertools.accumulate(lens)], torch.int32)
 
 
+_aranges: Dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int64 on ``device``, a view of one kept tensor grown by doubling: one
+    kernel less per plan."""
+    kept = _aranges.get(device)
+    if kept is None or kept.numel() < n:
+        kept = _aranges[device] = torch.arange(
+            max(n, 2 * (kept.numel() if kept is not None else 0), 1024), device=device
+        )
+    return kept[:n]
+
+
 def write_page_ids(
     out: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: Sequence[int]
 ) -> int:
@@ -254,19 +268,25 @@ def write_page_ids(
     request after another into ``out[:sum(kv_lens)]`` (int32), on ``out``'s device, with
     shapes from the host lengths only (no device-to-host read). Returns ``sum(kv_lens)``.
 
+    The lengths and their running starts go to the device in one copy; then a few index
+    kernels (sglang writes the same ids with one Triton kernel,
+    ``create_flashinfer_kv_indices_triton``).
+
     Raises:
         ValueError: ``out`` holds fewer than ``sum(kv_lens)`` entries.
     """
-    total = int(sum(kv_lens))
+    lens = [int(n) for n in kv_lens]
+    n = len(lens)
+    starts = [0, *itertools.accumulate(lens)]
+    total = starts[-1]
     if total > out.numel():
         raise ValueError(f"page-id buffer of {out.numel()} entries cannot hold {total} page ids")
     device = out.device
-    lens = _pinned_ints(list(kv_lens), torch.int64).to(device, non_blocking=True)
-    req = torch.repeat_interleave(lens, output_size=total)  # request i, lens[i] times: no sync
-    starts = torch.cumsum(lens, 0) - lens
-    col = torch.arange(total, device=device) - starts[req]
+    meta = _pinned_ints(lens + starts[:-1], torch.int64).to(device, non_blocking=True)
+    req = torch.repeat_interleave(meta[:n], output_size=total)  # request i, lens[i] times: no sync
+    col = _arange(total, device) - meta[n:][req]
     rows = req_pool_indices.to(torch.int64)[req]
-    out[:total] = req_to_token[rows, col].to(torch.int32)
+    out[:total].copy_(req_to_token[rows, col])  # the copy casts to int32
     return total
 
 
