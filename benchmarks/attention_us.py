@@ -7,11 +7,15 @@ cache per layer, as the model has) are
 
 * recorded in one CUDA graph and replayed (``graph_us``: the device time per call, what a
   captured decode step pays), and
-* run eagerly (``eager_us``: device plus host launch time per call).
+* run eagerly (``eager_us``: device plus host launch time per call);
+
+``plan_us`` is the host time of one replay hook per step (0 for an attention that plans
+nothing; FlashInfer's re-plan for ``flashinfer``, ``flashinfer_tc``), which a graph replay of
+a plan-based attention also runs before each replay in ``graph_us``.
 
 Ratios in one run; nothing asserted. Usage (device machine)::
 
-    python benchmarks/attention_us.py --attention torch triton --contexts 512 4096 --out $OUT
+    python benchmarks/attention_us.py --attention torch triton flashinfer --contexts 512 4096 --out $OUT
 """
 
 from __future__ import annotations
@@ -20,18 +24,20 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, as_static_batch
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.testing.model import PRESETS
 from cuda_graph_runner.testing.model.attention_backend import attention_backend_names, make_attention_backend
 
 
 def time_attention(name: str, preset: str, context: int, replays: int) -> Dict[str, float]:
-    """``{"graph_us", "eager_us"}`` per layer per call of attention ``name``."""
+    """``{"graph_us", "eager_us"}`` per layer per call of attention ``name``, and ``plan_us``
+    of host time per step."""
     c = PRESETS[preset]
     layers, kv_heads, d, heads = c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.num_attention_heads
     backend = make_attention_backend(name)
@@ -55,28 +61,47 @@ def time_attention(name: str, preset: str, context: int, replays: int) -> Dict[s
             backend.forward(out, q, ks[i], vs[i], r2t, d**-0.5, c.sliding_window or 0, i == layers - 1)
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.no_grad(), forward_context(batch):
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(replays):
+    # A plan-based attention (flashinfer) runs as the runner drives it: its graph on a static
+    # batch planned by the capture hook and re-planned by the replay hook before every replay,
+    # its eager steps each planned by the eager hook. Others plan nothing: these are no-ops.
+    plans = backend.plans
+    static = as_static_batch(batch) if plans else batch
+    replan = (lambda: backend.init_forward_metadata_replay_cuda_graph(static)) if plans else (lambda: None)
+    eager_plan = (lambda: backend.init_forward_metadata(batch)) if plans else (lambda: None)
+    with torch.no_grad():
+        with forward_context(static):
+            if plans:
+                backend.init_forward_metadata_capture_cuda_graph(static)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            replan()
             graph.replay()
-        end.record()
-        end.synchronize()
-        graph_us = start.elapsed_time(end) * 1e3 / (replays * layers)
-        start.record()
-        for _ in range(replays):
-            step()
-        end.record()
-        end.synchronize()
-        eager_us = start.elapsed_time(end) * 1e3 / (replays * layers)
-    return {"graph_us": graph_us, "eager_us": eager_us}
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(replays):
+                replan()
+                graph.replay()
+            end.record()
+            end.synchronize()
+            graph_us = start.elapsed_time(end) * 1e3 / (replays * layers)
+            host = time.perf_counter()
+            for _ in range(replays):
+                replan()
+            plan_us = (time.perf_counter() - host) * 1e6 / replays
+            torch.cuda.synchronize()
+        with forward_context(batch):
+            start.record()
+            for _ in range(replays):
+                eager_plan()
+                step()
+            end.record()
+            end.synchronize()
+            eager_us = start.elapsed_time(end) * 1e3 / (replays * layers)
+    return {"graph_us": graph_us, "eager_us": eager_us, "plan_us": plan_us}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -91,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("attention_us.py needs a CUDA device", file=sys.stderr)
         return 2
     results: Dict[str, Any] = {"model": args.model, "device": torch.cuda.get_device_name(), "rows": []}
-    print(f"{args.model} attention, batch 1, µs per layer per call (graph replay | eager)")
+    print(f"{args.model} attention, batch 1, µs per layer per call (graph replay | eager), plan µs per step")
     for context in args.contexts:
         for name in args.attention:
             try:
@@ -100,7 +125,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"  {name:>16} context {context:>5}: failed: {type(exc).__name__}: {exc}", flush=True)
                 continue
             results["rows"].append({"attention": name, "context": context, **row})
-            print(f"  {name:>16} context {context:>5}: {row['graph_us']:8.2f} | {row['eager_us']:8.2f}", flush=True)
+            print(
+                f"  {name:>16} context {context:>5}: {row['graph_us']:8.2f} | {row['eager_us']:8.2f}, "
+                f"plan {row['plan_us']:7.1f}",
+                flush=True,
+            )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "attention_us.json"), "w") as f:

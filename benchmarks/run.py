@@ -90,7 +90,7 @@ from cuda_graph_runner.bench_args import attention_arg  # noqa: E402
 from cuda_graph_runner.bench_backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
 from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
-from cuda_graph_runner.forward_batch import ForwardBatch  # noqa: E402
+from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch  # noqa: E402
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.integers import count_arg  # noqa: E402
 from cuda_graph_runner.pool import graph_owned_cublas_workspace  # noqa: E402
@@ -98,7 +98,11 @@ from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
-from cuda_graph_runner.testing.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM  # noqa: E402
+from cuda_graph_runner.testing.model import (  # noqa: E402
+    DEFAULT_ATTENTION,
+    ReferenceLlamaForCausalLM,
+    make_attention_backend,
+)
 
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL_TOKENS = [128, 512, 2048]
@@ -114,14 +118,22 @@ class HandWrittenGraph:
     """One ``torch.cuda.CUDAGraph`` for exactly one batch size, no runner in between.
 
     Its ``__call__`` copies the live batch's five inputs into its static tensors and
-    replays: the least any integration can do per step. ``use_graph=False`` (the CPU
-    smoke test only) runs the model eagerly on the static tensors instead.
+    replays: the least any integration can do per step. With a plan-based attention it
+    also runs the model's capture hook before the warm-ups and its replay hook (the same
+    re-plan the runner runs) before every replay, on a static batch. ``use_graph=False``
+    (the CPU smoke test only) runs the model eagerly on the static tensors instead.
     """
 
     FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
 
     def __init__(self, model: Any, batch: ForwardBatch, pool: Any, use_graph: bool = True) -> None:
-        self.static = batch.replace(**{f: getattr(batch, f).clone() for f in self.FIELDS})
+        static = {f: getattr(batch, f).clone() for f in self.FIELDS}
+        self.plan_replay = getattr(model, "init_forward_metadata_replay", None)
+        if self.plan_replay is not None:
+            self.static: ForwardBatch = as_static_batch(batch, **static)
+            model.init_forward_metadata_capture(self.static)
+        else:
+            self.static = batch.replace(**static)
         self.model = model
         self.graph: Any = None
         fn = lambda: model.compute_logits(_model_forward(model, self.static), self.static)  # noqa: E731
@@ -144,6 +156,9 @@ class HandWrittenGraph:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         for f in self.FIELDS:
             getattr(self.static, f).copy_(getattr(batch, f), non_blocking=True)
+        if self.plan_replay is not None:
+            self.static.seq_lens_cpu = batch.seq_lens_cpu
+            self.plan_replay(self.static)
         if self.graph is None:
             with forward_context(self.static):
                 return self.fn()
@@ -527,11 +542,11 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
     on_cuda = device == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
     model = ReferenceLlamaForCausalLM.from_preset(name, dtype=dtype, device=device, attention=args.attention)
-    # The hand-written baselines record the model without the runner's metadata hooks:
-    # only an attention that plans nothing can be timed there.
+    # torch.compile's reduce-overhead records the model without the metadata hooks: only an
+    # attention that plans nothing can be timed there (the hand-written graph runs the hooks).
     baselines = not model.attn_backend.plans
     if not baselines:
-        results.note(f"{name}: attention {args.attention} plans on the host: hand_graph and reduce_overhead not timed")
+        results.note(f"{name}: attention {args.attention} plans on the host: reduce_overhead not timed")
     bs_list = sorted(args.batch_sizes)
     context = args.prompt_len + 16
     max_reqs = sum(bs_list) + 2
@@ -547,9 +562,8 @@ def run_model(name: str, args: argparse.Namespace, results: Results, device: str
         for bs in bs_list:
             b = batches[bs]
             methods[bs]["eager"] = lambda b=b: eager(b)
-            if baselines:
-                hand = HandWrittenGraph(model, b, pool, use_graph=on_cuda)
-                methods[bs]["hand_graph"] = lambda b=b, hand=hand: hand(b)
+            hand = HandWrittenGraph(model, b, pool, use_graph=on_cuda)  # a plan-based attention re-plans each replay
+            methods[bs]["hand_graph"] = lambda b=b, hand=hand: hand(b)
 
         if not args.quick and on_cuda and baselines:
             torch._dynamo.reset()  # once, before any backend: a reset later would drop tc_piecewise's compiled code
@@ -912,8 +926,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=DEFAULT_ATTENTION,
         metavar="NAME",
         help=f"the reference model's attention backend (default {DEFAULT_ATTENTION}; triton: Triton paged "
-        "kernels, extra [triton]; planned_standin: a CPU stand-in of a plan-based attention, which the "
-        "hand-written baselines cannot record)",
+        "kernels, extra [triton]; flashinfer, flashinfer_tc: FlashInfer's paged wrappers, extra [flashinfer], "
+        "bf16; planned_standin: a CPU stand-in of a plan-based attention; a plan-based attention is "
+        "re-planned before every hand_graph replay too, and reduce_overhead is not timed with it)",
     )
     parser.add_argument(
         "--plot",
@@ -951,6 +966,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(
             "benchmarks/run.py needs a CUDA device (or --device cpu for a smoke test of the harness)", file=sys.stderr
         )
+        return 2
+    try:  # an optional attention package missing or broken: say so before any work
+        make_attention_backend(args.attention)
+    except ValueError as exc:
+        print(f"benchmarks/run.py: {exc}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     env = {

@@ -230,9 +230,11 @@ def test_torch_attention_has_no_hooks_and_unknown_names_are_refused():
     assert model.attn_backend.name == "torch"
     for hook in ("init_forward_metadata", "init_forward_metadata_capture", "init_forward_metadata_replay"):
         assert getattr(model, hook) is None  # the runner's replay path: one None check
-    assert attention_backend_names() == ["planned_standin", "torch", "triton"]
-    with pytest.raises(ValueError, match="attention='flashinfer' .*accepted: planned_standin, torch, triton"):
-        ReferenceLlamaForCausalLM.from_preset("tiny", attention="flashinfer")
+    assert attention_backend_names() == ["flashinfer", "flashinfer_tc", "planned_standin", "torch", "triton"]
+    with pytest.raises(
+        ValueError, match="attention='flash' .*accepted: flashinfer, flashinfer_tc, planned_standin, torch, triton"
+    ):
+        ReferenceLlamaForCausalLM.from_preset("tiny", attention="flash")
 
 
 def test_the_standin_computes_what_torch_attention_computes():
@@ -329,10 +331,13 @@ def test_bench_attention_flag_refuses_an_unknown_name_before_any_work(capsys):
     from cuda_graph_runner.cli import main
 
     with pytest.raises(SystemExit) as info:
-        main(["bench", "--attention", "flashinfer", *BENCH_TINY])
+        main(["bench", "--attention", "flash", *BENCH_TINY])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --attention: 'flashinfer' is not an attention backend; accepted: planned_standin, torch" in err
+    assert (
+        "argument --attention: 'flash' is not an attention backend; accepted: flashinfer, flashinfer_tc, "
+        "planned_standin, torch" in err
+    )
     assert "Traceback" not in err
 
 

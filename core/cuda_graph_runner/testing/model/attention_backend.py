@@ -44,6 +44,9 @@ Backends by name (:data:`ATTENTION_BACKENDS`), chosen when the model is built
 * ``triton`` (:class:`~cuda_graph_runner.testing.model.triton_attention.TritonAttention`):
   Triton paged kernels (split-KV decode, extend) on CUDA; needs the optional ``triton``
   package (``cuda-graph-runner[triton]``).
+* ``flashinfer`` / ``flashinfer_tc`` (:class:`~cuda_graph_runner.testing.model.flashinfer_attention.FlashInferAttention`):
+  FlashInfer's paged wrappers on CUDA, planned before every forward and replay
+  (``flashinfer_tc``: the tensor-core decode); needs ``cuda-graph-runner[flashinfer]``.
 """
 
 from __future__ import annotations
@@ -182,11 +185,25 @@ def _triton() -> AttentionBackend:
     return make_triton_attention()
 
 
+def _flashinfer() -> AttentionBackend:
+    from .flashinfer_attention import make_flashinfer_attention
+
+    return make_flashinfer_attention()
+
+
+def _flashinfer_tc() -> AttentionBackend:
+    from .flashinfer_attention import make_flashinfer_attention
+
+    return make_flashinfer_attention(use_tensor_cores=True)
+
+
 #: Attention backends by name: a factory ``() -> AttentionBackend`` each (one instance per model).
 ATTENTION_BACKENDS: Dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchAttention,
     "planned_standin": _standin,
     "triton": _triton,
+    "flashinfer": _flashinfer,
+    "flashinfer_tc": _flashinfer_tc,
 }
 
 
