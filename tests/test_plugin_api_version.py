@@ -22,16 +22,16 @@ def _register(name, api_version):
 
 
 def test_core_exports_its_version():
-    assert PLUGIN_API_VERSION == "1.1" == registry.PLUGIN_API_VERSION
+    assert PLUGIN_API_VERSION == "1.2" == registry.PLUGIN_API_VERSION
     assert hookspecs.BackendSpec(name="x", backend_class="a:B", phases=("decode",)).api_version is None
 
 
 @pytest.mark.parametrize(
     "declared,expected",
     [
-        ("0.9", "implements plugin API 0.9, but this core provides plugin API 1.1"),
-        ("2.0", "implements plugin API 2.0, but this core provides plugin API 1.1"),
-        ("1.7", "implements plugin API 1.7, newer than the 1.1 this core provides; upgrade cuda-graph-runner"),
+        ("0.9", "implements plugin API 0.9, but this core provides plugin API 1.2"),
+        ("2.0", "implements plugin API 2.0, but this core provides plugin API 1.2"),
+        ("1.7", "implements plugin API 1.7, newer than the 1.2 this core provides; upgrade cuda-graph-runner"),
         ("one", "declares plugin API version 'one', which is not of the form 'major.minor'"),
     ],
 )
@@ -47,7 +47,7 @@ def test_mismatch_is_unavailable_with_both_versions(declared, expected):
     assert {e.name: e for e in registry.list_backends("cuda")}["vendor"].status == "unavailable"
 
 
-@pytest.mark.parametrize("declared", ["1.0", "1.00", "1.1", None])
+@pytest.mark.parametrize("declared", ["1.0", "1.00", "1.1", "1.2", None])
 def test_compatible_or_undeclared_is_available(declared):
     _register("vendor", declared)
     assert {e.name: e for e in registry.list_backends("cpu")}["vendor"].status == "available"

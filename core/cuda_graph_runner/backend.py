@@ -50,7 +50,7 @@ import contextlib
 import dataclasses
 import sys
 import unittest.mock
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -345,6 +345,57 @@ class BaseCudaGraphBackend(abc.ABC):
 
         return pool_memory_bytes(pool, self.device)
 
+    # -- introspection (runner.describe(); plugin API 1.2) ----------------------------------
+    #: Capture each device graph with its template kept (``keep_graph=True``, instantiated
+    #: right after capture, so replays are unchanged) so :meth:`describe_graph` can count
+    #: its nodes (:mod:`cuda_graph_runner.graph_nodes`); host memory per graph. None: the
+    #: environment variable ``CUDA_GRAPH_RUNNER_GRAPH_NODES`` decides (default off).
+    keep_graph_templates: Optional[bool] = None
+
+    def wants_graph_templates(self) -> bool:
+        """Whether captures keep their graph templates (:attr:`keep_graph_templates`)."""
+        if self.keep_graph_templates is not None:
+            return bool(self.keep_graph_templates)
+        from . import envs
+
+        return bool(envs.get(envs.GRAPH_NODES))
+
+    def new_graph(self, make_graph: Callable[..., Any]) -> Any:
+        """``make_graph()`` (``device_module.CUDAGraph``, ...), with ``keep_graph=True`` when
+        :meth:`wants_graph_templates` and the graph type takes it; pair it with
+        :meth:`finish_graph` after the capture."""
+        if self.wants_graph_templates():
+            try:
+                return make_graph(keep_graph=True)
+            except TypeError:  # a graph type (NPU, a fake, an older torch) without keep_graph
+                pass
+        return make_graph()
+
+    def finish_graph(self, graph: Any) -> None:
+        """After capturing ``graph`` made by :meth:`new_graph`: instantiate a kept template
+        now, so the first replay does not (torch instantiates such a graph lazily)."""
+        if self.wants_graph_templates() and hasattr(graph, "instantiate") and hasattr(graph, "raw_cuda_graph"):
+            try:
+                graph.raw_cuda_graph()
+            except Exception:  # not kept: capture_end instantiated it already
+                return
+            graph.instantiate()
+
+    def describe_graph(self, key: ShapeKey) -> Dict[str, Any]:
+        """Facts about ``key``'s captured graph for ``runner.describe()``, as plain JSON;
+        called off the replay path. Default: ``{"nodes", "kernels"}`` of the graph in
+        :attr:`graph_table` when it is a CUDA graph whose template was kept
+        (:attr:`keep_graph_templates`), else both None; ``{}`` for a key not in the table.
+        A backend whose graph is more than one device graph (segments, pieces) overrides
+        it and may add its own keys (``breakable``: ``"segments"``, ``"ops_between"``).
+        Added in plugin API 1.2; a 1.1 backend gets this default."""
+        if key not in self.graph_table:
+            return {}
+        from .graph_nodes import graph_node_counts
+
+        counts = graph_node_counts(self.graph_table.graph(key))
+        return dict(counts) if counts is not None else {"nodes": None, "kernels": None}
+
     # -- verify mode (cuda_graph_runner.verify) -------------------------------------------
     def verify_reference(self, eager_fn: Callable[[], Any], key: ShapeKey, static_batch: ForwardBatch) -> Any:
         """What a sampled replay of ``key`` is compared with, computed after the replay on the
@@ -496,9 +547,10 @@ class BaseCudaGraphBackend(abc.ABC):
         """
         self.graph_table.check_new(key)
         self.warm_up(forward_fn, post_warmup_hook, key=key)
-        graph = make_graph()
+        graph = self.new_graph(make_graph)
         with self.graph_capture(graph, **options):
             output = forward_fn()
+        self.finish_graph(graph)
         self.graph_table.add(key, graph, self.output_to_keep(output, weak_ref_outputs))
         return output
 

@@ -433,3 +433,19 @@ VERIFY_EVERY = define(
     "Verify mode: also check every k-th replay of each shape (0: none), overriding 'verify_every'. "
     "Read when a runner is built.",
 ).name
+EAGER_THROUGH = define(
+    "CUDA_GRAPH_RUNNER_EAGER_THROUGH",
+    "optional_bool",
+    None,
+    "Eager-through mode for both phases, overriding the config key 'eager_through' "
+    "(cuda_graph_runner.runner.eager_through): replays pad and fill the static buffers as ever "
+    "but run the forward eagerly on the static batch. Read when a runner is built.",
+).name
+GRAPH_NODES = define(
+    "CUDA_GRAPH_RUNNER_GRAPH_NODES",
+    "bool",
+    False,
+    "Keep each captured CUDA graph's template (torch keep_graph=True, instantiated right after capture) "
+    "so runner.describe() can count its nodes and kernels; costs host memory per graph. "
+    "Read at each capture.",
+).name

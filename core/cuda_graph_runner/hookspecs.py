@@ -42,7 +42,9 @@ ENTRY_POINT_GROUP = "cuda_graph_runner.backends"
 #: 1.1: the capture plan (``set_capture_plan``/``prepare(plan)``, the replay forward
 #: ``capture_plan.forward``, ``plan.wrap_model_forward``) and the base class's defaults
 #: (both sessions, ``can_run``, ``cleanup``, ``captured_keys``, the graph table).
-PLUGIN_API_VERSION = "1.1"
+#: 1.2: ``describe_graph(key)`` (per-graph facts for ``runner.describe()``, with a
+#: default) and the graph-template helpers ``new_graph``/``finish_graph``.
+PLUGIN_API_VERSION = "1.2"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -56,8 +56,17 @@ CAUSES = (
     "independent, as the replay's padded rows enter such an op and change the live ones",
 )
 
+#: Why a replay in eager-through mode differs from eager on the live batch (no graph involved).
+PADDING_CAUSES = (
+    "an op across the batch's rows (a mean or a norm over the batch, batch statistics) that the padded rows enter",
+    "a model-owned static input (static_inputs) or an extra field not filled or padded as the model expects",
+    "a pad value the model mishandles (seq_lens fill value, dummy request row 0, KV slot 0)",
+    "an output that leads with neither the token count nor the batch size, sliced wrongly",
+)
+
 __all__ = [
     "CAUSES",
+    "PADDING_CAUSES",
     "ENV_VERIFY",
     "ENV_VERIFY_EVERY",
     "ENV_VERIFY_FIRST_N",
@@ -172,12 +181,16 @@ class Verifier:
     Args:
         policy: which replays to check.
         phase, backend_name: for messages.
+        eager_through: the runner is in eager-through mode
+            (:mod:`cuda_graph_runner.runner.eager_through`): a mismatch then comes from
+            the padding and static-buffer path, not from a graph, and the message says so.
     """
 
-    def __init__(self, policy: VerifyPolicy, phase: str, backend_name: str) -> None:
+    def __init__(self, policy: VerifyPolicy, phase: str, backend_name: str, *, eager_through: bool = False) -> None:
         self.policy = policy
         self.phase = phase
         self.backend_name = backend_name
+        self.eager_through = eager_through
         self.replays: Dict[Any, int] = {}
         #: ``(key, replay index)`` of every check made, in order (tests and logs read it).
         self.checked: List[Tuple[Any, int]] = []
@@ -204,11 +217,21 @@ class Verifier:
         self.checked.append((key, n))
         if ok:
             return
-        causes = "; ".join(CAUSES)
+        if self.eager_through:
+            verdict = (
+                "Eager-through mode is on: no graph was replayed (the forward ran eagerly on the padded static "
+                f"batch), so the padding and static-buffer path is at fault. Usual causes: {'; '.join(PADDING_CAUSES)}."
+            )
+        else:
+            verdict = (
+                f"Usual causes: {'; '.join(CAUSES)}. To tell a graph bug from a padding bug, run again with "
+                f"{envs.EAGER_THROUGH}=1 (or the config key eager_through): if verify then passes, the graph is "
+                "at fault; if it still fails, the padding and static buffers are."
+            )
         raise CudaGraphVerifyError(
             f"verify mode: replay {n} of shape {key} (phase {self.phase!r}, backend {self.backend_name!r}) differs "
             f"from the backend's reference on the same batch: {where}; max abs difference {diff:.6g} "
-            f"(tolerance atol {atol:g}, rtol {rtol:g}). Usual causes: {causes}.",
+            f"(tolerance atol {atol:g}, rtol {rtol:g}). {verdict}",
             phase=self.phase,
             backend=self.backend_name,
             key=key,

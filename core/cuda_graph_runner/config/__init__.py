@@ -98,6 +98,12 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     e.g. 13 requests run as 16). A batch no replay would take either (larger than the
     largest size; prefill: padded to more than twice its tokens) runs as it is. Read by
     the runner (``cuda_graph_runner.runner.padded_eager``), for every backend.
+``eager_through``
+    ``false`` (default) or ``true``: eager-through mode
+    (``cuda_graph_runner.runner.eager_through``): every replay pads the batch and fills
+    the static buffers as ever, but runs the forward eagerly on the static batch instead
+    of replaying the graph. With ``verify`` it tells a graph bug from a padding bug. The
+    environment variable ``CUDA_GRAPH_RUNNER_EAGER_THROUGH`` overrides it for both phases.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,

@@ -89,6 +89,7 @@ PHASE_KEYS = (
     "warmup",
     "variants",
     "padded_eager",
+    "eager_through",
 )
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
@@ -181,6 +182,7 @@ class PhaseConfig:
     warmup: str = "auto"
     variants: Optional[List[str]] = None
     padded_eager: bool = False
+    eager_through: bool = False
 
     def __post_init__(self) -> None:
         self._check()
@@ -242,7 +244,7 @@ class PhaseConfig:
             raise CudaGraphConfigError(
                 "must be a boolean", key="owned_outputs", value=self.owned_outputs, accepted="true or false"
             )
-        for key in ("host_value_guard", "verify", "padded_eager"):
+        for key in ("host_value_guard", "verify", "padded_eager", "eager_through"):
             if not isinstance(getattr(self, key), bool):
                 raise CudaGraphConfigError(
                     "must be a boolean", key=key, value=getattr(self, key), accepted="true or false"

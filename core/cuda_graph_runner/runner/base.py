@@ -40,6 +40,11 @@ from .decision import ReplayDecision
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
 
+
+def key_label(key: ShapeKey) -> str:
+    """``"4|decode"``: a key as describe() and the logs name it (size, then variant)."""
+    return f"{key.size}|{key.variant}" if key.variant else str(key.size)
+
 # Re-exported: the subclasses and callers import these from here.
 __all__ = [
     "MAX_REPLAY_PLANS",
@@ -212,10 +217,16 @@ class BaseCudaGraphRunner(abc.ABC):
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
         from ..verify import Verifier, policy_from
+        from .eager_through import eager_through_enabled
 
+        #: Eager-through mode (:mod:`.eager_through`): replays run the forward eagerly on
+        #: the static batch instead of the graph.
+        self.eager_through: bool = eager_through_enabled(self.phase_config)
         policy = policy_from(self.phase_config)
         #: Verify mode's state (:mod:`cuda_graph_runner.verify`); None when off (no cost).
-        self.verifier: Optional[Verifier] = Verifier(policy, self.phase, self._backend_label()) if policy else None
+        self.verifier: Optional[Verifier] = (
+            Verifier(policy, self.phase, self._backend_label(), eager_through=self.eager_through) if policy else None
+        )
         self.capture_sizes: List[int] = self.get_sizes_to_capture()
         self.max_size: int = self.capture_sizes[-1]
         self.buffers = CudaGraphBufferRegistry(self.device)
@@ -248,6 +259,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self.capture_memory_bytes: Optional[int] = None
         # The profiler range name of each key's replay (profiling.replay_range_name), made once.
         self._range_names: Dict[ShapeKey, str] = {}
+        #: Seconds each captured key's ``capture_one`` took (warm-ups included), for describe().
+        self.key_capture_seconds: Dict[ShapeKey, float] = {}
 
     # -- subclass policy --------------------------------------------------------------
     @abc.abstractmethod
@@ -549,8 +562,16 @@ class BaseCudaGraphRunner(abc.ABC):
         elif before is not None:
             self.capture_memory_bytes = module.memory_reserved(device) - before
         report.captured_sizes = self._captured_sizes()
+        memory = self.capture_memory_bytes
         logger.info(
-            "captured %d %s graphs with %s in %.2f s", len(todo), self.phase, self.backend.name, self.capture_seconds
+            "captured %d %s graphs with %s in %.2f s (%d graphs held, graph memory %s)%s",
+            len(todo),
+            self.phase,
+            self._backend_label(),
+            self.capture_seconds,
+            len(self.captured_keys),
+            "unknown" if memory is None else f"{memory / 2**20:.1f} MiB",
+            ", eager-through mode: replays run the forward eagerly" if self.eager_through else "",
         )
         return report
 
@@ -680,8 +701,11 @@ class BaseCudaGraphRunner(abc.ABC):
             self._last_layout = (None, ())
             return output
 
+        start = time.perf_counter()
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
+        seconds = self.key_capture_seconds[key] = time.perf_counter() - start
         self.captured_keys.append(key)
+        logger.info("captured %s graph %s with %s in %.3f s", self.phase, key_label(key), self._backend_label(), seconds)
 
     def replay(self, batch: ForwardBatch) -> Any:
         """Run ``batch`` through its captured graph (under ``torch.no_grad()``).
@@ -720,12 +744,16 @@ class BaseCudaGraphRunner(abc.ABC):
                     raise missing_extra_error(name, self._backend_label(), self.phase)
         with device_guard(device, module), grad_off:
             key, static_batch = self.replay_prepare(batch)
-            with forward_context(static_batch), self.backend.replay_session():
-                if profiler_enabled():  # record_function costs host time even with no profiler
-                    with torch.profiler.record_function(self._replay_range(key)):
+            if self.eager_through:  # the graph's forward, eagerly, on the same static batch
+                with forward_context(static_batch):
+                    output = self.graph_forward(static_batch)
+            else:
+                with forward_context(static_batch), self.backend.replay_session():
+                    if profiler_enabled():  # record_function costs host time even with no profiler
+                        with torch.profiler.record_function(self._replay_range(key)):
+                            output = self.backend.replay(key, static_batch)
+                    else:
                         output = self.backend.replay(key, static_batch)
-                else:
-                    output = self.backend.replay(key, static_batch)
             result = self.finish_output(output, batch, static_batch, key)
             if self.verifier is not None:
                 self.verifier.after_replay(
@@ -834,6 +862,57 @@ class BaseCudaGraphRunner(abc.ABC):
         run = tp.agree_step(size, decision is not None, decision.key if decision else None)
         return decision, run and decision is not None
 
+    def describe(self) -> Dict[str, Any]:
+        """What this runner captured and how it ran, as plain JSON (``cuda-graph-runner
+        inspect`` prints it). Off the replay path: it reads what capture and ``forward``
+        already counted, and asks the backend about each graph
+        (:meth:`~cuda_graph_runner.backend.BaseCudaGraphBackend.describe_graph`).
+
+        Returns:
+            ``{"phase", "backend", "mode"`` (``"replay"`` or ``"eager_through"``),
+            ``"capture_sizes"``, ``"capture_seconds"`` (whole capture, compile included;
+            None before capture), ``"compile_seconds"`` (None: nothing compiled),
+            ``"graph_memory_bytes"`` (the pool after capture, shared with the runners in the
+            same pool; None where the device cannot tell), ``"replays"``,
+            ``"eager_fallbacks"`` ``{reason: count}``, ``"eager_total"``, ``"graphs"``:
+            one entry per captured key in capture order ``{"key", "size", "variant",
+            "capture_seconds", "replays_of_size"`` (replays padded to this size, every
+            variant of it together), then the backend's facts (``full``: ``"nodes"`` and
+            ``"kernels"``, None where torch cannot tell; ``breakable``: ``"segments"``,
+            ``"ops_between"``...)``}``; a backend whose ``describe_graph`` raises gets
+            ``"describe_error"`` instead of its facts.
+        """
+        summary = self.run_stats()
+        replays_of = {p["captured_size"]: p["replays"] for p in summary["padding"]}
+        graphs = []
+        for key in self.captured_keys:
+            entry: Dict[str, Any] = {
+                "key": key_label(key),
+                "size": key.size,
+                "variant": key.variant,
+                "capture_seconds": self.key_capture_seconds.get(key),
+                "replays_of_size": replays_of.get(key.size, 0),
+            }
+            try:
+                facts = self.backend.describe_graph(key)
+            except Exception as exc:  # a plugin's introspection must not break the listing
+                facts = {"describe_error": f"{type(exc).__name__}: {exc}"}
+            entry.update(facts or {})
+            graphs.append(entry)
+        return {
+            "phase": self.phase,
+            "backend": self._backend_label(),
+            "mode": "eager_through" if self.eager_through else "replay",
+            "capture_sizes": list(self.capture_sizes),
+            "capture_seconds": self.capture_seconds,
+            "compile_seconds": getattr(self.backend, "compile_seconds", None),
+            "graph_memory_bytes": self.capture_memory_bytes,
+            "replays": summary["replays"],
+            "eager_fallbacks": summary["eager_fallbacks"],
+            "eager_total": summary["eager_total"],
+            "graphs": graphs,
+        }
+
     def run_stats(self) -> dict:
         """Replays, eager fallbacks by reason and padding waste per captured size of
         ``forward`` calls so far (:meth:`.stats.RunStats.summary`; ``self.stats.reset()``
@@ -853,6 +932,7 @@ class BaseCudaGraphRunner(abc.ABC):
             if device.type != "cpu":
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
+        self.key_capture_seconds.clear()
         self._missing_extra.clear()
         self._output_layouts.clear()
         self._last_layout = (None, ())

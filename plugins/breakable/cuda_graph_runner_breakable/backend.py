@@ -379,6 +379,29 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         """
         return self.graph_table.graph(key)
 
+    def describe_graph(self, key: ShapeKey) -> Dict[str, Any]:
+        """``{"segments", "ops_between", "inlined", "nodes", "kernels", "segment_nodes"}``
+        of ``key``: the number of graph segments, the marked ops replayed eagerly between
+        them (``ops_between[i]`` after segment ``i``), the marked ops recorded inside the
+        segments, and node/kernel counts summed over the segments and per segment (None
+        where torch cannot tell: :mod:`cuda_graph_runner.graph_nodes`); ``{}`` for a key
+        not captured."""
+        if key not in self.graph_table:
+            return {}
+        from cuda_graph_runner.graph_nodes import graph_node_counts
+
+        graph = self.graph(key)
+        counts = [graph_node_counts(segment) for segment in graph.segments]
+        known = all(c is not None for c in counts) and bool(counts)
+        return {
+            "segments": len(graph.segments),
+            "ops_between": graph.op_names,
+            "inlined": list(graph.inlined),
+            "nodes": sum(c["nodes"] for c in counts if c) if known else None,
+            "kernels": sum(c["kernels"] for c in counts if c) if known else None,
+            "segment_nodes": [c["nodes"] if c else None for c in counts],
+        }
+
 
 class _SegmentCapture:
     """State of one shape's capture: the open segment and the break handler."""
@@ -395,7 +418,7 @@ class _SegmentCapture:
         self.leak_check: Optional[LeakCheck] = LeakCheck() if backend.check_leaked_outputs else None
 
     def begin_segment(self) -> None:
-        segment = self.dm.CUDAGraph()
+        segment = self.backend.new_graph(self.dm.CUDAGraph)  # template kept only for describe()
         # Caches emptied before the session's first segment only (BaseCudaGraphBackend.graph_capture).
         ctx = self.backend.graph_capture(segment)
         ctx.__enter__()
@@ -413,6 +436,7 @@ class _SegmentCapture:
                 # A segment may legitimately hold no kernel (two marked ops in a row).
                 warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
                 ctx.__exit__(None, None, None)
+            self.backend.finish_graph(self.graph.segments[index])
         except Exception as exc:
             raise BreakableCaptureError(
                 f"segment {index} of {self.graph.key} could not end its capture: {exc}. Common causes: a "

@@ -12,7 +12,7 @@ cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hoo
         phases=("decode", "prefill"),
         # devices: ("cuda",), the default
         probe=probe,
-        api_version="1.1",
+        api_version="1.2",
         # options: none read (tc_compiler is tc_piecewise's)
         description="CUDA graph segments split at marked eager ops (attention runs live); no torch.compile",
     ),
