@@ -60,8 +60,10 @@ def attention_arg(text: str) -> str:
     return text
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` flags (plus every CUDA-graph config flag)."""
+def add_model_arguments(parser: argparse.ArgumentParser, *, measured: bool = True) -> None:
+    """The flags that say what ``bench`` and ``inspect`` capture: the model, its device,
+    attention and dtype, the sizes and the backends of each phase (``measured``: the
+    bench's help, which times the sizes; else ``inspect``'s, which only captures)."""
     parser.add_argument(
         "--model",
         default=None,
@@ -91,7 +93,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="N",
         default=None,
-        help="decode batch sizes to time, space or comma separated (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)",
+        help=(
+            "decode batch sizes to time, space or comma separated (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)"
+            if measured
+            else "decode batch sizes, space or comma separated: the largest is decode's max_bs when the config "
+            "sets neither max_bs nor bs, as in bench (default: 1 4 16 64 on CUDA, 1 2 4 on CPU)"
+        ),
     )
     parser.add_argument(
         "--decode-backends",
@@ -116,8 +123,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="N",
         default=None,
-        help="prefill token counts to time, space or comma separated (default: 64 256 1024 on CUDA, 16 48 on CPU)",
+        help=(
+            "prefill token counts to time, space or comma separated (default: 64 256 1024 on CUDA, 16 48 on CPU)"
+            if measured
+            else "prefill token counts, space or comma separated: the largest is prefill's max_bs when the config "
+            "sets neither max_bs nor bs, as in bench (default: 64 256 1024 on CUDA, 16 48 on CPU)"
+        ),
     )
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` flags (plus every CUDA-graph config flag)."""
+    add_model_arguments(parser)
     parser.add_argument(
         "--prefill-requests",
         type=sizes_arg,

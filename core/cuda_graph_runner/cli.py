@@ -1,4 +1,4 @@
-"""The ``cuda-graph-runner`` command: ``backends``, ``config``, ``bench``.
+"""The ``cuda-graph-runner`` command: ``backends``, ``config``, ``bench``, ``inspect``.
 
 Exit status (also in ``--help``): 0 success; 1 runtime failure (a backend named on the
 command line or in the config cannot run here, a graph result disagreed with eager,
@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench_command)
+
+    from .cli_inspect import add_inspect_subcommand
+
+    add_inspect_subcommand(sub, EXIT_STATUS_HELP)
     for subcommand in sub.choices.values():  # `cuda-graph-runner bench -v` as well as `-v bench`
         add_logging_arguments(subcommand, in_subcommand=True)
     return parser
