@@ -180,4 +180,3 @@ def _create_cache(model: Any, runners: List[Any]) -> None:
         size = runner.max_size
         requests += size if runner.phase == "decode" else -(-size // context)
     model.create_kv_cache(num_slots=requests * context + 1, max_reqs=requests + 1, max_context_len=context)
-

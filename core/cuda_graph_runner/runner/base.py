@@ -45,6 +45,7 @@ def key_label(key: ShapeKey) -> str:
     """``"4|decode"``: a key as describe() and the logs name it (size, then variant)."""
     return f"{key.size}|{key.variant}" if key.variant else str(key.size)
 
+
 # Re-exported: the subclasses and callers import these from here.
 __all__ = [
     "MAX_REPLAY_PLANS",
@@ -705,7 +706,9 @@ class BaseCudaGraphRunner(abc.ABC):
         self.backend.capture_one(key, forward_fn, post_warmup_hook=getattr(self.model, "post_warmup_hook", None))
         seconds = self.key_capture_seconds[key] = time.perf_counter() - start
         self.captured_keys.append(key)
-        logger.info("captured %s graph %s with %s in %.3f s", self.phase, key_label(key), self._backend_label(), seconds)
+        logger.info(
+            "captured %s graph %s with %s in %.3f s", self.phase, key_label(key), self._backend_label(), seconds
+        )
 
     def replay(self, batch: ForwardBatch) -> Any:
         """Run ``batch`` through its captured graph (under ``torch.no_grad()``).
