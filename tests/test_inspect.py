@@ -21,7 +21,7 @@ from cuda_graph_runner.cli import main
 from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.batches import make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.fakes import RecordingBackend
+from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
 from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
@@ -190,3 +190,58 @@ def test_inspect_exit_codes(flags, code, named, capsys):
     err = capsys.readouterr().err
     assert got == code, err
     assert "error:" in err and named in err and "Traceback" not in err
+
+
+# -- graph templates for node counts ---------------------------------------------------------------
+
+
+class _KeepableGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: takes ``keep_graph``, refuses ``raw_cuda_graph``
+    without it (as torch does), records ``instantiate``."""
+
+    made = []
+
+    def __init__(self, keep_graph=False):
+        self.keep_graph = keep_graph
+        self.instantiated = 0
+        self.captured = False
+        self.id = len(type(self).made)
+        type(self).made.append(self)
+
+    def raw_cuda_graph(self):
+        if not self.keep_graph:
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance unless keep_graph=True")
+        return 0  # no real graph: graph_node_counts gives None for a null handle
+
+    def instantiate(self):
+        self.instantiated += 1
+
+    def replay(self):
+        pass
+
+
+@pytest.mark.parametrize("keep", [None, True])
+def test_graph_templates_are_kept_only_when_asked(keep, monkeypatch):
+    monkeypatch.delenv("CUDA_GRAPH_RUNNER_GRAPH_NODES", raising=False)
+    module = FakeGraphDeviceModule()
+    monkeypatch.setattr(module, "CUDAGraph", _KeepableGraph)
+    backend = FullCudaGraphBackend("cpu", phase="decode", device_module=module, memory_pool="pool-0")
+    backend.keep_graph_templates = keep
+    _KeepableGraph.made.clear()
+    runner = decode_runner(backend)
+    with torch.no_grad():
+        runner.capture()
+    assert len(_KeepableGraph.made) == 3
+    kept = bool(keep)
+    assert all(g.keep_graph is kept and g.instantiated == int(kept) for g in _KeepableGraph.made)
+    assert all(g["nodes"] is None for g in runner.describe()["graphs"])  # no CUDA runtime graph behind it
+
+
+def test_graph_nodes_environment_variable_asks_for_templates(monkeypatch):
+    backend = RecordingBackend("cpu", phase="decode")
+    monkeypatch.delenv("CUDA_GRAPH_RUNNER_GRAPH_NODES", raising=False)
+    assert backend.wants_graph_templates() is False
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_GRAPH_NODES", "1")
+    assert backend.wants_graph_templates() is True
+    backend.keep_graph_templates = False  # the attribute wins
+    assert backend.wants_graph_templates() is False

@@ -606,6 +606,25 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self.graph_table.discard(key)
         self._direct.pop(key, None)
 
+    def describe_graph(self, key: ShapeKey) -> Dict[str, Any]:
+        """``{"pieces", "piece_names", "nodes", "kernels"}`` of ``key``: how many compiled
+        pieces hold a graph of ``key`` (the marked ops run eagerly between them), their
+        names, and node/kernel counts summed over those graphs (None where torch cannot
+        tell: :mod:`cuda_graph_runner.graph_nodes`); ``{}`` for a key not captured."""
+        if key not in self.graph_table:
+            return {}
+        from cuda_graph_runner.graph_nodes import graph_node_counts
+
+        held = [p for g in self.compiled_graphs for p in g.pieces if key in p.entries]
+        counts = [graph_node_counts(p.entries[key].graph) for p in held]
+        known = bool(counts) and all(c is not None for c in counts)
+        return {
+            "pieces": len(held),
+            "piece_names": [p.name for p in held],
+            "nodes": sum(c["nodes"] for c in counts if c) if known else None,
+            "kernels": sum(c["kernels"] for c in counts if c) if known else None,
+        }
+
     def piece_calls(self) -> Dict[str, int]:
         """Calls per mode summed over the pieces of every compiled graph (for tests and logs)."""
         total: Dict[str, int] = {}

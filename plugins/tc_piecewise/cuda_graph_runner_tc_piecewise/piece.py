@@ -173,12 +173,13 @@ class GraphPiece:
             raise RuntimeError(f"tc_piecewise: {self.name} already holds a graph for {key}; cleanup() first")
         owner = self.owner
         dm = owner.device_module
-        graph = dm.CUDAGraph()
+        graph = owner.new_graph(dm.CUDAGraph)  # template kept only for describe()
         # Only the session's first graph empties the caches (BaseCudaGraphBackend.graph_capture);
         # gc.collect stays off for every piece after a size's first.
         quiet = contextlib.nullcontext() if self.is_first else _no_gc_nor_empty_cache(dm)
         with quiet, owner.graph_capture(graph):
             output = self.compiled(*args)
+        owner.finish_graph(graph)
         kept = weak_ref_tensors(output) if owner.weak_ref_outputs else output
         self.entries[key] = _Entry(graph, kept, _tensor_ptrs(args) if owner.debug else None)
         # The real tensors go back to the caller so the capture-time forward holds them

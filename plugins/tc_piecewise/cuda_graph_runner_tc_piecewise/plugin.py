@@ -14,7 +14,7 @@ cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hoo
         phases=("decode", "prefill"),
         # devices: ("cuda",), the default
         probe="cuda_graph_runner_tc_piecewise.plugin:probe",
-        api_version="1.1",
+        api_version="1.2",
         options=("tc_compiler",),  # reads tc_compiler (eager|inductor) for its pieces
         description="torch.compile split at marked eager ops; each piece a CUDA graph per size (eager|inductor)",
     )

@@ -371,6 +371,15 @@ def test_each_piece_warms_up_then_captures_into_the_shared_pool_per_size():
     assert be.captured_keys == [ShapeKey(4, "decode"), ShapeKey(2, "decode")]  # largest first
 
 
+def test_describe_lists_the_pieces_holding_each_key():
+    runner, be, dm = fake_capture_runner((2, 4))
+    graphs = runner.describe()["graphs"]
+    assert [g["key"] for g in graphs] == ["4|decode", "2|decode"]
+    for g in graphs:
+        assert g["pieces"] == len(be.pieces) == 4 and g["piece_names"] == [p.name for p in be.pieces]
+        assert g["nodes"] is None and g["kernels"] is None  # fake graphs: torch cannot tell
+
+
 def test_replay_replays_every_piece_and_returns_capture_time_outputs():
     runner, be, dm = fake_capture_runner((2, 4))
     key = ShapeKey(4, "decode")
