@@ -21,7 +21,10 @@ compared with the eager forward of the *live* (unpadded) batch:
 
 Graphs are still captured, so which batches replay, the keys, the variants and the
 output layouts are exactly those of a normal run, and ``runner.describe()`` lists the
-graphs; their memory stays allocated. ``forward`` counts these calls as replays.
+graphs; their memory stays allocated. ``forward`` counts these calls as replays. The
+forward runs as written: a compiling backend's compiled code (compiled full,
+``tc_piecewise``) does not run either, so a difference that only compiled numerics cause
+shows as a graph-side difference.
 
 Switches (off by default; when off a replay pays one attribute test): the phase config
 key ``eager_through`` (bool) and the environment variable
