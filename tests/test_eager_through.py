@@ -158,3 +158,25 @@ def test_config_key_round_trips_and_is_checked():
     assert CudaGraphConfig.from_dict(config.to_dict()).decode.eager_through is True
     with pytest.raises(CudaGraphConfigError, match="eager_through.*'yes'.*true or false"):
         CudaGraphConfig.from_dict({"decode": {"eager_through": "yes"}})
+
+
+def test_prefill_eager_through_runs_the_padded_static_batch_with_the_live_requests():
+    from cuda_graph_runner.runner import PrefillCudaGraphRunner
+    from cuda_graph_runner.testing.batches import make_extend_batch
+    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
+
+    model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cpu")
+    model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=64)
+    backend = BreakableCudaGraphBackend(
+        "cpu", phase="prefill", device_module=EmulatedGraphDeviceModule(), memory_pool="pool-0"
+    )
+    runner = PrefillCudaGraphRunner(
+        model, {"prefill": {"bs": [16], "eager_through": True, "verify": True}}, device="cpu", backend=backend
+    )
+    with torch.no_grad():
+        runner.capture()
+        batch = make_extend_batch(model.kv_cache, make_dummy_prompts(2, [5, 6], model.config.vocab_size, seed=1))
+        out = runner.forward(batch)  # 11 tokens padded to 16; verify compares with eager
+    assert out.shape[0] == 2 and runner.verifier.checked == [(runner.make_key(16), 1)]
+    assert backend.device_module.names().count("replay") == 0

@@ -245,3 +245,39 @@ def test_graph_nodes_environment_variable_asks_for_templates(monkeypatch):
     assert backend.wants_graph_templates() is True
     backend.keep_graph_templates = False  # the attribute wins
     assert backend.wants_graph_templates() is False
+
+
+class _FakeRuntime:
+    """The two CUDA runtime calls graph_node_counts makes: 3 nodes, the first 2 kernels."""
+
+    def __init__(self, status=0):
+        self.status = status
+
+    def cudaGraphGetNodes(self, graph, nodes, count):  # noqa: N802 - the runtime's name
+        assert graph.value == 1234
+        count._obj.value = 3
+        if nodes is not None:
+            for i in range(3):
+                nodes[i] = i + 1
+        return self.status
+
+    def cudaGraphNodeGetType(self, node, kind):  # noqa: N802 - the runtime's name
+        kind._obj.value = 0 if node.value in (1, 2) else 7  # 0: cudaGraphNodeTypeKernel
+        return 0
+
+
+class _RawGraph:
+    def raw_cuda_graph(self):
+        return 1234
+
+
+def test_graph_node_counts_reads_nodes_and_kernels_from_the_runtime(monkeypatch):
+    from cuda_graph_runner import graph_nodes
+
+    monkeypatch.setattr(graph_nodes, "_runtime", _FakeRuntime())
+    assert graph_nodes.graph_node_counts(_RawGraph()) == {"nodes": 3, "kernels": 2}
+    monkeypatch.setattr(graph_nodes, "_runtime", _FakeRuntime(status=1))  # a runtime error: unknown
+    assert graph_nodes.graph_node_counts(_RawGraph()) is None
+    monkeypatch.setattr(graph_nodes, "_runtime", False)  # no runtime library
+    assert graph_nodes.graph_node_counts(_RawGraph()) is None
+    assert graph_nodes.graph_node_counts(object()) is None  # not a CUDA graph

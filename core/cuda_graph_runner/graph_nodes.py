@@ -14,7 +14,8 @@ So the count needs the graph's template kept: the base backend captures with
 (``BaseCudaGraphBackend.keep_graph_templates`` or ``CUDA_GRAPH_RUNNER_GRAPH_NODES=1``;
 ``cuda-graph-runner inspect`` asks), so replays run as ever; the template costs host
 memory per graph. The counting calls the CUDA runtime's ``cudaGraphGetNodes`` and
-``cudaGraphNodeGetType`` through ``ctypes`` on the ``libcudart`` torch already loaded.
+``cudaGraphNodeGetType`` through ``ctypes`` on the ``libcudart`` torch already loaded (by
+soname, else by the path this process mapped).
 Anything missing (no CUDA, a graph without its template, another graph type, no
 runtime library) gives None: a count is optional and never breaks describe().
 """
@@ -22,7 +23,8 @@ runtime library) gives None: a count is optional and never breaks describe().
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, Optional
+import os
+from typing import Any, Dict, List, Optional
 
 #: ``cudaGraphNodeTypeKernel`` in the CUDA runtime's ``cudaGraphNodeType``.
 _KERNEL_NODE = 0
@@ -30,11 +32,22 @@ _RUNTIME_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so", "cudart6
 _runtime: Any = None
 
 
+def _loaded_cudart_paths() -> List[str]:
+    """Paths of the ``libcudart`` this process has mapped (Linux), which a bare soname
+    may not reach when torch loaded it from its own wheel folder."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.isabs(p))
+
+
 def _cudart() -> Optional[Any]:
     global _runtime
     if _runtime is None:
         _runtime = False
-        for name in _RUNTIME_NAMES:
+        for name in (*_RUNTIME_NAMES, *_loaded_cudart_paths()):
             try:
                 _runtime = ctypes.CDLL(name)
                 break
