@@ -1,8 +1,10 @@
 """Node and kernel counts of a captured CUDA graph, for ``runner.describe()``.
 
-``torch.cuda.CUDAGraph`` has no node count of its own. What torch offers (read in the
-torch 2.13 source; the GPU test ``tests/test_inspect_gpu.py`` checks the counts with the
-H200's torch 2.11; a torch without ``keep_graph`` gives None):
+``torch.cuda.CUDAGraph`` has no node count of its own in torch 2.11 or 2.13. What both
+offer (``keep_graph``, ``raw_cuda_graph`` and ``instantiate`` are documented from torch
+2.8; read in the 2.13 source here, and ``tests/test_inspect_gpu.py`` checks the counts
+with the H200's 2.11; a torch without ``keep_graph`` gives None; torch's development
+branch adds ``CUDAGraph.get_graph_data()`` and post-instantiate hooks, not in 2.13):
 
 * ``CUDAGraph(keep_graph=True)`` keeps the captured ``cudaGraph_t`` after capture
   (torch frees it once instantiated otherwise), and ``raw_cuda_graph()`` returns it;
