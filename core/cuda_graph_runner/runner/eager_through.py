@@ -19,6 +19,10 @@ compared with the eager forward of the *live* (unpadded) batch:
   value frozen at capture, data-dependent control flow, a tensor outside the static
   buffers, a random op).
 
+Verify's reference must be the unpadded eager forward for the first case to show: with
+``padded_eager`` on (:mod:`.padded_eager`) the reference runs padded too, so turn it off
+while looking for a padding bug.
+
 Graphs are still captured, so which batches replay, the keys, the variants and the
 output layouts are exactly those of a normal run, and ``runner.describe()`` lists the
 graphs; their memory stays allocated. ``forward`` counts these calls as replays. The
