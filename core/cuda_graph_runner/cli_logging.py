@@ -1,8 +1,8 @@
 """Logging and warning set-up of the ``cuda-graph-runner`` command.
 
 ``-v`` shows INFO records (the runner's one line per captured graph, "captured decode
-graph 4|decode with full in 0.012 s", and its summary per capture, "captured N decode
-graphs with full in S s (N graphs held, graph memory M MiB)"), ``-vv`` DEBUG records,
+graph K with B in S s", and its summary per capture, "captured N decode graphs with B in
+S s (H graphs held, graph memory M MiB)"), ``-vv`` DEBUG records,
 ``--log-level NAME`` sets the level by name (it wins over ``-v``). Only the records of
 cuda-graph-runner and of its installed backend plugins go below WARNING: a DEBUG run
 does not flood the terminal with torch's or another library's debug output. Records go
