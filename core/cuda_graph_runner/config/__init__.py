@@ -98,6 +98,13 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     e.g. 13 requests run as 16). A batch no replay would take either (larger than the
     largest size; prefill: padded to more than twice its tokens) runs as it is. Read by
     the runner (``cuda_graph_runner.runner.padded_eager``), for every backend.
+``full_prefill_max_req``
+    Prefill only (sglang's key of the same name): the request slots of each prefill
+    ``full`` graph. A batch's requests are padded to this count with zero-length
+    sentinel requests; a batch of more requests runs eagerly (fallback reason
+    ``"more requests than slots"``). ``null`` (default): ``max(1, max_tokens // 512)``
+    for the largest captured token count, as sglang derives it. Other prefill backends
+    ignore it (their attention runs eagerly on the live requests).
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,

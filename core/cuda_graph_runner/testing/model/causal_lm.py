@@ -354,12 +354,18 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
 
         Returns:
             DECODE / TARGET_VERIFY / DLLM_EXTEND: ``[num_tokens, vocab_size]`` (every token).
-            EXTEND: ``[batch_size, vocab_size]``, each request's last new token.
+            EXTEND: ``[batch_size, vocab_size]``, each request's last new token; a
+            request of no new tokens (a zero-length sentinel of a prefill graph's request
+            slots) gets a row of zeros, never a neighbour's row.
         """
         if batch.forward_mode == ForwardMode.EXTEND:
             assert batch.extend_seq_lens is not None  # EXTEND batches carry it
-            last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1
-            hidden = hidden[last]
+            lens = batch.extend_seq_lens.to(torch.int64)
+            last = torch.cumsum(lens, dim=0) - 1
+            # Device-side (no host sync): an empty request's index is its neighbour's
+            # last token (or -1, the batch's last row); its row is zeroed instead.
+            rows = hidden[last.clamp(min=0)]
+            hidden = torch.where((lens > 0)[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp_group is not None:  # vocab shards, gathered: every rank returns [tokens, vocab]
             return parallel_lm_logits(hidden, weight, self.config.vocab_size, self.tp_group)
