@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, _stored, last_token_rows
 from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.runner.stats import REASON_SLOTS, format_summary
@@ -122,8 +122,6 @@ def test_capture_pads_the_request_axis_with_zero_length_sentinels():
     batch = runner.capture_prepare(16)
     assert batch.req_pool_indices.tolist() == [0, 0, 0, 0]
     assert batch.extend_seq_lens.tolist() == [16, 0, 0, 0] and batch.seq_lens.tolist() == [16, 0, 0, 0]
-    from cuda_graph_runner.forward_batch import _stored
-
     assert _stored(batch, "extend_seq_lens_cpu") == [16, 0, 0, 0]
     assert _stored(batch, "extend_prefix_lens_cpu") == [0, 0, 0, 0]
 
@@ -179,6 +177,9 @@ def test_compute_logits_gives_an_empty_request_zeros_not_a_neighbours_row():
         live = model.compute_logits(hidden[[2, 6]], batch.replace(extend_seq_lens=torch.tensor([1, 1])))
     assert logits.shape == (5, model.config.vocab_size)
     assert torch.equal(logits[[0, 2, 4]], torch.zeros(3, model.config.vocab_size))
+    # The same rule for any model that picks rows with it (the HF adapter does).
+    assert torch.equal(last_token_rows(hidden, batch.extend_seq_lens)[[0, 2, 4]], torch.zeros(3, hidden.shape[1]))
+    assert torch.equal(last_token_rows(hidden, batch.extend_seq_lens)[[1, 3]], hidden[[2, 6]])
     # Rows 2 and 6 (each request's last token), up to the BLAS's blocking over 2 vs 5 rows.
     torch.testing.assert_close(logits[[1, 3]], live, rtol=1e-6, atol=1e-6)
 

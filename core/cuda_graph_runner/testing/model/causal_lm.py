@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
+from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch, last_token_rows
 from ...runner.static_inputs import StaticInput
 from ..kv_cache import PagedKVCache
 from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
@@ -360,12 +360,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         """
         if batch.forward_mode == ForwardMode.EXTEND:
             assert batch.extend_seq_lens is not None  # EXTEND batches carry it
-            lens = batch.extend_seq_lens.to(torch.int64)
-            last = torch.cumsum(lens, dim=0) - 1
-            # Device-side (no host sync): an empty request's index is its neighbour's
-            # last token (or -1, the batch's last row); its row is zeroed instead.
-            rows = hidden[last.clamp(min=0)]
-            hidden = torch.where((lens > 0)[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+            hidden = last_token_rows(hidden, batch.extend_seq_lens)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp_group is not None:  # vocab shards, gathered: every rank returns [tokens, vocab]
             return parallel_lm_logits(hidden, weight, self.config.vocab_size, self.tp_group)
