@@ -761,7 +761,8 @@ def run_prefill(
         try:
             runner = PrefillCudaGraphRunner(
                 model,
-                {"prefill": {**phase_options(backend), "max_bs": max_tokens}},
+                # Request slots (prefill full; the others ignore the key): the most requests of a batch.
+                {"prefill": {**phase_options(backend), "max_bs": max_tokens, "full_prefill_max_req": max(counts)}},
                 show_progress=False,
                 backend=fresh_backend("prefill", backend),
             )

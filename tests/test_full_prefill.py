@@ -285,3 +285,60 @@ def test_more_requests_than_slots_run_eagerly_with_the_counted_reason():
             runner.replay_prepare(batch)
     stats = runner.run_stats()
     assert stats["eager_fallbacks"] == {REASON_SLOTS: 1} and stats["replays"] == 0
+
+
+# -- the triton attention's planned extend (Triton's interpreter on the CPU) ----------------
+
+
+def interpreted_triton_check() -> None:
+    """Run with ``TRITON_INTERPRET=1`` (a subprocess of the test below): the ``triton``
+    attention through a prefill runner with request slots, on the core's recording
+    backend declaring that it records the marked ops (its replay re-runs the forward on
+    the static batch, so the kernel reads the tile table the replay hook refilled)."""
+    from cuda_graph_runner.testing.fakes import RecordingBackend
+
+    class RecordingMarkedOps(RecordingBackend):
+        records_marked_ops = True
+
+    model = planned_model(requests=8, attention="triton")
+    attention = model.attn_backend
+    attention.extend_block_m = attention.extend_block_n = 16  # small tiles: several per request
+    runner = PrefillCudaGraphRunner(
+        model,
+        {"prefill": {"bs": [16, 32], "full_prefill_max_req": 3}},
+        device="cpu",
+        backend=RecordingMarkedOps("cpu", phase="prefill"),
+        show_progress=False,
+    )
+    eager = eager_logits_fn(model)
+    with torch.no_grad():
+        runner.capture()
+        tables = attention.extend_states
+        assert sorted(state[0].shape[0] for state in tables.values()) == [1 + 3, 2 + 3]  # ceil(P / 16) + slots
+        for lens in ([5, 9], [20, 1, 7], [12]):
+            batch = make_extend_batch(model.kv_cache, prompts_of(model, lens, seed=len(lens)))
+            assert runner.can_run(batch)
+            got = runner.forward(batch).clone()
+            torch.testing.assert_close(got, eager(batch), rtol=1e-5, atol=1e-5)
+            table = next(s for k, s in tables.items() if k[2] == runner.padded_size(sum(lens)))
+            assert table[1] and int((table[0][:, 3] > 0).sum()) == sum(-(-n // 16) for n in lens)
+    runner.cleanup()
+    assert not tables
+    print("planned triton extend equals eager")
+
+
+def test_interpreted_triton_extend_through_request_slots_equals_eager():
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("the triton package is not installed (optional extra [triton])")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and "planned triton extend equals eager" in done.stdout, done.stdout + done.stderr
+
+
+if __name__ == "__main__":
+    interpreted_triton_check()

@@ -61,6 +61,7 @@ def test_disabled_backend_fallbacks_say_disabled_and_reset_starts_over():
         "real_rows": 0,
         "padded_rows": 0,
         "waste": 0.0,
+        "pool_mib": None,  # disabled: no capture, no pool
     }
 
 

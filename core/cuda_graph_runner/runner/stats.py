@@ -160,7 +160,8 @@ def fallback_reason(runner: Any, batch: Any) -> str:
 
 
 def format_summary(label: str, summary: Dict[str, Any]) -> str:
-    """One line for the log: ``"<label>: 40 replays, 2 eager (too large 2), padding waste 12.5%"``."""
+    """One line for the log: ``"<label>: 40 replays, 2 eager (too large 2), padding waste 12.5%"``
+    (then the request-slot waste of prefill ``full`` and the graph pool in MiB, when known)."""
     fallbacks = ", ".join(f"{reason} {n}" for reason, n in summary["eager_fallbacks"].items())
     real = sum(p["real_rows"] for p in summary["padding"])
     padded = sum(p["padded_rows"] for p in summary["padding"])
@@ -172,4 +173,5 @@ def format_summary(label: str, summary: Dict[str, Any]) -> str:
         + (f" ({fallbacks})" if fallbacks else "")
         + f", padding waste {waste}"
         + slot_waste
+        + (f", graph pool {summary['pool_mib']:.1f} MiB" if summary.get("pool_mib") is not None else "")
     )
