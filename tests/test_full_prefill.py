@@ -21,7 +21,6 @@ import torch
 
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
 from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, _stored, last_token_rows
-from cuda_graph_runner.forward_context import forward_context
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.runner.stats import REASON_SLOTS, format_summary
 from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
@@ -265,7 +264,9 @@ def test_continuous_batching_schedule_replays_equal_eager_and_counts_waste():
             got = runner.forward(batch).clone()
             assert torch.equal(got, eager(batch)), f"step lengths {batch.extend_seq_lens_cpu}"
         stats = runner.run_stats()
-    assert replayed >= 5 and stats["replays"] == replayed and stats["eager_fallbacks"] == {REASON_SLOTS: 1}  # the 5-request step
+    assert (
+        replayed >= 5 and stats["replays"] == replayed and stats["eager_fallbacks"] == {REASON_SLOTS: 1}
+    )  # the 5-request step
     slots = stats["request_slots"]
     assert slots["replays"] == replayed and slots["real_requests"] + slots["padded_slots"] == 3 * replayed
     assert stats["padded_rows"] == sum(p["padded_rows"] for p in stats["padding"]) > 0

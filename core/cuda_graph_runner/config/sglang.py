@@ -112,7 +112,7 @@ def from_sglang_dict(saved: Any, *, prefill_default: str = Backend.TC_PIECEWISE)
             # (decode full reads none of them, in sglang too).
             if settings.get(key) is not None and backend == Backend.FULL and phase == Phase.PREFILL:
                 raise CudaGraphConfigError(
-                    f"is read by sglang's prefill backend full, which does not honour it here",
+                    "is read by sglang's prefill backend full, which does not honour it here",
                     phase=phase,
                     key=key,
                     value=settings[key],

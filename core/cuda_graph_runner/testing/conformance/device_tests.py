@@ -139,9 +139,8 @@ class DeviceConformanceTests:
             from ...runner import PrefillCudaGraphRunner
         except ImportError as exc:  # an older core
             pytest.skip(f"this core has no PrefillCudaGraphRunner: {exc}")
-        from ..batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-
         from ...config import CudaGraphConfigError
+        from ..batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 
         # Request slots for backends that fix the request axis (full); the others ignore it.
         slots = max(len(lens) for lens in self.prefill_prompt_lens)
