@@ -143,6 +143,20 @@ def test_replay_pads_live_requests_with_sentinels_and_clears_a_larger_batchs_row
     assert plans.plan_log[-1].kind == "replay" and plans.plan_log[-1].extend_seq_lens == [9, 0, 0, 0]
 
 
+def test_a_live_batch_without_host_lengths_is_planned_from_its_device_lengths():
+    model = planned_model()
+    runner = full_runner(model, slots=3)
+    eager = eager_logits_fn(model)
+    with torch.no_grad():
+        runner.capture()
+        batch = make_extend_batch(model.kv_cache, prompts_of(model, [6, 2], seed=4))
+        expected = eager(batch).clone()
+        bare = batch.replace(seq_lens_cpu=None, extend_seq_lens_cpu=None, extend_prefix_lens_cpu=None)
+        got = runner.forward(bare).clone()
+        assert model.attn_backend.plan_log[-1].extend_seq_lens == [6, 2, 0]
+    assert torch.equal(got, expected)
+
+
 def test_token_and_tile_plans_give_zero_length_requests_nothing():
     req, pos = token_tables([2, 0, 3, 0], [4, 7, 0, 0], 8)
     assert req == [0, 0, 2, 2, 2, 0, 0, 0] and pos == [4, 5, 0, 1, 2, -1, -1, -1]

@@ -97,6 +97,15 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     A batch runs eagerly when ``T`` exceeds the largest captured size, or when ``P > 2 T``
     (sglang's padding-waste rule).
 
+    Request slots (a backend with ``records_marked_ops``, i.e. ``full``): the request axis
+    is a graph input too. ``req_pool_indices`` ``[S]`` int64 and ``seq_lens``,
+    ``extend_seq_lens``, ``extend_prefix_lens`` ``[S]`` int32 are static buffers holding
+    the live requests then zero-length sentinels (all zeros) up to :attr:`request_slots`
+    ``S``; the host lists are padded with zeros the same way, and the model's
+    ``init_forward_metadata_replay`` re-plans the attention from them before every
+    replay. A batch of more than ``S`` requests runs eagerly (``"more requests than
+    slots"``). ``compute_logits`` still gets the live batch (one row per live request).
+
     Outputs: the same contract as every runner (:class:`BaseCudaGraphRunner`): valid until
     the next replay of any graph in the pool. The logits computed eagerly from the hidden
     states are in fact fresh; ``owned_outputs=True`` copies only what ``compute_logits``
@@ -317,7 +326,8 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         """Copy the token axis into the static buffers padded to a captured size.
 
         Returns ``(key, static_batch)``: token fields are ``[P]`` views of the static
-        buffers; request fields and ``extra`` are the live batch's own.
+        buffers; request fields and ``extra`` are the live batch's own (with request
+        slots: the request fields are the slot buffers, the host lists slot-padded).
 
         One ``_foreach_copy_`` for the three token buffers, pad fills only for rows a
         larger batch left behind, and the one static batch of the padded size refreshed
@@ -327,7 +337,8 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         Raises:
             ValueError: more tokens than the largest captured size, a token tensor
                 without ``num_tokens`` rows, or of another dtype kind than its slot (float
-                ``input_ids``: names the field and both dtypes).
+                ``input_ids``: names the field and both dtypes); with request slots, more
+                requests than slots.
         """
         tokens = batch.input_ids.shape[0]
         plan = self._replay_plans.get(tokens)
@@ -375,10 +386,16 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         static.extend_seq_lens = buffers["extend_seq_lens"]
         static.extend_prefix_lens = buffers["extend_prefix_lens"]
         pad = [0] * (slots - n)
-        for name in ("seq_lens_cpu", "extend_seq_lens_cpu", "extend_prefix_lens_cpu"):
+        for name, device in (
+            ("seq_lens_cpu", None),
+            ("extend_seq_lens_cpu", extend),
+            ("extend_prefix_lens_cpu", prefix),
+        ):
             host = _stored(batch, name)
-            if host is None and name == "extend_prefix_lens_cpu":
-                host = [0] * n
+            if host is None and device is not None:
+                # The replay hook plans from host lengths; a batch built without them costs
+                # a sync here rather than a replay of the previous plan.
+                host = device.tolist()
             setattr(static, name, None if host is None else [*host, *pad])
         if self._decided is not None:  # a forward() replay: counted with the token padding
             self.stats.record_request_slots(n, slots)

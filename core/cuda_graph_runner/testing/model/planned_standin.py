@@ -6,10 +6,10 @@ reference model's plain-PyTorch numerics:
 * every forward reads lengths from a *plan* made on the host by a hook, never from the
   batch itself: a decode plan copies ``seq_lens_cpu`` into a per-size device buffer that
   the (captured) kernels read, an extend plan copies each token's request index and
-  position (:func:`.extend_plan.token_tables`, padded with zero-length sentinel requests'
-  nothing and padded tokens' -1) into per-size device buffers that
+  position (:func:`.extend_plan.token_tables`: zero-length requests own no token, padded
+  tokens get position -1) into per-size device buffers that
   :func:`.extend_plan.token_table_extend` reads, so a prefill graph that records the
-  attention (``full``) replays correctly after its replay hook;
+  attention (``full``) replays the live batch after its replay hook;
   a stale plan therefore gives wrong numbers, as a real wrapper would;
 * it records every plan (:attr:`PlannedAttentionStandIn.plans`) and every forward that ran
   its Python (:attr:`~PlannedAttentionStandIn.forwards`: eager runs, warm-ups, captures,
