@@ -171,7 +171,8 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
                 phase=self.phase,
                 key="backend",
                 value=backend,
-                accepted="a plan-based attention (triton, flashinfer; planned_standin on the CPU) with prefill full, "
+                accepted="an attention whose replay hook re-plans prefill graphs (triton; planned_standin on the CPU; "
+                "flashinfer re-plans decode graphs only, so its prefill needs breakable), "
                 "or prefill backend breakable or tc_piecewise",
                 source=self.config.source_of(self.phase, "backend"),
             )
