@@ -10,7 +10,8 @@ what is timed is the runner's Python and the copy launches.
 For each case the median over ``--repeats`` blocks of ``--iters`` calls is printed (µs per
 call), plus the min; ``--json PATH`` writes them. Cases: decode at a steady batch size on a
 bucket (8 of 8), off a bucket (5 of 8, padded), alternating sizes within a bucket (the
-padding refill path), prefill at a steady token count, and a whole decode ``replay`` (prepare,
+padding refill path), prefill at a steady token count (also with request slots, prefill
+``full``: the request axis copied into slot buffers, host lists padded), and a whole decode ``replay`` (prepare,
 the backend's replay of a stored output, slicing: the runner's per-step host path, profiler
 range check included). Compare two checkouts in one run by pointing ``PYTHONPATH`` at each
 checkout's ``core`` in turn, or by running this script in each (``git stash`` / another
@@ -59,6 +60,19 @@ class _Model(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return hidden
+
+
+class _PlannedModel(_Model):
+    """With a replay hook that plans nothing: a prefill runner with request slots needs one."""
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        return None
+
+
+class _RecordsMarkedOps(RecordingBackend):
+    """Declares what ``full`` declares, so the prefill runner fixes its request slots."""
+
+    records_marked_ops = True
 
 
 def _decode_batch(bs: int, device: str) -> ForwardBatch:
@@ -120,6 +134,12 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
         show_progress=False,
     )
     replayer.capture()
+    slotted = PrefillCudaGraphRunner(
+        _PlannedModel(device),
+        {"prefill": {"bs": [64, 128], "max_bs": 128, "full_prefill_max_req": 4}},
+        backend=_RecordsMarkedOps(device, phase="prefill"),
+        show_progress=False,
+    )
     b8, b5, b7 = (_decode_batch(n, device) for n in (8, 5, 7))
     p100 = _extend_batch([40, 30, 30], device)
     alternating = iter(())
@@ -138,6 +158,7 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
         "decode bs=5/7 alternating (padded to 8)": alternate,
         "prefill 100 tokens, 3 requests (padded to 128)": lambda: prefill.replay_prepare(p100),
         "decode replay bs=5 (prepare + replay + slice)": lambda: replayer.replay(b5),
+        "prefill 100 tokens, 3 requests in 4 request slots (full)": lambda: slotted.replay_prepare(p100),
     }
     gc.collect()
     gc.freeze()

@@ -759,11 +759,23 @@ def run_prefill(
             results.note(f"{name}: prefill backend {backend} skipped: {reason}")
             continue
         try:
+            graphs = fresh_backend("prefill", backend)
+            if (
+                getattr(graphs, "records_marked_ops", False)
+                and getattr(model, "init_forward_metadata_replay", None) is None
+            ):
+                attention = getattr(getattr(model, "attn_backend", None), "name", "?")
+                results.note(
+                    f"{name}: prefill backend {backend} skipped: it records attention, which needs an "
+                    f"out-of-graph metadata update that attention {attention!r} has not (--attention triton)"
+                )
+                continue
             runner = PrefillCudaGraphRunner(
                 model,
-                {"prefill": {**phase_options(backend), "max_bs": max_tokens}},
+                # Request slots (prefill full; the others ignore the key): the most requests of a batch.
+                {"prefill": {**phase_options(backend), "max_bs": max_tokens, "full_prefill_max_req": max(counts)}},
                 show_progress=False,
-                backend=fresh_backend("prefill", backend),
+                backend=graphs,
             )
             runner.capture()
             m["capture"][f"{backend} (prefill)"] = {

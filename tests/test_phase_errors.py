@@ -12,7 +12,8 @@ from cuda_graph_runner.config import Backend
 from cuda_graph_runner.errors import BackendUnavailableError
 
 pytestmark = pytest.mark.skipif(
-    "full" not in registry.backend_phases(), reason="needs the decode-only backend 'full' (cuda-graph-runner-full)"
+    "compiled" not in registry.backend_phases(),
+    reason="needs the decode-only backend 'compiled' (cuda-graph-runner-compiled)",
 )
 
 
@@ -22,22 +23,22 @@ def test_runner_for_prefill_with_a_decode_only_backend_names_the_phase():
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny")
     with pytest.raises(BackendUnavailableError) as info:
-        PrefillCudaGraphRunner(model, {"prefill": {"backend": "full"}}, device="cpu")
+        PrefillCudaGraphRunner(model, {"prefill": {"backend": "compiled"}}, device="cpu")
     message = str(info.value)
     assert "does not support phase 'prefill'" in message and "runs on" not in message
 
 
 @pytest.mark.parametrize(
-    "flags", [["--prefill-backends", "full"], ["--cuda-graph-backend-prefill", "full"]], ids=["label", "config"]
+    "flags", [["--prefill-backends", "compiled"], ["--cuda-graph-backend-prefill", "compiled"]], ids=["label", "config"]
 )
 def test_bench_prefill_with_a_decode_only_backend_is_a_usage_error(flags, capsys):
     assert main(["bench", *flags, "--batch-sizes", "1"]) == 2
     err = capsys.readouterr().err
-    assert "backend 'full' is for decode only; accepted for prefill:" in err and "runs on" not in err
+    assert "backend 'compiled' is for decode only; accepted for prefill:" in err and "runs on" not in err
 
 
 def test_config_prefill_with_a_decode_only_backend_is_a_usage_error(capsys):
-    assert main(["config", "--cuda-graph-backend-prefill", "full"]) == 2
+    assert main(["config", "--cuda-graph-backend-prefill", "compiled"]) == 2
     assert "does not support phase 'prefill'" in capsys.readouterr().err
 
 

@@ -31,7 +31,7 @@ def test_full_plugin_is_found_through_its_installed_entry_point():
     assert eps[0].dist.name == "cuda-graph-runner-full"
     rows = {e.name: e for e in registry.list_backends()}
     assert rows["full"].distribution == "cuda-graph-runner-full"
-    assert rows["full"].phases == ("decode",)
+    assert rows["full"].phases == ("decode", "prefill")
     assert rows["disabled"].status == "available"
 
 

@@ -53,7 +53,16 @@ def test_disabled_backend_fallbacks_say_disabled_and_reset_starts_over():
     runner.forward(decode_batch(2))
     assert runner.run_stats()["eager_fallbacks"] == {REASON_DISABLED: 1}
     runner.stats.reset()
-    assert runner.run_stats() == {"replays": 0, "eager_fallbacks": {}, "eager_total": 0, "padding": []}
+    assert runner.run_stats() == {
+        "replays": 0,
+        "eager_fallbacks": {},
+        "eager_total": 0,
+        "padding": [],
+        "real_rows": 0,
+        "padded_rows": 0,
+        "waste": 0.0,
+        "pool_mib": None,  # disabled: no capture, no pool
+    }
 
 
 def test_summary_line_names_counts_reasons_and_waste():

@@ -373,7 +373,11 @@ def test_old_bench_label_warns_and_reads_as_the_new_one():
         ),
         (
             {"prefill": {"full_prefill_max_req": 8}},  # read by sglang's prefill full only: ignored
-            {("prefill", "backend"): "tc_piecewise"},
+            {("prefill", "backend"): "tc_piecewise", ("prefill", "full_prefill_max_req"): None},
+        ),
+        (
+            {"prefill": {"backend": "full", "full_prefill_max_req": 4}},  # prefill full's request slots: kept
+            {("prefill", "backend"): "full", ("prefill", "full_prefill_max_req"): 4},
         ),
     ],
 )
@@ -392,8 +396,8 @@ def test_sglang_saved_config_reads_with_sglangs_defaults(saved: Dict[str, Any], 
         ({"decode": {"max_batch": 8}}, ["decode.max_batch=8", "not a key sglang"]),
         ({"verify": {}}, ["unknown phase", "'verify'"]),
         (
-            {"prefill": {"backend": "full", "full_prefill_max_req": 4}},
-            ["prefill.full_prefill_max_req=4", "prefill backend full"],
+            {"prefill": {"backend": "full", "full_prefill_prefix_chunk_tokens": 4}},
+            ["prefill.full_prefill_prefix_chunk_tokens=4", "prefill backend full"],
         ),
         ([1], ["must be an object"]),
         ({"decode": {"max_bs": 0}}, ["decode.max_bs=0", "from sglang"]),

@@ -181,7 +181,8 @@ def test_triton_attention_on_cpu_tensors_outside_the_interpreter_says_so(monkeyp
     monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = ReferenceLlamaForCausalLM.from_preset("tiny", attention="triton")
-    assert model.attn_backend.name == "triton" and model.init_forward_metadata_replay is None  # plans nothing
+    # Plans prefill graphs only (the replay hook updates their tile tables); decode plans nothing.
+    assert model.attn_backend.name == "triton" and model.init_forward_metadata_replay is not None
     model.create_kv_cache(64, 4, 32)
     batch = decode_batch(ForwardMode.DECODE, [1], [1], 1)
     with pytest.raises(RuntimeError, match="runs on CUDA tensors.*TRITON_INTERPRET=1.*use attention 'torch'"):

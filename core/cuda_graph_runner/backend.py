@@ -122,6 +122,12 @@ class BaseCudaGraphBackend(abc.ABC):
     #: of ``torch.cuda.graph``); the runner turns it on where torch offers them
     #: (:mod:`cuda_graph_runner.profiling`).
     kernel_annotations: bool = False
+    #: True when the graph records the model's marked eager ops (attention) in every mode,
+    #: EXTEND included (``full``): a prefill runner then fixes the request axis per graph
+    #: (request slots, padded with zero-length requests) and needs the model's replay
+    #: hook ``init_forward_metadata_replay`` to update the attention metadata outside the
+    #: graph. False: marked ops run eagerly at replay on the live requests.
+    records_marked_ops: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -254,3 +254,21 @@ class StaticBatchUpdater:
         for src, dst in plan:
             dst_dict[dst] = src_dict[src]
         return self.static
+
+
+def last_token_rows(hidden: torch.Tensor, extend_seq_lens: torch.Tensor) -> torch.Tensor:
+    """Each request's last new token of an EXTEND batch: ``hidden`` ``[num_tokens, ...]``
+    (requests' tokens back to back) to ``[batch_size, ...]``, what a prefill's LM head
+    reads. A request of no new tokens (a zero-length sentinel that pads a prefill graph's
+    request slots) gets a row of zeros, never its neighbour's last row. Device-side only
+    (no host sync), so a captured forward may call it.
+
+    Args:
+        hidden: ``[num_tokens, ...]`` any dtype.
+        extend_seq_lens: ``[batch_size]`` integer, new tokens per request.
+    """
+    lens = extend_seq_lens.to(torch.int64)
+    last = torch.cumsum(lens, dim=0) - 1
+    rows = hidden[last.clamp(min=0)]  # an empty request's index is its neighbour's (or -1)
+    keep = (lens > 0).view(-1, *([1] * (rows.dim() - 1)))
+    return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))

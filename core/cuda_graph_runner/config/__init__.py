@@ -104,6 +104,13 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     the static buffers as ever, but runs the forward eagerly on the static batch instead
     of replaying the graph. With ``verify`` it tells a graph bug from a padding bug. The
     environment variable ``CUDA_GRAPH_RUNNER_EAGER_THROUGH`` overrides it for both phases.
+``full_prefill_max_req``
+    Prefill only (sglang's key of the same name): the request slots of each prefill
+    ``full`` graph. A batch's requests are padded to this count with zero-length
+    sentinel requests; a batch of more requests runs eagerly (fallback reason
+    ``"more requests than slots"``). ``null`` (default): ``max(1, max_tokens // 512)``
+    for the largest captured token count, as sglang derives it. Other prefill backends
+    ignore it (their attention runs eagerly on the live requests).
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,

@@ -38,7 +38,7 @@ class Backend:
     #: The well-known names per phase (their plugins' specs say the same; a test checks it).
     FOR_PHASE = {
         "decode": WELL_KNOWN,
-        "prefill": (BREAKABLE, TC_PIECEWISE, DISABLED),
+        "prefill": (FULL, BREAKABLE, TC_PIECEWISE, DISABLED),
     }
 
 
@@ -90,7 +90,15 @@ PHASE_KEYS = (
     "variants",
     "padded_eager",
     "eager_through",
+    "full_prefill_max_req",
 )
+
+#: Keys of one phase only: ``{key: the phase that reads it}`` (set on the other phase, an error).
+PHASE_ONLY_KEYS = {"full_prefill_max_req": "prefill"}
+
+#: Request slots of a prefill ``full`` graph per this many tokens of the largest captured
+#: size when ``full_prefill_max_req`` is unset (sglang: ``chunked_prefill_size // 512``).
+TOKENS_PER_REQUEST_SLOT = 512
 
 #: Keys read by backends rather than the runner. A backend declares the ones it reads in
 #: ``BackendSpec.options``; one set for a backend that does not read it is an error.
@@ -183,6 +191,7 @@ class PhaseConfig:
     variants: Optional[List[str]] = None
     padded_eager: bool = False
     eager_through: bool = False
+    full_prefill_max_req: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -262,6 +271,8 @@ class PhaseConfig:
             )
         if self.variants is not None:
             self.variants = _variant_labels(self.variants)
+        if self.full_prefill_max_req is not None:
+            self.full_prefill_max_req = _positive_int(self.full_prefill_max_req, "full_prefill_max_req")
         if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
             raise CudaGraphConfigError(
                 "verify is on but verify_first_n and verify_every are both 0, so no replay would be checked",
@@ -274,6 +285,14 @@ class PhaseConfig:
         """The largest size captured from the compiled forward when ``torch_compile`` is
         on: ``torch_compile_max_bs``, else :data:`TORCH_COMPILE_MAX_BS` (sglang's default)."""
         return self.torch_compile_max_bs if self.torch_compile_max_bs is not None else TORCH_COMPILE_MAX_BS
+
+    def request_slots(self, max_tokens: int) -> int:
+        """Request slots of a prefill ``full`` graph whose largest token count is
+        ``max_tokens``: ``full_prefill_max_req``, else ``max(1, max_tokens //``
+        :data:`TOKENS_PER_REQUEST_SLOT` ``)`` (sglang's default from the chunked prefill size)."""
+        if self.full_prefill_max_req is not None:
+            return self.full_prefill_max_req
+        return max(1, max_tokens // TOKENS_PER_REQUEST_SLOT)
 
     def to_dict(self) -> Dict[str, Any]:
         """The keys whose values differ from the defaults (``bs`` copied)."""
@@ -360,9 +379,24 @@ def migrate_tc_compiler(values: Dict[str, Dict[str, Any]], sources: Dict[Tuple[s
 def _build_phase(phase: str, values: Mapping[str, Any], sources: Mapping[Tuple[str, str], str]) -> PhaseConfig:
     """``PhaseConfig(**values)``, with errors naming the phase and the source of the key."""
     try:
-        return PhaseConfig(**values)
+        built = PhaseConfig(**values)
+        _check_phase_only(phase, built)
+        return built
     except CudaGraphConfigError as err:
         raise err.with_context(phase=phase, source=sources.get((phase, err.key or ""))) from None
+
+
+def _check_phase_only(phase: str, phase_config: PhaseConfig) -> None:
+    """Raise CudaGraphConfigError for a key of the other phase only (:data:`PHASE_ONLY_KEYS`) set here."""
+    for key, owner in PHASE_ONLY_KEYS.items():
+        value = getattr(phase_config, key)
+        if owner != phase and value is not None:
+            raise CudaGraphConfigError(
+                f"is read by the {owner} phase only",
+                key=key,
+                value=value,
+                accepted=f"null here; set it under {owner}",
+            )
 
 
 def _check_default_max(phase: str, phase_config: PhaseConfig) -> None:
@@ -561,6 +595,7 @@ class CudaGraphConfig:
         for phase in Phase.ALL:
             try:
                 self[phase]._check()
+                _check_phase_only(phase, self[phase])
                 _check_default_max(phase, self[phase])
             except CudaGraphConfigError as err:
                 raise err.with_context(phase=phase, source=self.sources.get((phase, err.key or ""))) from None

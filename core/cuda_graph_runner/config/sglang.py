@@ -11,11 +11,12 @@ back in and keeps sglang's meaning of each key:
 * ``max_bs``, ``bs``: as saved;
 * ``tc_compiler``: tc_piecewise's compiler; kept for a phase whose backend is
   ``tc_piecewise``, dropped for any other (sglang ignores it there);
-* sglang's prefill-``full`` keys (``full_prefill_max_req``,
-  ``full_prefill_prefix_chunk_tokens``) and its prefill context keys (``max_context_size``,
-  ``max_seq_len``): ignored by sglang unless the prefill backend is ``full``, which this
-  library's shipped backends do not support for prefill; set with backend ``full`` they
-  are an error (nothing here would honour them).
+* ``full_prefill_max_req``: the request slots of prefill ``full``; kept with prefill
+  backend ``full``, dropped otherwise (sglang ignores it there);
+* sglang's other prefill-``full`` keys (``full_prefill_prefix_chunk_tokens``) and its
+  prefill context keys (``max_context_size``, ``max_seq_len``): ignored by sglang unless
+  the prefill backend is ``full``; set with backend ``full`` they are an error (nothing
+  here would honour them).
 
 Sources: each saved key is recorded as ``"sglang"``, each filled-in default as
 ``"sglang:default"``. Standard library only. Source of sglang's format:
@@ -100,16 +101,22 @@ def from_sglang_dict(saved: Any, *, prefill_default: str = Backend.TC_PIECEWISE)
         if backend == Backend.TC_PIECEWISE and "tc_compiler" in settings:
             values[phase]["tc_compiler"] = settings["tc_compiler"]
             sources[(phase, "tc_compiler")] = SOURCE_SGLANG
+        slots = settings.get("full_prefill_max_req")
+        if slots is not None and backend == Backend.FULL and phase == Phase.PREFILL:
+            values[phase]["full_prefill_max_req"] = slots
+            sources[(phase, "full_prefill_max_req")] = SOURCE_SGLANG
         for key in _FULL_PREFILL_KEYS:
+            if key == "full_prefill_max_req":
+                continue
             # Keys of sglang's prefill full graphs: refused only where prefill would be full
             # (decode full reads none of them, in sglang too).
             if settings.get(key) is not None and backend == Backend.FULL and phase == Phase.PREFILL:
                 raise CudaGraphConfigError(
-                    f"is read by sglang's prefill backend full, which {phase} here does not have",
+                    "is read by sglang's prefill backend full, which does not honour it here",
                     phase=phase,
                     key=key,
                     value=settings[key],
-                    accepted=f"drop {key}, or pick a {phase} backend this library ships (breakable, tc_piecewise)",
+                    accepted=f"drop {key} (prefill full here captures every token bucket with full_prefill_max_req slots)",
                     source=SOURCE_SGLANG,
                 )
     phases: Dict[str, Any] = {phase: _build_phase(phase, values[phase], sources) for phase in Phase.ALL}

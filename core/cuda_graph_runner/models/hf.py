@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMode, last_token_rows
 from ..testing.kv_cache import PagedKVCache
 from ..testing.model.attention_backend import AttentionBackend, make_attention_backend
 
@@ -523,12 +523,12 @@ class HFCausalLM(nn.Module):
 
         Returns:
             DECODE / TARGET_VERIFY / DLLM_EXTEND: ``[num_tokens, vocab_size]``.
-            EXTEND: ``[batch_size, vocab_size]``, each request's last new token.
+            EXTEND: ``[batch_size, vocab_size]``, each request's last new token (zeros
+            for a request of no new tokens: :func:`~cuda_graph_runner.forward_batch.last_token_rows`).
         """
         if batch.forward_mode == ForwardMode.EXTEND:
             assert batch.extend_seq_lens is not None  # EXTEND batches carry it
-            last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1
-            hidden = hidden[last]
+            hidden = last_token_rows(hidden, batch.extend_seq_lens)
         return self.hf_model.lm_head(hidden).float()
 
 

@@ -919,8 +919,13 @@ class BaseCudaGraphRunner(abc.ABC):
     def run_stats(self) -> dict:
         """Replays, eager fallbacks by reason and padding waste per captured size of
         ``forward`` calls so far (:meth:`.stats.RunStats.summary`; ``self.stats.reset()``
-        starts over)."""
-        return self.stats.summary(self.capture_sizes)
+        starts over), and ``"pool_mib"``: the graph memory of the last capture
+        (:attr:`capture_memory_bytes` in MiB; None before a capture or where the device
+        cannot tell), so a decode and a prefill runner's summaries show both pools."""
+        summary = self.stats.summary(self.capture_sizes)
+        mem = self.capture_memory_bytes
+        summary["pool_mib"] = None if mem is None else mem / 2**20
+        return summary
 
     __call__ = forward
 

@@ -9,8 +9,16 @@ Per-request metadata cannot be frozen into a prefill graph: the number of reques
 their lengths change every batch while the token count stays on a bucket. So only the
 token axis is a graph input; the request axis reaches the model's marked eager ops
 (attention) through :func:`~cuda_graph_runner.forward_context.get_forward_batch`, and
-a backend must run those ops eagerly at replay (``breakable``, ``tc_piecewise``), never
-freeze them into the graph (``full``).
+a backend runs those ops eagerly at replay (``breakable``, ``tc_piecewise``), or records
+them with the rest (``full``: the backend's ``records_marked_ops``). Then the request
+axis is fixed per graph too: each token bucket is captured with ``request_slots``
+requests (config ``full_prefill_max_req``, default ``max(1, max_tokens // 512)``), a live
+batch's requests are padded to that count with zero-length sentinel requests (request
+row 0, no tokens, no prefix), and the model's replay hook
+``init_forward_metadata_replay`` re-plans its attention from the slot-padded host
+lengths into the buffers the graph recorded (sglang's full prefill graphs,
+``full_prefill_max_req``). A batch of more requests than slots runs eagerly (fallback
+reason ``"more requests than slots"``).
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ from typing import Any, ClassVar, List, Optional, Tuple
 import torch
 
 from ..backend import ShapeKey
-from ..buffers import TOKEN_AXIS, FusedFill
+from ..buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
 from ..config import ConfigInput, CudaGraphConfigError
-from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch
+from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch, _stored
 from ..forward_context import forward_context
 from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture
@@ -36,6 +44,15 @@ _PREFILL_SLOTS = (
     ("input_ids", torch.int64),
     ("positions", torch.int64),
     ("out_cache_loc", torch.int64),
+)
+
+#: Request-axis buffers of a runner with request slots (backend ``full``): (field, dtype).
+#: Sentinel requests are all zeros: the reserved request row 0, no tokens, no prefix.
+_REQUEST_SLOTS = (
+    ("req_pool_indices", torch.int64),
+    ("seq_lens", torch.int32),
+    ("extend_seq_lens", torch.int32),
+    ("extend_prefix_lens", torch.int32),
 )
 
 #: A padded size above this multiple of the real token count runs eagerly: the padding
@@ -80,6 +97,15 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     A batch runs eagerly when ``T`` exceeds the largest captured size, or when ``P > 2 T``
     (sglang's padding-waste rule).
 
+    Request slots (a backend with ``records_marked_ops``, i.e. ``full``): the request axis
+    is a graph input too. ``req_pool_indices`` ``[S]`` int64 and ``seq_lens``,
+    ``extend_seq_lens``, ``extend_prefix_lens`` ``[S]`` int32 are static buffers holding
+    the live requests then zero-length sentinels (all zeros) up to :attr:`request_slots`
+    ``S``; the host lists are padded with zeros the same way, and the model's
+    ``init_forward_metadata_replay`` re-plans the attention from them before every
+    replay. A batch of more than ``S`` requests runs eagerly (``"more requests than
+    slots"``). ``compute_logits`` still gets the live batch (one row per live request).
+
     Outputs: the same contract as every runner (:class:`BaseCudaGraphRunner`): valid until
     the next replay of any graph in the pool. The logits computed eagerly from the hidden
     states are in fact fresh; ``owned_outputs=True`` copies only what ``compute_logits``
@@ -114,7 +140,59 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             raise ValueError(f"max_request_tokens={max_request_tokens}: must be >= 1")
         self.max_request_tokens = max_request_tokens
         self._capture_req: Optional[dict] = None
+        #: Requests per graph when the backend records attention (``full``), else None
+        #: (any request count; set when the buffers are made): ``full_prefill_max_req``,
+        #: else ``max(1, max_size // 512)`` raised to the dummy requests a capture of
+        #: ``max_size`` tokens takes (each at most the context length).
+        self.request_slots: Optional[int] = None
+        self._slot_fills: dict = {}
         super().__init__(model, config, **kwargs)
+
+    def _init_request_slots(self) -> None:
+        """Fix the request axis when the backend records the marked ops (``full``): the
+        slot count, its static buffers, and the check that the model's attention updates
+        its metadata outside the graph.
+
+        Raises:
+            CudaGraphConfigError: the model has no replay hook (its attention plans
+                nothing, e.g. ``torch``: the graph would replay the capture's request
+                lengths); a capture would need more dummy requests than slots.
+        """
+        if not getattr(self.backend, "records_marked_ops", False):
+            return
+        backend = self.backend.name or type(self.backend).__name__
+        if getattr(self.model, "init_forward_metadata_replay", None) is None:
+            attention = getattr(getattr(self.model, "attn_backend", None), "name", None)
+            what = f"attention {attention!r}" if attention else f"model {type(self.model).__name__}"
+            raise CudaGraphConfigError(
+                f"records attention into each prefill graph, so the attention must update its metadata outside "
+                f"the graph (the model's init_forward_metadata_replay hook); {what} has no such update "
+                "(its graphs would replay the capture's request lengths)",
+                phase=self.phase,
+                key="backend",
+                value=backend,
+                accepted="an attention whose replay hook re-plans prefill graphs (triton; planned_standin on the CPU; "
+                "flashinfer re-plans decode graphs only, so its prefill needs breakable), "
+                "or prefill backend breakable or tc_piecewise",
+                source=self.config.source_of(self.phase, "backend"),
+            )
+        slots = self.phase_config.request_slots(self.max_size)
+        needed = max(len(self.capture_request_lens(size)) for size in self.capture_sizes)
+        if self.phase_config.full_prefill_max_req is None:
+            slots = max(slots, needed)  # the default grows to what a capture takes
+        elif needed > slots:
+            raise CudaGraphConfigError(
+                f"gives {slots} request slots, but capturing {self.max_size} tokens takes {needed} requests of at "
+                f"most {self._request_len_limit()} tokens (the context length)",
+                phase=self.phase,
+                key="full_prefill_max_req",
+                value=self.phase_config.full_prefill_max_req,
+                accepted=f"an integer >= {needed}, null (the default), or a smaller max_bs",
+                source=self.config.source_of(self.phase, "full_prefill_max_req"),
+            )
+        self.request_slots = slots
+        for name, dtype in _REQUEST_SLOTS:
+            self.buffers.register(name, axis=BATCH_AXIS, rows=slots, dtype=dtype, pad_value=0)
 
     # -- policy ------------------------------------------------------------------------
     def get_sizes_to_capture(self) -> List[int]:
@@ -138,6 +216,7 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def init_buffers(self) -> None:
         for name, dtype in _PREFILL_SLOTS:
             self.buffers.register(name, axis=TOKEN_AXIS, rows=self.max_size, dtype=dtype, pad_value=0)
+        self._init_request_slots()
 
     def make_key(self, size: int) -> ShapeKey:
         return ShapeKey(size, "extend")
@@ -149,10 +228,14 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         return batch.forward_mode is ForwardMode.EXTEND
 
     def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
-        """How ``batch`` replays, or None: EXTEND, captured, within the maximum, and padded
-        to at most ``MAX_PADDING_RATIO`` times its token count."""
+        """How ``batch`` replays, or None: EXTEND, captured, within the maximum, padded
+        to at most ``MAX_PADDING_RATIO`` times its token count, and (with request slots)
+        of at most ``request_slots`` requests."""
         decision = super().decide(batch)
         if decision is None or decision.padded > self.max_padding_ratio * decision.size:
+            return None
+        slots = self.request_slots
+        if slots is not None and batch.req_pool_indices.shape[0] > slots:
             return None
         return decision
 
@@ -189,6 +272,8 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         # Token buffers hold their pad values (token 0, position 0, slot 0) outside replays.
         self.buffers.reset()
         lens = self.capture_request_lens(size)
+        if self.request_slots is not None:
+            return self._capture_slotted(size, lens)
         n = len(lens)
         req = self._capture_request_buffers()
         req["req_pool_indices"][:n].zero_()  # the reserved dummy row
@@ -210,12 +295,40 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
             extend_prefix_lens_cpu=[0] * n,
         )
 
+    def _capture_slotted(self, size: int, lens: List[int]) -> ForwardBatch:
+        # The dummy requests then zero-length sentinels up to the slot count, in the
+        # request buffers every replay of every size refills (stable addresses).
+        slots = self.request_slots
+        assert slots is not None
+        pad = [0] * (slots - len(lens))
+        host = {"seq_lens": lens + pad, "extend_seq_lens": lens + pad, "extend_prefix_lens": [0] * slots}
+        self.buffers["req_pool_indices"].zero_()  # the reserved dummy row
+        for name in host:
+            self.buffers[name].copy_(torch.tensor(host[name], dtype=torch.int32))
+        for name, _ in _REQUEST_SLOTS:
+            self.buffers.slot(name).dirty = slots  # the next fill pads every row it does not write
+        view = self.buffers.view
+        return StaticForwardBatch(  # host fields guarded during capture (host_guard)
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=view("input_ids", size),
+            positions=view("positions", size),
+            out_cache_loc=view("out_cache_loc", size),
+            req_pool_indices=self.buffers["req_pool_indices"],
+            seq_lens=self.buffers["seq_lens"],
+            extend_seq_lens=self.buffers["extend_seq_lens"],
+            extend_prefix_lens=self.buffers["extend_prefix_lens"],
+            seq_lens_cpu=host["seq_lens"],
+            extend_seq_lens_cpu=host["extend_seq_lens"],
+            extend_prefix_lens_cpu=host["extend_prefix_lens"],
+        )
+
     # -- replay ------------------------------------------------------------------------
     def replay_prepare(self, batch: ForwardBatch) -> Tuple[ShapeKey, ForwardBatch]:
         """Copy the token axis into the static buffers padded to a captured size.
 
         Returns ``(key, static_batch)``: token fields are ``[P]`` views of the static
-        buffers; request fields and ``extra`` are the live batch's own.
+        buffers; request fields and ``extra`` are the live batch's own (with request
+        slots: the request fields are the slot buffers, the host lists slot-padded).
 
         One ``_foreach_copy_`` for the three token buffers, pad fills only for rows a
         larger batch left behind, and the one static batch of the padded size refreshed
@@ -225,7 +338,8 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         Raises:
             ValueError: more tokens than the largest captured size, a token tensor
                 without ``num_tokens`` rows, or of another dtype kind than its slot (float
-                ``input_ids``: names the field and both dtypes).
+                ``input_ids``: names the field and both dtypes); with request slots, more
+                requests than slots.
         """
         tokens = batch.input_ids.shape[0]
         plan = self._replay_plans.get(tokens)
@@ -234,10 +348,58 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         key, update, fill = plan
         fill((batch.input_ids, batch.positions, batch.out_cache_loc))
         static = update(batch)
+        if self.request_slots is not None:
+            self._fill_request_slots(batch, static)
         init = getattr(self.model, "init_forward_metadata_replay", None)
         if init is not None:
             init(static)
         return key, static
+
+    def _fill_request_slots(self, batch: ForwardBatch, static: StaticForwardBatch) -> None:
+        """Copy the live request axis into the request-slot buffers, the tail zeroed
+        (sentinel requests), and pad the static batch's host lists with zeros.
+
+        Raises:
+            ValueError: more requests than slots (``forward`` runs such a batch eagerly).
+        """
+        slots = self.request_slots
+        assert slots is not None
+        n = int(batch.req_pool_indices.shape[0])
+        if n > slots:
+            raise ValueError(
+                f"the batch has {n} requests but the prefill graphs have {slots} request slots "
+                "(full_prefill_max_req): forward() runs it eagerly"
+            )
+        fill = self._slot_fills.get(n)
+        if fill is None:
+            names = [name for name, _ in _REQUEST_SLOTS]
+            fill = self._slot_fills[n] = FusedFill(self.buffers, names, [n] * len(names), [slots] * len(names))
+        prefix = batch.extend_prefix_lens
+        if prefix is None:
+            prefix = torch.zeros(n, dtype=torch.int32, device=batch.seq_lens.device)
+        extend = batch.extend_seq_lens
+        if extend is None:
+            raise ValueError("an EXTEND batch for prefill graphs with request slots needs extend_seq_lens")
+        fill((batch.req_pool_indices, batch.seq_lens, extend, prefix))
+        buffers = self.buffers
+        static.req_pool_indices = buffers["req_pool_indices"]
+        static.seq_lens = buffers["seq_lens"]
+        static.extend_seq_lens = buffers["extend_seq_lens"]
+        static.extend_prefix_lens = buffers["extend_prefix_lens"]
+        pad = [0] * (slots - n)
+        for name, device in (
+            ("seq_lens_cpu", None),
+            ("extend_seq_lens_cpu", extend),
+            ("extend_prefix_lens_cpu", prefix),
+        ):
+            host = _stored(batch, name)
+            if host is None and device is not None:
+                # The replay hook plans from host lengths; a batch built without them costs
+                # a sync here rather than a replay of the previous plan.
+                host = device.tolist()
+            setattr(static, name, None if host is None else [*host, *pad])
+        if self._decided is not None:  # a forward() replay: counted with the token padding
+            self.stats.record_request_slots(n, slots)
 
     def _replay_plan(self, tokens: int) -> tuple:
         """``(key, static batch updater, fill)`` for live batches of ``tokens`` tokens."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ REASON_VARIANT = "variant not captured"  # another mode/layout, or the backend h
 REASON_EMPTY = "empty batch"  # zero rows
 REASON_PADDING = "padding too large"  # prefill: the padded size exceeds its ratio cap
 REASON_OTHER_RANK = "another rank cannot replay"  # tensor parallel: every rank takes the same path
+REASON_SLOTS = "more requests than slots"  # prefill full: the batch has more requests than its graphs' slots
 REASONS = (
     REASON_DISABLED,
     REASON_NOT_CAPTURED,
@@ -35,6 +36,7 @@ REASONS = (
     REASON_EMPTY,
     REASON_PADDING,
     REASON_OTHER_RANK,
+    REASON_SLOTS,
 )
 
 
@@ -44,17 +46,24 @@ class RunStats:
     Attributes:
         replays_by_size: live size (decode: requests, prefill: tokens) -> replays.
         fallbacks: reason (one of :data:`REASONS`) -> eager runs.
+        requests_by_slots: ``(live requests, request slots)`` -> replays (prefill graphs
+            with request slots, backend ``full``; empty otherwise).
     """
 
-    __slots__ = ("replays_by_size", "fallbacks")
+    __slots__ = ("replays_by_size", "fallbacks", "requests_by_slots")
 
     def __init__(self) -> None:
         self.replays_by_size: Dict[int, int] = collections.Counter()
         self.fallbacks: Dict[str, int] = collections.Counter()
+        self.requests_by_slots: Dict[Tuple[int, int], int] = collections.Counter()
 
     def record_replay(self, size: int) -> None:
         """One replay of a live batch of ``size`` rows."""
         self.replays_by_size[size] += 1
+
+    def record_request_slots(self, requests: int, slots: int) -> None:
+        """One replay of ``requests`` live requests in a graph of ``slots`` request slots."""
+        self.requests_by_slots[(requests, slots)] += 1
 
     def record_fallback(self, reason: str) -> None:
         """One eager run, for ``reason`` (one of :data:`REASONS`)."""
@@ -64,6 +73,7 @@ class RunStats:
         """Forget every count (e.g. after warm-up traffic)."""
         self.replays_by_size.clear()
         self.fallbacks.clear()
+        self.requests_by_slots.clear()
 
     def summary(self, capture_sizes: Sequence[int]) -> Dict[str, Any]:
         """Plain-JSON statistics.
@@ -76,7 +86,11 @@ class RunStats:
             ``{"replays": int, "eager_fallbacks": {reason: int}, "eager_total": int,
             "padding": [{"captured_size", "replays", "real_rows", "padded_rows",
             "waste"}]}`` where ``waste`` = padded rows / real rows (0.0 = no padding),
-            one entry per captured size that replayed, ascending.
+            one entry per captured size that replayed, ascending (prefill: rows are
+            tokens). ``"padded_rows"`` and ``"real_rows"``: their totals, and
+            ``"waste"`` = padded / real over all replays. With request slots (prefill
+            ``full``) also ``"request_slots": {"replays", "real_requests",
+            "padded_slots", "waste"}``: sentinel requests / live requests.
         """
         sizes = sorted(capture_sizes)
         per_size: Dict[int, List[int]] = {}  # captured size -> [replays, real rows, padded rows]
@@ -97,12 +111,27 @@ class RunStats:
             }
             for s, (n, real, pad) in sorted(per_size.items())
         ]
-        return {
+        real_rows = sum(p["real_rows"] for p in padding)
+        padded_rows = sum(p["padded_rows"] for p in padding)
+        result: Dict[str, Any] = {
             "replays": sum(self.replays_by_size.values()),
             "eager_fallbacks": dict(sorted(self.fallbacks.items())),
             "eager_total": sum(self.fallbacks.values()),
             "padding": padding,
+            "real_rows": real_rows,
+            "padded_rows": padded_rows,
+            "waste": padded_rows / real_rows if real_rows else 0.0,
         }
+        if self.requests_by_slots:
+            real = sum(n * count for (n, _), count in self.requests_by_slots.items())
+            pad = sum((slots - n) * count for (n, slots), count in self.requests_by_slots.items())
+            result["request_slots"] = {
+                "replays": sum(self.requests_by_slots.values()),
+                "real_requests": real,
+                "padded_slots": pad,
+                "waste": pad / real if real else 0.0,
+            }
+        return result
 
 
 def fallback_reason(runner: Any, batch: Any) -> str:
@@ -119,6 +148,9 @@ def fallback_reason(runner: Any, batch: Any) -> str:
         return REASON_EMPTY
     if size > runner.max_size:
         return REASON_TOO_LARGE
+    slots = getattr(runner, "request_slots", None)
+    if slots is not None and batch.req_pool_indices.shape[0] > slots:
+        return REASON_SLOTS
     try:
         if not runner.backend.can_run(batch, runner.key_for_batch(batch, runner.padded_size(size))):
             return REASON_VARIANT
@@ -128,13 +160,18 @@ def fallback_reason(runner: Any, batch: Any) -> str:
 
 
 def format_summary(label: str, summary: Dict[str, Any]) -> str:
-    """One line for the log: ``"<label>: 40 replays, 2 eager (too large 2), padding waste 12.5%"``."""
+    """One line for the log: ``"<label>: 40 replays, 2 eager (too large 2), padding waste 12.5%"``
+    (then the request-slot waste of prefill ``full`` and the graph pool in MiB, when known)."""
     fallbacks = ", ".join(f"{reason} {n}" for reason, n in summary["eager_fallbacks"].items())
     real = sum(p["real_rows"] for p in summary["padding"])
     padded = sum(p["padded_rows"] for p in summary["padding"])
     waste = f"{100.0 * padded / real:.1f}%" if real else "-"
+    slots = summary.get("request_slots")
+    slot_waste = f", request-slot waste {100.0 * slots['waste']:.1f}%" if slots else ""
     return (
         f"{label}: {summary['replays']} replays, {summary['eager_total']} eager"
         + (f" ({fallbacks})" if fallbacks else "")
         + f", padding waste {waste}"
+        + slot_waste
+        + (f", graph pool {summary['pool_mib']:.1f} MiB" if summary.get("pool_mib") is not None else "")
     )

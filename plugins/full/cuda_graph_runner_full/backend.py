@@ -53,7 +53,14 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
     Everything the forward reads must live at the addresses it had at capture: the
     runner's static buffers, the model's weights and KV cache. Data-dependent control
     flow and host syncs inside the forward are frozen or forbidden, as with any graph.
+
+    Prefill (:attr:`records_marked_ops`): attention is recorded with the rest, so the
+    prefill runner gives each token bucket a fixed number of request slots and the
+    model's replay hook re-plans the attention metadata before every replay (sglang's
+    full prefill graphs).
     """
+
+    records_marked_ops = True
 
     def __init__(
         self,

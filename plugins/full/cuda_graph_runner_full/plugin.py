@@ -9,7 +9,9 @@ cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hoo
     BackendSpec(
         name="full",
         backend_class="cuda_graph_runner_full.backend:FullCudaGraphBackend",
-        phases=("decode",),
+        # prefill: one graph per token bucket with fixed request slots (full_prefill_max_req);
+        # needs an attention whose metadata the replay hook updates (the prefill runner checks)
+        phases=("decode", "prefill"),
         # devices: ("cuda",), the default
         probe=probe,
         api_version="1.1",

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
+from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch, last_token_rows
 from ...runner.static_inputs import StaticInput
 from ..kv_cache import PagedKVCache
 from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
@@ -354,12 +354,13 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
 
         Returns:
             DECODE / TARGET_VERIFY / DLLM_EXTEND: ``[num_tokens, vocab_size]`` (every token).
-            EXTEND: ``[batch_size, vocab_size]``, each request's last new token.
+            EXTEND: ``[batch_size, vocab_size]``, each request's last new token; a
+            request of no new tokens (a zero-length sentinel of a prefill graph's request
+            slots) gets a row of zeros, never a neighbour's row.
         """
         if batch.forward_mode == ForwardMode.EXTEND:
             assert batch.extend_seq_lens is not None  # EXTEND batches carry it
-            last = torch.cumsum(batch.extend_seq_lens.to(torch.int64), dim=0) - 1
-            hidden = hidden[last]
+            hidden = last_token_rows(hidden, batch.extend_seq_lens)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp_group is not None:  # vocab shards, gathered: every rank returns [tokens, vocab]
             return parallel_lm_logits(hidden, weight, self.config.vocab_size, self.tp_group)

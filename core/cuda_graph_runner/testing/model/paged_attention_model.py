@@ -256,6 +256,8 @@ def tiled_extend(
     qf = q.float().view(q.shape[0], heads, d)
     result = torch.zeros(q.shape[0], heads, d) if out is None else out
     for tile in tiles:
+        if tile.extend == 0:  # the padding of a fixed tile grid: no tokens, no keys walked
+            continue
         rows = torch.arange(tile.m_start, min(tile.m_start + block_m, tile.extend))
         q_pos = tile.prefix + rows
         lo, hi = extend_key_range(tile, block_m, sliding_window)

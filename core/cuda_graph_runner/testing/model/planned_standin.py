@@ -5,7 +5,11 @@ reference model's plain-PyTorch numerics:
 
 * every forward reads lengths from a *plan* made on the host by a hook, never from the
   batch itself: a decode plan copies ``seq_lens_cpu`` into a per-size device buffer that
-  the (captured) kernels read, an extend plan keeps the host lists of request lengths;
+  the (captured) kernels read, an extend plan copies each token's request index and
+  position (:func:`.extend_plan.token_tables`: zero-length requests own no token, padded
+  tokens get position -1) into per-size device buffers that
+  :func:`.extend_plan.token_table_extend` reads, so a prefill graph that records the
+  attention (``full``) replays the live batch after its replay hook;
   a stale plan therefore gives wrong numbers, as a real wrapper would;
 * it records every plan (:attr:`PlannedAttentionStandIn.plans`) and every forward that ran
   its Python (:attr:`~PlannedAttentionStandIn.forwards`: eager runs, warm-ups, captures,
@@ -41,6 +45,7 @@ from ...forward_context import forward_scratch, get_forward_batch
 from ...graph_break import eager_op
 from .attention import AttentionCall
 from .attention_backend import AttentionBackend, graph_key
+from .extend_plan import host_to_device, token_table_extend, token_tables
 
 #: Plans and forwards kept in the records (the oldest are dropped past it).
 MAX_RECORDS = 4096
@@ -69,6 +74,9 @@ class Plan:
     extend_seq_lens: Optional[List[int]] = None
     extend_prefix_lens: Optional[List[int]] = None
     device_lens: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    #: EXTEND: the per-token plan on the device (:func:`.extend_plan.token_tables`).
+    tok_req: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    tok_pos: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     batch_ref: Any = dataclasses.field(default=None, repr=False)
     claimed: bool = False
 
@@ -82,6 +90,9 @@ class GraphState:
     lens: Optional[torch.Tensor]
     mismatches: torch.Tensor
     plan: Optional[Plan] = None
+    #: EXTEND: the per-token plan (request index, query position) the forwards read.
+    tok_req: Optional[torch.Tensor] = None
+    tok_pos: Optional[torch.Tensor] = None
 
 
 _instances: "weakref.WeakValueDictionary[int, PlannedAttentionStandIn]" = weakref.WeakValueDictionary()
@@ -161,15 +172,23 @@ class PlannedAttentionStandIn(AttentionBackend):
         else:
             ext, pre = _extend_lists(batch, allow_device=True)
             plan = self._new_plan("eager", None, mode, extend_seq_lens=ext, extend_prefix_lens=pre)
+            req, pos = token_tables(ext, pre, batch.input_ids.shape[0])
+            plan.tok_req = torch.tensor(req, dtype=torch.int64, device=batch.input_ids.device)
+            plan.tok_pos = torch.tensor(pos, dtype=torch.int64, device=batch.input_ids.device)
         plan.batch_ref = weakref.ref(batch)
         self._eager_plan = plan
 
     def init_cuda_graph_state(self, batch: ForwardBatch) -> GraphState:
         key = graph_key(batch)
         device = batch.input_ids.device
-        lens = torch.zeros(key[2], dtype=torch.int32, device=device) if key[0].is_decode_like() else None
+        decode = key[0].is_decode_like()
+        lens = torch.zeros(key[2], dtype=torch.int32, device=device) if decode else None
         self.state_builds[key] += 1
-        return GraphState(key, lens, torch.zeros(1, dtype=torch.int64, device=device))
+        state = GraphState(key, lens, torch.zeros(1, dtype=torch.int64, device=device))
+        if not decode:  # the per-token plan of a prefill graph: key[2] tokens
+            state.tok_req = torch.zeros(key[2], dtype=torch.int64, device=device)
+            state.tok_pos = torch.full((key[2],), -1, dtype=torch.int64, device=device)
+        return state
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
         key = graph_key(batch)
@@ -225,6 +244,12 @@ class PlannedAttentionStandIn(AttentionBackend):
         else:
             ext, pre = _extend_lists(batch, allow_device=False)
             plan = self._new_plan(kind, key, mode, extend_seq_lens=ext, extend_prefix_lens=pre)
+            assert state.tok_req is not None and state.tok_pos is not None
+            # In place: a graph that recorded the attention reads these addresses.
+            req, pos = token_tables(ext, pre, key[2])
+            host_to_device(req, state.tok_req)
+            host_to_device(pos, state.tok_pos)
+            plan.tok_req, plan.tok_pos = state.tok_req, state.tok_pos
         state.plan = plan
 
     # -- forwards ---------------------------------------------------------------------
@@ -260,10 +285,10 @@ class PlannedAttentionStandIn(AttentionBackend):
             view = _PlannedView(batch, seq_lens=plan.device_lens)
             self.forward_decode(call._replace(batch=view), last_layer)  # type: ignore[arg-type]
         else:
-            view = _PlannedView(
-                batch, extend_seq_lens_cpu=plan.extend_seq_lens, extend_prefix_lens_cpu=plan.extend_prefix_lens
-            )
-            self.forward_extend(call._replace(batch=view))  # type: ignore[arg-type]
+            # Device-driven from the plan's per-token tables (capture-safe with the
+            # replay hook: a graph that records it, ``full``, replays the re-planned tables).
+            assert plan.tok_req is not None and plan.tok_pos is not None
+            token_table_extend(call, plan.tok_req, plan.tok_pos)
 
     def _plan_for(self, batch: ForwardBatch) -> Tuple[Plan, Optional[GraphState]]:
         if isinstance(batch, StaticForwardBatch):

@@ -13,8 +13,10 @@
 * EXTEND: one kernel per layer over a tile table built on the host from the batch's
   host lengths by the first layer of the forward (shared by the others through
   :func:`~cuda_graph_runner.forward_context.forward_scratch`); causal, cached prefixes,
-  ragged requests, the model's sliding window. Not capture-safe (the tile count follows
-  the request lengths): it breaks a prefill graph, as ``torch``'s extend does.
+  ragged requests, the model's sliding window. Not capture-safe on its own (the tile
+  count follows the request lengths): it breaks a prefill graph, as ``torch``'s extend
+  does, except in a graph forward whose capture hook planned it (below), which reads a
+  fixed-size tile table that the replay hook refills.
 
 The split count is fixed per *padded* batch size
 (:func:`.paged_attention_model.decode_num_splits`): a graph forward (a
@@ -32,8 +34,13 @@ kernels through two custom ops of their own with fake implementations
 so whatever traces the backend's code records those calls and never the user-defined
 Triton kernels (inductor would type a Python float argument of one as fp64).
 
-Plans nothing on the host between forwards (:attr:`plans` False): the runner's replay
-path gets no hook, and hand-written graphs of the model are valid baselines.
+Plans EXTEND graphs only (:attr:`plans` True; decode-like modes plan nothing, so a
+hand-written decode graph of the model is a valid baseline): the capture hook of a
+prefill graph gives it a tile table of a fixed row count
+(:func:`.extend_plan.max_extend_tiles` of its tokens and requests) and the replay hook
+refills it from the static batch's host lengths, padded with empty tiles
+(:func:`.extend_plan.padded_extend_tiles`), so the extend kernel's grid is fixed and a
+graph that records it (prefill ``full``, with request slots) replays the live batch.
 
 Needs the ``triton`` package (``pip install 'cuda-graph-runner[triton]'``) and CUDA
 tensors, or CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` before the first
@@ -46,7 +53,7 @@ import collections
 import importlib.util
 import itertools
 import weakref
-from typing import Any, Dict, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
@@ -54,7 +61,8 @@ from ...forward_batch import ForwardMode, StaticForwardBatch
 from ...forward_context import forward_scratch, get_forward_batch
 from ...graph_break import eager_op
 from .attention import AttentionCall
-from .attention_backend import AttentionBackend
+from .attention_backend import AttentionBackend, graph_key
+from .extend_plan import host_to_device, max_extend_tiles, padded_extend_tiles
 from .paged_attention_model import decode_num_splits, extend_tiles
 
 #: The extend kernel's query rows per tile.
@@ -187,7 +195,7 @@ class TritonAttention(AttentionBackend):
     """
 
     name = "triton"
-    plans = False
+    plans = True
 
     def __init__(self, decode_block_n: int = 64, extend_block_m: int = EXTEND_BLOCK_M, extend_block_n: int = 64):
         self.id = next(_ids)
@@ -197,6 +205,47 @@ class TritonAttention(AttentionBackend):
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
         self._scratch_key = ("triton_attention_tiles", self.id)
+        #: EXTEND graphs' tile tables by graph key: ``[tile rows, 5]`` int32 and whether the
+        #: last plan fitted (a backend that runs attention eagerly may replay more requests).
+        self.extend_states: Dict[tuple, list] = {}
+
+    # -- EXTEND graph plans (decode-like modes plan nothing) -------------------------------
+    def init_forward_metadata_capture_cuda_graph(self, batch: Any) -> None:
+        if batch.forward_mode.is_decode_like():
+            return
+        key = graph_key(batch)
+        state = self.extend_states.get(key)
+        if state is None:  # only when absent: a recorded graph reads this table's address
+            rows = max_extend_tiles(batch.input_ids.shape[0], batch.req_pool_indices.shape[0], self.extend_block_m)
+            table = torch.zeros(rows, 5, dtype=torch.int32, device=batch.input_ids.device)
+            state = self.extend_states[key] = [table, False]
+        self._plan_extend(state, batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: Any) -> None:
+        if batch.forward_mode.is_decode_like():
+            return
+        state = self.extend_states.get(graph_key(batch))
+        if state is not None:
+            self._plan_extend(state, batch)
+
+    def cleanup_cuda_graph_state(self, mode: Optional[ForwardMode] = None) -> None:
+        for key in [k for k in self.extend_states if mode is None or k[0] is mode]:
+            del self.extend_states[key]
+
+    def _plan_extend(self, state: list, batch: Any) -> None:
+        table = state[0]
+        ext, pre = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu  # hooks run outside the guard
+        if ext is None:
+            state[1] = False
+            return
+        pre = pre if pre is not None else [0] * len(ext)
+        try:
+            tiles = padded_extend_tiles(ext, pre, self.extend_block_m, table.shape[0])
+        except ValueError:  # more requests than the capture's: the forward builds its own tiles
+            state[1] = False
+            return
+        host_to_device([list(t) for t in tiles], table)
+        state[1] = True
 
     def padded_batch_size(self, mode: ForwardMode, width: int, batch_size: int) -> int:
         """The smallest graph size recorded for ``(mode, width)`` that holds
@@ -250,6 +299,18 @@ class TritonAttention(AttentionBackend):
     def forward_extend(self, call: AttentionCall) -> None:
         self._check_device(call.q)
         batch = call.batch
+        planned = self.extend_states.get(graph_key(batch)) if isinstance(batch, StaticForwardBatch) else None
+        if planned is not None and planned[1]:
+            # A graph forward with its hook's plan: fixed grid, lengths in the table, every
+            # row written (tiles cover the live tokens; the padding is zeroed first).
+            call.output.zero_()
+            table = planned[0]
+            _launcher(extend_attention_op, "extend_attention")(
+                call.output, call.q, call.k_cache, call.v_cache, call.req_to_token, batch.req_pool_indices,
+                table, int(table.shape[0]), scaling=float(call.scaling), sliding_window=int(call.sliding_window),
+                block_m=self.extend_block_m, block_n=self.extend_block_n,
+            )  # fmt: skip
+            return
         scratch: Dict[Any, Any] = forward_scratch()
         entry = scratch.get(self._scratch_key)
         if entry is None:  # the first layer of the forward builds the tile table

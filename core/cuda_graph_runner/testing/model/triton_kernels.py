@@ -202,7 +202,8 @@ def _extend_kernel(
         Q + tok[:, None] * stride_qt + head * HEAD_DIM + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
     )
     q_pos = pre + rows
-    hi = pre + tl.minimum(m0 + BLOCK_M, ext)
+    # A tile of no tokens (the padding of a fixed tile grid) walks no key.
+    hi = tl.where(ext > 0, pre + tl.minimum(m0 + BLOCK_M, ext), 0)
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(pre + m0 - WINDOW + 1, 0)
