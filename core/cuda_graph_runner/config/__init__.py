@@ -98,6 +98,18 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     e.g. 13 requests run as 16). A batch no replay would take either (larger than the
     largest size; prefill: padded to more than twice its tokens) runs as it is. Read by
     the runner (``cuda_graph_runner.runner.padded_eager``), for every backend.
+``check_weights_every``
+    ``0`` (default: off, nothing on the replay path) or N: every N-th replay of
+    ``forward`` first checks that the model's parameters and buffers still live where
+    the graphs read them (``runner.check_weights()``, ``cuda_graph_runner.weights``) and
+    raises ``StaleWeightsError`` naming the moved ones. Up to N-1 replays after a
+    re-assignment can run before the check sees it; call ``check_weights()`` after
+    loading weights to be exact.
+``forward_asleep``
+    What ``forward`` does while the runner sleeps (``runner.sleep()``, graph memory
+    given back): ``eager`` (default) runs the batch eagerly, counted in
+    ``run_stats()`` under the reason ``"asleep"``; ``raise`` raises
+    ``RunnerAsleepError``.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -200,6 +212,7 @@ from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all
     TORCH_COMPILE_MAX_BS,
     TORCH_COMPILERS,
     WARMUP_POLICIES,
+    FORWARD_ASLEEP,
     WELL_KNOWN_DISTRIBUTIONS,
     Backend,
     CudaGraphConfig,
@@ -216,6 +229,7 @@ __all__ = [
     "TORCH_COMPILERS",
     "TORCH_COMPILE_MAX_BS",
     "WARMUP_POLICIES",
+    "FORWARD_ASLEEP",
     "DEFAULT_MAX_BS",
     "MAX_CAPTURE_SIZE",
     "PHASE_KEYS",

@@ -39,6 +39,8 @@ from .capture_plan import build_capture_plan, capture_static_batch
 from .decision import ReplayDecision
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
+from . import sleep as sleep_mode
+from ..weights import WeightsFingerprint, check_fingerprint
 
 # Re-exported: the subclasses and callers import these from here.
 __all__ = [
@@ -248,6 +250,14 @@ class BaseCudaGraphRunner(abc.ABC):
         self.capture_memory_bytes: Optional[int] = None
         # The profiler range name of each key's replay (profiling.replay_range_name), made once.
         self._range_names: Dict[ShapeKey, str] = {}
+        # Where the weights lived when the graphs were captured (:mod:`..weights`), and
+        # every how many replays forward checks them (0: never, nothing on the replay path).
+        self._weights: Optional[WeightsFingerprint] = None
+        self._weights_every: int = int(getattr(self.phase_config, "check_weights_every", 0) or 0)
+        self._weights_due: int = self._weights_every
+        #: Set while asleep (:meth:`sleep`): the sizes :meth:`wake` recaptures.
+        self.sleep_state: Optional[sleep_mode.SleepState] = None
+        self._asleep_raises: bool = getattr(self.phase_config, "forward_asleep", "eager") == "raise"
 
     # -- subclass policy --------------------------------------------------------------
     @abc.abstractmethod
@@ -478,6 +488,11 @@ class BaseCudaGraphRunner(abc.ABC):
         if not todo:  # every requested size already holds a graph
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
+        self.sleep_state = None  # a capture while asleep ends the sleep (wake() is this for every size)
+        if not self.captured_keys:  # what the graphs about to be recorded read
+            self._weights = WeightsFingerprint.take(self.model)
+        elif self._weights is not None:  # no new graph beside ones that read moved weights
+            self.check_weights()
         with torch.no_grad():  # a capture-time grad_fn would ride on every replayed output
             return self._capture_sizes(todo, report)
 
@@ -770,6 +785,8 @@ class BaseCudaGraphRunner(abc.ABC):
                 decision, run = self._agreed_decision(self.tp_group, batch)
                 local = decision is not None
             if run and decision is not None:  # all ranks replay only if every rank can
+                if self._weights_every:
+                    self._weights_tick()
                 self.stats.record_replay(decision.size)
                 # The variant decided for this batch, read by replay_prepare during this
                 # call only: nothing can refresh the batch in between, and no batch is
@@ -779,6 +796,8 @@ class BaseCudaGraphRunner(abc.ABC):
                     return self.replay(batch)
                 finally:
                     self._decided = None
+            if self.sleep_state is not None and self._asleep_raises:
+                raise sleep_mode.asleep_error(self)
             reason = REASON_OTHER_RANK if local else fallback_reason(self, batch)
             self.stats.record_fallback(reason)
             if profiler_enabled():  # the eager step is named in a trace, as a replay is
@@ -853,6 +872,8 @@ class BaseCudaGraphRunner(abc.ABC):
             if device.type != "cpu":
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
+        self._weights = None
+        self.sleep_state = None
         self._missing_extra.clear()
         self._output_layouts.clear()
         self._last_layout = (None, ())
@@ -869,3 +890,66 @@ class BaseCudaGraphRunner(abc.ABC):
         device, module = self._graph_device()
         if device.type != "cpu":
             synchronize(device, module)  # this device only, never the current one
+
+    # -- weights and sleep (cuda_graph_runner.weights, .sleep) ---------------------------
+    def check_weights(self) -> int:
+        """Check that every parameter and buffer of the model still lives where the
+        graphs read it (:mod:`cuda_graph_runner.weights`: data pointer, shape, stride,
+        dtype, device; host-only, about 1 µs per tensor). In-place updates
+        (``param.copy_``) pass; re-assigned tensors (``load_state_dict(assign=True)``, a
+        new ``nn.Parameter``, ``param.data = ...``, a reloaded module) do not. The phase
+        config's ``check_weights_every`` runs it every N replays of :meth:`forward`.
+
+        Returns:
+            The number of tensors checked (0 when no graph is held).
+
+        Raises:
+            cuda_graph_runner.weights.StaleWeightsError: some moved, vanished or appeared
+                since capture (named), with the fixes: update in place, or recapture
+                (``cleanup()`` + ``capture()``, or ``sleep()`` + ``wake()``).
+        """
+        if self._weights is None or not self.captured_keys:
+            return 0
+        check_fingerprint(self._weights, self.model, phase=self.phase, backend=self._backend_label())
+        return len(self._weights)
+
+    def _weights_tick(self) -> None:
+        self._weights_due -= 1
+        if self._weights_due <= 0:
+            self._weights_due = self._weights_every
+            self.check_weights()
+
+    @property
+    def asleep(self) -> bool:
+        """Whether :meth:`sleep` gave the graphs back and :meth:`wake` has not run since."""
+        return self.sleep_state is not None
+
+    def sleep(self) -> Optional[int]:
+        """Give the graph memory back to the device (:mod:`cuda_graph_runner.runner.sleep`):
+        drop every graph, release the shared pool once no graph uses it, empty the
+        allocator's cache. While asleep ``forward`` runs eagerly (reason ``"asleep"`` in
+        :meth:`run_stats`) or raises ``RunnerAsleepError`` (``forward_asleep: raise``).
+        A no-op when already asleep or for backend ``disabled``.
+
+        Returns:
+            Bytes of graph pool given back (the pool before less after; shared with other
+            runners' graphs), 0 for a no-op, None where the device cannot tell.
+
+        Raises:
+            Whatever the backend's or the model's cleanup raised; the runner is asleep
+            then anyway (its sizes remembered for :meth:`wake`).
+        """
+        return sleep_mode.sleep(self)
+
+    def wake(self) -> CaptureReport:
+        """Capture again every size and variant held before :meth:`sleep` (a no-op report
+        when awake). The new graphs read the weights the model has now.
+
+        Returns:
+            The :class:`~cuda_graph_runner.capture_report.CaptureReport` of the recapture.
+
+        Raises:
+            What :meth:`capture` raises; the runner is then asleep as before (nothing half
+            captured is kept), so ``wake()`` may be called again.
+        """
+        return sleep_mode.wake(self)

@@ -1,0 +1,163 @@
+"""The storage of a model's weights at capture, and the check that graphs still read it.
+
+A captured graph reads its parameters (and the buffers its forward reads, such as a
+rotary cos/sin cache) at the device addresses they had when it was recorded. An update
+in place (``param.copy_(new)``, ``load_state_dict(sd)`` without ``assign``) writes into
+that memory: every replay sees the new values. Anything that gives a parameter new
+memory leaves the graph reading the old one, silently: ``load_state_dict(sd,
+assign=True)``, ``module.weight = nn.Parameter(new)``, ``param.data = new``, a module
+rebuilt or reloaded, ``model.to(...)``/``half()`` that casts.
+
+A :class:`WeightsFingerprint` is what a graph reads of each named tensor: its data
+pointer, shape, stride and dtype (the data pointer already includes the storage offset),
+and its device. It leaves out the version counter on purpose: an in-place update bumps
+it and keeps the graph valid. Taking one is a walk over ``named_parameters()`` and
+``named_buffers()`` (about 1 µs per tensor on the host, no device work); comparing two is
+one tuple comparison, the names being worked out only when they differ.
+
+Idea: vLLM and sglang document that weight updates for RL (``update_weights_from_tensor``,
+``load_weights`` with the engine awake) must write in place into the tensors the graphs
+captured; neither checks it. This module is that check.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .errors import CudaGraphRunnerError
+
+#: What a graph reads of one tensor: (data_ptr, shape, stride, dtype, device).
+Entry = Tuple[Any, ...]
+
+#: Most changed tensors named in one error (the rest are counted).
+MAX_NAMED = 8
+
+
+class StaleWeightsError(CudaGraphRunnerError, RuntimeError):
+    """Parameters or buffers of the model no longer live where the captured graphs read
+    them: a replay would compute with the old weights.
+
+    Attributes:
+        changed: names whose storage moved (re-assigned, reloaded, cast).
+        missing: names the model no longer has.
+        added: names the model has now and did not have at capture.
+        phase: the runner's phase.
+    """
+
+    def __init__(
+        self, message: str, *, changed: List[str], missing: List[str], added: List[str], phase: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.changed = changed
+        self.missing = missing
+        self.added = added
+        self.phase = phase
+
+
+def named_weight_tensors(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``model``'s parameters, then its buffers, by name (``named_parameters()`` and
+    ``named_buffers()`` where the model has them; a model with only ``parameters()``
+    gets names ``"parameters[i]"``). A model with none yields nothing."""
+    found = False
+    for attr in ("named_parameters", "named_buffers"):
+        fn = getattr(model, attr, None)
+        if callable(fn):
+            found = True
+            for name, tensor in fn():
+                if isinstance(tensor, torch.Tensor):
+                    yield (("buffer " if attr == "named_buffers" else "") + name, tensor)
+    if not found:
+        fn = getattr(model, "parameters", None)
+        if callable(fn):
+            for i, tensor in enumerate(fn()):
+                if isinstance(tensor, torch.Tensor):
+                    yield f"parameters[{i}]", tensor
+
+
+def _entry(tensor: torch.Tensor) -> Entry:
+    try:
+        ptr: Any = tensor.data_ptr()
+    except Exception:  # a tensor without storage (meta, some subclasses): its identity stands in
+        ptr = ("id", id(tensor))
+    return (ptr, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+
+class WeightsFingerprint:
+    """Where each named parameter and buffer of a model lives (see the module docstring).
+
+    Attributes:
+        names: tensor names in the model's order (buffers prefixed ``"buffer "``).
+        entries: one :data:`Entry` per name.
+    """
+
+    __slots__ = ("names", "entries")
+
+    def __init__(self, names: Tuple[str, ...], entries: Tuple[Entry, ...]) -> None:
+        self.names = names
+        self.entries = entries
+
+    @classmethod
+    def take(cls, model: Any) -> "WeightsFingerprint":
+        """The fingerprint of ``model`` now (host-only: no device work, no synchronize)."""
+        names: List[str] = []
+        entries: List[Entry] = []
+        for name, tensor in named_weight_tensors(model):
+            names.append(name)
+            entries.append(_entry(tensor))
+        return cls(tuple(names), tuple(entries))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def same_as(self, other: "WeightsFingerprint") -> bool:
+        """Whether every tensor of ``other`` lives where it lived in ``self``."""
+        return self.entries == other.entries and self.names == other.names
+
+    def diff(self, other: "WeightsFingerprint") -> Tuple[List[str], List[str], List[str]]:
+        """``(changed, missing, added)`` names going from ``self`` to ``other``."""
+        old: Dict[str, Entry] = dict(zip(self.names, self.entries))
+        new: Dict[str, Entry] = dict(zip(other.names, other.entries))
+        changed = [n for n in self.names if n in new and new[n] != old[n]]
+        missing = [n for n in self.names if n not in new]
+        added = [n for n in other.names if n not in old]
+        return changed, missing, added
+
+
+def _listed(names: List[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
+def check_fingerprint(
+    captured: WeightsFingerprint, model: Any, *, phase: str = "", backend: str = ""
+) -> Optional[WeightsFingerprint]:
+    """Compare ``model`` now with ``captured`` (its fingerprint at capture).
+
+    Returns:
+        None when every tensor lives where it did.
+
+    Raises:
+        StaleWeightsError: a parameter or buffer moved, vanished or appeared; the message
+            names them (up to :data:`MAX_NAMED` of each) and the two fixes.
+    """
+    now = WeightsFingerprint.take(model)
+    if captured.same_as(now):
+        return None
+    changed, missing, added = captured.diff(now)
+    parts = []
+    if changed:
+        parts.append(f"{len(changed)} re-assigned since capture ({_listed(changed)})")
+    if missing:
+        parts.append(f"{len(missing)} gone ({_listed(missing)})")
+    if added:
+        parts.append(f"{len(added)} new ({_listed(added)})")
+    where = f"{phase} graphs" + (f" ({backend})" if backend else "") if phase else "the captured graphs"
+    message = (
+        f"the model's weights moved under {where}: {'; '.join(parts)}. A replay would read the old "
+        "memory and compute with the old weights. Fix: update weights in place (param.copy_(new), "
+        "load_state_dict(sd) without assign=True), or recapture (runner.cleanup(); runner.capture(), "
+        "or runner.sleep(); runner.wake())"
+    )
+    raise StaleWeightsError(message, changed=changed, missing=missing, added=added, phase=phase)
