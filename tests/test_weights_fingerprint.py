@@ -43,38 +43,45 @@ def test_in_place_updates_pass_and_follow():
     assert not torch.equal(runner.forward(decode_batch(2)), before)
 
 
-@pytest.mark.parametrize(
-    "reassign, names",
-    [
+def reassign(model, how):
+    if how == "assign":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    elif how == "new_parameter":
+        model.head = torch.nn.Parameter(model.head.detach().clone())
+    elif how == "data":
+        model.embed.data = model.embed.data.clone()
+    elif how == "buffer":
+        model.scale = torch.full((1,), 2.0)
+    else:
+        model.double()
+
+
+def test_reassigned_weights_raise_naming_them_and_the_fix():
+    runner = make_runner()
+    runner.capture()
+    model = runner.model
+    cases = [
         ("assign", ["embed", "head"]),
         ("new_parameter", ["head"]),
         ("data", ["embed"]),
         ("buffer", ["buffer scale"]),
         ("cast", ["embed", "head", "buffer scale"]),
-    ],
-)
-def test_reassigned_weights_raise_naming_them_and_the_fix(reassign, names):
-    runner = make_runner()
-    runner.capture()
-    model = runner.model
-    if reassign == "assign":
-        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
-    elif reassign == "new_parameter":
-        model.head = torch.nn.Parameter(model.head.detach().clone())
-    elif reassign == "data":
-        model.embed.data = model.embed.data.clone()
-    elif reassign == "buffer":
-        model.scale = torch.full((1,), 2.0)
-    else:
-        model.double()
-    with pytest.raises(StaleWeightsError) as info:
-        runner.check_weights()
-    assert info.value.changed == names and info.value.phase == "decode"
-    message = str(info.value)
-    assert all(n in message for n in names)
-    assert "in place" in message and "recapture" in message
-    # capture() of more sizes next to stale graphs refuses too; cleanup() + capture() is the fix.
-    runner.cleanup()
+    ]
+    for how, names in cases:
+        kept = (model.embed, model.embed.data, model.head, model.head.data, model.scale)
+        reassign(model, how)
+        with pytest.raises(StaleWeightsError) as info:
+            runner.check_weights()
+        assert info.value.changed == names and info.value.phase == "decode", how
+        message = str(info.value)
+        assert all(n in message for n in names) and "in place" in message and "recapture" in message
+        # The very tensors put back: the graphs read them again.
+        model.embed, model.head = kept[0], kept[2]
+        model.embed.data, model.head.data = kept[1], kept[3]
+        model.scale = kept[4]
+        assert runner.check_weights() == 3, how
+    reassign(model, "assign")
+    runner.cleanup()  # the fix: recapture
     runner.capture()
     assert runner.check_weights() == 3
 
