@@ -219,7 +219,7 @@ def estimate_graph_memory(
         def create(slots: int, reqs: int, context: int) -> Any:
             return method(num_slots=slots, max_reqs=reqs, max_context_len=context)
 
-    cfg = as_config(config)
+    cfg = as_config(config, order[0] if order else Phase.DECODE)  # a one-phase form: the first phase
     had_cache = hasattr(model, "kv_cache")
     previous_cache = getattr(model, "kv_cache", None)
     runners: List[Any] = []
