@@ -202,6 +202,7 @@ from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all
     _BACKEND_NAME,  # the one backend-name pattern; the registry may share it
     BACKEND_OPTION_KEYS,
     DEFAULT_MAX_BS,
+    FORWARD_ASLEEP,
     MAX_CAPTURE_SIZE,
     PHASE_KEYS,
     SOURCE_API,
@@ -212,7 +213,6 @@ from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all
     TORCH_COMPILE_MAX_BS,
     TORCH_COMPILERS,
     WARMUP_POLICIES,
-    FORWARD_ASLEEP,
     WELL_KNOWN_DISTRIBUTIONS,
     Backend,
     CudaGraphConfig,

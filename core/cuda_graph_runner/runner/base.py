@@ -33,14 +33,14 @@ from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
 from ..profiling import eager_range_name, profiler_enabled, replay_range_name
+from ..weights import WeightsFingerprint, check_fingerprint
+from . import sleep as sleep_mode
 from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
 from .decision import ReplayDecision
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
-from . import sleep as sleep_mode
-from ..weights import WeightsFingerprint, check_fingerprint
 
 # Re-exported: the subclasses and callers import these from here.
 __all__ = [
