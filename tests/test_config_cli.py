@@ -72,6 +72,8 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
         "warmup": "auto",
         "variants": None,
         "padded_eager": False,
+        "check_weights_every": 0,
+        "forward_asleep": "eager",
     }
     assert report["config"] == {
         "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", **checks},

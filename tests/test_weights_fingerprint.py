@@ -131,3 +131,19 @@ def test_check_weights_off_by_default_and_nothing_before_capture():
 def test_check_weights_every_bad_values(value):
     with pytest.raises(CudaGraphConfigError, match="check_weights_every"):
         CudaGraphConfig.from_dict({"decode": {"check_weights_every": value}})
+
+
+def test_a_kv_cache_replaced_under_the_graphs_is_named():
+    from cuda_graph_runner.testing.reference_setup import reference_model
+
+    model = reference_model("tiny", requests=2, context=8, device="cpu")
+    before = WeightsFingerprint.take(model)
+    assert "kv_cache.k_buffers[0]" in before.names and "kv_cache.req_to_token" in before.names
+    old = model.kv_cache  # alive, so the new cache gets new memory
+    model.create_kv_cache(num_slots=17, max_reqs=3, max_context_len=8)
+    changed, _, _ = before.diff(WeightsFingerprint.take(model))
+    assert "kv_cache.k_buffers[0]" in changed and "kv_cache.req_to_token" in changed and old is not None
+    now = WeightsFingerprint.take(model)
+    with torch.no_grad():
+        model.kv_cache.k_buffers[0].fill_(1.0)  # written in place: same storage
+    assert now.same_as(WeightsFingerprint.take(model))

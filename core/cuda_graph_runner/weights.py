@@ -59,7 +59,10 @@ class StaleWeightsError(CudaGraphRunnerError, RuntimeError):
 def named_weight_tensors(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
     """``model``'s parameters, then its buffers, by name (``named_parameters()`` and
     ``named_buffers()`` where the model has them; a model with only ``parameters()``
-    gets names ``"parameters[i]"``). A model with none yields nothing."""
+    gets names ``"parameters[i]"``), then the tensors of its ``kv_cache`` when that is
+    not a module (the tensor attributes of the cache object and the tensors of its list
+    attributes: ``"kv_cache.k_buffers[0]"``, ``"kv_cache.req_to_token"``): a graph reads
+    the cache's buffers at their capture addresses too. A model with none yields nothing."""
     found = False
     for attr in ("named_parameters", "named_buffers"):
         fn = getattr(model, attr, None)
@@ -74,6 +77,24 @@ def named_weight_tensors(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
             for i, tensor in enumerate(fn()):
                 if isinstance(tensor, torch.Tensor):
                     yield f"parameters[{i}]", tensor
+    cache = getattr(model, "kv_cache", None)
+    if cache is not None and not isinstance(cache, torch.nn.Module):
+        yield from _cache_tensors(cache)
+
+
+def _cache_tensors(cache: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+    try:
+        fields = sorted(vars(cache).items())
+    except TypeError:  # no __dict__ (slots, a C type): nothing to walk
+        return
+    for name, value in fields:
+        if isinstance(value, torch.Tensor):
+            yield f"kv_cache.{name}", value
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            # Only lists that hold tensors (not a free list of ints, which can be long).
+            for i, tensor in enumerate(value):
+                if isinstance(tensor, torch.Tensor):
+                    yield f"kv_cache.{name}[{i}]", tensor
 
 
 def _entry(tensor: torch.Tensor) -> Entry:
@@ -88,7 +109,8 @@ class WeightsFingerprint:
     """Where each named parameter and buffer of a model lives (see the module docstring).
 
     Attributes:
-        names: tensor names in the model's order (buffers prefixed ``"buffer "``).
+        names: tensor names in the model's order (buffers prefixed ``"buffer "``, the
+            KV cache's ``"kv_cache."``).
         entries: one :data:`Entry` per name.
     """
 
@@ -155,7 +177,7 @@ def check_fingerprint(
         parts.append(f"{len(added)} new ({_listed(added)})")
     where = f"{phase} graphs" + (f" ({backend})" if backend else "") if phase else "the captured graphs"
     message = (
-        f"the model's weights moved under {where}: {'; '.join(parts)}. A replay would read the old "
+        f"the model's weights (parameters, buffers, KV cache tensors) moved under {where}: {'; '.join(parts)}. A replay would read the old "
         "memory and compute with the old weights. Fix: update weights in place (param.copy_(new), "
         "load_state_dict(sd) without assign=True), or recapture (runner.cleanup(); runner.capture(), "
         "or runner.sleep(); runner.wake())"

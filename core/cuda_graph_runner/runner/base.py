@@ -489,10 +489,6 @@ class BaseCudaGraphRunner(abc.ABC):
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
         self.sleep_state = None  # a capture while asleep ends the sleep (wake() is this for every size)
-        if not self.captured_keys:  # what the graphs about to be recorded read
-            self._weights = WeightsFingerprint.take(self.model)
-        elif self._weights is not None:  # no new graph beside ones that read moved weights
-            self.check_weights()
         with torch.no_grad():  # a capture-time grad_fn would ride on every replayed output
             return self._capture_sizes(todo, report)
 
@@ -519,6 +515,11 @@ class BaseCudaGraphRunner(abc.ABC):
                     self.show_progress,
                 ),
             ):
+                # Inside the agreement: moved weights on one rank stop every rank.
+                if not self.captured_keys:  # what the graphs about to be recorded read
+                    self._weights = WeightsFingerprint.take(self.model)
+                elif self._weights is not None:  # no new graph beside ones that read moved weights
+                    self.check_weights()
                 plan = build_capture_plan(self)
                 self.backend.set_capture_plan(plan)
                 self.backend.prepare(plan)
@@ -781,12 +782,12 @@ class BaseCudaGraphRunner(abc.ABC):
             if self.tp_group is None:
                 decision = self.decide(batch)
                 run = local = decision is not None
+                if run and self._weights_every:
+                    self._weights_tick()
             else:  # one rank replaying while another runs eagerly (or another graph) deadlocks
                 decision, run = self._agreed_decision(self.tp_group, batch)
                 local = decision is not None
             if run and decision is not None:  # all ranks replay only if every rank can
-                if self._weights_every:
-                    self._weights_tick()
                 self.stats.record_replay(decision.size)
                 # The variant decided for this batch, read by replay_prepare during this
                 # call only: nothing can refresh the batch in between, and no batch is
@@ -841,6 +842,12 @@ class BaseCudaGraphRunner(abc.ABC):
         rank then raises its own error."""
         try:
             decision = self.decide(batch)
+            # Checked before the agreement: a rank whose weights moved, or that is asleep
+            # and raises, stops every rank instead of leaving them in a collective.
+            if decision is not None and self._weights_every:
+                self._weights_tick()
+            if self.sleep_state is not None and self._asleep_raises:
+                raise sleep_mode.asleep_error(self)
             size = decision.size if decision else self.size_of(batch)
         except Exception as exc:
             try:

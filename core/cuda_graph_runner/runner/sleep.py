@@ -17,6 +17,10 @@ Nothing is left half done: a sleep that fails midway leaves the runner asleep wi
 sizes remembered (a later ``wake()`` recaptures them); a wake that fails midway drops
 what it captured and leaves the runner asleep as it was, the error raised.
 
+Tensor parallel: every rank sleeps and wakes. A wake goes through the capture's size
+agreement, also on a rank that is awake (it captures nothing), so a wake where only some
+ranks slept raises on every rank instead of leaving one waiting.
+
 The pool is shared by every runner on a device (:mod:`cuda_graph_runner.pool`): its
 memory goes back only when every runner using it sleeps (or was cleaned up), and
 segments that an output a caller still holds points into stay until it is dropped.
@@ -110,8 +114,10 @@ def sleep(runner: "BaseCudaGraphRunner") -> Optional[int]:
 def wake(runner: "BaseCudaGraphRunner") -> CaptureReport:
     """See :meth:`BaseCudaGraphRunner.wake`."""
     state = runner.sleep_state
-    if state is None:  # awake: nothing to do
-        return CaptureReport(runner.phase, runner.backend.name, [], runner._captured_sizes(), 0.0)
+    if state is None:
+        # Awake: nothing to capture, but a TP rank still meets the others' size agreement,
+        # so ranks of which only some slept raise at once instead of waiting.
+        return runner.capture(sizes=[])
     runner.sleep_state = None
     try:
         report = runner.capture(sizes=state.sizes)
