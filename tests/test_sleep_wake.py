@@ -124,3 +124,18 @@ def test_a_failed_sleep_leaves_the_runner_asleep():
 def test_forward_asleep_bad_value():
     with pytest.raises(CudaGraphConfigError, match="forward_asleep"):
         CudaGraphConfig.from_dict({"decode": {"forward_asleep": "wait"}})
+
+
+def test_a_pool_still_held_after_sleep_is_reported(caplog):
+    runner = make_runner()
+    runner.capture()
+    other = runner.backend._pool[(99, torch.float32)] = torch.zeros(4)  # another runner's graph
+
+    def cleanup_keeping_the_other():
+        RecordingBackend.cleanup(runner.backend)
+        runner.backend._pool[(99, torch.float32)] = other
+
+    runner.backend.cleanup = cleanup_keeping_the_other
+    with caplog.at_level("WARNING", logger="cuda_graph_runner.runner.sleep"):
+        runner.sleep()
+    assert "16 bytes stay in its graph pool" in caplog.text and "sleep every runner" in caplog.text

@@ -102,6 +102,13 @@ def sleep(runner: "BaseCudaGraphRunner") -> Optional[int]:
         after = None
     freed = before - (after or 0) if before is not None else None
     runner.sleep_state.freed_bytes = freed
+    if after:
+        logger.warning(
+            "%s runner asleep but %d bytes stay in its graph pool: other graphs use the pool (sleep every "
+            "runner sharing it: decode and prefill) or outputs of earlier replays are still referenced",
+            runner.phase,
+            after,
+        )
     logger.info(
         "%s runner asleep: %d sizes dropped, %s bytes of graph pool given back",
         runner.phase,
