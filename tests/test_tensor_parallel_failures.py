@@ -185,6 +185,10 @@ def _weights_and_sleep(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
     runner.sleep()  # both asleep: both wake, so both meet the capture's size agreement
     runner.wake()
     out["asleep_then"] = _replays_like_eager(runner, model, 2)
+    # Only rank 1 slept: a wake on both raises on both (rank 0 meets the size agreement).
+    if tp.rank == 1:
+        runner.sleep()
+    out["half_wake"] = (_outcome(runner.wake), runner.asleep)
 
 
 SCENARIOS = ("_variants", "_capture_rollback", "_sizes_to_capture", "_decision", "_prepare", "_weights_and_sleep")
@@ -266,6 +270,9 @@ def test_weights_moved_or_asleep_on_one_rank_raise_on_every_rank(ranks):
     assert kind == "TensorParallelStepError" and "rank 1: RunnerAsleepError" in message, (kind, message)
     for r in ranks:
         assert r["stale_then"] is True and r["asleep_then"] is True, r["rank"]
+        (kind, message), asleep = r["half_wake"]
+        assert kind == "TensorParallelMismatchError" and "rank 1: [4, 2, 1]" in message, (r["rank"], kind, message)
+        assert asleep is (r["rank"] == 1)  # rank 1 stays asleep, as before the wake
 
 
 def test_a_failed_capture_step_is_rolled_back_without_a_group_too():
