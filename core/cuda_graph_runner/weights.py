@@ -10,15 +10,14 @@ rebuilt or reloaded, ``model.to(...)``/``half()`` that casts.
 
 A :class:`WeightsFingerprint` is what a graph reads of each named tensor: its data
 pointer, shape, stride and dtype (the data pointer already includes the storage offset),
-and its device. It leaves out the version counter on purpose: an in-place update bumps
-it and keeps the graph valid. Taking one is a walk over ``named_parameters()`` and
-``named_buffers()`` (about 1 µs per tensor on the host, no device work); comparing two is
-one tuple comparison over a walk of the modules' own dicts, the names being worked out
-only when they differ.
+and its device, for every parameter and buffer and the tensors of the model's KV cache.
+It leaves out the version counter on purpose: an in-place update bumps it and keeps the
+graph valid. Taking one walks ``named_parameters()`` and ``named_buffers()``; a check
+compares one tuple built from a walk of the modules' own dicts (about 1 µs per tensor on
+the host, no device work) and works the names out only when they differ.
 
-Idea: vLLM and sglang document that weight updates for RL (``update_weights_from_tensor``,
-``load_weights`` with the engine awake) must write in place into the tensors the graphs
-captured; neither checks it. This module is that check.
+Idea: the loops of RL trainers on vLLM and sglang (verl, slime, NeMo-RL), which load new
+weights into a sleeping or running engine between rollouts.
 """
 
 from __future__ import annotations

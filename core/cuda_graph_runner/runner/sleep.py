@@ -7,11 +7,12 @@ once no graph uses it and empties the caching allocator, so the pool's memory sh
 ``forward`` runs each batch eagerly (counted in ``run_stats()`` under ``"asleep"``) or
 raises :class:`RunnerAsleepError`, by the phase config's ``forward_asleep`` key.
 
-``runner.wake()`` captures those sizes again, every variant, largest first. What a backend keeps across ``cleanup()`` is reused
-(tc_piecewise's compiled pieces and Dynamo's cache), so a wake costs the warm-ups and
-the recording, not a compile (the ratio to the first capture: ``docs/graph-memory.md``). The
-new graphs read the weights the model has at wake, so weights loaded while asleep need
-not be written in place (they must be, for graphs of other runners that stay awake).
+``runner.wake()`` captures those sizes again, every variant, largest first. What a
+backend keeps across ``cleanup()`` is reused (tc_piecewise's compiled pieces and Dynamo's
+cache), so a wake costs the warm-ups and the recording, not a compile (the ratio to the
+first capture: ``docs/graph-memory.md``). The new graphs read the weights the model has at
+wake, so weights loaded while asleep need not be written in place (they must be, for
+graphs of other runners that stay awake).
 
 Nothing is left half done: a sleep that fails midway leaves the runner asleep with its
 sizes remembered (a later ``wake()`` recaptures them); a wake that fails midway drops
