@@ -205,3 +205,32 @@ def test_reassigned_weights_raise_instead_of_replaying_old_ones(llama):
         # Put the module's parameters back for the other tests of the module.
         llama.load_state_dict(kept, assign=True)
         runner.cleanup()
+
+
+def test_the_shared_pool_goes_back_when_both_phases_sleep(llama):
+    _fresh()
+    config = {"decode": {"backend": "full", "max_bs": 16}, "prefill": {"backend": "breakable", "max_bs": 256}}
+    decode = DecodeCudaGraphRunner(llama, config, show_progress=False)
+    prefill = PrefillCudaGraphRunner(llama, config, show_progress=False)
+    decode.capture()
+    prefill.capture()
+    pool = prefill.graph_memory_bytes()
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    decode.sleep()  # prefill's graphs still use the pool: it stays
+    torch.cuda.synchronize()
+    free_half = torch.cuda.mem_get_info()[0]
+    prefill.sleep()
+    torch.cuda.synchronize()
+    free_asleep = torch.cuda.mem_get_info()[0]
+    line = (
+        f"shared pool {pool / MiB:.1f} MiB: decode asleep gave back {(free_half - free_awake) / MiB:.1f} MiB, "
+        f"both {(free_asleep - free_awake) / MiB:.1f} MiB"
+    )
+    print(line)
+    assert free_asleep - free_awake >= 0.95 * pool, line
+    decode.wake()
+    prefill.wake()
+    assert decode.captured_keys and prefill.captured_keys
+    prefill.cleanup()
+    decode.cleanup()
