@@ -10,6 +10,7 @@ estimate on qwen2.5-0.5b too), every CUDA backend.
 * 20 sleep/wake cycles with the weights updated in place between them: free memory flat,
   replays follow the new weights (equal to eager, different from the step before).
 * Re-assigned weights: ``check_weights()`` and ``check_weights_every`` raise.
+* The shared pool goes back when the decode and the prefill runner both sleep.
 """
 
 from __future__ import annotations
