@@ -164,7 +164,34 @@ def _prepare(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
     out["prepare_then"] = (_sizes(runner.captured_keys), _replays_like_eager(runner, model, 3))
 
 
-SCENARIOS = ("_variants", "_capture_rollback", "_sizes_to_capture", "_decision", "_prepare")
+def _weights_and_sleep(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # Weights re-assigned on rank 1 only (check_weights_every=1): an error on both ranks.
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    config = {"decode": {"max_bs": 4, "check_weights_every": 1, "forward_asleep": "raise"}}
+    backend = RecordingBackend("cpu", phase="decode")
+    runner = DecodeCudaGraphRunner(model, config, device="cpu", backend=backend, show_progress=False)
+    runner.capture()
+    kept = model.head
+    if tp.rank == 1:
+        model.head = torch.nn.Parameter(kept.detach().clone())
+    out["stale"] = _outcome(lambda: runner.forward(decode_batch(2)))
+    model.head = kept
+    out["stale_then"] = _replays_like_eager(runner, model, 2)
+    # Rank 1 asleep with forward_asleep raise, rank 0 awake: an error on both ranks.
+    if tp.rank == 1:
+        runner.sleep()
+    out["asleep"] = _outcome(lambda: runner.forward(decode_batch(2)))
+    runner.sleep()  # both asleep: both wake, so both meet the capture's size agreement
+    runner.wake()
+    out["asleep_then"] = _replays_like_eager(runner, model, 2)
+    # Only rank 1 slept: a wake on both raises on both (rank 0 meets the size agreement).
+    if tp.rank == 1:
+        runner.sleep()
+    out["half_wake"] = (_outcome(runner.wake), runner.asleep)
+
+
+SCENARIOS = ("_variants", "_capture_rollback", "_sizes_to_capture", "_decision", "_prepare", "_weights_and_sleep")
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +257,22 @@ def test_prepare_failing_on_one_rank_raises_on_every_rank_and_the_group_stays_us
     for r in ranks:
         assert r["prepare_again"] == ("ok", None), r["rank"]
         assert r["prepare_then"] == ([1, 2, 4], True), r["rank"]
+
+
+def test_weights_moved_or_asleep_on_one_rank_raise_on_every_rank(ranks):
+    _done(ranks, "_weights_and_sleep")
+    kind, message = ranks[1]["stale"]
+    assert kind == "StaleWeightsError" and "head" in message
+    kind, message = ranks[0]["stale"]
+    assert kind == "TensorParallelStepError" and "rank 1: StaleWeightsError" in message, (kind, message)
+    assert ranks[1]["asleep"][0] == "RunnerAsleepError"
+    kind, message = ranks[0]["asleep"]
+    assert kind == "TensorParallelStepError" and "rank 1: RunnerAsleepError" in message, (kind, message)
+    for r in ranks:
+        assert r["stale_then"] is True and r["asleep_then"] is True, r["rank"]
+        (kind, message), asleep = r["half_wake"]
+        assert kind == "TensorParallelMismatchError" and "rank 1: [4, 2, 1]" in message, (r["rank"], kind, message)
+        assert asleep is (r["rank"] == 1)  # rank 1 stays asleep, as before the wake
 
 
 def test_a_failed_capture_step_is_rolled_back_without_a_group_too():

@@ -35,6 +35,8 @@ _EXPORTS = {
     "BaseCudaGraphRunner": "runner",
     "DecodeCudaGraphRunner": "runner",
     "PrefillCudaGraphRunner": "runner",
+    "estimate_graph_memory": "memory_estimate",
+    "StaleWeightsError": "weights",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -22,6 +22,10 @@ tc_piecewise. Documented bound: ``final <= 1.5 * estimate + 64 MiB``
 estimate is None unless the backend reports its own ``graph_memory_bytes``; the pool is
 shared, so capture one runner at a time when measuring.
 
+Before the KV cache exists, :func:`cuda_graph_runner.memory_estimate.estimate_graph_memory`
+measures the whole capture (every size, both phases) against the smallest cache of the
+engine's dimensions instead.
+
 Idea: sglang captures largest first into one pool for the same reason and reports the
 memory a capture took ("Capture cuda graph end ... mem usage"); vLLM profiles graph
 memory before sizing the KV cache (``profile_run`` / ``cudagraph_memory_estimate``).

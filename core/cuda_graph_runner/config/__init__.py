@@ -111,6 +111,18 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     ``"more requests than slots"``). ``null`` (default): ``max(1, max_tokens // 512)``
     for the largest captured token count, as sglang derives it. Other prefill backends
     ignore it (their attention runs eagerly on the live requests).
+``check_weights_every``
+    ``0`` (default: off, nothing on the replay path) or N: every N-th replay of
+    ``forward`` first checks that the model's parameters and buffers still live where
+    the graphs read them (``runner.check_weights()``, ``cuda_graph_runner.weights``) and
+    raises ``StaleWeightsError`` naming the moved ones. Up to N-1 replays after a
+    re-assignment can run before the check sees it; call ``check_weights()`` after
+    loading weights to be exact.
+``forward_asleep``
+    What ``forward`` does while the runner sleeps (``runner.sleep()``, graph memory
+    given back): ``eager`` (default) runs the batch eagerly, counted in
+    ``run_stats()`` under the reason ``"asleep"``; ``raise`` raises
+    ``RunnerAsleepError``.
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -203,6 +215,7 @@ from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all
     _BACKEND_NAME,  # the one backend-name pattern; the registry may share it
     BACKEND_OPTION_KEYS,
     DEFAULT_MAX_BS,
+    FORWARD_ASLEEP,
     MAX_CAPTURE_SIZE,
     PHASE_KEYS,
     SOURCE_API,
@@ -229,6 +242,7 @@ __all__ = [
     "TORCH_COMPILERS",
     "TORCH_COMPILE_MAX_BS",
     "WARMUP_POLICIES",
+    "FORWARD_ASLEEP",
     "DEFAULT_MAX_BS",
     "MAX_CAPTURE_SIZE",
     "PHASE_KEYS",

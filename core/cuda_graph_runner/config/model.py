@@ -64,6 +64,9 @@ TORCH_COMPILE_MAX_BS = 32
 #: Values of the ``warmup`` key (see the module docstring).
 WARMUP_POLICIES = ("auto", "every_size", "first_size")
 
+#: Values of the ``forward_asleep`` key: what ``forward`` does while the runner sleeps.
+FORWARD_ASLEEP = ("eager", "raise")
+
 #: What a runner uses when ``max_bs`` is None.
 DEFAULT_MAX_BS: Dict[str, int] = {Phase.DECODE: 256, Phase.PREFILL: 4096}
 
@@ -91,6 +94,8 @@ PHASE_KEYS = (
     "padded_eager",
     "eager_through",
     "full_prefill_max_req",
+    "check_weights_every",
+    "forward_asleep",
 )
 
 #: Keys of one phase only: ``{key: the phase that reads it}`` (set on the other phase, an error).
@@ -192,6 +197,8 @@ class PhaseConfig:
     padded_eager: bool = False
     eager_through: bool = False
     full_prefill_max_req: Optional[int] = None
+    check_weights_every: int = 0
+    forward_asleep: str = "eager"
 
     def __post_init__(self) -> None:
         self._check()
@@ -258,7 +265,7 @@ class PhaseConfig:
                 raise CudaGraphConfigError(
                     "must be a boolean", key=key, value=getattr(self, key), accepted="true or false"
                 )
-        for key in ("verify_first_n", "verify_every"):
+        for key in ("verify_first_n", "verify_every", "check_weights_every"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
                 raise CudaGraphConfigError(
@@ -273,6 +280,13 @@ class PhaseConfig:
             self.variants = _variant_labels(self.variants)
         if self.full_prefill_max_req is not None:
             self.full_prefill_max_req = _positive_int(self.full_prefill_max_req, "full_prefill_max_req")
+        if not isinstance(self.forward_asleep, str) or self.forward_asleep not in FORWARD_ASLEEP:
+            raise CudaGraphConfigError(
+                "unknown asleep policy",
+                key="forward_asleep",
+                value=self.forward_asleep,
+                accepted=", ".join(FORWARD_ASLEEP),
+            )
         if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
             raise CudaGraphConfigError(
                 "verify is on but verify_first_n and verify_every are both 0, so no replay would be checked",

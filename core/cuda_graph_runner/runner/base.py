@@ -33,6 +33,8 @@ from ..model_protocol import GraphModel
 from ..nested import check_structure, clone_tensors
 from ..pool import get_capture_stream, release_unused_graph_memory_pool
 from ..profiling import eager_range_name, profiler_enabled, replay_range_name
+from ..weights import WeightsFingerprint, check_fingerprint
+from . import sleep as sleep_mode
 from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
@@ -262,6 +264,14 @@ class BaseCudaGraphRunner(abc.ABC):
         self._range_names: Dict[ShapeKey, str] = {}
         #: Seconds each captured key's ``capture_one`` took (warm-ups included), for describe().
         self.key_capture_seconds: Dict[ShapeKey, float] = {}
+        # Where the weights lived when the graphs were captured (:mod:`..weights`), and
+        # every how many replays forward checks them (0: never, nothing on the replay path).
+        self._weights: Optional[WeightsFingerprint] = None
+        self._weights_every: int = int(getattr(self.phase_config, "check_weights_every", 0) or 0)
+        self._weights_due: int = self._weights_every
+        #: Set while asleep (:meth:`sleep`): the sizes :meth:`wake` recaptures.
+        self.sleep_state: Optional[sleep_mode.SleepState] = None
+        self._asleep_raises: bool = getattr(self.phase_config, "forward_asleep", "eager") == "raise"
 
     # -- subclass policy --------------------------------------------------------------
     @abc.abstractmethod
@@ -492,6 +502,7 @@ class BaseCudaGraphRunner(abc.ABC):
         if not todo:  # every requested size already holds a graph
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
+        self.sleep_state = None  # a capture while asleep ends the sleep (wake() is this for every size)
         with torch.no_grad():  # a capture-time grad_fn would ride on every replayed output
             return self._capture_sizes(todo, report)
 
@@ -518,6 +529,11 @@ class BaseCudaGraphRunner(abc.ABC):
                     self.show_progress,
                 ),
             ):
+                # Inside the agreement: moved weights on one rank stop every rank.
+                if not self.captured_keys:  # what the graphs about to be recorded read
+                    self._weights = WeightsFingerprint.take(self.model)
+                elif self._weights is not None:  # no new graph beside ones that read moved weights
+                    self.check_weights()
                 plan = build_capture_plan(self)
                 self.backend.set_capture_plan(plan)
                 self.backend.prepare(plan)
@@ -797,6 +813,8 @@ class BaseCudaGraphRunner(abc.ABC):
             if self.tp_group is None:
                 decision = self.decide(batch)
                 run = local = decision is not None
+                if run and self._weights_every:
+                    self._weights_tick()
             else:  # one rank replaying while another runs eagerly (or another graph) deadlocks
                 decision, run = self._agreed_decision(self.tp_group, batch)
                 local = decision is not None
@@ -810,6 +828,8 @@ class BaseCudaGraphRunner(abc.ABC):
                     return self.replay(batch)
                 finally:
                     self._decided = None
+            if self.sleep_state is not None and self._asleep_raises:
+                raise sleep_mode.asleep_error(self)
             reason = REASON_OTHER_RANK if local else fallback_reason(self, batch)
             self.stats.record_fallback(reason)
             if profiler_enabled():  # the eager step is named in a trace, as a replay is
@@ -853,6 +873,12 @@ class BaseCudaGraphRunner(abc.ABC):
         rank then raises its own error."""
         try:
             decision = self.decide(batch)
+            # Checked before the agreement: a rank whose weights moved, or that is asleep
+            # and raises, stops every rank instead of leaving them in a collective.
+            if decision is not None and self._weights_every:
+                self._weights_tick()
+            if self.sleep_state is not None and self._asleep_raises:
+                raise sleep_mode.asleep_error(self)
             size = decision.size if decision else self.size_of(batch)
         except Exception as exc:
             try:
@@ -941,6 +967,8 @@ class BaseCudaGraphRunner(abc.ABC):
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
         self.key_capture_seconds.clear()
+        self._weights = None
+        self.sleep_state = None
         self._missing_extra.clear()
         self._output_layouts.clear()
         self._last_layout = (None, ())
@@ -957,3 +985,66 @@ class BaseCudaGraphRunner(abc.ABC):
         device, module = self._graph_device()
         if device.type != "cpu":
             synchronize(device, module)  # this device only, never the current one
+
+    # -- weights and sleep (cuda_graph_runner.weights, .sleep) ---------------------------
+    def check_weights(self) -> int:
+        """Check that every parameter and buffer of the model still lives where the
+        graphs read it (:mod:`cuda_graph_runner.weights`: data pointer, shape, stride,
+        dtype, device; host-only, about 1 µs per tensor). In-place updates
+        (``param.copy_``) pass; re-assigned tensors (``load_state_dict(assign=True)``, a
+        new ``nn.Parameter``, ``param.data = ...``, a reloaded module) do not. The phase
+        config's ``check_weights_every`` runs it every N replays of :meth:`forward`.
+
+        Returns:
+            The number of tensors checked (0 when no graph is held).
+
+        Raises:
+            cuda_graph_runner.weights.StaleWeightsError: some moved, vanished or appeared
+                since capture (named), with the fixes: update in place, or recapture
+                (``cleanup()`` + ``capture()``, or ``sleep()`` + ``wake()``).
+        """
+        if self._weights is None or not self.captured_keys:
+            return 0
+        check_fingerprint(self._weights, self.model, phase=self.phase, backend=self._backend_label())
+        return len(self._weights)
+
+    def _weights_tick(self) -> None:
+        self._weights_due -= 1
+        if self._weights_due <= 0:
+            self._weights_due = self._weights_every
+            self.check_weights()
+
+    @property
+    def asleep(self) -> bool:
+        """Whether :meth:`sleep` gave the graphs back and :meth:`wake` has not run since."""
+        return self.sleep_state is not None
+
+    def sleep(self) -> Optional[int]:
+        """Give the graph memory back to the device (:mod:`cuda_graph_runner.runner.sleep`):
+        drop every graph, release the shared pool once no graph uses it, empty the
+        allocator's cache. While asleep ``forward`` runs eagerly (reason ``"asleep"`` in
+        :meth:`run_stats`) or raises ``RunnerAsleepError`` (``forward_asleep: raise``).
+        A no-op when already asleep or for backend ``disabled``.
+
+        Returns:
+            Bytes of graph pool given back (the pool before less after; shared with other
+            runners' graphs), 0 for a no-op, None where the device cannot tell.
+
+        Raises:
+            Whatever the backend's or the model's cleanup raised; the runner is asleep
+            then anyway (its sizes remembered for :meth:`wake`).
+        """
+        return sleep_mode.sleep(self)
+
+    def wake(self) -> CaptureReport:
+        """Capture again every size and variant held before :meth:`sleep` (a no-op report
+        when awake). The new graphs read the weights the model has now.
+
+        Returns:
+            The :class:`~cuda_graph_runner.capture_report.CaptureReport` of the recapture.
+
+        Raises:
+            What :meth:`capture` raises; the runner is then asleep as before (nothing half
+            captured is kept), so ``wake()`` may be called again.
+        """
+        return sleep_mode.wake(self)

@@ -28,6 +28,7 @@ REASON_EMPTY = "empty batch"  # zero rows
 REASON_PADDING = "padding too large"  # prefill: the padded size exceeds its ratio cap
 REASON_OTHER_RANK = "another rank cannot replay"  # tensor parallel: every rank takes the same path
 REASON_SLOTS = "more requests than slots"  # prefill full: the batch has more requests than its graphs' slots
+REASON_ASLEEP = "asleep"  # runner.sleep() gave the graphs back; runner.wake() recaptures them
 REASONS = (
     REASON_DISABLED,
     REASON_NOT_CAPTURED,
@@ -37,6 +38,7 @@ REASONS = (
     REASON_PADDING,
     REASON_OTHER_RANK,
     REASON_SLOTS,
+    REASON_ASLEEP,
 )
 
 
@@ -139,6 +141,8 @@ def fallback_reason(runner: Any, batch: Any) -> str:
     eager path only, so the replay path pays nothing for it)."""
     if runner.is_disabled:
         return REASON_DISABLED
+    if getattr(runner, "asleep", False):
+        return REASON_ASLEEP
     if not runner.captured_keys:
         return REASON_NOT_CAPTURED
     if not runner.batch_matches(batch):
