@@ -54,7 +54,7 @@ import logging
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -117,6 +117,10 @@ class TPGroup:
             (:func:`cuda_graph_runner.tp_ops.register_group`); given at creation when
             ``size > 1``, empty otherwise.
     """
+
+    #: The parallelism the group stands for, in error messages ("TP"; "DP" for
+    #: :class:`cuda_graph_runner.data_parallel.DPGroup`).
+    kind: ClassVar[str] = "TP"
 
     rank: int
     size: int
@@ -181,7 +185,7 @@ class TPGroup:
         lo, hi = t[:n].tolist(), [-v for v in t[n:].tolist()]
         if lo != hi:
             raise TensorParallelMismatchError(
-                f"TP ranks disagree on {what}: rank {self.rank} has {vals}, min over ranks {lo}, max {hi}; "
+                f"{self.kind} ranks disagree on {what}: rank {self.rank} has {vals}, min over ranks {lo}, max {hi}; "
                 "every rank must run the same batch"
             )
         return vals
@@ -254,8 +258,7 @@ class TPGroup:
     def _digest(self, key: ShapeKey) -> int:
         digest = self._key_digests.get(key)
         if digest is None:
-            raw = hashlib.blake2b(f"{key.size}|{key.variant}".encode(), digest_size=8).digest()
-            digest = int.from_bytes(raw, "little") >> 2  # 62 bits: -digest fits an int64
+            digest = label_digest(f"{key.size}|{key.variant}")
             if len(self._key_digests) >= 4096:  # bounded, as the runner's replay plans
                 self._key_digests.clear()
             self._key_digests[key] = digest
@@ -271,6 +274,13 @@ class TPGroup:
         out: List[Any] = [None] * self.size
         dist.all_gather_object(out, value, group=self._cpu())
         return out
+
+
+def label_digest(text: str) -> int:
+    """A 62-bit digest of ``text`` (blake2b): ``-digest`` fits an int64, so a MIN
+    all-reduce of ``(digest, -digest)`` gives the lowest and highest over ranks."""
+    raw = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 2
 
 
 #: What a rank that would not replay sends in :meth:`TPGroup.agree_step`'s key slots:
@@ -307,7 +317,7 @@ def tp_agree(tp: Optional[TPGroup], what: str) -> Iterator[None]:
         errors = tp.gather_objects(None)
         bad = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
         raise TensorParallelCaptureError(
-            f"{what} failed on another TP rank ({bad}); this is rank {tp.rank} of {tp.size}, "
+            f"{what} failed on another {tp.kind} rank ({bad}); this is rank {tp.rank} of {tp.size}, "
             "so it fails here too and every rank keeps the same graphs"
         )
 
@@ -370,15 +380,22 @@ def all_gather_last_dim(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
     return _gather_last_dim(x, tp)
 
 
-def _gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Every rank's ``x`` ``[n, ...]`` stacked along dim 0 in rank order: ``[size * n, ...]``
+    (eager ``torch.distributed``; every rank must give the same shape)."""
     import torch.distributed as dist
 
     x = x.contiguous()
-    # Ranks stacked along dim 0 (the layout gloo and NCCL both take), then moved last.
     out = torch.empty((tp.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(out, x, group=tp.group)
-    out = out.view((tp.size,) + tuple(x.shape))
+    return out
+
+
+def _gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    x = x.contiguous()
+    # Ranks stacked along dim 0 (the layout gloo and NCCL both take), then moved last.
+    out = gather_rows(x, tp).view((tp.size,) + tuple(x.shape))
     return out.movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])
 
 
