@@ -44,9 +44,7 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
     no_sync = lambda: None  # noqa: E731 - host only: the CPU has no queue to drain
     iters, repeats = args["iters"], args["repeats"]
     size = args["bs"] if dp.rank == 0 else args["bs"] // 2
-    agree = block_means_s(
-        lambda: dp.agree_batch(size, True, ""), iters=iters, warmup=20, sync=no_sync, repeats=repeats
-    )
+    agree = block_means_s(lambda: dp.agree_batch(size, True, ""), iters=iters, warmup=20, sync=no_sync, repeats=repeats)
 
     model = ReferenceLlamaForCausalLM.from_preset(args["preset"], seed=0, dp_group=dp)
     cache = model.create_kv_cache(num_slots=4 * args["bs"] * 64 + 1, max_reqs=args["bs"] + 1, max_context_len=64)

@@ -72,7 +72,9 @@ def _outcome(fn: Callable[[], Any]) -> Tuple[str, Optional[str]]:
 def _decode_runner(model, backend, max_bs: int = MAX_BS):
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
 
-    return DecodeCudaGraphRunner(model, {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False)
+    return DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False
+    )
 
 
 def _session(model, prompts, prefill_fn, decode_fn) -> Tuple[List[torch.Tensor], List[int]]:
@@ -108,7 +110,6 @@ def _reference_sessions(dp: DPGroup, out: Dict[str, Any], prompts: Sequence) -> 
     # The reference model's DP layout through a decode and a prefill runner (replay),
     # and the same steps through backend 'disabled' (every step eager, still in step).
     from cuda_graph_runner.runner import PrefillCudaGraphRunner
-
     from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
     from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
     from cuda_graph_runner_full.backend import FullCudaGraphBackend
@@ -190,6 +191,11 @@ def _failures(dp: DPGroup, out: Dict[str, Any]) -> None:
     start = time.monotonic()
     out["decision"] = _outcome(lambda: runner.forward(decode_batch(2)))
     out["decision_s"] = time.monotonic() - start
+    model.choice = lambda batch: "a"
+    bad = decode_batch(2)
+    if dp.rank == 1:  # a live batch the replay would refuse, on one rank: refused before the step
+        bad = bad.replace(input_ids=bad.input_ids.float())
+    out["bad_batch"] = _outcome(lambda: runner.forward(bad))
     model.choice = lambda batch: "a" if dp.rank == 0 else "b"
     out["variant"] = _outcome(lambda: runner.forward(decode_batch(1 + dp.rank)))
     model.choice = lambda batch: "b"
@@ -316,6 +322,10 @@ def test_dp2_a_failure_on_one_rank_is_named_on_every_rank(two_ranks):
     assert kind == "DataParallelStepError", (kind, message)
     assert "rank 1: ValueError: injected graph_variant failure" in message
     assert r0["decision_s"] < GROUP_TIMEOUT_S  # at once, not at the group's timeout
+    kind, message = r1["bad_batch"]
+    assert kind == "ValueError" and "batch.input_ids is (2,) torch.float32" in message, (kind, message)
+    kind, message = r0["bad_batch"]
+    assert kind == "DataParallelStepError" and "rank 1: ValueError: batch.input_ids" in message, (kind, message)
     for r in two_ranks:
         kind, message = r["variant"]
         assert kind == "DataParallelMismatchError", (r["rank"], kind, message)

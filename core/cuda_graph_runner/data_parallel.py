@@ -242,7 +242,9 @@ def init_data_parallel(
     """
     # The world size is checked here, with DP's words (an explicit init_method needs it).
     world = dp_size if init_method is not None else None
-    group = init_tensor_parallel(world, device_type=device_type, rank=rank, init_method=init_method, timeout_s=timeout_s)
+    group = init_tensor_parallel(
+        world, device_type=device_type, rank=rank, init_method=init_method, timeout_s=timeout_s
+    )
     if dp_size is not None and group.size != dp_size:
         raise ValueError(
             f"--dp {dp_size} but the process group has {group.size} ranks; "

@@ -24,8 +24,8 @@ from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from ..config import ConfigInput, PhaseConfig, as_config
-from ..device import device_guard, resolve_device, synchronize
 from ..data_parallel import DPGroup
+from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
@@ -181,11 +181,16 @@ class BaseCudaGraphRunner(abc.ABC):
         #: ranks capture in step, and every step pads every rank to the largest live size.
         dp = getattr(model, "dp_group", None)
         self.dp_group: Optional[DPGroup] = dp if isinstance(dp, DPGroup) else None
-        if self.dp_group is not None and self.dp_group.is_parallel and self.tp_group is not None and self.tp_group.is_parallel:
+        if (
+            self.dp_group is not None
+            and self.dp_group.is_parallel
+            and self.tp_group is not None
+            and self.tp_group.is_parallel
+        ):
             raise ValueError(
-                    f"the model has a TP group (size {self.tp_group.size}) and a DP group (size "
-                    f"{self.dp_group.size}); data parallelism combined with tensor parallelism is not supported"
-                )
+                f"the model has a TP group (size {self.tp_group.size}) and a DP group (size "
+                f"{self.dp_group.size}); data parallelism combined with tensor parallelism is not supported"
+            )
         #: The group capture agrees over (TP or DP; None for one process).
         self.rank_group: Optional[TPGroup] = self.tp_group if self.tp_group is not None else self.dp_group
         # An index-less "cuda" is resolved once: buffers, graphs and replays stay on one device.

@@ -46,14 +46,23 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
     Raises:
         DataParallelStepError: the step's decision failed on another rank (named).
         DataParallelMismatchError: ranks would replay different graph variants.
-        Whatever this rank's own decision raised (after the other ranks were told).
+        ValueError: (this rank's own, the other ranks get DataParallelStepError) a live
+            batch the replay would refuse (:func:`check_live_batch`), or a model with
+            model-owned static inputs.
+        Whatever else this rank's own decision raised (after the other ranks were told).
     """
     live = 0
     variant: Optional[str] = None
     ready = bool(runner.captured_keys) and not runner.is_disabled
     try:
+        if runner.phase == "decode" and runner.model_inputs is not None:
+            raise ValueError(
+                "data parallelism does not pad model-owned static inputs (model.static_inputs() declares some, "
+                "LoRA adapter ids say): run the data-parallel model without them"
+            )
         if batch is not None:
             live = runner.size_of(batch)
+            check_live_batch(runner, batch)
             if ready:
                 ready = runner.batch_matches(batch)
             if ready:
@@ -91,6 +100,33 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
     return own_rows(runner, output, batch, size)
 
 
+def check_live_batch(runner: Any, batch: ForwardBatch) -> None:
+    """Refuse, before the step's agreement, what the replay would refuse after it on this
+    rank alone (the ranks' batches differ, so the others would be left in the model's
+    collectives): token fields without the rows their axis needs, a float token field,
+    an ``extra`` key the captured forward looked up and did not find.
+
+    Raises:
+        ValueError: a field's rows or dtype (names the field, its shape or dtype, and
+            what is accepted).
+        cuda_graph_runner.errors.CudaGraphHostValueError: the ``extra`` key (named).
+    """
+    from ..host_guard import missing_extra_error
+
+    width = batch.num_tokens_per_req if runner.phase == "decode" else 1
+    tokens = batch.batch_size * width if runner.phase == "decode" else batch.num_tokens
+    for name in ("input_ids", "positions", "out_cache_loc"):
+        t = getattr(batch, name)
+        if t.shape[:1] != (tokens,) or t.dtype.is_floating_point or t.dtype.is_complex:
+            raise ValueError(
+                f"batch.{name} is {tuple(t.shape)} {t.dtype}; accepted: [{tokens}] of an integer dtype "
+                f"({runner.phase} batch of {batch.batch_size} requests)"
+            )
+    for name in runner._missing_extra:
+        if name in batch.extra:
+            raise missing_extra_error(name, runner._backend_label(), runner.phase)
+
+
 def _agreed_key(runner: Any, size: int, all_ready: bool, variant: Optional[str]) -> Any:
     """The graph every rank replays for a step of ``size`` rows, or None (every rank runs
     eagerly). A function of agreed values and of the captured graphs only, which the
@@ -110,12 +146,7 @@ def _agreed_key(runner: Any, size: int, all_ready: bool, variant: Optional[str])
 def padded_batch(runner: Any, batch: Optional[ForwardBatch], size: int) -> ForwardBatch:
     """``batch`` with padding rows up to ``size`` along the runner's axis (decode:
     requests, prefill: tokens), or a dummy batch of ``size`` when ``batch`` is None;
-    ``batch`` itself when it already has ``size``.
-
-    Raises:
-        ValueError: a decode runner with model-owned static inputs (they have no
-            padding here).
-    """
+    ``batch`` itself when it already has ``size``."""
     if batch is not None and runner.size_of(batch) == size:
         return batch
     device = runner.device
@@ -133,11 +164,6 @@ def _cat(live: Optional[torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
 
 
 def _padded_decode(runner: Any, batch: Optional[ForwardBatch], size: int, device: torch.device) -> ForwardBatch:
-    if runner.model_inputs is not None:
-        raise ValueError(
-            "data parallelism does not pad model-owned static inputs (model.static_inputs() declares some, "
-            "LoRA adapter ids say): run the data-parallel model without them"
-        )
     width = runner.num_tokens_per_req
     fill = runner.seq_len_fill_value
     bs = 0 if batch is None else batch.batch_size

@@ -94,7 +94,9 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         super().__init__()
         device = torch.device(device)
         if tp_group is not None and dp_group is not None:
-            raise ValueError("tp_group and dp_group together: data parallelism with tensor parallelism is not supported")
+            raise ValueError(
+                "tp_group and dp_group together: data parallelism with tensor parallelism is not supported"
+            )
         self.config = config
         self.tp_group = tp_group
         self.dp_group = dp_group
@@ -194,7 +196,13 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         """The DP layout's MLP split (intermediate rows/columns by DP rank) as a TPLayout."""
         c, dp = self.config, self.dp_group
         return TPLayout(
-            dp.rank, dp.size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size
+            dp.rank,
+            dp.size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
         )
 
     # -- KV cache ----------------------------------------------------------------------
