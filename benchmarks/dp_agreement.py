@@ -10,7 +10,11 @@ bounded in time, gloo). On each rank, in one run:
   ``runner.forward`` (agreement, padding to the largest batch, the replay of the
   ``full`` backend on emulated CPU graphs: the model's work, collectives included);
   rank 0 holds ``--bs`` requests, the others ``--bs // 2`` (padded up);
-* ``share``: ``agree µs / step ms``.
+* ``share``: ``agree µs / step ms``;
+* ``floor µs``: one bare gloo all-reduce of one int64 on the same group (what any
+  per-step host agreement costs at least), and ``tp µs``: the tensor-parallel
+  per-batch agreement (:meth:`~cuda_graph_runner.distributed.TPGroup.agree_step`) on the
+  same group, for comparison.
 
 Each number is the median over ``--repeats`` blocks of ``--iters`` calls (every rank runs
 the same counts: the calls are collectives). Usage::
@@ -44,7 +48,23 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
     no_sync = lambda: None  # noqa: E731 - host only: the CPU has no queue to drain
     iters, repeats = args["iters"], args["repeats"]
     size = args["bs"] if dp.rank == 0 else args["bs"] // 2
-    agree = block_means_s(lambda: dp.agree_batch(size, True, ""), iters=iters, warmup=20, sync=no_sync, repeats=repeats)
+    import torch.distributed as dist
+
+    from cuda_graph_runner.backend import ShapeKey
+
+    one = torch.zeros(1, dtype=torch.int64)
+    key = ShapeKey(args["bs"], "decode")
+    timed = {
+        "floor": lambda: dist.all_reduce(one, op=dist.ReduceOp.MIN, group=dp._cpu()),
+        "tp": lambda: tp.agree_step(args["bs"], True, key),
+        "agree": lambda: dp.agree_batch(size, True, ""),
+    }
+    # Interleaved blocks (floor, tp, agree, floor, ...): a busy machine slows all three alike.
+    samples: Dict[str, list] = {name: [] for name in timed}
+    for _ in range(repeats):
+        for name, fn in timed.items():
+            samples[name] += block_means_s(fn, iters=iters, warmup=20, sync=no_sync, repeats=1)
+    agree = samples["agree"]
 
     model = ReferenceLlamaForCausalLM.from_preset(args["preset"], seed=0, dp_group=dp)
     cache = model.create_kv_cache(num_slots=4 * args["bs"] * 64 + 1, max_reqs=args["bs"] + 1, max_context_len=64)
@@ -63,6 +83,8 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
         "rank": dp.rank,
         "live_bs": size,
         "agree_us": statistics.median(agree) * 1e6,
+        "floor_us": statistics.median(samples["floor"]) * 1e6,
+        "tp_us": statistics.median(samples["tp"]) * 1e6,
         "step_ms": statistics.median(step) * 1e3,
         "replays": sum(runner.stats.replays_by_size.values()),
     }
@@ -82,10 +104,13 @@ def main() -> int:
     args = parser.parse_args()
     ranks = run_ranks(_rank, args.dp, vars(args), timeout_s=600, group_timeout_s=60)
     print(f"DP={args.dp} on the CPU (gloo), preset {args.preset}, torch {torch.__version__}")
-    print(f"{'rank':>4} {'live bs':>7} {'agree µs':>9} {'step ms':>8} {'share':>7}")
+    print(f"{'rank':>4} {'live bs':>7} {'agree µs':>9} {'step ms':>8} {'share':>7} {'floor µs':>9} {'tp µs':>7}")
     for r in ranks:
         r["share"] = r["agree_us"] / (r["step_ms"] * 1e3)
-        print(f"{r['rank']:>4} {r['live_bs']:>7} {r['agree_us']:>9.1f} {r['step_ms']:>8.2f} {r['share']:>7.2%}")
+        print(
+            f"{r['rank']:>4} {r['live_bs']:>7} {r['agree_us']:>9.1f} {r['step_ms']:>8.2f} {r['share']:>7.2%}"
+            f" {r['floor_us']:>9.1f} {r['tp_us']:>7.1f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dp": args.dp, "preset": args.preset, "torch": torch.__version__, "ranks": ranks}, f, indent=1)

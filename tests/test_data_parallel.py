@@ -352,6 +352,18 @@ def test_one_rank_group_runs_no_collective_and_none_needs_a_group():
         runner.forward(None)
 
 
+def test_the_row_gather_has_a_fake_implementation():
+    """What Dynamo and inductor see of the DP row gather: its output shape, symbolic sizes included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from cuda_graph_runner.tp_ops import all_gather_rows_op
+
+    dp = DPGroup(0, 2, torch.device("cpu"))
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        assert all_gather_rows_op(mode.from_tensor(torch.empty(5, 8)), dp.name, 2).shape == (10, 8)
+
+
 def test_dp_layout_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="intermediate_size=.* is not a multiple of dp=7"):
         ReferenceLlamaForCausalLM(PRESETS["tiny"], dp_group=DPGroup(0, 7, torch.device("cpu")))

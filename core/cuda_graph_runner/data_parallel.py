@@ -152,11 +152,9 @@ class DPGroup(TPGroup):
             if failed is not None:
                 raise DataParallelStepError(f"the step's decision failed on DP rank {self.rank}: {failed}")
             return size, bool(ready), variant
-        import torch.distributed as dist
-
-        t = torch.tensor([-size, 1 if ready else 0, lo_slot, hi_slot, 0 if failed else 1], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
-        neg_max, all_ready, v_lo, neg_v_hi, ok = t.tolist()
+        neg_max, all_ready, v_lo, neg_v_hi, ok = self.host_min(
+            [-size, 1 if ready else 0, lo_slot, hi_slot, 0 if failed else 1]
+        )
         if ok and (v_lo == _NONE or v_lo == -neg_v_hi):
             agreed = None
             if v_lo != _NONE:
@@ -191,18 +189,15 @@ class DPGroup(TPGroup):
 def all_gather_rows(x: torch.Tensor, dp: Optional[TPGroup]) -> torch.Tensor:
     """Every rank's ``x`` ``[n, ...]`` stacked in rank order: ``[size * n, ...]`` (same
     dtype and device; every rank must give the same ``n``, which the DP step's padding
-    ensures). ``x`` itself without a group or at size 1.
-
-    Raises:
-        NotImplementedError: traced by Dynamo (``torch.compile``, the ``tc_piecewise``
-            backend): data parallelism supports the ``full`` and ``breakable`` backends.
-    """
+    ensures). ``x`` itself without a group or at size 1. Traced by Dynamo it is the
+    opaque custom op ``cuda_graph_runner::tp_all_gather_rows``
+    (:mod:`cuda_graph_runner.tp_ops`)."""
     if dp is None or not dp.is_parallel:
         return x
     if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "all_gather_rows is not traceable: data parallelism runs with the full and breakable backends"
-        )
+        from .tp_ops import all_gather_rows_op
+
+        return all_gather_rows_op(x, dp.name, dp.size)
     return gather_rows(x, dp)
 
 
