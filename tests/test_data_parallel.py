@@ -367,6 +367,10 @@ def test_the_row_gather_has_a_fake_implementation():
 def test_dp_layout_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="intermediate_size=.* is not a multiple of dp=7"):
         ReferenceLlamaForCausalLM(PRESETS["tiny"], dp_group=DPGroup(0, 7, torch.device("cpu")))
+    model = DPToy(DPGroup(0, 2, torch.device("cpu")))
+    model.tp_group = TPGroup(0, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="data parallelism combined with tensor parallelism is not supported"):
+        _decode_runner(model, RecordingBackend("cpu", phase="decode"))
     with pytest.raises(ValueError, match="tp_group and dp_group together"):
         ReferenceLlamaForCausalLM(
             PRESETS["tiny"], tp_group=TPGroup(0, 2, torch.device("cpu")), dp_group=DPGroup(1, 2, torch.device("cpu"))
