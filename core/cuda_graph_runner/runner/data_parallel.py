@@ -6,10 +6,11 @@ all-reduce), the rank's batch padded to the largest live size over the group (a 
 batch of that size on a rank without requests), the same replay-or-eager decision and
 graph key on every rank, and the rank's own live rows of the output.
 
-Padding rows follow the runners' own padding: decode requests on the reserved request
-row 0 and KV slot 0 with ``seq_len_fill_value``; prefill tokens (token 0, position 0,
-slot 0) past the live requests, belonging to no request. A replay then pads the step's
-size up to its captured bucket as for any batch.
+Padding rows are the runners' own (``runner.pad_batch``, as ``replay_prepare`` pads):
+decode requests on the reserved request row 0 and KV slot 0 with ``seq_len_fill_value``;
+prefill tokens (token 0, position 0, slot 0) past the live requests, belonging to no
+request. A replay then pads the step's size up to its captured bucket as for any batch;
+the eager path is ``runner.eager`` (``padded_eager`` applies).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ..data_parallel import DataParallelStepError, DPGroup
 from ..forward_batch import ForwardBatch, ForwardMode
+from ..profiling import eager_range_name, profiler_enabled
 from .stats import REASON_EMPTY, REASON_OTHER_RANK, fallback_reason
 
 __all__ = ["dp_forward", "padded_batch"]
@@ -96,7 +98,11 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         else:
             reason = fallback_reason(runner, work)
         runner.stats.record_fallback(reason)
-        output = runner.run_eager(work)
+        if profiler_enabled():  # the eager step is named in a trace, as a replay is
+            with torch.profiler.record_function(eager_range_name(runner.phase, reason)):
+                output = runner.eager(work)
+        else:
+            output = runner.eager(work)
     return own_rows(runner, output, batch, size)
 
 
@@ -145,74 +151,43 @@ def _agreed_key(runner: Any, size: int, all_ready: bool, variant: Optional[str])
 
 def padded_batch(runner: Any, batch: Optional[ForwardBatch], size: int) -> ForwardBatch:
     """``batch`` with padding rows up to ``size`` along the runner's axis (decode:
-    requests, prefill: tokens), or a dummy batch of ``size`` when ``batch`` is None;
-    ``batch`` itself when it already has ``size``."""
-    if batch is not None and runner.size_of(batch) == size:
-        return batch
-    device = runner.device
-    if runner.phase == "prefill":
-        return _padded_prefill(batch, size, device)
-    return _padded_decode(runner, batch, size, device)
-
-
-def _zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(n, dtype=dtype, device=device)
-
-
-def _cat(live: Optional[torch.Tensor], pad: torch.Tensor) -> torch.Tensor:
-    return pad if live is None else torch.cat([live, pad.to(live.dtype)])
-
-
-def _padded_decode(runner: Any, batch: Optional[ForwardBatch], size: int, device: torch.device) -> ForwardBatch:
-    width = runner.num_tokens_per_req
-    fill = runner.seq_len_fill_value
-    bs = 0 if batch is None else batch.batch_size
-    rows = size - bs
-    tokens = _zeros(rows * width, torch.int64, device)
-    seq_lens = torch.full((rows,), fill, dtype=torch.int32, device=device)
-    pad_cpu = [fill] * rows
+    requests, prefill: tokens) as a replay pads it (``runner.pad_batch``), or a dummy
+    batch of ``size`` (an empty batch so padded) when ``batch`` is None; ``batch``
+    itself when it already has ``size``."""
     if batch is None:
-        return ForwardBatch(
-            forward_mode=runner.mode,
-            input_ids=tokens,
-            positions=tokens,
-            out_cache_loc=tokens,
-            req_pool_indices=_zeros(rows, torch.int64, device),
-            seq_lens=seq_lens,
-            seq_lens_cpu=pad_cpu,
-            num_tokens_per_req=width,
-        )
-    return batch.replace(
-        input_ids=_cat(batch.input_ids, tokens),
-        positions=_cat(batch.positions, tokens),
-        out_cache_loc=_cat(batch.out_cache_loc, tokens),
-        req_pool_indices=_cat(batch.req_pool_indices, _zeros(rows, torch.int64, device)),
-        seq_lens=_cat(batch.seq_lens, seq_lens),
-        seq_lens_cpu=None if batch.seq_lens_cpu is None else list(batch.seq_lens_cpu) + pad_cpu,
-    )
+        batch = _empty_batch(runner)
+    elif runner.size_of(batch) == size:
+        return batch
+    return runner.pad_batch(batch, size)
 
 
-def _padded_prefill(batch: Optional[ForwardBatch], size: int, device: torch.device) -> ForwardBatch:
-    tokens = _zeros(size - (0 if batch is None else batch.num_tokens), torch.int64, device)
-    if batch is None:  # no request: every token is padding
-        empty_i64, empty_i32 = _zeros(0, torch.int64, device), _zeros(0, torch.int32, device)
+def _empty_batch(runner: Any) -> ForwardBatch:
+    """A batch of no request and no token in the runner's mode, on its device."""
+    device = runner.device
+    i64, i32 = torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int32, device=device)
+    if runner.phase == "prefill":
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
-            input_ids=tokens,
-            positions=tokens,
-            out_cache_loc=tokens,
-            req_pool_indices=empty_i64,
-            seq_lens=empty_i32,
-            extend_seq_lens=empty_i32,
-            extend_prefix_lens=empty_i32,
+            input_ids=i64,
+            positions=i64,
+            out_cache_loc=i64,
+            req_pool_indices=i64,
+            seq_lens=i32,
+            extend_seq_lens=i32,
+            extend_prefix_lens=i32,
             seq_lens_cpu=[],
             extend_seq_lens_cpu=[],
             extend_prefix_lens_cpu=[],
         )
-    return batch.replace(
-        input_ids=_cat(batch.input_ids, tokens),
-        positions=_cat(batch.positions, tokens),
-        out_cache_loc=_cat(batch.out_cache_loc, tokens),
+    return ForwardBatch(
+        forward_mode=runner.mode,
+        input_ids=i64,
+        positions=i64,
+        out_cache_loc=i64,
+        req_pool_indices=i64,
+        seq_lens=i32,
+        seq_lens_cpu=[],
+        num_tokens_per_req=runner.num_tokens_per_req,
     )
 
 
