@@ -106,7 +106,13 @@ def _speedup_range(row: Dict[str, Any]) -> Optional[str]:
 
 
 def load_model(
-    spec: str, *, dtype: torch.dtype, device: torch.device, tp_group: Any = None, attention: Optional[str] = None
+    spec: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_group: Any = None,
+    attention: Optional[str] = None,
+    dp_group: Any = None,
 ) -> Any:
     """A preset name (see ``testing.model.PRESETS``), a real model name
     (:data:`cuda_graph_runner.real_model.REAL_MODELS`: its checkpoint prepared once into the
@@ -116,7 +122,8 @@ def load_model(
 
     Raises:
         ValueError: ``spec`` is none of these (lists the presets and real models), or
-            ``hf:`` with tensor parallelism or a model the adapter refuses.
+            ``hf:`` with tensor parallelism or a model the adapter refuses, or
+            ``dp_group`` with anything but a preset (the DP layout has random weights).
         RealModelUnavailableError: a real model whose packages are not installed.
         TransformersUnavailableError: ``hf:`` without transformers.
     """
@@ -126,10 +133,21 @@ def load_model(
     if spec.startswith("hf:"):
         from .models.hf import load_hf_model
 
-        if tp_group is not None:
-            raise ValueError(f"--model {spec!r}: the Hugging Face adapter runs on one rank (no tensor parallelism)")
+        if tp_group is not None or dp_group is not None:
+            raise ValueError(
+                f"--model {spec!r}: the Hugging Face adapter runs on one rank (no tensor or data parallelism)"
+            )
         return load_hf_model(spec, dtype=dtype, device=device, attention=attention)
 
+    if dp_group is not None:
+        if spec not in PRESETS:
+            raise ValueError(
+                f"--model {spec!r} with --dp: data parallelism runs the reference presets only "
+                f"({', '.join(sorted(PRESETS))})"
+            )
+        return ReferenceLlamaForCausalLM.from_preset(
+            spec, dtype=dtype, device=device, dp_group=dp_group, attention=attention
+        )
     if spec in REAL_MODELS:
         spec = prepare(spec)
     if spec in PRESETS:
@@ -384,7 +402,17 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
     if threads is not None:
         torch.set_num_threads(threads)  # before any work: the eager steps, compiles and timings all use it
     try:
-        model = load_model(model_spec, dtype=dtype, device=device, tp_group=tp, attention=args.attention)
+        from .data_parallel import DPGroup
+
+        dp = tp if isinstance(tp, DPGroup) else None
+        model = load_model(
+            model_spec,
+            dtype=dtype,
+            device=device,
+            tp_group=None if dp is not None else tp,
+            attention=args.attention,
+            dp_group=dp,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -422,10 +450,11 @@ def _run_bench(args: argparse.Namespace, tp: Any) -> int:
         "attention": model.attn_backend.name,
     }
     if tp is not None:
-        env["tp"] = tp.size
+        env[tp.kind.lower()] = tp.size
+    parallel = "data" if tp is not None and tp.kind == "DP" else "tensor"
     say(
         f"model {model_spec} ({dtype}), device {env['device_name']}, torch {torch.__version__}"
-        + (f", tensor parallel {tp.size} ranks (rank 0 shown)" if tp is not None else "")
+        + (f", {parallel} parallel {tp.size} ranks (rank 0 shown)" if tp is not None else "")
         + (f", attention {env['attention']}" if args.attention else "")
     )
     results: Dict[str, Any] = {

@@ -187,6 +187,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel size; >1 runs under torchrun --nproc-per-node N, rank 0 prints (default 1)",
     )
     parser.add_argument(
+        "--dp",
+        type=count_arg(1),
+        metavar="N",
+        default=1,
+        help="data-parallel attention size (the reference model's DP layout, every rank padded to the largest "
+        "batch each step); >1 runs under torchrun --nproc-per-node N, rank 0 prints; not with --tp (default 1)",
+    )
+    parser.add_argument(
         "--json",
         dest="json_path",
         type=output_file,

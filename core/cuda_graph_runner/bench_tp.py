@@ -1,4 +1,9 @@
-"""``bench --tp N``: the bench run tensor-parallel, one process per rank under ``torchrun``.
+"""``bench --tp N`` / ``bench --dp N``: the bench run tensor- or data-parallel, one process
+per rank under ``torchrun``.
+
+With ``--dp N`` every rank loads the reference model's data-parallel layout
+(:class:`~cuda_graph_runner.data_parallel.DPGroup`) and runs the same batches; each step
+the runners still agree on the live sizes (one host all-reduce) and pad to the largest.
 
 ``torchrun --nproc-per-node 2 -m cuda_graph_runner bench --tp 2`` starts two ranks; each
 joins the process group (:func:`cuda_graph_runner.distributed.init_tensor_parallel`),
@@ -23,32 +28,42 @@ TEARDOWN_TIMEOUT_S = 30.0
 
 
 def setup(args: argparse.Namespace) -> Optional[Any]:
-    """Join the TP group when ``--tp`` > 1; returns the :class:`TPGroup` (None for one process).
+    """Join the TP group when ``--tp`` > 1, the DP group when ``--dp`` > 1; returns the
+    :class:`TPGroup` or :class:`~cuda_graph_runner.data_parallel.DPGroup` (None for one
+    process).
 
     Sets ``args.device`` to the rank's device; ranks other than 0 print nothing to
     stdout (stderr stays: their errors show).
 
     Raises:
-        ValueError: ``--tp`` is not positive, the world size differs from it, or the
-            device does not fit (the message names the values).
+        ValueError: ``--tp`` or ``--dp`` is not positive, both are above 1, the world
+            size differs, or the device does not fit (the message names the values).
     """
-    tp_size = getattr(args, "tp", None)
-    tp_size = 1 if tp_size is None else tp_size
-    if tp_size < 1:
-        raise ValueError(f"--tp {tp_size}: must be a positive int")
+    sizes = {flag: getattr(args, flag, None) or 1 for flag in ("tp", "dp")}
+    for flag, size in sizes.items():
+        if size < 1:
+            raise ValueError(f"--{flag} {size}: must be a positive int")
+    if sizes["tp"] > 1 and sizes["dp"] > 1:
+        raise ValueError(
+            f"--tp {sizes['tp']} with --dp {sizes['dp']}: data parallelism with tensor parallelism is not supported"
+        )
+    flag = "dp" if sizes["dp"] > 1 else "tp"
+    tp_size = sizes[flag]
     if tp_size == 1:
         return None
     if not envs.launched_by_torch_distributed():
         raise ValueError(
-            f"--tp {tp_size} needs one process per rank: run "
-            f"torchrun --nproc-per-node {tp_size} -m cuda_graph_runner bench --tp {tp_size}"
+            f"--{flag} {tp_size} needs one process per rank: run "
+            f"torchrun --nproc-per-node {tp_size} -m cuda_graph_runner bench --{flag} {tp_size}"
         )
+    from .data_parallel import init_data_parallel
     from .distributed import init_tensor_parallel
 
     device_type = None
     if args.device:
         device_type = args.device.split(":")[0]
-    tp = init_tensor_parallel(tp_size, device_type=device_type)
+    init = init_data_parallel if flag == "dp" else init_tensor_parallel
+    tp = init(tp_size, device_type=device_type)
     args.device = str(tp.device)
     if tp.rank != 0:
         sys.stdout = open(os.devnull, "w")

@@ -54,7 +54,7 @@ import logging
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -118,6 +118,10 @@ class TPGroup:
             ``size > 1``, empty otherwise.
     """
 
+    #: The parallelism the group stands for, in error messages ("TP"; "DP" for
+    #: :class:`cuda_graph_runner.data_parallel.DPGroup`).
+    kind: ClassVar[str] = "TP"
+
     rank: int
     size: int
     device: torch.device
@@ -125,6 +129,7 @@ class TPGroup:
     cpu_group: Any = None
     name: str = dataclasses.field(default="", compare=False)
     _key_digests: Dict[ShapeKey, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _min_buffers: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -159,6 +164,24 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
         return bool(t.item())
 
+    def host_min(self, values: Sequence[int]) -> List[int]:
+        """The element-wise minimum of ``values`` (int64s) over the ranks: one host
+        all-reduce (gloo, MIN, no device sync). The per-step agreements' one collective.
+
+        The values travel in a tensor kept per length and reused, so a step hands gloo
+        no new tensor.
+        """
+        if not self.is_parallel:
+            return [int(v) for v in values]
+        import torch.distributed as dist
+
+        buf = self._min_buffers.get(len(values))
+        if buf is None:
+            buf = self._min_buffers[len(values)] = torch.empty(len(values), dtype=torch.int64)
+        buf.copy_(torch.tensor(values, dtype=torch.int64))
+        dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._cpu())
+        return buf.tolist()
+
     def agree_ints(self, values: Sequence[int], what: str) -> List[int]:
         """Check every rank holds the same ``values`` (one host all-reduce).
 
@@ -181,7 +204,7 @@ class TPGroup:
         lo, hi = t[:n].tolist(), [-v for v in t[n:].tolist()]
         if lo != hi:
             raise TensorParallelMismatchError(
-                f"TP ranks disagree on {what}: rank {self.rank} has {vals}, min over ranks {lo}, max {hi}; "
+                f"{self.kind} ranks disagree on {what}: rank {self.rank} has {vals}, min over ranks {lo}, max {hi}; "
                 "every rank must run the same batch"
             )
         return vals
@@ -218,17 +241,15 @@ class TPGroup:
             if failed is not None:
                 raise TensorParallelStepError(f"the replay decision failed on rank {self.rank}: {failed}")
             return bool(replay)
-        import torch.distributed as dist
-
         # A rank without a key sends _NO_KEY in both key slots: the MIN's neutral value.
         if key is not None and replay:
             digest = self._digest(key)
             lo_slot, hi_slot = digest, -digest
         else:
             lo_slot = hi_slot = _NO_KEY
-        t = torch.tensor([size, -size, lo_slot, hi_slot, 1 if replay else 0, 0 if failed else 1], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
-        lo, neg_hi, key_lo, neg_key_hi, flag, ok = t.tolist()
+        lo, neg_hi, key_lo, neg_key_hi, flag, ok = self.host_min(
+            [size, -size, lo_slot, hi_slot, 1 if replay else 0, 0 if failed else 1]
+        )
         if ok and lo == -neg_hi and (key_lo == _NO_KEY or key_lo == -neg_key_hi):
             return bool(flag)
         mine = (size, repr(key) if key is not None and replay else None, failed)
@@ -254,8 +275,7 @@ class TPGroup:
     def _digest(self, key: ShapeKey) -> int:
         digest = self._key_digests.get(key)
         if digest is None:
-            raw = hashlib.blake2b(f"{key.size}|{key.variant}".encode(), digest_size=8).digest()
-            digest = int.from_bytes(raw, "little") >> 2  # 62 bits: -digest fits an int64
+            digest = label_digest(f"{key.size}|{key.variant}")
             if len(self._key_digests) >= 4096:  # bounded, as the runner's replay plans
                 self._key_digests.clear()
             self._key_digests[key] = digest
@@ -271,6 +291,13 @@ class TPGroup:
         out: List[Any] = [None] * self.size
         dist.all_gather_object(out, value, group=self._cpu())
         return out
+
+
+def label_digest(text: str) -> int:
+    """A 62-bit digest of ``text`` (blake2b): ``-digest`` fits an int64, so a MIN
+    all-reduce of ``(digest, -digest)`` gives the lowest and highest over ranks."""
+    raw = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 2
 
 
 #: What a rank that would not replay sends in :meth:`TPGroup.agree_step`'s key slots:
@@ -307,7 +334,7 @@ def tp_agree(tp: Optional[TPGroup], what: str) -> Iterator[None]:
         errors = tp.gather_objects(None)
         bad = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
         raise TensorParallelCaptureError(
-            f"{what} failed on another TP rank ({bad}); this is rank {tp.rank} of {tp.size}, "
+            f"{what} failed on another {tp.kind} rank ({bad}); this is rank {tp.rank} of {tp.size}, "
             "so it fails here too and every rank keeps the same graphs"
         )
 
@@ -370,15 +397,22 @@ def all_gather_last_dim(x: torch.Tensor, tp: Optional[TPGroup]) -> torch.Tensor:
     return _gather_last_dim(x, tp)
 
 
-def _gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Every rank's ``x`` ``[n, ...]`` stacked along dim 0 in rank order: ``[size * n, ...]``
+    (eager ``torch.distributed``; every rank must give the same shape)."""
     import torch.distributed as dist
 
     x = x.contiguous()
-    # Ranks stacked along dim 0 (the layout gloo and NCCL both take), then moved last.
     out = torch.empty((tp.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(out, x, group=tp.group)
-    out = out.view((tp.size,) + tuple(x.shape))
+    return out
+
+
+def _gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    x = x.contiguous()
+    # Ranks stacked along dim 0 (the layout gloo and NCCL both take), then moved last.
+    out = gather_rows(x, tp).view((tp.size,) + tuple(x.shape))
     return out.movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])
 
 

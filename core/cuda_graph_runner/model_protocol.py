@@ -43,7 +43,8 @@ attention plans nothing leaves them None, so the replay path pays one None check
 * :class:`SupportsPostWarmupHook`: ``post_warmup_hook()``, called after a size's warm-ups
   and before it is recorded (undo what warm-ups changed);
 * attributes ``tp_group`` (a :class:`cuda_graph_runner.distributed.TPGroup`: ranks capture
-  and decide in step) and ``kv_cache`` (whose ``max_context_len`` bounds prefill's dummy
+  and decide in step), ``dp_group`` (a :class:`cuda_graph_runner.data_parallel.DPGroup`:
+  ranks capture in step and every step is padded to the largest rank's batch) and ``kv_cache`` (whose ``max_context_len`` bounds prefill's dummy
   requests), and ``parameters()``/``buffers()`` (the device when none is given).
 """
 

@@ -11,7 +11,10 @@ runs:
 * ``cuda_graph_runner::tp_all_reduce(Tensor x, str group) -> Tensor``: the sum over
   the group, in a new tensor (``x`` is untouched);
 * ``cuda_graph_runner::tp_all_gather_last_dim(Tensor x, str group, int size) -> Tensor``:
-  every rank's ``x`` ``[..., n]`` concatenated along the last dim, ``[..., size * n]``.
+  every rank's ``x`` ``[..., n]`` concatenated along the last dim, ``[..., size * n]``;
+* ``cuda_graph_runner::tp_all_gather_rows(Tensor x, str group, int size) -> Tensor``:
+  every rank's ``x`` ``[n, ...]`` stacked along dim 0, ``[size * n, ...]`` (the
+  data-parallel layout's row gather, :mod:`cuda_graph_runner.data_parallel`).
 
 Both have a fake (meta) implementation, so Dynamo and inductor see a node with known
 output shape (symbolic sizes included: no recompile per captured size) and never look
@@ -43,7 +46,7 @@ import torch
 if TYPE_CHECKING:
     from .distributed import TPGroup
 
-__all__ = ["all_gather_last_dim_op", "all_reduce_op", "group_by_name", "register_group"]
+__all__ = ["all_gather_last_dim_op", "all_gather_rows_op", "all_reduce_op", "group_by_name", "register_group"]
 
 _GROUPS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 _COUNTER = itertools.count()
@@ -102,3 +105,16 @@ def all_gather_last_dim_op(x: torch.Tensor, group: str, size: int) -> torch.Tens
 @all_gather_last_dim_op.register_fake
 def _all_gather_last_dim_fake(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], size * x.shape[-1]))
+
+
+@torch.library.custom_op("cuda_graph_runner::tp_all_gather_rows", mutates_args=())
+def all_gather_rows_op(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+    """Every rank's ``x`` ``[n, ...]`` stacked along dim 0 in rank order: ``[size * n, ...]``."""
+    from .distributed import gather_rows
+
+    return gather_rows(x, group_by_name(group))
+
+
+@all_gather_rows_op.register_fake
+def _all_gather_rows_fake(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+    return x.new_empty((size * x.shape[0], *x.shape[1:]))

@@ -24,6 +24,7 @@ from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
 from ..buffers import CudaGraphBufferRegistry
 from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from ..config import ConfigInput, PhaseConfig, as_config
+from ..data_parallel import DPGroup
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from ..forward_batch import ForwardBatch, ForwardMode
@@ -38,6 +39,7 @@ from . import sleep as sleep_mode
 from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_plan import build_capture_plan, capture_static_batch
+from .data_parallel import dp_forward
 from .decision import ReplayDecision
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
@@ -182,7 +184,23 @@ class BaseCudaGraphRunner(abc.ABC):
         #: The model's TP group (``model.tp_group``, :mod:`cuda_graph_runner.distributed`):
         #: ranks capture in step and agree on every batch's replay-or-eager decision.
         tp = getattr(model, "tp_group", None)
-        self.tp_group: Optional[TPGroup] = tp if isinstance(tp, TPGroup) else None
+        self.tp_group: Optional[TPGroup] = tp if isinstance(tp, TPGroup) and not isinstance(tp, DPGroup) else None
+        #: The model's DP group (``model.dp_group``, :mod:`cuda_graph_runner.data_parallel`):
+        #: ranks capture in step, and every step pads every rank to the largest live size.
+        dp = getattr(model, "dp_group", None)
+        self.dp_group: Optional[DPGroup] = dp if isinstance(dp, DPGroup) else None
+        if (
+            self.dp_group is not None
+            and self.dp_group.is_parallel
+            and self.tp_group is not None
+            and self.tp_group.is_parallel
+        ):
+            raise ValueError(
+                f"the model has a TP group (size {self.tp_group.size}) and a DP group (size "
+                f"{self.dp_group.size}); data parallelism combined with tensor parallelism is not supported"
+            )
+        #: The group capture agrees over (TP or DP; None for one process).
+        self.rank_group: Optional[TPGroup] = self.tp_group if self.tp_group is not None else self.dp_group
         # An index-less "cuda" is resolved once: buffers, graphs and replays stay on one device.
         self.device = resolve_device(device) if device is not None else model_device(model, type(self).__name__)
         self.config = as_config(config, self.phase)  # once: resolve gets this object, unconverted
@@ -516,7 +534,7 @@ class BaseCudaGraphRunner(abc.ABC):
             # A backend that traces in prepare (tc_piecewise) freezes what its trace reads.
             # tp_agree: a prepare that fails on one rank fails on every rank, at once.
             with (
-                tp_agree(self.tp_group, f"prepare of {self.phase} ({self.backend.name})"),
+                tp_agree(self.rank_group, f"prepare of {self.phase} ({self.backend.name})"),
                 host_value_guard(
                     self._backend_label(),
                     self.phase,
@@ -552,7 +570,7 @@ class BaseCudaGraphRunner(abc.ABC):
                     done=f"captured {len(todo)} {self.phase} graphs ({self.backend.name})",
                     show=self.show_progress,
                 ):
-                    tp_step = tp_capture_step(self.tp_group, f"{self.phase} size {size}")
+                    tp_step = tp_capture_step(self.rank_group, f"{self.phase} size {size}")
                     had = set(self.captured_keys)
                     try:
                         with tp_step, self._capture_tracing(size):  # ranks warm up together
@@ -625,14 +643,14 @@ class BaseCudaGraphRunner(abc.ABC):
         Raises:
             TensorParallelMismatchError: the ranks' sizes to capture differ.
         """
-        tp = self.tp_group
+        tp = self.rank_group
         if tp is None or not tp.is_parallel:
             return
         todos = tp.gather_objects(list(todo))
         if any(t != todos[0] for t in todos):
             seen = "; ".join(f"rank {r}: {t}" for r, t in enumerate(todos))
             raise TensorParallelMismatchError(
-                f"TP ranks would capture different {self.phase} sizes ({seen}); this is rank {tp.rank}; "
+                f"{tp.kind} ranks would capture different {self.phase} sizes ({seen}); this is rank {tp.rank}; "
                 "every rank needs the same config and the same graphs already captured (cleanup() on every rank)"
             )
 
@@ -801,14 +819,27 @@ class BaseCudaGraphRunner(abc.ABC):
     def _backend_label(self) -> str:
         return self.backend.name or type(self.backend).__name__
 
-    def forward(self, batch: ForwardBatch) -> Any:
+    def forward(self, batch: Optional[ForwardBatch]) -> Any:
         """Replay when a graph covers ``batch``, else run it eagerly (both without autograd).
+
+        With a DP group (``model.dp_group``) every rank calls this every step, ``batch``
+        None on a rank without requests: :func:`.data_parallel.dp_forward` pads every rank
+        to the largest live size and returns this rank's own rows (None when no rank has
+        requests).
 
         Returns:
             The model's output for ``batch``. A replayed output is valid until the next
             replay of any graph in the same pool unless the runner was built with
             ``owned_outputs=True`` (see :meth:`replay`); an eager one is the model's own.
+
+        Raises:
+            ValueError: ``batch`` is None without a DP group.
         """
+        if self.dp_group is not None and self.dp_group.is_parallel:
+            with torch.no_grad():
+                return dp_forward(self, self.dp_group, batch)
+        if batch is None:
+            raise ValueError("batch=None (a rank without requests) is accepted only with a DP group (model.dp_group)")
         with torch.no_grad():
             if self.tp_group is None:
                 decision = self.decide(batch)

@@ -76,6 +76,11 @@ class EmulatedGraph:
             for rec in self.ops:
                 result = rec.func(*rec.args, **rec.kwargs)
                 new, _ = tree_flatten(result)
+                for leaf in new:
+                    # A collective (c10d op) returns its Work: waited here, as a device
+                    # stream orders a recorded collective before the ops after it.
+                    if not isinstance(leaf, torch.Tensor) and hasattr(leaf, "wait"):
+                        leaf.wait()
                 for dst, src in zip(rec.fresh, new):
                     if dst is not None:
                         dst.copy_(src)

@@ -39,6 +39,14 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             parallelism (this rank's shard of heads, MLP and vocab; see
             :mod:`cuda_graph_runner.testing.tensor_parallel`), or None for one process.
             Runners read it as ``model.tp_group``.
+        dp_group: a :class:`~cuda_graph_runner.data_parallel.DPGroup` for the
+            data-parallel attention layout: every rank holds the whole attention,
+            embedding and LM head and runs its own requests through them; each MLP holds
+            the rank's shard of the intermediate size and runs over every rank's rows
+            between an all-gather and an all-reduce (the stand-in for expert
+            parallelism), so the ranks' forwards must have the same rows (the runners
+            pad them: :mod:`cuda_graph_runner.runner.data_parallel`). Runners read it as
+            ``model.dp_group``. Not with ``tp_group``.
         attention: the attention backend's name
             (:data:`~.attention_backend.ATTENTION_BACKENDS`: ``"torch"``, ``"planned_standin"``);
             None: :data:`~.attention_backend.DEFAULT_ATTENTION` (``"torch"``, on every device).
@@ -81,11 +89,17 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         device: Union[str, torch.device] = "cpu",
         tp_group: Any = None,
         attention: Optional[str] = None,
+        dp_group: Any = None,
     ):
         super().__init__()
         device = torch.device(device)
+        if tp_group is not None and dp_group is not None:
+            raise ValueError(
+                "tp_group and dp_group together: data parallelism with tensor parallelism is not supported"
+            )
         self.config = config
         self.tp_group = tp_group
+        self.dp_group = dp_group
         self.tp_layout = TPLayout.of(config, tp_group)  # raises ValueError when the heads do not split
         backend = make_attention_backend(attention)  # raises ValueError for an unknown name
         self.attn_backend = backend
@@ -94,7 +108,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         for hook, method in _ATTENTION_HOOKS.items():
             if getattr(type(self), hook, None) is None:
                 setattr(self, hook, getattr(backend, method) if backend.plans else None)
-        self.model = _Backbone(config, dtype, device, tp_group, backend)
+        self.model = _Backbone(config, dtype, device, tp_group, backend, dp_group)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -126,13 +140,15 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         std: float = 0.02,
         tp_group: Any = None,
         attention: Optional[str] = None,
+        dp_group: Any = None,
     ) -> "ReferenceLlamaForCausalLM":
         """A model with random weights: normal(0, ``std``) matrices and biases, unit norms.
 
         The same seed on the same device type gives the same weights; with ``tp_group``
-        each rank holds its shard of those same weights. ``attention``: as the class's.
+        (or ``dp_group``) each rank holds its shard of those same weights. ``attention``:
+        as the class's.
         """
-        model = cls(config, dtype=dtype, device=device, tp_group=tp_group, attention=attention)
+        model = cls(config, dtype=dtype, device=device, tp_group=tp_group, attention=attention, dp_group=dp_group)
         model.init_random_weights(seed=seed, std=std)
         return model
 
@@ -156,12 +172,13 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         """Fill matrices, embeddings and biases with normal(0, ``std``); norms with 1."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
-        # TP: draw the full (TP=1) tensors in TP=1 order and keep this rank's shard.
+        # TP/DP: draw the full (TP=1) tensors in TP=1 order and keep this rank's shard.
         full = (
             dict(type(self)(self.config, dtype=self.dtype, device="meta").named_parameters())
-            if self.tp_group is not None
+            if self.tp_group is not None or self.dp_group is not None
             else None
         )
+        layout = self.tp_layout if self.dp_group is None else self._dp_mlp_layout()
         for name, param in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 param.fill_(1.0)
@@ -169,9 +186,24 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
                 whole = torch.empty(full[name].shape, dtype=self.dtype, device=self.device).normal_(
                     0.0, std, generator=gen
                 )
-                param.copy_(shard_fused_param(name, whole, self.tp_layout))
+                if self.dp_group is None or ".mlp." in name:  # DP: only the MLP is split
+                    whole = shard_fused_param(name, whole, layout)
+                param.copy_(whole)
             else:
                 param.normal_(0.0, std, generator=gen)
+
+    def _dp_mlp_layout(self) -> TPLayout:
+        """The DP layout's MLP split (intermediate rows/columns by DP rank) as a TPLayout."""
+        c, dp = self.config, self.dp_group
+        return TPLayout(
+            dp.rank,
+            dp.size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+        )
 
     # -- KV cache ----------------------------------------------------------------------
 
@@ -240,8 +272,8 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         unknown = sorted(set(targets) - set(LORA_TARGETS))
         if unknown:
             raise ValueError(f"LoRA targets {unknown} are not accepted; accepted: {list(LORA_TARGETS)}")
-        if self.tp_group is not None:
-            raise ValueError("LoRA adapters are not supported with tensor parallelism in the reference model")
+        if self.tp_group is not None or self.dp_group is not None:
+            raise ValueError("LoRA adapters are not supported with tensor or data parallelism in the reference model")
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         for layer in self.model.layers:

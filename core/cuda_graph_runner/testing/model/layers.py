@@ -132,13 +132,54 @@ class _MLP(nn.Module):
         return _project(self.down_proj, F.silu(gate) * up, lora)
 
 
+class _DPMLP(_MLP):
+    """The MLP of the data-parallel layout: this rank's shard of the intermediate size
+    (``intermediate_size / dp``) over every rank's rows, between an all-gather of the
+    rows and an all-reduce of the partial sums (:func:`~cuda_graph_runner.data_parallel.gathered_mlp`),
+    standing in for expert parallelism: its collectives need every rank in step.
+    ``forward``: ``[n, hidden]`` (the same ``n`` on every rank) -> ``[n, hidden]``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, dp):
+        nn.Module.__init__(self)
+        self.dp = dp
+        self.intermediate_size = dp_intermediate(config, dp)
+        self.gate_up_proj = _Linear(config.hidden_size, 2 * self.intermediate_size, False, dtype, device)
+        self.down_proj = _Linear(self.intermediate_size, config.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor, lora: "torch.Tensor | None" = None) -> torch.Tensor:
+        from ...data_parallel import gathered_mlp
+
+        return gathered_mlp(x, super().forward, self.dp)
+
+
+def dp_intermediate(config: ModelConfig, dp) -> int:
+    """A rank's share of the MLP's intermediate size in the DP layout.
+
+    Raises:
+        ValueError: ``intermediate_size`` is not a multiple of the DP size (names both).
+    """
+    if config.intermediate_size % dp.size:
+        raise ValueError(
+            f"data parallel size does not fit the model: intermediate_size={config.intermediate_size} "
+            f"is not a multiple of dp={dp.size}"
+        )
+    return config.intermediate_size // dp.size
+
+
 class _DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device, tp=None, attn_backend=None
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp=None,
+        attn_backend=None,
+        dp=None,
     ):
         super().__init__()
         self.self_attn = _Attention(config, layer_id, dtype, device, tp, attn_backend)
-        self.mlp = _MLP(config, dtype, device, tp)
+        self.mlp = _MLP(config, dtype, device, tp) if dp is None else _DPMLP(config, dtype, device, dp)
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -148,7 +189,9 @@ class _DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None, attn_backend=None):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp=None, attn_backend=None, dp=None
+    ):
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device, _freeze=True)
@@ -156,6 +199,6 @@ class _Backbone(nn.Module):
             else VocabParallelEmbedding(TPLayout.of(config, tp), config.hidden_size, dtype, device, tp)
         )
         self.layers = nn.ModuleList(
-            _DecoderLayer(config, i, dtype, device, tp, attn_backend) for i in range(config.num_hidden_layers)
+            _DecoderLayer(config, i, dtype, device, tp, attn_backend, dp) for i in range(config.num_hidden_layers)
         )
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Host cost of the data-parallel step agreement, and its share of a decode step (CPU, gloo).
+
+Spawns ``--dp`` ranks on this host (:func:`cuda_graph_runner.testing.tp_launch.run_ranks`:
+bounded in time, gloo). On each rank, in one run:
+
+* ``agree µs``: one :meth:`cuda_graph_runner.data_parallel.DPGroup.agree_batch` (the
+  per-step host all-reduce of five int64s, no device sync), ragged live sizes;
+* ``step ms``: one decode step of the reference model's DP layout through
+  ``runner.forward`` (agreement, padding to the largest batch, the replay of the
+  ``full`` backend on emulated CPU graphs: the model's work, collectives included);
+  rank 0 holds ``--bs`` requests, the others ``--bs // 2`` (padded up);
+* ``share``: ``agree µs / step ms``;
+* ``floor µs``: one bare gloo all-reduce of one int64 on the same group (what any
+  per-step host agreement costs at least), and ``tp µs``: the tensor-parallel
+  per-batch agreement (:meth:`~cuda_graph_runner.distributed.TPGroup.agree_step`) on the
+  same group, for comparison.
+
+Each number is the median over ``--repeats`` blocks of ``--iters`` calls (every rank runs
+the same counts: the calls are collectives). Usage::
+
+    python benchmarks/dp_agreement.py                 # DP=2, preset tiny, bs 8
+    python benchmarks/dp_agreement.py --json $OUT/dp_agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any, Dict
+
+import torch
+
+
+def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
+    from cuda_graph_runner.bench_measure import block_means_s
+    from cuda_graph_runner.data_parallel import DPGroup
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+    from cuda_graph_runner.testing.batches import make_decode_batch
+    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
+    from cuda_graph_runner_full.backend import FullCudaGraphBackend
+
+    torch.set_num_threads(1)  # the ranks share the host's cores
+    dp = DPGroup.of(tp)
+    no_sync = lambda: None  # noqa: E731 - host only: the CPU has no queue to drain
+    iters, repeats = args["iters"], args["repeats"]
+    size = args["bs"] if dp.rank == 0 else args["bs"] // 2
+    import torch.distributed as dist
+
+    from cuda_graph_runner.backend import ShapeKey
+
+    one = torch.zeros(1, dtype=torch.int64)
+    key = ShapeKey(args["bs"], "decode")
+    timed = {
+        "floor": lambda: dist.all_reduce(one, op=dist.ReduceOp.MIN, group=dp._cpu()),
+        "tp": lambda: tp.agree_step(args["bs"], True, key),
+        "agree": lambda: dp.agree_batch(size, True, ""),
+    }
+    # Interleaved blocks (floor, tp, agree, floor, ...): a busy machine slows all three alike.
+    samples: Dict[str, list] = {name: [] for name in timed}
+    for _ in range(repeats):
+        for name, fn in timed.items():
+            samples[name] += block_means_s(fn, iters=iters, warmup=20, sync=no_sync, repeats=1)
+    agree = samples["agree"]
+
+    model = ReferenceLlamaForCausalLM.from_preset(args["preset"], seed=0, dp_group=dp)
+    cache = model.create_kv_cache(num_slots=4 * args["bs"] * 64 + 1, max_reqs=args["bs"] + 1, max_context_len=64)
+    backend = FullCudaGraphBackend("cpu", phase="decode", device_module=EmulatedGraphDeviceModule())
+    runner = DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": args["bs"]}}, device="cpu", backend=backend, show_progress=False
+    )
+    runner.capture()
+    rows = [cache.alloc_request() for _ in range(size)]
+    for _ in range(16):  # 16 cached tokens per request; the timed step reuses the last batch
+        batch = make_decode_batch(cache, rows, None, [1] * size) if size else None
+    step = block_means_s(
+        lambda: runner.forward(batch), iters=max(1, iters // 50), warmup=3, sync=no_sync, repeats=repeats
+    )
+    return {
+        "rank": dp.rank,
+        "live_bs": size,
+        "agree_us": statistics.median(agree) * 1e6,
+        "floor_us": statistics.median(samples["floor"]) * 1e6,
+        "tp_us": statistics.median(samples["tp"]) * 1e6,
+        "step_ms": statistics.median(step) * 1e3,
+        "replays": sum(runner.stats.replays_by_size.values()),
+    }
+
+
+def main() -> int:
+    from cuda_graph_runner.integers import count_arg
+    from cuda_graph_runner.testing.tp_launch import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=count_arg(2), default=2)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--bs", type=count_arg(2), default=8, help="rank 0's requests (the others: half)")
+    parser.add_argument("--iters", type=count_arg(1), default=2000)
+    parser.add_argument("--repeats", type=count_arg(1), default=5)
+    parser.add_argument("--json", default=None, metavar="PATH")
+    args = parser.parse_args()
+    ranks = run_ranks(_rank, args.dp, vars(args), timeout_s=600, group_timeout_s=60)
+    print(f"DP={args.dp} on the CPU (gloo), preset {args.preset}, torch {torch.__version__}")
+    print(f"{'rank':>4} {'live bs':>7} {'agree µs':>9} {'step ms':>8} {'share':>7} {'floor µs':>9} {'tp µs':>7}")
+    for r in ranks:
+        r["share"] = r["agree_us"] / (r["step_ms"] * 1e3)
+        print(
+            f"{r['rank']:>4} {r['live_bs']:>7} {r['agree_us']:>9.1f} {r['step_ms']:>8.2f} {r['share']:>7.2%}"
+            f" {r['floor_us']:>9.1f} {r['tp_us']:>7.1f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dp": args.dp, "preset": args.preset, "torch": torch.__version__, "ranks": ranks}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""Data-parallel attention on the CPU (gloo): ranks with different batches replay the
+same graph in step.
+
+One launch per world size runs every scenario in order on each rank (a launch costs a
+few seconds of start-up per rank) with a 5 s process-group timeout, so a rank left
+waiting in a collective would fail with gloo's timeout error instead of what is
+asserted here; the launch itself is bounded by :func:`run_ranks`'s deadline. The parent
+asserts on what the ranks returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+
+from cuda_graph_runner.data_parallel import DPGroup, all_gather_rows
+from cuda_graph_runner.distributed import TPGroup
+from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.testing.fakes import RecordingBackend
+from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.tp_launch import run_ranks
+
+GROUP_TIMEOUT_S = 5.0
+DECODE_STEPS = 2
+MAX_BS = 4
+#: Each rank's prompts, by world size: one rank with three requests, one idle.
+PROMPTS = {2: [[[5, 9, 3, 7], [11, 2, 8, 4, 6, 1, 10], [3, 3]], []]}
+#: Per step, each rank's live decode batch size (0: no requests), by world size: ragged
+#: steps, an idle rank, a step above the largest graph (every rank eager), all idle.
+SCHEDULE = {
+    2: [(3, 1), (0, 2), (4, 0), (1, 1), (6, 2), (0, 0), (2, 3)],
+    4: [(3, 1, 0, 2), (0, 0, 4, 1), (1, 5, 0, 0), (0, 0, 0, 0), (2, 2, 2, 1)],
+}
+
+
+class DPToy(ToyModel):
+    """ToyModel whose hidden rows go through an all-gather over the DP group (every rank's
+    rows, then this rank's): its forward needs the same rows on every rank. Graph
+    variants ``a``/``b`` picked by ``self.choice(batch)``."""
+
+    def __init__(self, dp: Optional[DPGroup]) -> None:
+        super().__init__()
+        self.dp_group = dp
+        self.choice: Callable[[ForwardBatch], str] = lambda batch: "a"
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = super().forward(batch)
+        if self.dp_group is None:
+            return h
+        n, r = h.shape[0], self.dp_group.rank
+        return all_gather_rows(h, self.dp_group)[r * n : (r + 1) * n]
+
+    def graph_variants(self):
+        return ["a", "b"]
+
+    def graph_variant(self, batch: ForwardBatch) -> str:
+        return self.choice(batch)
+
+
+def _outcome(fn: Callable[[], Any]) -> Tuple[str, Optional[str]]:
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", None
+
+
+def _decode_runner(model, backend, max_bs: int = MAX_BS):
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    return DecodeCudaGraphRunner(
+        model, {"decode": {"max_bs": max_bs}}, device="cpu", backend=backend, show_progress=False
+    )
+
+
+def _session(model, prompts, prefill_fn, decode_fn) -> Tuple[List[torch.Tensor], List[int]]:
+    """Prefill then DECODE_STEPS greedy decodes of ``prompts`` (none: the rank passes None
+    every step); each step's float32 logits and each step's output rows."""
+    from cuda_graph_runner.testing.batches import GreedySession
+
+    # The attached cache: captured graphs hold its tensors, as device graphs hold addresses.
+    cache = model.kv_cache or model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=32)
+    if not prompts:
+        rows = [prefill_fn(None).shape[0]] + [decode_fn(None).shape[0] for _ in range(DECODE_STEPS)]
+        return [], rows
+    seen: List[int] = []
+
+    def counted(fn):
+        def run(batch):
+            out = fn(batch)
+            seen.append(out.shape[0])
+            return out
+
+        return run
+
+    session = GreedySession(model, cache, prefill_fn=counted(prefill_fn), decode_fn=counted(decode_fn))
+    with torch.no_grad():
+        session.prefill(prompts)
+        for _ in range(DECODE_STEPS):
+            session.decode()
+    session.close()
+    return [t.clone() for t in session.logits], seen
+
+
+def _reference_sessions(dp: DPGroup, out: Dict[str, Any], prompts: Sequence) -> None:
+    # The reference model's DP layout through a decode and a prefill runner (replay),
+    # and the same steps through backend 'disabled' (every step eager, still in step).
+    from cuda_graph_runner.runner import PrefillCudaGraphRunner
+    from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
+    from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
+    from cuda_graph_runner_full.backend import FullCudaGraphBackend
+
+    model = ReferenceLlamaForCausalLM.from_config(PRESETS["tiny"], seed=3, dp_group=dp)
+    model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=32)
+    # CPU graphs that replay what they recorded (collectives included), shared pool.
+    emulated = EmulatedGraphDeviceModule()
+    decode = _decode_runner(
+        model, FullCudaGraphBackend("cpu", phase="decode", device_module=emulated, memory_pool="pool-0")
+    )
+    prefill = PrefillCudaGraphRunner(
+        model,
+        {"prefill": {"bs": [16]}},
+        device="cpu",
+        backend=BreakableCudaGraphBackend("cpu", phase="prefill", device_module=emulated, memory_pool="pool-0"),
+        show_progress=False,
+    )
+    decode.capture()
+    prefill.capture()
+    mine = prompts[dp.rank]
+    replays: List[Any] = []
+    for runner in (decode, prefill):
+        replay = runner.backend.replay
+
+        def recorded(key, static_batch, replay=replay):
+            replays.append(key)
+            return replay(key, static_batch)
+
+        runner.backend.replay = recorded
+    out["replayed"] = _session(model, mine, prefill.forward, decode.forward)
+    out["replays"] = replays
+    eager_decode = _decode_runner(model, "disabled")
+    eager_prefill = PrefillCudaGraphRunner(
+        model, {"prefill": {"backend": "disabled", "max_bs": 16}}, device="cpu", show_progress=False
+    )
+    out["eager"] = _session(model, mine, eager_prefill.forward, eager_decode.forward)
+
+
+def _schedule(dp: DPGroup, out: Dict[str, Any], schedule: Sequence[Sequence[int]]) -> None:
+    # Per step: the key each rank replayed (or None: eager), its output rows, and whether
+    # its rows equal the plain (single-process) forward of its own batch.
+    model = DPToy(dp)
+    backend = RecordingBackend("cpu", phase="decode")
+    runner = _decode_runner(model, backend)
+    runner.capture()
+    steps = []
+    for sizes in schedule:
+        bs = sizes[dp.rank]
+        batch = decode_batch(bs, offset=dp.rank + 1) if bs else None
+        before = len(backend.events)
+        got = runner.forward(batch)
+        keys = [e[1] for e in backend.events[before:] if e[0] == "replay"]
+        if batch is None:  # nothing back when no rank has requests, else zero rows
+            same = got is None if max(sizes) == 0 else got.shape[0] == 0
+        else:
+            want = ToyModel.compute_logits(model, ToyModel.forward(model, batch), batch)
+            same = bool(torch.allclose(got, want))
+        steps.append((keys[0] if keys else None, None if got is None else got.shape[0], same))
+    out["schedule"] = steps
+    out["schedule_stats"] = runner.run_stats()["eager_fallbacks"]
+
+
+def _failures(dp: DPGroup, out: Dict[str, Any]) -> None:
+    # A decision failing on rank 1, ranks picking different variants, an idle rank taking
+    # the others' variant, a capture failing on rank 1: an error on every rank, at once.
+    import time
+
+    model = DPToy(dp)
+    backend = RecordingBackend("cpu", phase="decode")
+    runner = _decode_runner(model, backend)
+    runner.capture()
+
+    def choice(batch: ForwardBatch) -> str:
+        if dp.rank == 1:
+            raise ValueError("injected graph_variant failure")
+        return "a"
+
+    model.choice = choice
+    start = time.monotonic()
+    out["decision"] = _outcome(lambda: runner.forward(decode_batch(2)))
+    out["decision_s"] = time.monotonic() - start
+    model.choice = lambda batch: "a"
+    bad = decode_batch(2)
+    if dp.rank == 1:  # a live batch the replay would refuse, on one rank: refused before the step
+        bad = bad.replace(input_ids=bad.input_ids.float())
+    out["bad_batch"] = _outcome(lambda: runner.forward(bad))
+    model.choice = lambda batch: "a" if dp.rank == 0 else "b"
+    out["variant"] = _outcome(lambda: runner.forward(decode_batch(1 + dp.rank)))
+    model.choice = lambda batch: "b"
+    before = len(backend.events)
+    out["idle_variant"] = _outcome(lambda: runner.forward(decode_batch(3) if dp.rank == 0 else None))
+    out["idle_keys"] = [e[1] for e in backend.events[before:] if e[0] == "replay"]
+
+    class FailOnRankOne(RecordingBackend):
+        def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
+            super().capture_one(key, forward_fn, post_warmup_hook=post_warmup_hook)
+            # After the size's last variant: no forward of this step is left to pair with.
+            if dp.rank == 1 and key.size == 2 and key.variant.endswith("|b"):
+                raise RuntimeError("injected capture failure")
+
+    failing = _decode_runner(model, FailOnRankOne("cpu", phase="decode"))
+    out["capture"] = _outcome(failing.capture)
+    out["then"] = _outcome(lambda: runner.forward(decode_batch(2)))
+
+
+def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
+    torch.set_num_threads(1)  # ranks share the CI machine's cores
+    dp = DPGroup.of(tp)
+    out: Dict[str, Any] = {"rank": dp.rank}
+    every = {
+        "_reference_sessions": lambda: _reference_sessions(dp, out, PROMPTS[world]),
+        "_schedule": lambda: _schedule(dp, out, SCHEDULE[world]),
+        "_failures": lambda: _failures(dp, out),
+    }
+    for name, run in ((n, every[n]) for n in names):
+        try:
+            run()
+        except Exception as exc:  # what a scenario did not expect: its test fails, naming it
+            import traceback
+
+            out[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    scenarios = ("_reference_sessions", "_schedule", "_failures")
+    return run_ranks(_rank, 2, 2, scenarios, timeout_s=150, group_timeout_s=GROUP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(_rank, 4, 4, ("_schedule",), timeout_s=200, group_timeout_s=GROUP_TIMEOUT_S)
+
+
+def _done(ranks, scenario: str) -> None:
+    for r in ranks:
+        assert scenario not in r, f"rank {r['rank']}: {r[scenario]}"
+
+
+def _check_reference(ranks, world: int) -> None:
+    _done(ranks, "_reference_sessions")
+    cfg = PRESETS["tiny"]
+    tol = model_tolerance(cfg, torch.float32, context_len=32)
+    single = ReferenceLlamaForCausalLM.from_config(cfg, seed=3)
+    # Every rank replayed the same graphs, step by step (prefill then decodes).
+    keys = [r["replays"] for r in ranks]
+    assert all(k == keys[0] for k in keys) and len(keys[0]) == 1 + DECODE_STEPS, keys
+    for r in ranks:
+        prompts = PROMPTS[world][r["rank"]]
+        replayed, rows = r["replayed"]
+        eager, eager_rows = r["eager"]
+        assert rows == eager_rows == [len(prompts)] * (1 + DECODE_STEPS), (r["rank"], rows, eager_rows)
+        assert len(replayed) == len(eager)
+        for got, want in zip(replayed, eager):  # replay equals the rank's eager result
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if prompts:  # and both equal one process running only this rank's requests
+            ref, _ = _session(single, prompts, _eager(single), _eager(single))
+            for got, want in zip(replayed, ref):
+                torch.testing.assert_close(got, want, **tol, msg=f"rank {r['rank']} DP={world}")
+
+
+def _eager(model):
+    from cuda_graph_runner.testing.batches import eager_logits_fn
+
+    return eager_logits_fn(model)
+
+
+def _check_schedule(ranks, world: int) -> None:
+    _done(ranks, "_schedule")
+    for step, sizes in enumerate(SCHEDULE[world]):
+        biggest = max(sizes)
+        keys = {r["schedule"][step][0] for r in ranks}
+        assert len(keys) == 1, (step, sizes, keys)  # every rank replays the same key (or none)
+        (key,) = keys
+        if 0 < biggest <= MAX_BS:
+            padded = min(s for s in (1, 2, 4) if s >= biggest)
+            assert key is not None and key.size == padded, (step, sizes, key)
+        else:
+            assert key is None, (step, sizes, key)
+        for r in ranks:
+            _, rows, same = r["schedule"][step]
+            bs = sizes[r["rank"]]
+            assert rows == (None if biggest == 0 else bs), (step, r["rank"], rows)
+            assert same, (step, r["rank"])  # its own rows equal its own batch's forward
+
+
+def test_dp2_ragged_and_idle_ranks_replay_their_eager_result(two_ranks):
+    """DP=2: one rank with three requests, one idle; prefill and decode replays equal the
+    rank's eager result and one process's result on its requests alone."""
+    _check_reference(two_ranks, 2)
+
+
+def test_dp2_every_rank_replays_the_same_key_every_step(two_ranks):
+    _check_schedule(two_ranks, 2)
+    stats = two_ranks[0]["schedule_stats"]
+    assert stats.get("too large") == 1, stats  # the step of 6 requests ran eagerly
+
+
+def test_dp4_ragged_and_idle_ranks_replay_the_same_key_and_their_own_rows(four_ranks):
+    """DP=4: ragged steps with idle ranks; each rank's rows equal its own batch's forward."""
+    _check_schedule(four_ranks, 4)
+
+
+def test_dp2_a_failure_on_one_rank_is_named_on_every_rank(two_ranks):
+    _done(two_ranks, "_failures")
+    r0, r1 = two_ranks
+    assert r1["decision"] == ("ValueError", "injected graph_variant failure")
+    kind, message = r0["decision"]
+    assert kind == "DataParallelStepError", (kind, message)
+    assert "rank 1: ValueError: injected graph_variant failure" in message
+    assert r0["decision_s"] < GROUP_TIMEOUT_S  # at once, not at the group's timeout
+    kind, message = r1["bad_batch"]
+    assert kind == "ValueError" and "batch.input_ids is (2,) torch.float32" in message, (kind, message)
+    kind, message = r0["bad_batch"]
+    assert kind == "DataParallelStepError" and "rank 1: ValueError: batch.input_ids" in message, (kind, message)
+    for r in two_ranks:
+        kind, message = r["variant"]
+        assert kind == "DataParallelMismatchError", (r["rank"], kind, message)
+        assert "rank 0: 'a'" in message and "rank 1: 'b'" in message
+        assert r["idle_variant"] == ("ok", None)
+        assert [k.variant for k in r["idle_keys"]] == ["decode|b"]  # the idle rank took rank 0's
+        assert r["then"] == ("ok", None)  # the group is usable after each error
+    assert r1["capture"] == ("RuntimeError", "injected capture failure")
+    kind, message = r0["capture"]
+    assert kind == "TensorParallelCaptureError" and "another DP rank" in message, (kind, message)
+    assert "rank 1: RuntimeError: injected capture failure" in message
+
+
+# -- one process ------------------------------------------------------------------------------
+
+
+def test_one_rank_group_runs_no_collective_and_none_needs_a_group():
+    dp = DPGroup(0, 1, torch.device("cpu"))
+    assert dp.agree_batch(3, True, "a") == (3, True, "a")
+    x = torch.randn(2, 3)
+    assert all_gather_rows(x, dp) is x
+    runner = _decode_runner(DPToy(None), RecordingBackend("cpu", phase="decode"))
+    with pytest.raises(ValueError, match="batch=None .* only with a DP group"):
+        runner.forward(None)
+
+
+def test_the_row_gather_has_a_fake_implementation():
+    """What Dynamo and inductor see of the DP row gather: its output shape, symbolic sizes included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from cuda_graph_runner.tp_ops import all_gather_rows_op
+
+    dp = DPGroup(0, 2, torch.device("cpu"))
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        assert all_gather_rows_op(mode.from_tensor(torch.empty(5, 8)), dp.name, 2).shape == (10, 8)
+
+
+def test_dp_layout_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="intermediate_size=.* is not a multiple of dp=7"):
+        ReferenceLlamaForCausalLM(PRESETS["tiny"], dp_group=DPGroup(0, 7, torch.device("cpu")))
+    model = DPToy(DPGroup(0, 2, torch.device("cpu")))
+    model.tp_group = TPGroup(0, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="data parallelism combined with tensor parallelism is not supported"):
+        _decode_runner(model, RecordingBackend("cpu", phase="decode"))
+    with pytest.raises(ValueError, match="tp_group and dp_group together"):
+        ReferenceLlamaForCausalLM(
+            PRESETS["tiny"], tp_group=TPGroup(0, 2, torch.device("cpu")), dp_group=DPGroup(1, 2, torch.device("cpu"))
+        )
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--dp", "0"], "argument --dp: invalid value '0'; accepted: an integer >= 1"),
+        (["--dp", "2"], "torchrun --nproc-per-node 2 -m cuda_graph_runner bench --dp 2"),
+        (["--dp", "2", "--tp", "2"], "--tp 2 with --dp 2: data parallelism with tensor parallelism is not supported"),
+    ],
+)
+def test_bench_dp_usage_errors(argv, message, capsys, monkeypatch):
+    from cuda_graph_runner.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        rc = main(["bench", *argv])
+    except SystemExit as e:  # refused by argparse, at parse
+        rc = e.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
