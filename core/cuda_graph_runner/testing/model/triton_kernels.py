@@ -62,7 +62,7 @@ def _decode_split_kernel(
 ):
     # fp32 whatever the caller passed: inductor hands a user kernel a Python float as fp64,
     # which would make the loop-carried softmax state fp64 (Triton refuses that).
-    qk_scale = qk_scale.to(tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,7 +184,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    qk_scale = qk_scale.to(tl.float32)  # as in _decode_split_kernel
+    qk_scale = tl.cast(qk_scale, tl.float32)  # as in _decode_split_kernel
     t = tl.program_id(0)
     head = tl.program_id(1)
     kvh = head // GROUP
