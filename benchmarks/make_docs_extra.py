@@ -51,6 +51,9 @@ KINDS = {
     "replay-prepare": "replay_prepare.json of benchmarks/replay_prepare.py",
     "capture-warmup": "capture_seconds.json of tests/test_replay_sync_gpu.py",
     "breakable-vs-full": "benchmarks.json of run.py with --backends full,breakable",
+    "runner-sequences": "benchmarks.json of run.py with every compiled method in one process "
+    "(a completion check of runner sequences on one model; timed while other GPU tests ran)",
+    "attention": "run.py output per attention backend (ATTENTION/benchmarks.json, --attention ATTENTION)",
     "tp": "tpN.json of benchmarks/tp.py, one per tensor-parallel size or backend set",
     "tp2-bench": "cuda-graph-runner bench at TP=2 (JSON, printed output, GPU test log)",
     "variants": "variants.json of benchmarks/variants.py",
