@@ -53,6 +53,7 @@ KINDS = {
     "breakable-vs-full": "benchmarks.json of run.py with --backends full,breakable",
     "runner-sequences": "benchmarks.json of run.py with every compiled method in one process "
     "(a completion check of runner sequences on one model; timed while other GPU tests ran)",
+    "profiler-traces": "profiler-traces/replay-*.trace.json of tests/test_profiling_gpu.py (torch profiler, chrome-trace JSON)",
     "attention": "run.py output per attention backend (ATTENTION/benchmarks.json, --attention ATTENTION)",
     "tp": "tpN.json of benchmarks/tp.py, one per tensor-parallel size or backend set",
     "tp2-bench": "cuda-graph-runner bench at TP=2 (JSON, printed output, GPU test log)",

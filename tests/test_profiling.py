@@ -226,12 +226,19 @@ def test_graph_launches_are_counted_inside_each_range_on_its_thread(tmp_path):
         event("cudaGraphLaunch", 25, 5),
         event("cudaGraphLaunch", 60, 5),  # between the ranges
         {"ph": "i", "name": "cuda_graph_runner.replay decode/full/bs=2 decode", "ts": 70},  # not a complete event
+        # A trace with CUDA activity repeats each range on the GPU timeline (as on the H200):
+        event("cuda_graph_runner.replay decode/full/bs=8 decode", 101, 49, tid=7, cat="gpu_user_annotation"),
+        event("cuda_graph_runner::reference_llama_attention", 112, 2, cat="user_annotation"),  # a marked op's own
     ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
     assert profiling.graph_launches_per_replay(str(path)) == [
         ("cuda_graph_runner.replay decode/full/bs=4 decode", 2),
         ("cuda_graph_runner.replay decode/full/bs=8 decode", 1),
+    ]
+    assert [e["name"] for e in profiling.trace_ranges(str(path))] == [
+        "cuda_graph_runner.replay decode/full/bs=8 decode",
+        "cuda_graph_runner.replay decode/full/bs=4 decode",
     ]
 
 

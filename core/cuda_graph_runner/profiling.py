@@ -168,15 +168,24 @@ def capture_trace(
     logger.info("capture trace of %s bs=%d written to %s", phase, size, path)
 
 
-def trace_ranges(path: str, prefix: str = RANGE_PREFIX) -> List[Dict[str, Any]]:
-    """The complete events (``"ph": "X"``) of a chrome-trace JSON file whose name starts
-    with ``prefix``: what a test or a script reads back from an exported trace.
+def trace_ranges(path: str, prefix: str = RANGE_PREFIX + ".") -> List[Dict[str, Any]]:
+    """The host-side ranges (complete events, ``"ph": "X"``, category ``user_annotation``)
+    of a chrome-trace JSON file whose name starts with ``prefix``: what a test or a script
+    reads back from an exported trace. A trace with CUDA activity repeats each range on
+    the GPU timeline (category ``gpu_user_annotation``); those copies are left out, as
+    are marked ops' own ranges (``cuda_graph_runner::<op>``, outside the default prefix).
 
     Raises:
         OSError: the file cannot be read.
         ValueError: it is not a chrome trace (no ``traceEvents`` list).
     """
-    return [e for e in _load_events(path) if e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)]
+    return [
+        e
+        for e in _load_events(path)
+        if e.get("ph") == "X"
+        and str(e.get("cat", "user_annotation")).lower() == "user_annotation"
+        and str(e.get("name", "")).startswith(prefix)
+    ]
 
 
 def _load_events(path: str) -> List[Dict[str, Any]]:
