@@ -760,9 +760,9 @@ def run_prefill(
             continue
         try:
             graphs = fresh_backend("prefill", backend)
-            if (
-                getattr(graphs, "records_marked_ops", False)
-                and getattr(model, "init_forward_metadata_replay", None) is None
+            if getattr(graphs, "records_marked_ops", False) and (
+                getattr(model, "init_forward_metadata_replay", None) is None
+                or getattr(model, "replans_prefill_graphs", None) is False
             ):
                 attention = getattr(getattr(model, "attn_backend", None), "name", "?")
                 results.note(

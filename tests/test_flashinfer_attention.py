@@ -570,3 +570,41 @@ def test_page_ids_are_each_requests_row_prefix_in_order():
     assert out[:9].tolist() == want and out[9:].eq(-1).all()
     with pytest.raises(ValueError, match="page-id buffer of 16 entries cannot hold 18 page ids"):
         fia.write_page_ids(out, table, rows[:3], [6, 6, 6])
+
+
+def test_prefill_full_is_refused_as_flashinfer_replans_decode_graphs_only(fake):
+    """A whole-forward prefill graph would replay the capture's extend plan (on an H200 a
+    device-side index assert): refused at construction, naming the attention."""
+    from cuda_graph_runner.config import CudaGraphConfigError
+    from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+
+    model = fi_model()
+    assert model.replans_prefill_graphs is False and fia.FlashInferAttention.replans_prefill_graphs is False
+    dm = FakeGraphDeviceModule()
+    backend = FullCudaGraphBackend("cpu", phase="prefill", device_module=dm, memory_pool=dm.pool_handle)
+    with pytest.raises(CudaGraphConfigError) as info:
+        PrefillCudaGraphRunner(model, {"prefill": {"bs": [16]}}, device="cpu", backend=backend)
+    assert "attention 'flashinfer'" in str(info.value) and "breakable" in str(info.value)
+
+
+def test_compiled_full_with_compile_sizes_compiles_no_flashinfer_op_body(fake):
+    """Compiled full compiles a marked op's body at each compile size; FlashInfer's body
+    calls TVM-FFI functions Dynamo cannot trace (on an H200: ``ffi.Function does not support
+    ToJSONGraph``), so the body is left eager."""
+    from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
+
+    model = fi_model()
+    backend = FullCudaGraphBackend(
+        "cpu",
+        phase="decode",
+        device_module=FakeGraphDeviceModule(),
+        memory_pool="pool",
+        compiler=CountingCompiler(),
+        compile_sizes=[2],
+    )
+    runner = DecodeCudaGraphRunner(model, {"decode": {"bs": [1, 2, 4]}}, device="cpu", backend=backend)
+    runner.show_progress = False
+    with torch.no_grad():
+        runner.capture()
+    assert backend.compiled_forward.op_body_graphs == 0
+    runner.cleanup()

@@ -35,6 +35,9 @@ attention plans nothing leaves them None, so the replay path pays one None check
   belong to no request). A plan-based attention (FlashInfer's ``plan()``) plans from
   these host values only, never by reading device tensors, so replay stays free of host
   syncs; it is capture-safe only together with this hook (:mod:`cuda_graph_runner.graph_break`);
+* ``replans_prefill_graphs`` (an optional bool attribute): False says the replay hook
+  re-plans decode graphs only, so a whole-forward prefill graph (prefill ``full``, which
+  records the attention) is refused for this model; absent, the hook's presence decides;
 * :class:`SupportsGraphStateCleanup`: ``cleanup_cuda_graph_state(mode)``, called by the
   runner's ``cleanup()`` (and so before a recapture) with the runner's forward mode: drop
   the per-size state of that mode's graphs;

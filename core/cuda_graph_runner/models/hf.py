@@ -383,6 +383,7 @@ class HFCausalLM(nn.Module):
         }
         for hook, method in hooks.items():
             setattr(self, hook, getattr(backend, method) if backend.plans else None)
+        self.replans_prefill_graphs = backend.replans_prefill_graphs
         hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
         layers = list(hf_model.model.layers)
         # The last layer of each window size frees the decode metadata the first one of

@@ -161,13 +161,17 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         if not getattr(self.backend, "records_marked_ops", False):
             return
         backend = self.backend.name or type(self.backend).__name__
-        if getattr(self.model, "init_forward_metadata_replay", None) is None:
+        # A model may say outright whether its replay hook covers prefill graphs (the
+        # reference model and the HF adapter do, from their attention): a hook that
+        # re-plans decode graphs only would replay the capture's request lengths.
+        replans = getattr(self.model, "replans_prefill_graphs", None)
+        if replans is False or getattr(self.model, "init_forward_metadata_replay", None) is None:
             attention = getattr(getattr(self.model, "attn_backend", None), "name", None)
             what = f"attention {attention!r}" if attention else f"model {type(self.model).__name__}"
             raise CudaGraphConfigError(
                 f"records attention into each prefill graph, so the attention must update its metadata outside "
-                f"the graph (the model's init_forward_metadata_replay hook); {what} has no such update "
-                "(its graphs would replay the capture's request lengths)",
+                f"the graph (the model's init_forward_metadata_replay hook, with replans_prefill_graphs not False); "
+                f"{what} has no such update for prefill graphs (they would replay the capture's request lengths)",
                 phase=self.phase,
                 key="backend",
                 value=backend,

@@ -71,6 +71,11 @@ class AttentionBackend(abc.ABC):
         plans: True for a backend that prepares metadata on the host before forwards; the
             model then forwards the runner's metadata hooks to it (else it exposes them
             as None and the runner skips them).
+        replans_prefill_graphs: True for a backend whose replay hook re-plans a recorded
+            extend (prefill) forward, so a whole-forward prefill graph (prefill ``full``)
+            replays with the live requests' lengths; the model exposes it to the runner
+            (:mod:`cuda_graph_runner.model_protocol`). False (default): its extend reads
+            the capture's lengths, so prefill ``full`` is refused.
 
     Per-size state (:meth:`init_cuda_graph_state`) is keyed by the static batch's graph
     key (:func:`graph_key`): the capture hook may run more than once for one key (once
@@ -82,6 +87,7 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str] = ""
     plans: ClassVar[bool] = False
+    replans_prefill_graphs: ClassVar[bool] = False
 
     # -- host metadata ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -108,6 +108,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
         for hook, method in _ATTENTION_HOOKS.items():
             if getattr(type(self), hook, None) is None:
                 setattr(self, hook, getattr(backend, method) if backend.plans else None)
+        self.replans_prefill_graphs = backend.replans_prefill_graphs
         self.model = _Backbone(config, dtype, device, tp_group, backend, dp_group)
         self.lm_head = (
             None

@@ -208,6 +208,7 @@ class DecodeState:
 
 
 @eager_op("flashinfer_attention", capture_safe=("decode",))
+@torch.compiler.disable  # its body calls FlashInfer's TVM-FFI functions, which Dynamo cannot trace
 def flashinfer_attention(
     output: torch.Tensor,
     q: torch.Tensor,

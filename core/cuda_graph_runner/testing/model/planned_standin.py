@@ -144,6 +144,7 @@ class PlannedAttentionStandIn(AttentionBackend):
 
     name = "planned_standin"
     plans = True
+    replans_prefill_graphs = True  # the replay hook refills the per-size extend tables
 
     def __init__(self, seq_len_fill_value: int = 1) -> None:
         self.id = next(_ids)

@@ -196,6 +196,7 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     plans = True
+    replans_prefill_graphs = True  # the replay hook refills each prefill graph's tile table
 
     def __init__(self, decode_block_n: int = 64, extend_block_m: int = EXTEND_BLOCK_M, extend_block_n: int = 64):
         self.id = next(_ids)
