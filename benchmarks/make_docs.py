@@ -416,6 +416,12 @@ def render_store(results: str) -> str:
             lambda d: extra.breakable_table(from_json(d, "breakable-vs-full")),
         ),
         ("Graph variants: LoRA and no-LoRA graphs per size", "variants", "variants.json", extra.variants_tables),
+        (
+            "Hugging Face models: ours against HF generate, decode ms per step (median)",
+            "hf-compare",
+            "hf_compare.json",
+            lambda d: extra.hf_compare_tables(from_json(d, "hf-compare")),
+        ),
     ):
         folder = section(title, kind)
         if folder:
