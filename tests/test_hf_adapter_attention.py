@@ -212,3 +212,18 @@ def test_checkpoint_shaped_configs_are_their_reference_presets(arch, size):
     assert hf.LLAMA_3_2_1B_CONFIG["rope_parameters"]["rope_theta"] == 500000.0
     with pytest.raises(ValueError, match=r"size='llama-3-1b'; accepted: 'tiny', 'llama-3.2-1b', 'qwen2.5-0.5b'"):
         hf.builtin_config(arch, size="llama-3-1b")
+
+
+def test_bench_hf_model_with_triton_attention_matches_hf(graph_kernels, capsys):
+    from cuda_graph_runner.cli import main
+
+    flags = ["--device", "cpu", "--batch-sizes", "2", "--decode-backends", "disabled"]
+    flags += ["--prefill-backends", "disabled", "--prefill-tokens", "12", "--prefill-requests", "2", "--iters", "1"]
+    flags += ["--steps", "8", "--prompt-len", "6"]
+    before = graph_kernels.calls
+    assert main(["bench", "--model", "hf:llama", "--attention", "triton", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "attention triton" in out and graph_kernels.calls > before, out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("batch "))
+    assert lines[at].split()[-2:] == ["HF", "match"] and lines[at + 2].split()[-1] == "yes", out
