@@ -265,9 +265,9 @@ def hf_forward_fn(model: Any, forward: Callable[..., Any], prompt: List[int], ma
     # transformers after 5.17 names the forward's cache argument ``cache``; 5.17 (the GPU
     # machine's) only ``past_key_values``.
     key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    with torch.no_grad():
-        model(input_ids=torch.tensor([prompt], device=device), cache_position=torch.arange(n, device=device),
-              use_cache=True, **{key: cache})  # fmt: skip
+    with torch.no_grad():  # the prefill through the class's forward: never the compiled one
+        type(model).forward(model, input_ids=torch.tensor([prompt], device=device),
+                            cache_position=torch.arange(n, device=device), use_cache=True, **{key: cache})  # fmt: skip
     tok = torch.tensor([[prompt[-1]]], device=device)
     cpos = torch.tensor([n], device=device)
     pos = cpos[None]
