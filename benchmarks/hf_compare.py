@@ -110,18 +110,13 @@ def parse_methods(spec: str) -> List[str]:
 # -- models -----------------------------------------------------------------------------------
 
 
-def hf_twin(adapter: hf.HFCausalLM, attn: str = "sdpa") -> Any:
-    """An independent transformers model with ``adapter``'s config and weights on
-    transformers' own ``attn`` attention (what an HF user runs)."""
-    import transformers
-
-    config = adapter.config.__class__.from_dict(adapter.config.to_dict())
-    config._attn_implementation = attn
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=adapter.dtype).to(adapter.device)
-    model.load_state_dict(adapter.hf_model.state_dict())
+def hf_twin(adapter: hf.HFCausalLM) -> Any:
+    """An independent transformers model with ``adapter``'s weights on ``sdpa`` attention
+    (what an HF user runs), generating to its length (no end-of-sequence stop)."""
+    model = hf.eager_reference(adapter, "sdpa")
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return model.eval()
+    return model
 
 
 def _backend(label: str, emulated: Any) -> Dict[str, Any]:

@@ -593,12 +593,13 @@ def load_hf_model(
     )
 
 
-def eager_reference(adapter: HFCausalLM) -> nn.Module:
+def eager_reference(adapter: HFCausalLM, attn_implementation: str = "eager") -> nn.Module:
     """An independent transformers model with ``adapter``'s config and weights on
-    transformers' own ``eager`` attention: HF's own forward, to check the adapter against."""
+    transformers' own ``attn_implementation`` attention (``eager``: HF's own forward, to
+    check the adapter against; ``sdpa``: what an HF user runs, for comparisons)."""
     transformers = _transformers()
     config = adapter.config.__class__.from_dict(adapter.config.to_dict())
-    config._attn_implementation = "eager"
+    config._attn_implementation = attn_implementation
     reference = transformers.AutoModelForCausalLM.from_config(config, dtype=adapter.dtype).to(adapter.device)
     reference.load_state_dict(adapter.hf_model.state_dict())
     return reference.eval()
