@@ -18,6 +18,7 @@ BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmar
 sys.path.insert(0, BENCH)
 
 import hf_compare  # noqa: E402
+import make_docs  # noqa: E402
 import make_docs_extra  # noqa: E402
 
 from cuda_graph_runner.results_schema import read  # noqa: E402
@@ -44,6 +45,8 @@ def test_smoke_run_writes_the_results_document_and_its_table(tmp_path):
     assert header.split(" | ")[3:7] == ["full", "breakable", "HF eager generate", "HF static cache"]
     assert "| tiny | 3 | end to end |" in text
     assert make_docs_extra.folders(str(tmp_path))[0][2] == "hf-compare"
+    page = make_docs.render_store(str(tmp_path))  # the docs page's section of the newest hf-compare folder
+    assert "### Hugging Face models: ours against HF generate" in page and "| tiny | 1 | forward only |" in page
 
 
 @pytest.mark.parametrize(
