@@ -66,6 +66,7 @@ from cuda_graph_runner.models import hf
 from cuda_graph_runner.results_schema import document
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.batches import make_decode_batch, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.tolerances import model_tolerance
 
 TOOL = "benchmarks/hf_compare.py"
 #: ``--shapes`` names: (transformers architecture, :data:`cuda_graph_runner.models.hf.SIZES` name).
@@ -196,15 +197,28 @@ def _prefill(adapter: hf.HFCausalLM, prompts: List[List[int]]) -> Tuple[List[int
     return batch.req_pool_indices.tolist(), logits.argmax(-1).tolist()
 
 
-def ours_forward(adapter: hf.HFCausalLM, runner: Any, prompt: List[int], args: Any, sync: Any) -> Dict[str, Any]:
+def ours_forward(
+    adapter: hf.HFCausalLM, runner: Any, prompt: List[int], args: Any, sync: Any, reference: Any
+) -> Dict[str, Any]:
+    """Forward-only decode at batch 1, and its logits against transformers' own forward
+    (``reference``) of the same tokens: ``max_abs_diff`` and ``within_tolerance``
+    (:func:`~cuda_graph_runner.testing.tolerances.model_tolerance`), so a fast wrong
+    forward shows in the results."""
     rows, first = _prefill(adapter, [prompt])
     batch = make_decode_batch(adapter.kv_cache, rows, None, first)
     try:
         with torch.no_grad():
-            return timed(lambda: runner.forward(batch), iters=args.steps, repeats=args.repeats, sync=sync)
+            cell = timed(lambda: runner.forward(batch), iters=args.steps, repeats=args.repeats, sync=sync)
+            got = runner.forward(batch)[0].float()
+            ids = torch.tensor([[*prompt, first[0]]], device=adapter.device)
+            want = reference(input_ids=ids).logits[0, -1].float()
     finally:
         for r in rows:
             adapter.kv_cache.free_request(r)
+    tol = model_tolerance(adapter.config, adapter.dtype, context_len=len(prompt) + 1)
+    cell["max_abs_diff"] = float((got - want).abs().max())
+    cell["within_tolerance"] = bool(torch.allclose(got, want, atol=tol["atol"], rtol=tol["rtol"]))
+    return cell
 
 
 def ours_e2e(adapter: hf.HFCausalLM, runner: Any, prompts: List[List[int]], args: Any, sync: Any) -> Dict[str, Any]:
@@ -326,20 +340,23 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
 
     def record(name: str, measure: str, bs: int, cell: Optional[Dict[str, Any]]) -> None:
         if cell is not None:
-            cell = {k: v for k, v in cell.items() if k in ("median_ms", "min_ms", "max_ms", "samples_ms")}
+            kept = ("median_ms", "min_ms", "max_ms", "samples_ms", "max_abs_diff", "within_tolerance")
+            cell = {k: v for k, v in cell.items() if k in kept}
             timings.append({"model": shape, "phase": "decode", "method": method_label(name, measure),
                             "batch_size": bs, **cell})  # fmt: skip
 
+    reference = hf_twin(adapter) if any(m in OURS for m in args.methods) else None
     for label in [m for m in args.methods if m in OURS]:
         runner = our_runner(adapter, label, sorted({1, args.ragged}), device)
         # capture_s: the whole capture() (compiled full: its inductor compile included).
         runners.append({"model": shape, "phase": "decode", "backend": label, "num_sizes": 2,
                         "sizes": sorted({1, args.ragged}), "capture_s": round(runner.capture_wall_s, 3)})  # fmt: skip
-        record(label, "forward", 1, ours_forward(adapter, runner, prompt, args, sync))
+        record(label, "forward", 1, ours_forward(adapter, runner, prompt, args, sync, reference))
         record(label, "e2e", 1, ours_e2e(adapter, runner, [prompt], args, sync))
         record(label, "e2e", args.ragged, ours_e2e(adapter, runner, ragged, args, sync))
         runner.cleanup()
         del runner
+    del reference
     wanted = [m for m in args.methods if m in ("hf_eager", "hf_static", "hf_static_ro")]
     if wanted:
         model = hf_twin(adapter)

@@ -373,6 +373,16 @@ HF_COMPARE_TARGET = 1.0
 HF_MEASURES = {"forward": "forward only", "e2e": "end to end"}
 
 
+def _logits_check(row: Dict[str, Any]) -> str:
+    """``yes`` when every checked cell of ``row`` is within tolerance of transformers' own
+    forward, else the methods that are not and their largest difference; ``-``: unchecked."""
+    checked = {m: c for m, c in row.items() if "within_tolerance" in c}
+    if not checked:
+        return "-"
+    bad = [f"{m} ({c.get('max_abs_diff', float('nan')):.3g})" for m, c in checked.items() if not c["within_tolerance"]]
+    return "**no**: " + ", ".join(bad) if bad else "yes"
+
+
 def hf_compare_tables(doc: Dict[str, Any]) -> List[str]:
     """Decode ms per step of every method per shape, batch size and measure, compiled full
     over HF static + reduce-overhead against :data:`HF_COMPARE_TARGET`, compile and capture
@@ -394,10 +404,11 @@ def hf_compare_tables(doc: Dict[str, Any]) -> List[str]:
         rows.append(
             [model, bs, HF_MEASURES.get(measure, measure)]
             + [f"{median_ms(row[m]):.3f}" if median_ms(row.get(m)) is not None else "-" for m in methods]
-            + [format_ratio(r) if r else "-", verdict]
+            + [format_ratio(r) if r else "-", verdict, _logits_check(row)]
         )
     headers = ["model", "batch", "measure", *(HF_COMPARE_COLUMNS[m] for m in methods)]
     headers += ["full+torch_compile / HF static + reduce-overhead", f"target <= {HF_COMPARE_TARGET:.2f}"]
+    headers += ["our logits vs HF forward"]
     out = [markdown_table(headers, rows), ""]
     runners = [
         [r["model"], HF_COMPARE_COLUMNS.get(r["backend"], r["backend"]), r.get("sizes", "-"),

@@ -38,6 +38,9 @@ def test_smoke_run_writes_the_results_document_and_its_table(tmp_path):
     for method in METHODS:
         assert {(f"{method}/forward", 1), (f"{method}/e2e", 1), (f"{method}/e2e", 3)} <= got, method
     assert all(t["median_ms"] >= 0 for t in doc["timings"])
+    # Our forward's logits against transformers' own forward of the same tokens.
+    checked = [t for t in doc["timings"] if t["method"] in ("full/forward", "breakable/forward")]
+    assert len(checked) == 2 and all(t["within_tolerance"] and t["max_abs_diff"] < 1e-3 for t in checked), checked
     assert {r["backend"] for r in doc["runners"]} == {"full", "breakable", "hf_static"}
     assert set(doc["extra"]["batch_semantics"]) == set(METHODS)
     text = make_docs_extra.render(str(folder))
