@@ -34,9 +34,11 @@ Writes one results document (:mod:`cuda_graph_runner.results_schema`, tool
 full to HF static + reduce-overhead (forward, batch 1), and ``extra.batch_semantics``.
 ``benchmarks/make_docs_extra.py`` renders it (a ``hf-compare`` results folder).
 
-GPU (H200)::
+GPU (H200), one file per attention backend of ours in one ``hf-compare`` folder::
 
     python benchmarks/hf_compare.py --out benchmarks/results/DATE-h200-hf-compare/hf_compare.json
+    python benchmarks/hf_compare.py --attention triton \
+        --out benchmarks/results/DATE-h200-hf-compare/hf_compare-triton.json
 
 CPU smoke run (graphs emulated, nothing compiled; the numbers mean nothing)::
 

@@ -416,17 +416,16 @@ def render_store(results: str) -> str:
             lambda d: extra.breakable_table(from_json(d, "breakable-vs-full")),
         ),
         ("Graph variants: LoRA and no-LoRA graphs per size", "variants", "variants.json", extra.variants_tables),
-        (
-            "Hugging Face models: ours against HF generate, decode ms per step (median)",
-            "hf-compare",
-            "hf_compare.json",
-            lambda d: extra.hf_compare_tables(from_json(d, "hf-compare")),
-        ),
     ):
         folder = section(title, kind)
         if folder:
             data = _read_json(os.path.join(folder, name))
             out += [extra.source_line(os.path.join(folder, name), data), ""] + tables(data)
+    folder = section("Hugging Face models: ours against HF generate, decode ms per step (median)", "hf-compare")
+    if folder:
+        for path in _json_files(folder, "hf_compare*.json"):  # one per attention backend of ours
+            data = _read_json(path)
+            out += [extra.source_line(path, data), ""] + extra.hf_compare_tables(from_json(data, path))
     folder = section("Tensor parallel: decode ms per step", "tp")
     if folder:
         paths = [p for p in _json_files(folder, "tp*.json")]

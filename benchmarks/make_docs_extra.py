@@ -16,7 +16,7 @@ Reads, where present: ``replay_prepare.json`` (``benchmarks/replay_prepare.py``)
 or, in a ``breakable-vs-full`` folder, ``benchmarks.json`` (``benchmarks/run.py`` with
 ``--backends full,breakable``), ``tp*.json`` (``benchmarks/tp.py``), ``variants.json``
 (``benchmarks/variants.py``), ``probe-MODEL.json`` (``benchmarks/probe_compiled_full.py``) and
-``hf_compare.json`` (``benchmarks/hf_compare.py``).
+``hf_compare*.json`` (``benchmarks/hf_compare.py``, one per attention backend of ours).
 Without ``--print`` only the region between :data:`BEGIN` and :data:`END` of ``--doc`` is
 replaced. Torch-free.
 """
@@ -58,7 +58,8 @@ KINDS = {
     "bench": "cuda-graph-runner bench JSON and its printed output",
     "compile-cache-starts": "printed output of benchmarks/compile_cache_starts.py",
     "gpu-suite": "printed output of scripts/gpu_check.sh (GPU tests, bench, regression compare)",
-    "hf-compare": "hf_compare.json of benchmarks/hf_compare.py (an HF model: ours against HF generate)",
+    "hf-compare": "hf_compare*.json of benchmarks/hf_compare.py (an HF model: ours against HF generate), "
+    "one per attention backend of ours",
 }
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 #: Compiled full's targets: at most this ratio to reduce-overhead (batch 128: GPU-bound).
@@ -409,7 +410,8 @@ def hf_compare_tables(doc: Dict[str, Any]) -> List[str]:
     headers = ["model", "batch", "measure", *(HF_COMPARE_COLUMNS[m] for m in methods)]
     headers += ["full+torch_compile / HF static + reduce-overhead", f"target <= {HF_COMPARE_TARGET:.2f}"]
     headers += ["our logits vs HF forward"]
-    out = [markdown_table(headers, rows), ""]
+    attention = (doc.get("settings") or {}).get("attention") or "torch"
+    out = [f"Our adapter's attention: `{attention}`.", "", markdown_table(headers, rows), ""]
     runners = [
         [r["model"], HF_COMPARE_COLUMNS.get(r["backend"], r["backend"]), r.get("sizes", "-"),
          format_cell(r.get("capture_s")), format_cell(r.get("compile_s"))]
@@ -465,10 +467,11 @@ def render(folder: str) -> str:
     if probes:
         out += ["#### compiled full variants, ratio to reduce-overhead", ""]
         out += probe_table([(m, p) for m, p in probes if p])
-    hfc = _load(folder, "hf_compare.json")
-    if hfc:
-        out += ["#### Hugging Face models: ours against HF generate, decode ms per step (median)", ""]
-        out += hf_compare_tables(from_json(hfc, os.path.join(folder, "hf_compare.json")))
+    for path in sorted(glob.glob(os.path.join(folder, "hf_compare*.json"))):  # one per attention backend of ours
+        hfc = _load(folder, os.path.basename(path))
+        if hfc:
+            out += ["#### Hugging Face models: ours against HF generate, decode ms per step (median)", ""]
+            out += [source_line(path, hfc), ""] + hf_compare_tables(from_json(hfc, path))
     return "\n".join(out)
 
 
