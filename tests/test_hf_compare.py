@@ -71,3 +71,19 @@ def test_the_schema_reads_json_of_the_tool(tmp_path):
     doc = hf_compare.document(hf_compare.TOOL, {"device": "cpu"}, timings=[])
     path.write_text(json.dumps(doc))
     assert read(str(path))["tool"] == hf_compare.TOOL
+
+
+def test_the_target_column_reads_the_ratio_of_compiled_full_to_static_reduce_overhead():
+    """Rendering only (the CPU measures no compiled method): each shape's ratio and verdict."""
+
+    def cell(model, method, ms):
+        return {"model": model, "phase": "decode", "method": method, "batch_size": 1, "median_ms": ms,
+                "min_ms": ms, "max_ms": ms, "samples_ms": [ms]}  # fmt: skip
+
+    timings = [cell("a", "full+torch_compile/forward", 2.0), cell("a", "hf_static_ro/forward", 4.0)]
+    timings += [cell("b", "full+torch_compile/forward", 3.0), cell("b", "hf_static_ro/forward", 2.0)]
+    doc = hf_compare.document(hf_compare.TOOL, {"device": "cuda:0"}, timings=timings, ratios=hf_compare.ratios(timings))
+    assert [(r["model"], r["median"]) for r in doc["ratios"]] == [("a", 0.5), ("b", 1.5)]
+    rows = {line.split(" | ")[0]: line for line in make_docs_extra.hf_compare_tables(doc)[2].splitlines()[2:]}
+    assert "| 0.500" in rows["| a"] and "| met |" in rows["| a"]
+    assert "| 1.500" in rows["| b"] and "| **missed** |" in rows["| b"]
