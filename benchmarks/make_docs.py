@@ -421,6 +421,11 @@ def render_store(results: str) -> str:
         if folder:
             data = _read_json(os.path.join(folder, name))
             out += [extra.source_line(os.path.join(folder, name), data), ""] + tables(data)
+    folder = section("Hugging Face models: ours against HF generate, decode ms per step (median)", "hf-compare")
+    if folder:
+        for path in _json_files(folder, "hf_compare*.json"):  # one per attention backend of ours
+            data = _read_json(path)
+            out += [extra.source_line(path, data), ""] + extra.hf_compare_tables(from_json(data, path))
     folder = section("Tensor parallel: decode ms per step", "tp")
     if folder:
         paths = [p for p in _json_files(folder, "tp*.json")]

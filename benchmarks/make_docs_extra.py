@@ -15,7 +15,8 @@ Reads, where present: ``replay_prepare.json`` (``benchmarks/replay_prepare.py``)
 ``capture_seconds.json`` (``tests/test_replay_sync_gpu.py``), ``breakable-vs-full.json``
 or, in a ``breakable-vs-full`` folder, ``benchmarks.json`` (``benchmarks/run.py`` with
 ``--backends full,breakable``), ``tp*.json`` (``benchmarks/tp.py``), ``variants.json``
-(``benchmarks/variants.py``) and ``probe-MODEL.json`` (``benchmarks/probe_compiled_full.py``).
+(``benchmarks/variants.py``), ``probe-MODEL.json`` (``benchmarks/probe_compiled_full.py``) and
+``hf_compare*.json`` (``benchmarks/hf_compare.py``, one per attention backend of ours).
 Without ``--print`` only the region between :data:`BEGIN` and :data:`END` of ``--doc`` is
 replaced. Torch-free.
 """
@@ -61,6 +62,8 @@ KINDS = {
     "bench": "cuda-graph-runner bench JSON and its printed output",
     "compile-cache-starts": "printed output of benchmarks/compile_cache_starts.py",
     "gpu-suite": "printed output of scripts/gpu_check.sh (GPU tests, bench, regression compare)",
+    "hf-compare": "hf_compare*.json of benchmarks/hf_compare.py (an HF model: ours against HF generate), "
+    "one per attention backend of ours",
 }
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 #: Compiled full's targets: at most this ratio to reduce-overhead (batch 128: GPU-bound).
@@ -359,6 +362,74 @@ def compiled_table(runs: List[Dict[str, Any]]) -> List[str]:
     return out
 
 
+#: benchmarks/hf_compare.py's methods in table order, with their column headings.
+HF_COMPARE_COLUMNS = {
+    "full": "full",
+    "full+torch_compile": "full+torch_compile",
+    "breakable": "breakable",
+    "hf_eager": "HF eager generate",
+    "hf_static": "HF static cache",
+    "hf_static_ro": "HF static + reduce-overhead",
+    "hf_generate_batch": "HF generate_batch",
+}
+#: The target of hf_compare: compiled full at most as slow as HF static + reduce-overhead
+#: (forward-only, batch 1).
+HF_COMPARE_TARGET = 1.0
+HF_MEASURES = {"forward": "forward only", "e2e": "end to end"}
+
+
+def _logits_check(row: Dict[str, Any]) -> str:
+    """``yes`` when every checked cell of ``row`` is within tolerance of transformers' own
+    forward, else the methods that are not and their largest difference; ``-``: unchecked."""
+    checked = {m: c for m, c in row.items() if "within_tolerance" in c}
+    if not checked:
+        return "-"
+    bad = [f"{m} ({c.get('max_abs_diff', float('nan')):.3g})" for m, c in checked.items() if not c["within_tolerance"]]
+    return "**no**: " + ", ".join(bad) if bad else "yes"
+
+
+def hf_compare_tables(doc: Dict[str, Any]) -> List[str]:
+    """Decode ms per step of every method per shape, batch size and measure, compiled full
+    over HF static + reduce-overhead against :data:`HF_COMPARE_TARGET`, compile and capture
+    seconds, and what each method does with a ragged batch (``benchmarks/hf_compare.py``'s
+    results document, validated)."""
+    cells: Dict[Tuple[str, int, str], Dict[str, Any]] = {}
+    present = set()
+    for t in doc["timings"]:
+        method, _, measure = t["method"].partition("/")
+        cells.setdefault((t["model"], t["batch_size"], measure), {})[method] = t
+        present.add(method)
+    methods = [m for m in HF_COMPARE_COLUMNS if m in present]
+    ratios = {(r["model"], r["method"]): r for r in doc["ratios"]}
+    order = {m: i for i, m in enumerate(HF_MEASURES)}
+    rows = []
+    for (model, bs, measure), row in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9))):
+        r = ratios.get((model, "full+torch_compile/forward")) if (bs, measure) == (1, "forward") else None
+        verdict = "-" if r is None else ("met" if r["median"] <= HF_COMPARE_TARGET else "**missed**")
+        rows.append(
+            [model, bs, HF_MEASURES.get(measure, measure)]
+            + [f"{median_ms(row[m]):.3f}" if median_ms(row.get(m)) is not None else "-" for m in methods]
+            + [format_ratio(r) if r else "-", verdict, _logits_check(row)]
+        )
+    headers = ["model", "batch", "measure", *(HF_COMPARE_COLUMNS[m] for m in methods)]
+    headers += ["full+torch_compile / HF static + reduce-overhead", f"target <= {HF_COMPARE_TARGET:.2f}"]
+    headers += ["our logits vs HF forward"]
+    attention = (doc.get("settings") or {}).get("attention") or "torch"
+    out = [f"Our adapter's attention: `{attention}`.", "", markdown_table(headers, rows), ""]
+    runners = [
+        [r["model"], HF_COMPARE_COLUMNS.get(r["backend"], r["backend"]), r.get("sizes", "-"),
+         format_cell(r.get("capture_s")), format_cell(r.get("compile_s"))]
+        for r in doc["runners"]
+    ]  # fmt: skip
+    if runners:
+        headers = ["model", "method", "batch sizes", "capture s (compile included)", "first calls s (compile)"]
+        out += [markdown_table(headers, runners), ""]
+    semantics = (doc.get("extra") or {}).get("batch_semantics") or {}
+    out += [f"- {HF_COMPARE_COLUMNS.get(m, m)}: {text}" for m, text in semantics.items()]
+    out += [f"- {note}" for note in doc.get("notes", [])]
+    return out + [""]
+
+
 def render(folder: str) -> str:
     """The markdown of every table whose JSON is in ``folder``."""
     out: List[str] = [f"From `{shown_path(folder)}`.", ""]
@@ -400,6 +471,11 @@ def render(folder: str) -> str:
     if probes:
         out += ["#### compiled full variants, ratio to reduce-overhead", ""]
         out += probe_table([(m, p) for m, p in probes if p])
+    for path in sorted(glob.glob(os.path.join(folder, "hf_compare*.json"))):  # one per attention backend of ours
+        hfc = _load(folder, os.path.basename(path))
+        if hfc:
+            out += ["#### Hugging Face models: ours against HF generate, decode ms per step (median)", ""]
+            out += [source_line(path, hfc), ""] + hf_compare_tables(from_json(hfc, path))
     return "\n".join(out)
 
 

@@ -6,7 +6,8 @@ A document (``"schema": SCHEMA``) holds flat records, one per measurement, with 
 in each field's name (``_ms`` milliseconds, ``_us`` microseconds, ``_s`` seconds, ``_mib``
 MiB = 2**20 bytes)::
 
-    {"schema": "cuda-graph-runner.results/3", "tool": "bench" | "benchmarks/run.py",
+    {"schema": "cuda-graph-runner.results/3",
+     "tool": "bench" | "benchmarks/run.py" | "benchmarks/hf_compare.py",
      "env": {"device": "cuda:0", "device_name": ..., "torch": ..., ...},
      "settings": {...}, "notes": ["..."],
      "timings": [TIMING, ...], "ratios": [RATIO, ...], "runners": [RUNNER, ...],
@@ -47,7 +48,7 @@ SCHEMA = f"cuda-graph-runner.results/{SCHEMA_VERSION}"
 #: The schemas :func:`upgrade` reads: bench's before version 3, and benchmarks/run.py's.
 LEGACY_BENCH = "cuda-graph-runner.bench/1"
 LEGACY_RUN = "cuda-graph-runner-benchmarks/2"
-TOOLS = ("bench", "benchmarks/run.py")
+TOOLS = ("bench", "benchmarks/run.py", "benchmarks/hf_compare.py")
 PHASES = ("decode", "prefill")
 
 _NUM = "number"

@@ -7,10 +7,13 @@ replaced. The adapter registers an attention function with transformers'
 
 * every layer's attention writes its K/V into this library's
   :class:`~cuda_graph_runner.testing.kv_cache.PagedKVCache` (``k_cache[out_cache_loc] = k``)
-  and calls one of the reference workload's attention backends
-  (:mod:`cuda_graph_runner.testing.model.attention_backend`; ``torch``: the marked eager
-  op ``cuda_graph_runner::reference_llama_attention``), so every runner and capture
-  backend (full, breakable, tc_piecewise, ...) serves the model;
+  and calls one of the reference workload's attention backends by name
+  (:mod:`cuda_graph_runner.testing.model.attention_backend`), each inside its own marked
+  eager op: ``torch`` (``cuda_graph_runner::reference_llama_attention``), ``triton``
+  (Triton paged kernels, ``cuda_graph_runner::triton_paged_attention``), ``flashinfer`` /
+  ``flashinfer_tc`` (FlashInfer's wrappers, planned through the runner's metadata hooks,
+  which the adapter forwards), so every runner and capture backend (full, breakable,
+  tc_piecewise, ...) serves the model;
 * transformers' mask code (``create_causal_mask``, ``create_sliding_window_causal_mask``)
   returns ``None`` before any of its host branches (``_ignore_causal_mask_sdpa``,
   ``find_packed_sequence_indices``, host sizes), because the name is not one of
@@ -43,6 +46,7 @@ from torch import nn
 from ..forward_batch import ForwardBatch, ForwardMode, last_token_rows
 from ..testing.kv_cache import PagedKVCache
 from ..testing.model.attention_backend import AttentionBackend, make_attention_backend
+from ..testing.model.config import PRESETS, ModelConfig
 
 #: The attention implementation name the adapter registers with transformers.
 ATTN_IMPLEMENTATION = "cuda_graph_runner_paged"
@@ -54,31 +58,45 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 TRANSFORMERS_RANGE = ">=5.0,<6"
 INSTALL_HINT = "pip install 'cuda-graph-runner[transformers]'"
 
+
+def preset_config_kwargs(preset: ModelConfig) -> Dict[str, Any]:
+    """transformers config keyword arguments of the reference workload's ``preset``
+    (:data:`~cuda_graph_runner.testing.model.config.PRESETS`): the same shape and
+    numerics (RoPE base and scaling in transformers 5's ``rope_parameters``, RMSNorm
+    epsilon, tied embeddings), so ``hf:`` models and the reference model share one
+    source of truth. ``qkv_bias`` / ``o_bias`` become ``attention_bias`` (Qwen2's q/k/v
+    bias is built into its modeling code); ``sliding_window`` is left to the architecture.
+    """
+    rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(preset.rope_theta)}
+    if preset.rope_scaling is not None:
+        rope.update(dict(preset.rope_scaling))
+    return dict(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim,
+        rms_norm_eps=preset.rms_norm_eps,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        rope_parameters=rope,
+    )
+
+
 #: Tiny random-weight configs for ``bench --model hf:<arch>`` on the CPU and the tests
 #: (seconds per architecture), as transformers config keyword arguments.
-TINY_CONFIG: Dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
-#: The llama-3.2-1b shape (random weights) for ``bench --model hf:<arch>`` on CUDA.
-LLAMA_3_2_1B_CONFIG: Dict[str, Any] = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=131072,
-    tie_word_embeddings=True,
-)
+TINY_CONFIG: Dict[str, Any] = {**preset_config_kwargs(PRESETS["tiny"]), "max_position_embeddings": 512}
+#: The checkpoint shapes (random weights) :func:`builtin_config` serves by name, from the
+#: reference presets of the same names: ``llama-3.2-1b`` is ``bench --model hf:<arch>``'s
+#: shape on CUDA.
+SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": TINY_CONFIG,
+    "llama-3.2-1b": preset_config_kwargs(PRESETS["llama-3.2-1b"]),
+    "qwen2.5-0.5b": preset_config_kwargs(PRESETS["qwen2.5-0.5b"]),
+}
+LLAMA_3_2_1B_CONFIG: Dict[str, Any] = SIZES["llama-3.2-1b"]
 _ARCH_EXTRA: Dict[str, Dict[str, Any]] = {
     "llama": {},
     "qwen2": {"tie_word_embeddings": True},
@@ -309,23 +327,27 @@ def _check_modules(hf_model: Any) -> None:
 
 def builtin_config(arch: str, *, size: str = "tiny") -> Any:
     """A transformers config of ``arch`` (:data:`SUPPORTED_ARCHITECTURES`) for random
-    weights: ``size="tiny"`` (:data:`TINY_CONFIG`, the CPU) or ``"llama-3.2-1b"`` (its shape).
+    weights, shaped as ``size`` (:data:`SIZES`: ``"tiny"`` for the CPU, or a checkpoint
+    shape such as ``"llama-3.2-1b"`` / ``"qwen2.5-0.5b"``, exact to its reference preset).
 
     Raises:
         UnsupportedHFModelError: an unknown ``arch``.
-        ValueError: an unknown ``size``.
+        ValueError: an unknown ``size`` (lists the accepted ones).
     """
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedHFModelError(
             f"no built-in Hugging Face config for {arch!r}; accepted: {list(SUPPORTED_ARCHITECTURES)}"
         )
-    if size not in ("tiny", "llama-3.2-1b"):
-        raise ValueError(f"size={size!r}; accepted: 'tiny', 'llama-3.2-1b'")
+    if size not in SIZES:
+        raise ValueError(f"size={size!r}; accepted: {', '.join(repr(k) for k in SIZES)}")
     transformers = _transformers()
-    kwargs = dict(TINY_CONFIG if size == "tiny" else LLAMA_3_2_1B_CONFIG)
+    kwargs = dict(SIZES[size])
     kwargs.update(_ARCH_EXTRA[arch])
     if arch == "mistral" and size != "tiny":
         kwargs["sliding_window"] = 4096
+    if arch != "qwen2":  # Qwen2's q/k/v bias is part of its modeling code
+        preset = PRESETS.get(size, PRESETS["tiny"])
+        kwargs["attention_bias"] = preset.qkv_bias or preset.o_bias
     return getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs)
 
 
@@ -572,12 +594,13 @@ def load_hf_model(
     )
 
 
-def eager_reference(adapter: HFCausalLM) -> nn.Module:
+def eager_reference(adapter: HFCausalLM, attn_implementation: str = "eager") -> nn.Module:
     """An independent transformers model with ``adapter``'s config and weights on
-    transformers' own ``eager`` attention: HF's own forward, to check the adapter against."""
+    transformers' own ``attn_implementation`` attention (``eager``: HF's own forward, to
+    check the adapter against; ``sdpa``: what an HF user runs, for comparisons)."""
     transformers = _transformers()
     config = adapter.config.__class__.from_dict(adapter.config.to_dict())
-    config._attn_implementation = "eager"
+    config._attn_implementation = attn_implementation
     reference = transformers.AutoModelForCausalLM.from_config(config, dtype=adapter.dtype).to(adapter.device)
     reference.load_state_dict(adapter.hf_model.state_dict())
     return reference.eval()

@@ -1,0 +1,89 @@
+"""benchmarks/hf_compare.py on the CPU: a smoke run on the tiny config (graphs emulated,
+nothing compiled) writes a results document of the shared schema with every method's
+measures, and make_docs_extra renders its table from that file; bad flags are named."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip(
+    "transformers", reason="hf_compare needs transformers: pip install 'cuda-graph-runner[transformers]'"
+)
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+sys.path.insert(0, BENCH)
+
+import hf_compare  # noqa: E402
+import make_docs  # noqa: E402
+import make_docs_extra  # noqa: E402
+
+from cuda_graph_runner.results_schema import read  # noqa: E402
+
+METHODS = ["full", "breakable", "hf_eager", "hf_static"]
+
+
+def test_smoke_run_writes_the_results_document_and_its_table(tmp_path):
+    folder = tmp_path / "2026-12-01-cpu-hf-compare"
+    out = folder / "hf_compare.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--methods", ",".join(METHODS), "--prompt-len", "4"]
+    argv += ["--ragged", "3", "--new-tokens", "2", "--iters", "1", "--out", str(out)]
+    assert hf_compare.main(argv) == 0
+    doc = read(str(out))  # validates against the schema
+    assert doc["tool"] == "benchmarks/hf_compare.py" and doc["settings"]["shapes"] == ["tiny"]
+    got = {(t["method"], t["batch_size"]) for t in doc["timings"]}
+    for method in METHODS:
+        assert {(f"{method}/forward", 1), (f"{method}/e2e", 1), (f"{method}/e2e", 3)} <= got, method
+    assert all(t["median_ms"] >= 0 for t in doc["timings"])
+    # Our forward's logits against transformers' own forward of the same tokens.
+    checked = [t for t in doc["timings"] if t["method"] in ("full/forward", "breakable/forward")]
+    assert len(checked) == 2 and all(t["within_tolerance"] and t["max_abs_diff"] < 1e-3 for t in checked), checked
+    assert {r["backend"] for r in doc["runners"]} == {"full", "breakable", "hf_static"}
+    assert set(doc["extra"]["batch_semantics"]) == set(METHODS)
+    text = make_docs_extra.render(str(folder))
+    header = next(line for line in text.splitlines() if line.startswith("| model | batch | measure"))
+    assert header.split(" | ")[3:7] == ["full", "breakable", "HF eager generate", "HF static cache"]
+    assert "| tiny | 3 | end to end |" in text
+    assert make_docs_extra.folders(str(tmp_path))[0][2] == "hf-compare"
+    page = make_docs.render_store(str(tmp_path))  # the docs page's section of the newest hf-compare folder
+    assert "### Hugging Face models: ours against HF generate" in page and "| tiny | 1 | forward only |" in page
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--methods", "full,hf_fast"], "--methods 'full,hf_fast': unknown ['hf_fast']; accepted: full, "),
+        (["--shapes", "llama-3-8b"], "--shapes 'llama-3-8b': unknown ['llama-3-8b']; accepted: llama-3.2-1b, "),
+        (["--device", "cpu", "--methods", "hf_static_ro"], "--device cpu: full+torch_compile, hf_static_ro"),
+        (["--new-tokens", "0"], "--new-tokens 0: must be >= 1"),
+    ],
+)
+def test_bad_flags_are_named(capsys, argv, message):
+    assert hf_compare.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_schema_reads_json_of_the_tool(tmp_path):
+    path = tmp_path / "x.json"
+    doc = hf_compare.document(hf_compare.TOOL, {"device": "cpu"}, timings=[])
+    path.write_text(json.dumps(doc))
+    assert read(str(path))["tool"] == hf_compare.TOOL
+
+
+def test_the_target_column_reads_the_ratio_of_compiled_full_to_static_reduce_overhead():
+    """Rendering only (the CPU measures no compiled method): each shape's ratio and verdict."""
+
+    def cell(model, method, ms):
+        return {"model": model, "phase": "decode", "method": method, "batch_size": 1, "median_ms": ms,
+                "min_ms": ms, "max_ms": ms, "samples_ms": [ms]}  # fmt: skip
+
+    timings = [cell("a", "full+torch_compile/forward", 2.0), cell("a", "hf_static_ro/forward", 4.0)]
+    timings += [cell("b", "full+torch_compile/forward", 3.0), cell("b", "hf_static_ro/forward", 2.0)]
+    doc = hf_compare.document(hf_compare.TOOL, {"device": "cuda:0"}, timings=timings, ratios=hf_compare.ratios(timings))
+    assert [(r["model"], r["median"]) for r in doc["ratios"]] == [("a", 0.5), ("b", 1.5)]
+    rows = {line.split(" | ")[0]: line for line in make_docs_extra.hf_compare_tables(doc)[2].splitlines()[2:]}
+    assert "| 0.500" in rows["| a"] and "| met |" in rows["| a"]
+    assert "| 1.500" in rows["| b"] and "| **missed** |" in rows["| b"]
