@@ -26,7 +26,7 @@ acceptance as in sglang's and vLLM's speculative workers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ __all__ = [
     "ModelDraft",
     "OracleDraft",
     "SpeculativeStats",
+    "layer_skip_draft",
     "make_draft_batch",
     "speculative_generate",
 ]
@@ -329,3 +330,25 @@ def speculative_generate(
 def _finish(cache: PagedKVCache, draft: Draft, rows: List[int], i: int) -> None:
     cache.free_request(rows[i])
     draft.release(i)
+
+
+def layer_skip_draft(target: Any, num_layers: int, *, requests: int, context: int) -> Any:
+    """A draft of the reference model: ``target``'s first ``num_layers`` decoder layers, its
+    embedding, final norm and LM head (the same weights, copied), with its own KV cache of
+    ``requests`` rows and ``context`` tokens each.
+
+    Raises:
+        ValueError: ``num_layers`` not in ``1 .. target's layers``.
+    """
+    from .model import ReferenceLlamaForCausalLM
+
+    total = target.config.num_hidden_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers={num_layers!r}: a draft takes 1 .. {total} of the target's layers")
+    config = dataclasses.replace(target.config, num_hidden_layers=num_layers)
+    draft = ReferenceLlamaForCausalLM(config, dtype=target.dtype, device=target.device)
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    if missing:
+        raise ValueError(f"layer_skip_draft: the target lacks draft weights {missing}")
+    draft.create_kv_cache(num_slots=requests * context + 1, max_reqs=requests + 1, max_context_len=context)
+    return draft
