@@ -45,7 +45,7 @@ def target():
 def case(target):
     prompts = make_dummy_prompts(REQUESTS, staggered_lengths(REQUESTS), target.config.vocab_size, seed=7)
     full = greedy_generate(target, target.kv_cache, prompts, max(BUDGETS))
-    return prompts, [f[: b] for f, b in zip(full, BUDGETS)]
+    return prompts, [f[:b] for f, b in zip(full, BUDGETS)]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,12 @@ def verify_runners(target):
     def get(k):
         if k not in runners:
             runner = DecodeCudaGraphRunner(
-                target, CONFIG, backend=_backend("full"), mode="target_verify", num_tokens_per_req=k + 1, show_progress=False
+                target,
+                CONFIG,
+                backend=_backend("full"),
+                mode="target_verify",
+                num_tokens_per_req=k + 1,
+                show_progress=False,
             )
             runner.capture()
             runners[k] = runner
@@ -74,7 +79,9 @@ def test_oracle_draft_is_lossless_and_every_known_token_is_accepted(target, case
     prompts, expected = case
     runner = verify_runners(k)
     stats = SpeculativeStats()
-    got = speculative_generate(target, prompts, BUDGETS, OracleDraft(expected), k, verify_fn=runner.forward, stats=stats)
+    got = speculative_generate(
+        target, prompts, BUDGETS, OracleDraft(expected), k, verify_fn=runner.forward, stats=stats
+    )
     assert got == expected
     assert sum(runner.stats.replays_by_size.values()) == stats.rounds and not runner.stats.fallbacks
     # A round commits up to k + 1 tokens a request: the oracle's rounds are the fewest possible.
@@ -130,7 +137,9 @@ def test_eager_loop_matches_plain_greedy_with_one_token_budgets(target, case):
 def test_draft_runner_replay_equals_eager_steps_on_a_ragged_padded_batch(target, backend):
     k = 3
     draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
-    runner = DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=k, backend=_backend(backend), show_progress=False)
+    runner = DraftDecodeCudaGraphRunner(
+        draft_model, CONFIG, num_steps=k, backend=_backend(backend), show_progress=False
+    )
     runner.capture()
     cache = draft_model.kv_cache
     prompts = make_dummy_prompts(3, [4, 9, 6], target.config.vocab_size, seed=3)  # 3 requests pad to the size-5 graph

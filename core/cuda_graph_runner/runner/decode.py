@@ -154,7 +154,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             self.buffers.register(name, axis=axis, rows=rows, dtype=dtype, pad_value=pad)
         specs = declared_static_inputs(self.model, reserved=[name for name, _, _ in _DECODE_SLOTS])
         if specs:
-            self.model_inputs = ModelStaticInputs(specs, self.buffers, self.max_size, width)
+            self.model_inputs = ModelStaticInputs(specs, self.buffers, self.max_size, self.num_tokens_per_req)
 
     def make_key(self, size: int, variant: str = "") -> ShapeKey:
         """``ShapeKey(size, "<mode>[:<width>][|<variant>]")`` (format: :mod:`.variants`)."""

@@ -36,7 +36,9 @@ from .decode import DecodeCudaGraphRunner
 
 def _num_steps(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"num_steps={value!r} is invalid: the draft runner takes an int >= 1 (tokens proposed per request)")
+        raise ValueError(
+            f"num_steps={value!r} is invalid: the draft runner takes an int >= 1 (tokens proposed per request)"
+        )
     return value
 
 
@@ -94,7 +96,7 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return draft_steps(self.model, batch, self.num_steps)
 
-    def output_rows(self, size: int):  # type: ignore[override]
+    def output_rows(self, size: int):
         return size, size
 
     def eager_forward(self, batch: ForwardBatch) -> Any:

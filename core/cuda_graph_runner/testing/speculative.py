@@ -176,7 +176,9 @@ class ModelDraft:
         lagging = [i for i in live if i in self._lag]
         with torch.no_grad():
             if lagging:
-                batch = make_decode_batch(self.cache, [self.rows[i] for i in lagging], None, [self._lag[i] for i in lagging])
+                batch = make_decode_batch(
+                    self.cache, [self.rows[i] for i in lagging], None, [self._lag[i] for i in lagging]
+                )
                 self.extend_fn(batch)
                 self.forwards += 1
                 for i in lagging:
@@ -218,6 +220,8 @@ class SpeculativeStats:
             request's token budget).
         generated: tokens committed (prefill's first tokens included).
         first_tokens: of those, the prefill's (one per request).
+        prefill_seconds, decode_seconds: with a ``clock``, the time of the target's and the
+            draft's prefill, and of the rounds after it.
     """
 
     rounds: int = 0
@@ -226,6 +230,8 @@ class SpeculativeStats:
     accepted: int = 0
     generated: int = 0
     first_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
     @property
     def accept_rate(self) -> float:
@@ -248,6 +254,7 @@ def speculative_generate(
     verify_fn: Optional[LogitsFn] = None,
     prefill_fn: Optional[LogitsFn] = None,
     stats: Optional[SpeculativeStats] = None,
+    clock: Optional[Callable[[], float]] = None,
 ) -> List[List[int]]:
     """Greedy speculative decoding of ``prompts`` with ``draft`` proposing ``k`` tokens a round.
 
@@ -262,6 +269,8 @@ def speculative_generate(
             default eager.
         prefill_fn: the target's prompt forward; default eager.
         stats: filled with the run's counts when given.
+        clock: seconds now, after the device finished its work (a synchronize, then
+            ``time.perf_counter()``): times the prefill and the rounds apart in ``stats``.
 
     Returns:
         ``[len(prompts)][max_new_tokens[i]]`` committed token ids: equal to plain greedy
@@ -279,6 +288,7 @@ def speculative_generate(
     stats = stats if stats is not None else SpeculativeStats()
     cache: PagedKVCache = model.kv_cache  # type: ignore[attr-defined]
     verify = verify_fn or eager_logits_fn(model)
+    start = clock() if clock is not None else 0.0
     with torch.no_grad():
         batch = make_extend_batch(cache, prompts)
         first = (prefill_fn or eager_logits_fn(model))(batch)[: len(prompts)].argmax(dim=-1).tolist()
@@ -287,6 +297,7 @@ def speculative_generate(
     stats.generated += len(prompts)
     stats.first_tokens += len(prompts)
     draft.prefill(prompts)
+    prefilled = clock() if clock is not None else 0.0
     live = []
     for i in range(len(prompts)):
         if budgets[i] > 1:
@@ -324,6 +335,9 @@ def speculative_generate(
             else:
                 _finish(cache, draft, rows, i)
         live = still
+    if clock is not None:
+        stats.prefill_seconds += prefilled - start
+        stats.decode_seconds += clock() - prefilled
     return outputs
 
 
