@@ -23,7 +23,7 @@ draft-extend step) is a plain one-token decode of the draft model, run by a
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, List
+from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 
@@ -96,7 +96,8 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return draft_steps(self.model, batch, self.num_steps)
 
-    def output_rows(self, size: int):
+    def output_rows(self, size: int) -> Tuple[int, Optional[int]]:
+        # [bs, k] tokens: one row per request (width 1, so tokens and requests agree).
         return size, size
 
     def eager_forward(self, batch: ForwardBatch) -> Any:
