@@ -175,6 +175,7 @@ def _speculative_row(
     args, target, verify, decode_capture_s, layers, config, prompts, expected, logits, bs, k, name, device
 ):
     row: Dict[str, Any] = {}
+    in_runners = [0.0]  # seconds inside the runners' forwards (device work finished)
     context = target.kv_cache.max_context_len
     if name == "oracle":
         draft: Any = OracleDraft(expected)
@@ -197,7 +198,11 @@ def _speculative_row(
         row["draft_graph_vs_k_plain"] = _draft_graph_cost(
             draft_model, draft_runner, extend_runner, prompts, k, device, args.iters
         )
-        draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, extend_fn=extend_runner.forward)
+        draft = ModelDraft(
+            draft_model,
+            draft_fn=_timing(draft_runner.forward, device, in_runners),
+            extend_fn=_timing(extend_runner.forward, device, in_runners),
+        )
     stats = SpeculativeStats()
 
     def clock() -> float:
@@ -206,18 +211,35 @@ def _speculative_row(
 
     # A warm-up run first (the drafts free what they hold at the end, so they run again).
     speculative_generate(target, prompts, min(args.new_tokens, 2 * k + 2), draft, k, verify_fn=verify.forward)
+    in_runners[0] = 0.0
+    verify_fn = _timing(verify.forward, device, in_runners)
     got = speculative_generate(
-        target, prompts, args.new_tokens, draft, k, verify_fn=verify.forward, stats=stats, clock=clock
+        target, prompts, args.new_tokens, draft, k, verify_fn=verify_fn, stats=stats, clock=clock
     )
     row.update(
         spec_tokens_per_s=bs * (args.new_tokens - 1) / max(stats.decode_seconds, 1e-9),
         accept_rate=stats.accept_rate,
         tokens_per_round=stats.tokens_per_round,
+        loop_host_share=max(0.0, 1.0 - in_runners[0] / max(stats.decode_seconds, 1e-9)),
         rounds=stats.rounds,
         lossless=got == expected,
         divergence=first_divergence(got, expected, logits),
     )
     return row
+
+
+def _timing(fn: Callable[[Any], Any], device: torch.device, total: List[float]) -> Callable[[Any], Any]:
+    """``fn`` that adds its seconds, device work included, to ``total[0]``: the rest of a
+    round is the loop's own host time (batch building, acceptance, KV rollback)."""
+
+    def run(batch: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(batch)
+        _sync(device)
+        total[0] += time.perf_counter() - start
+        return out
+
+    return run
 
 
 def _draft_graph_cost(draft_model, draft_runner, extend_runner, prompts, k, device, iters) -> float:
@@ -244,6 +266,7 @@ def _line(row: Dict[str, Any]) -> str:
         f"spec {row['spec_tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x)",
         f"accept {row['accept_rate']:.2f}",
         f"{row['tokens_per_round']:.2f} tok/round",
+        f"loop host {100 * row['loop_host_share']:.1f}% of a round",
     ]
     if "draft_graph_vs_k_plain" in row:
         parts.append(f"draft graph / k plain {row['draft_graph_vs_k_plain']:.3f}")
