@@ -120,8 +120,7 @@ def test_a_layer_skip_draft_rejects_tokens_and_the_loop_stays_lossless(target, c
         target, prompts, BUDGETS, ModelDraft(draft_model), k, verify_fn=verify_runners(k).forward, stats=stats
     )
     assert got == expected
-    assert 0.0 < stats.accept_rate < 1.0 or stats.accepted == 0  # rejections happened: rollback exercised
-    assert stats.accepted < stats.proposed
+    assert stats.accepted < stats.proposed  # rejections happened: the rollback ran
     _assert_cache_empty(target, draft_model)
 
 
@@ -171,3 +170,15 @@ def test_bad_arguments_are_refused_with_the_value_named(target):
         speculative_generate(target, [[1, 2]], [3, 4], OracleDraft([[1, 2, 3]]), 2)
     with pytest.raises(ValueError, match="num_layers=3"):
         layer_skip_draft(target, 3, requests=2, context=16)
+
+
+def test_the_engine_side_example_is_lossless_with_eager_runners():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "speculative_decoding.py"
+    spec = importlib.util.spec_from_file_location("speculative_decoding", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    same, stats = module.run("cpu", "disabled", k=2, requests=3, draft_layers=1)
+    assert same and stats.rounds > 0 and stats.generated == sum(4 + 5 * i for i in range(3))
