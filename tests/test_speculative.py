@@ -22,7 +22,7 @@ from cuda_graph_runner.testing.speculative import (
     make_draft_batch,
     speculative_generate,
 )
-from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
+from cuda_graph_runner_breakable.backend import BreakableCaptureError, BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
@@ -182,3 +182,24 @@ def test_the_engine_side_example_is_lossless_with_eager_runners():
     spec.loader.exec_module(module)
     same, stats = module.run("cpu", "disabled", k=2, requests=3, draft_layers=1)
     assert same and stats.rounds > 0 and stats.generated == sum(4 + 5 * i for i in range(3))
+
+
+def test_a_breakable_draft_graph_that_would_break_after_step_0_is_refused_at_capture(target):
+    # Breaking at every marked op: step 1's attention would replay eagerly with step 0's batch.
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    backend = BreakableCudaGraphBackend(
+        "cpu",
+        phase="decode",
+        device_module=EmulatedGraphDeviceModule(),
+        memory_pool="spec",
+        inline_capture_safe_ops=False,
+    )
+    runner = DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=2, backend=backend, show_progress=False)
+    with pytest.raises(BreakableCaptureError, match="reference_llama_attention.*would run eagerly.*step 0's batch"):
+        runner.capture()
+    # One step has nothing after step 0: it captures and replays.
+    one = DraftDecodeCudaGraphRunner(
+        draft_model, CONFIG, num_steps=1, backend=_backend("breakable"), show_progress=False
+    )
+    one.capture()
+    assert one.backend.captured_keys

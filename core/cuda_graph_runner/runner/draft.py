@@ -23,6 +23,7 @@ draft-extend step) is a plain one-token decode of the draft model, run by a
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
+from ..graph_break import refuse_breaks
 from ..model_protocol import GraphModel
 from .decode import DecodeCudaGraphRunner
 
@@ -64,6 +66,9 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
     logits). Replayed outputs live in graph memory until the next replay unless
     ``owned_outputs=True``.
 
+    A marked op that a backend would run eagerly between graph segments (``breakable``'s
+    ops that are not capture-safe for decode) is refused in steps after the first, since
+    at replay it would see step 0's batch (:func:`~cuda_graph_runner.graph_break.refuse_breaks`).
     Attention that plans on the host per batch (``init_forward_metadata_replay``) plans
     step 0 only, so such a model is refused for ``k > 1``.
 
@@ -104,6 +109,12 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
         return draft_steps(self.model, batch, self.num_steps)
 
 
+_STEP_BREAK = (
+    "a draft graph's steps after the first replay eager ops with step 0's batch; "
+    "declare the op capture-safe for decode, use a backend that records it (full), or num_steps=1"
+)
+
+
 def draft_steps(model: GraphModel, batch: ForwardBatch, num_steps: int) -> torch.Tensor:
     """``num_steps`` greedy decode steps of ``model`` from ``batch`` (the draft runner's
     layout, see :class:`DraftDecodeCudaGraphRunner`), capture-safe: every step's inputs
@@ -123,7 +134,7 @@ def draft_steps(model: GraphModel, batch: ForwardBatch, num_steps: int) -> torch
         step = batch.replace(
             input_ids=ids, positions=positions, out_cache_loc=locs[:, j].contiguous(), seq_lens=seq_lens, **changes
         )
-        with forward_context(step):
+        with forward_context(step), refuse_breaks(_STEP_BREAK) if j else contextlib.nullcontext():
             logits = model.compute_logits(model.forward(step), step)
         ids = logits[:bs].argmax(dim=-1)
         tokens.append(ids)
