@@ -168,6 +168,12 @@ def test_bad_arguments_are_refused_with_the_value_named(target):
         speculative_generate(target, [[1, 2]], 3, OracleDraft([[1, 2, 3]]), 0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         speculative_generate(target, [[1, 2]], [3, 4], OracleDraft([[1, 2, 3]]), 2)
+    runner = DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=3, backend=_backend("full"), show_progress=False)
+    runner.capture()
+    prefill = make_extend_batch(draft_model.kv_cache, [[1, 2, 3], [4, 5]])
+    plain = make_draft_batch(draft_model.kv_cache, prefill.req_pool_indices.tolist(), [3, 5], 1)  # 1 slot, not 3
+    with pytest.raises(ValueError, match="out_cache_loc has 2 slots for 2 requests; num_steps=3 takes 6"):
+        runner.forward(plain)
     with pytest.raises(ValueError, match="num_layers=3"):
         layer_skip_draft(target, 3, requests=2, context=16)
 

@@ -98,6 +98,10 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
     def slot_width(self, name: str) -> int:
         return self.num_steps if name == "out_cache_loc" else super().slot_width(name)
 
+    def replay_prepare(self, batch: ForwardBatch) -> Any:
+        check_draft_slots(batch, self.num_steps)
+        return super().replay_prepare(batch)
+
     def graph_forward(self, batch: ForwardBatch) -> Any:
         return draft_steps(self.model, batch, self.num_steps)
 
@@ -107,6 +111,23 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
 
     def eager_forward(self, batch: ForwardBatch) -> Any:
         return draft_steps(self.model, batch, self.num_steps)
+
+
+def check_draft_slots(batch: ForwardBatch, num_steps: int) -> int:
+    """The batch size of a draft batch, after checking its ``out_cache_loc`` holds one KV
+    slot per request and step.
+
+    Raises:
+        ValueError: another number of slots (names both counts).
+    """
+    bs = int(batch.req_pool_indices.shape[0])
+    if batch.out_cache_loc.shape[0] != bs * num_steps:
+        raise ValueError(
+            f"draft batch: out_cache_loc has {batch.out_cache_loc.shape[0]} slots for {bs} requests; "
+            f"num_steps={num_steps} takes {bs * num_steps} (one KV slot per request and step, "
+            "request-major: testing.speculative.make_draft_batch)"
+        )
+    return bs
 
 
 _STEP_BREAK = (
@@ -122,8 +143,11 @@ def draft_steps(model: GraphModel, batch: ForwardBatch, num_steps: int) -> torch
 
     Returns:
         ``[bs, num_steps]`` int64 proposed tokens.
+
+    Raises:
+        ValueError: ``out_cache_loc`` does not hold ``bs * num_steps`` slots.
     """
-    bs = batch.req_pool_indices.shape[0]
+    bs = check_draft_slots(batch, num_steps)
     locs = batch.out_cache_loc.view(bs, num_steps)
     ids, positions, seq_lens = batch.input_ids, batch.positions, batch.seq_lens
     tokens: List[torch.Tensor] = []
