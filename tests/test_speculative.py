@@ -174,6 +174,9 @@ def test_bad_arguments_are_refused_with_the_value_named(target):
     plain = make_draft_batch(draft_model.kv_cache, prefill.req_pool_indices.tolist(), [3, 5], 1)  # 1 slot, not 3
     with pytest.raises(ValueError, match="out_cache_loc has 2 slots for 2 requests; num_steps=3 takes 6"):
         runner.forward(plain)
+    planned = reference_model("tiny", requests=2, context=16, device="cpu", attention="planned_standin")
+    with pytest.raises(ValueError, match="init_forward_metadata_replay.*num_steps=2"):
+        DraftDecodeCudaGraphRunner(planned, CONFIG, num_steps=2, backend=_backend("full"), show_progress=False)
     with pytest.raises(ValueError, match="num_layers=3"):
         layer_skip_draft(target, 3, requests=2, context=16)
 
