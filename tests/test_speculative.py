@@ -12,7 +12,7 @@ import torch
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
-from cuda_graph_runner.testing.batches import greedy_generate, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
 from cuda_graph_runner.testing.speculative import (
     ModelDraft,
@@ -145,8 +145,6 @@ def test_draft_runner_replay_equals_eager_steps_on_a_ragged_padded_batch(target,
     prefill = make_extend_batch(cache, prompts)
     rows = prefill.req_pool_indices.tolist()
     with torch.no_grad():
-        from cuda_graph_runner.testing.batches import eager_logits_fn
-
         eager_logits_fn(draft_model)(prefill)
         batch = make_draft_batch(cache, rows, [p[-1] for p in prompts], k)
         expected = draft_steps(draft_model, batch, k).clone()
@@ -212,3 +210,24 @@ def test_a_breakable_draft_graph_that_would_break_after_step_0_is_refused_at_cap
     )
     one.capture()
     assert one.backend.captured_keys
+
+
+def test_draft_runner_on_the_compiled_backend_equals_eager_steps(target, monkeypatch):
+    # The CPU's compiling backend (its forward traced by Dynamo; aot_eager: no code generation).
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_COMPILED_COMPILER", "aot_eager")
+    k = 3
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "compiled", "bs": [5]}})
+    runner = DraftDecodeCudaGraphRunner(draft_model, config, num_steps=k, device="cpu", show_progress=False)
+    runner.capture()
+    cache = draft_model.kv_cache
+    prompts = make_dummy_prompts(3, [4, 9, 6], target.config.vocab_size, seed=3)
+    prefill = make_extend_batch(cache, prompts)
+    with torch.no_grad():
+        eager_logits_fn(draft_model)(prefill)
+        batch = make_draft_batch(cache, prefill.req_pool_indices.tolist(), [p[-1] for p in prompts], k)
+        expected = draft_steps(draft_model, batch, k).clone()
+        got = runner.forward(batch).clone()
+    assert torch.equal(got, expected) and runner.stats.replays_by_size == {3: 1} and not runner.stats.fallbacks
+    for r in prefill.req_pool_indices.tolist():
+        cache.free_request(r)
