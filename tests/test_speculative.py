@@ -152,6 +152,7 @@ def test_draft_runner_replay_equals_eager_steps_on_a_ragged_padded_batch(target,
     assert got.shape == (3, k) and got.dtype == torch.int64
     assert torch.equal(got, expected)
     assert runner.stats.replays_by_size == {3: 1}
+    assert [key.variant for key in runner.backend.captured_keys] == ["draft:3"]
     for r in rows:
         cache.free_request(r)
 

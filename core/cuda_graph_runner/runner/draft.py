@@ -28,12 +28,14 @@ from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 
+from ..backend import ShapeKey
 from ..config import ConfigInput
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
 from ..graph_break import refuse_breaks
 from ..model_protocol import GraphModel
 from .decode import DecodeCudaGraphRunner
+from .variants import compose_key_variant
 
 
 def _num_steps(value: Any) -> int:
@@ -61,6 +63,8 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
       (step ``j`` of request ``i`` attends to positions ``0 .. positions[i] + j``);
     * ``req_pool_indices`` ``[bs]`` int64; ``seq_lens`` ``[bs]`` int32: KV length after
       step 0 (``positions + 1``); ``seq_lens_cpu`` its host copy.
+
+    Keys read ``"draft:<k>"`` (``"draft:<k>|<variant>"`` with variants).
 
     Output: ``[bs, k]`` int64, the proposed tokens (the argmax of each step's float32
     logits). Replayed outputs live in graph memory until the next replay unless
@@ -94,6 +98,11 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
                 "Use an attention whose decode metadata lives on the device, or num_steps=1"
             )
         super().__init__(model, config, mode=ForwardMode.DECODE, num_tokens_per_req=1, **kwargs)
+
+    def make_key(self, size: int, variant: str = "") -> ShapeKey:
+        """``ShapeKey(size, "draft:<k>[|<variant>]")``: told apart from a plain decode
+        graph of the same model in tables, logs and traces."""
+        return ShapeKey(size, compose_key_variant(f"draft:{self.num_steps}", variant))
 
     def slot_width(self, name: str) -> int:
         return self.num_steps if name == "out_cache_loc" else super().slot_width(name)
