@@ -232,3 +232,26 @@ def test_draft_runner_on_the_compiled_backend_equals_eager_steps(target, monkeyp
     assert torch.equal(got, expected) and runner.stats.replays_by_size == {3: 1} and not runner.stats.fallbacks
     for r in prefill.req_pool_indices.tolist():
         cache.free_request(r)
+
+
+def test_step_batch_equals_the_per_request_builder_and_refuses_overflow_whole():
+    from cuda_graph_runner.testing.batches import make_target_verify_batch
+    from cuda_graph_runner.testing.kv_cache import CacheFullError, PagedKVCache
+    from cuda_graph_runner.testing.speculative import step_batch
+
+    caches = [PagedKVCache(1, 1, 2, num_slots=40, max_reqs=4, max_context_len=12) for _ in range(2)]
+    for cache in caches:
+        rows = [cache.alloc_request() for _ in range(3)]
+        for r, n in zip(rows, (2, 5, 3)):
+            cache.assign_slots(r, cache.alloc_slots(n))
+    tokens = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    fast, slow = step_batch(caches[0], rows, tokens), make_target_verify_batch(caches[1], rows, tokens)
+    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.forward_mode is slow.forward_mode and fast.seq_lens_cpu == slow.seq_lens_cpu
+    assert torch.equal(caches[0].req_to_token, caches[1].req_to_token)
+    free = caches[0].num_free_slots
+    with pytest.raises(CacheFullError, match="row .* would hold 13 tokens"):
+        step_batch(caches[0], rows, [[1] * 5] * 3)  # row 2 holds 8: 13 > 12
+    assert caches[0].num_free_slots == free and [caches[0].request_len(r) for r in rows] == [5, 8, 6]

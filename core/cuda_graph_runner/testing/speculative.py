@@ -33,7 +33,7 @@ import torch
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..model_protocol import GraphModel
 from ..runner.draft import draft_steps
-from .batches import LogitsFn, eager_logits_fn, make_decode_batch, make_extend_batch, make_target_verify_batch
+from .batches import LogitsFn, eager_logits_fn, make_extend_batch
 from .kv_cache import PagedKVCache
 
 __all__ = [
@@ -44,16 +44,70 @@ __all__ = [
     "layer_skip_draft",
     "make_draft_batch",
     "speculative_generate",
+    "step_batch",
 ]
 
 #: ``batch -> [bs, k]`` int64 proposed tokens (a draft runner's ``forward``).
 DraftFn = Callable[[ForwardBatch], torch.Tensor]
 
 
+def step_batch(
+    cache: PagedKVCache,
+    rows: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    *,
+    slots_per_req: Optional[int] = None,
+    mode: Optional[ForwardMode] = None,
+) -> ForwardBatch:
+    """A fixed-width batch of one speculative step, built with one host-to-device copy of
+    its index fields and one write of the cache's table (:meth:`PagedKVCache.append_tokens`),
+    no device read: ``w = len(tokens[0])`` tokens per request at the positions after each
+    request's cached ones, ``slots_per_req`` (default ``w``) new KV slots per request.
+
+    Args:
+        tokens: ``[bs][w]`` token ids (the same ``w`` for all).
+        mode: default DECODE for ``w == 1``, TARGET_VERIFY for ``w > 1``.
+
+    Returns:
+        ``input_ids``/``positions`` ``[bs * w]`` int64, ``out_cache_loc``
+        ``[bs * slots_per_req]`` int64 (request-major), ``req_pool_indices`` ``[bs]`` int64,
+        ``seq_lens`` ``[bs]`` int32 (cached + ``w``) with ``seq_lens_cpu``.
+
+    Raises:
+        ValueError: widths differ or are zero, or as many token lists as rows.
+        CacheFullError: out of slots or context.
+    """
+    if len(tokens) != len(rows):
+        raise ValueError(f"step_batch: {len(rows)} rows but {len(tokens)} token lists")
+    widths = {len(t) for t in tokens}
+    if len(widths) != 1 or 0 in widths:
+        raise ValueError(f"step_batch: every request needs the same non-zero width, got {sorted(widths)}")
+    w = widths.pop()
+    per_req = w if slots_per_req is None else slots_per_req
+    before = [cache.request_len(r) for r in rows]
+    slots = cache.append_tokens(rows, per_req)
+    bs = len(rows)
+    after = [b + w for b in before]
+    flat_tokens = [int(t) for toks in tokens for t in toks]
+    positions = [b + j for b in before for j in range(w)]
+    packed = torch.tensor(flat_tokens + positions + slots + list(rows) + after, dtype=torch.int64).to(cache.device)
+    fields = torch.split(packed, [bs * w, bs * w, bs * per_req, bs, bs])
+    return ForwardBatch(
+        forward_mode=mode if mode is not None else (ForwardMode.DECODE if w == 1 else ForwardMode.TARGET_VERIFY),
+        input_ids=fields[0],
+        positions=fields[1],
+        out_cache_loc=fields[2],
+        req_pool_indices=fields[3],
+        seq_lens=fields[4].to(torch.int32),
+        seq_lens_cpu=after,
+        num_tokens_per_req=w,
+    )
+
+
 def make_draft_batch(cache: PagedKVCache, rows: Sequence[int], last_tokens: Sequence[int], k: int) -> ForwardBatch:
     """The live batch of a draft runner (:class:`DraftDecodeCudaGraphRunner`): ``k`` KV
     slots per request allocated and appended to its row, the step-0 fields of a DECODE
-    batch and ``out_cache_loc`` ``[bs * k]`` int64 (request-major).
+    batch and ``out_cache_loc`` ``[bs * k]`` int64 (request-major); see :func:`step_batch`.
 
     Raises:
         ValueError: ``k < 1`` or as many tokens as rows.
@@ -63,22 +117,7 @@ def make_draft_batch(cache: PagedKVCache, rows: Sequence[int], last_tokens: Sequ
         raise ValueError(f"make_draft_batch: k={k} must be >= 1")
     if len(last_tokens) != len(rows):
         raise ValueError(f"make_draft_batch: {len(rows)} rows but {len(last_tokens)} tokens")
-    dev = cache.device
-    before = [cache.request_len(r) for r in rows]
-    slots = cache.alloc_slots(k * len(rows))
-    for i, r in enumerate(rows):
-        cache.assign_slots(r, slots[i * k : (i + 1) * k])
-    after = [n + 1 for n in before]
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        input_ids=torch.tensor(list(last_tokens), dtype=torch.int64, device=dev),
-        positions=torch.tensor(before, dtype=torch.int64, device=dev),
-        out_cache_loc=slots,
-        req_pool_indices=torch.tensor(list(rows), dtype=torch.int64, device=dev),
-        seq_lens=torch.tensor(after, dtype=torch.int32, device=dev),
-        seq_lens_cpu=after,
-        num_tokens_per_req=1,
-    )
+    return step_batch(cache, rows, [[int(t)] for t in last_tokens], slots_per_req=k, mode=ForwardMode.DECODE)
 
 
 class Draft(Protocol):
@@ -176,9 +215,7 @@ class ModelDraft:
         lagging = [i for i in live if i in self._lag]
         with torch.no_grad():
             if lagging:
-                batch = make_decode_batch(
-                    self.cache, [self.rows[i] for i in lagging], None, [self._lag[i] for i in lagging]
-                )
+                batch = step_batch(self.cache, [self.rows[i] for i in lagging], [[self._lag[i]] for i in lagging])
                 self.extend_fn(batch)
                 self.forwards += 1
                 for i in lagging:
@@ -307,9 +344,7 @@ def speculative_generate(
     while live:
         proposals = draft.propose(live, [outputs[i] for i in live], k)
         with torch.no_grad():
-            batch = make_target_verify_batch(
-                cache, [rows[i] for i in live], [[outputs[i][-1]] + p for i, p in zip(live, proposals)]
-            )
+            batch = step_batch(cache, [rows[i] for i in live], [[outputs[i][-1]] + p for i, p in zip(live, proposals)])
             logits = verify(batch)[: len(live) * (k + 1)]
             target = logits.argmax(dim=-1).view(len(live), k + 1).tolist()
         stats.rounds += 1
