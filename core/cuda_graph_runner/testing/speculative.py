@@ -126,12 +126,15 @@ class Draft(Protocol):
     def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
         """Start every request on its prompt (its first token comes from the target)."""
 
-    def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> List[List[int]]:
-        """``k`` proposed tokens per live request; ``outputs[i]``: request ``live[i]``'s
-        committed generated tokens, the last of which is not yet in any KV cache."""
+    def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> "List[List[int]] | torch.Tensor":
+        """``k`` proposed tokens per live request: host lists, or a ``[len(live), k]`` int64
+        tensor on the target's device (the loop then feeds it to verification without
+        reading it first: one device read per round); ``outputs[i]``: request
+        ``live[i]``'s committed generated tokens, the last of which is not yet in any KV
+        cache."""
 
-    def commit(self, live: Sequence[int], accepted: Sequence[int]) -> None:
-        """How many of each live request's proposals the target accepted this round."""
+    def commit(self, live: Sequence[int], proposals: Sequence[List[int]], accepted: Sequence[int]) -> None:
+        """Each live request's proposals (as host lists) and how many the target accepted."""
 
     def release(self, request: int) -> None:
         """Request ``request`` finished: free what the draft holds for it."""
@@ -156,7 +159,7 @@ class OracleDraft:
             out.append(known + [0] * (k - len(known)))
         return out
 
-    def commit(self, live: Sequence[int], accepted: Sequence[int]) -> None:
+    def commit(self, live: Sequence[int], proposals: Sequence[List[int]], accepted: Sequence[int]) -> None:
         pass
 
     def release(self, request: int) -> None:
@@ -202,7 +205,6 @@ class ModelDraft:
         self.prefill_fn = prefill_fn or eager_logits_fn(model)
         self.rows: Dict[int, int] = {}
         self._lag: Dict[int, int] = {}  # request -> the accepted token its KV lacks
-        self._proposed: Dict[int, List[int]] = {}
         self.forwards = 0
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -211,7 +213,7 @@ class ModelDraft:
             self.prefill_fn(batch)
         self.rows = dict(enumerate(batch.req_pool_indices.tolist()))
 
-    def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> List[List[int]]:
+    def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> torch.Tensor:
         lagging = [i for i in live if i in self._lag]
         with torch.no_grad():
             if lagging:
@@ -225,15 +227,14 @@ class ModelDraft:
                 tokens = draft_steps(self.model, batch, k)
             else:
                 tokens = self.draft_fn(batch)
-            proposed = tokens[: len(live)].tolist()
+            # An owned copy: a runner's output is graph memory the verify replay may reuse.
+            proposed = tokens[: len(live)].clone()
         self.forwards += k
-        self._proposed = dict(zip(live, proposed))
         return proposed
 
-    def commit(self, live: Sequence[int], accepted: Sequence[int]) -> None:
-        for i, a in zip(live, accepted):
+    def commit(self, live: Sequence[int], proposals: Sequence[List[int]], accepted: Sequence[int]) -> None:
+        for i, proposed, a in zip(live, proposals, accepted):
             row = self.rows[i]
-            proposed = self._proposed[i]
             k = len(proposed)
             # The k steps wrote the last token and d1 .. d(k-1); keep the accepted ones.
             length = self.cache.request_len(row)
@@ -342,11 +343,26 @@ def speculative_generate(
         else:
             _finish(cache, draft, rows, i)
     while live:
-        proposals = draft.propose(live, [outputs[i] for i in live], k)
+        n = len(live)
+        proposed = draft.propose(live, [outputs[i] for i in live], k)
         with torch.no_grad():
-            batch = step_batch(cache, [rows[i] for i in live], [[outputs[i][-1]] + p for i, p in zip(live, proposals)])
-            logits = verify(batch)[: len(live) * (k + 1)]
-            target = logits.argmax(dim=-1).view(len(live), k + 1).tolist()
+            if isinstance(proposed, torch.Tensor):
+                # Drafts on the device go into the verify batch unread; one read after it.
+                batch = step_batch(cache, [rows[i] for i in live], [[outputs[i][-1]] + [0] * k for i in live])
+                drafts = proposed[:n].to(device=batch.input_ids.device, dtype=torch.int64)
+                batch = batch.replace(
+                    input_ids=torch.cat([batch.input_ids.view(n, k + 1)[:, :1], drafts], dim=1).reshape(-1)
+                )
+                logits = verify(batch)[: n * (k + 1)]
+                both = torch.cat([drafts, logits.argmax(dim=-1).view(n, k + 1)], dim=1).tolist()
+                proposals, target = [r[:k] for r in both], [r[k:] for r in both]
+            else:
+                proposals = [list(p) for p in proposed]
+                batch = step_batch(
+                    cache, [rows[i] for i in live], [[outputs[i][-1]] + p for i, p in zip(live, proposals)]
+                )
+                logits = verify(batch)[: n * (k + 1)]
+                target = logits.argmax(dim=-1).view(n, k + 1).tolist()
         stats.rounds += 1
         stats.request_rounds += len(live)
         accepted = []
@@ -362,7 +378,7 @@ def speculative_generate(
             stats.generated += len(new)
             # The verify wrote [last, d1 .. dk]: keep last and the accepted drafts.
             cache.truncate_request(rows[i], cache.request_len(rows[i]) - k + a)
-        draft.commit(live, accepted)
+        draft.commit(live, proposals, accepted)
         still = []
         for i in live:
             if len(outputs[i]) < budgets[i]:
