@@ -177,9 +177,9 @@ class ModelDraft:
     KV is cut back to the accepted tokens (:meth:`PagedKVCache.truncate_request`).
 
     Args:
-        model: the draft model (for the reference model: ``from_preset`` with fewer
-            ``num_hidden_layers``, or the target's weights in a second model) with a KV
-            cache attached.
+        model: the draft model with a KV cache attached, with room for every prompt plus
+            its budget and ``k`` tokens (for the reference model: :func:`layer_skip_draft`,
+            or a second model of the target's weights: the target as its own draft).
         draft_fn: ``batch -> [bs, k]`` int64 tokens (a :class:`DraftDecodeCudaGraphRunner`'s
             ``forward``); default: the same steps eagerly.
         extend_fn: ``batch -> logits`` for the draft-extend DECODE batch (a decode
