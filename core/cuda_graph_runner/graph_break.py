@@ -156,6 +156,26 @@ class EagerOp:
 class _State(threading.local):
     handler: Optional[BreakHandler] = None
     bodies: Optional[Mapping[str, Callable[..., Any]]] = None
+    breaks_refused: Optional[str] = None
+
+
+@contextlib.contextmanager
+def refuse_breaks(reason: str) -> Iterator[None]:
+    """Inside the block a backend must not break its graph at a marked op (it raises,
+    naming the op and ``reason``): for forwards whose eager replay would read the wrong
+    batch, like a draft runner's steps after the first (at replay an eager op sees the
+    runner's static batch, which describes step 0)."""
+    previous = _state.breaks_refused
+    _state.breaks_refused = reason
+    try:
+        yield
+    finally:
+        _state.breaks_refused = previous
+
+
+def breaks_refused() -> Optional[str]:
+    """Why a backend may not break at a marked op now (:func:`refuse_breaks`), or None."""
+    return _state.breaks_refused
 
 
 _state = _State()

@@ -2,6 +2,7 @@
 
 from .base import BaseCudaGraphRunner, freeze_gc, get_batch_sizes_to_capture
 from .decode import DecodeCudaGraphRunner, default_decode_batch_sizes
+from .draft import DraftDecodeCudaGraphRunner
 from .prefill import PrefillCudaGraphRunner, default_prefill_token_sizes
 from .static_inputs import StaticInput
 from .stats import RunStats
@@ -9,6 +10,7 @@ from .stats import RunStats
 __all__ = [
     "BaseCudaGraphRunner",
     "DecodeCudaGraphRunner",
+    "DraftDecodeCudaGraphRunner",
     "PrefillCudaGraphRunner",
     "RunStats",
     "StaticInput",

@@ -140,15 +140,21 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def get_sizes_to_capture(self) -> List[int]:
         return get_batch_sizes_to_capture(self.phase_config, self.default_max_size, default_decode_batch_sizes)
 
+    def slot_width(self, name: str) -> int:
+        """Rows per request of the decode slot ``name``: ``num_tokens_per_req`` on the token
+        axis, 1 on the batch axis. A subclass whose graph writes several KV slots per
+        input token (a draft runner's k steps) widens ``out_cache_loc`` here."""
+        axis = next(a for n, a, _ in _DECODE_SLOTS if n == name)
+        return self.num_tokens_per_req if axis == TOKEN_AXIS else 1
+
     def init_buffers(self) -> None:
-        width = self.num_tokens_per_req
         for name, axis, dtype in _DECODE_SLOTS:
-            rows = self.max_size * (width if axis == TOKEN_AXIS else 1)
+            rows = self.max_size * self.slot_width(name)
             pad = self.seq_len_fill_value if name == "seq_lens" else 0
             self.buffers.register(name, axis=axis, rows=rows, dtype=dtype, pad_value=pad)
         specs = declared_static_inputs(self.model, reserved=[name for name, _, _ in _DECODE_SLOTS])
         if specs:
-            self.model_inputs = ModelStaticInputs(specs, self.buffers, self.max_size, width)
+            self.model_inputs = ModelStaticInputs(specs, self.buffers, self.max_size, self.num_tokens_per_req)
 
     def make_key(self, size: int, variant: str = "") -> ShapeKey:
         """``ShapeKey(size, "<mode>[:<width>][|<variant>]")`` (format: :mod:`.variants`)."""
@@ -188,7 +194,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
             forward_mode=self.mode,
             input_ids=view("input_ids", tokens),
             positions=view("positions", tokens),
-            out_cache_loc=view("out_cache_loc", tokens),
+            out_cache_loc=view("out_cache_loc", bs * self.slot_width("out_cache_loc")),
             req_pool_indices=view("req_pool_indices", bs),
             seq_lens=view("seq_lens", bs),
             seq_lens_cpu=seq_lens_cpu,
@@ -248,13 +254,12 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def _replay_plan(self, raw_bs: int) -> tuple:
         """``(static batch, fill, padded bs)`` for live batches of ``raw_bs`` requests."""
         bs, _ = self.replay_target(raw_bs)
-        width = self.num_tokens_per_req
         statics = self._replay_statics
         if bs not in statics:
             statics[bs] = self._static_batch(bs)
         names = [name for name, _, _ in _DECODE_SLOTS]
-        rows = [raw_bs * width if axis == TOKEN_AXIS else raw_bs for _, axis, _ in _DECODE_SLOTS]
-        padded = [bs * width if axis == TOKEN_AXIS else bs for _, axis, _ in _DECODE_SLOTS]
+        rows = [raw_bs * self.slot_width(name) for name in names]
+        padded = [bs * self.slot_width(name) for name in names]
         plan = (statics[bs], FusedFill(self.buffers, names, rows, padded), bs)
         if len(self._replay_plans) >= MAX_REPLAY_PLANS:  # bounded: token counts can be many
             self._replay_plans.clear()
@@ -291,7 +296,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         return batch.replace(
             input_ids=pad_rows(batch.input_ids, tokens, 0),
             positions=pad_rows(batch.positions, tokens, 0),
-            out_cache_loc=pad_rows(batch.out_cache_loc, tokens, 0),
+            out_cache_loc=pad_rows(batch.out_cache_loc, padded * self.slot_width("out_cache_loc"), 0),
             req_pool_indices=pad_rows(batch.req_pool_indices, padded, 0),
             seq_lens=pad_rows(batch.seq_lens, padded, self.seq_len_fill_value),
             seq_lens_cpu=pad_host(batch.seq_lens_cpu, padded, self.seq_len_fill_value),

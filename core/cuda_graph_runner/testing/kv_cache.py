@@ -150,6 +150,45 @@ class PagedKVCache:
         del self._free_slots[len(self._free_slots) - n :]
         return torch.tensor(taken, dtype=torch.int64, device=self.device)
 
+    def append_tokens(self, rows: Sequence[int], per_row: int) -> List[int]:
+        """Allocate ``per_row`` slots for each of ``rows`` and append them to the rows, with
+        one write of ``req_to_token`` for the whole batch (no device read; what a decode
+        or speculative step needs per round without a host-device round trip per request).
+
+        Returns:
+            The slot ids, request-major (``per_row`` per row, in ``rows`` order), on the host.
+
+        Raises:
+            KeyError: a row is not allocated.
+            CacheFullError: out of slots, or a row would exceed ``max_context_len``
+                (nothing is allocated then).
+        """
+        owned = [self._live(r) for r in rows]
+        for r, o in zip(rows, owned):
+            if len(o) + per_row > self.max_context_len:
+                raise CacheFullError(
+                    f"request row {r} would hold {len(o) + per_row} tokens, more than max_context_len={self.max_context_len}"
+                )
+        n = per_row * len(rows)
+        if n > len(self._free_slots):
+            raise CacheFullError(
+                f"KV cache full: asked for {n} slots, {len(self._free_slots)} free of "
+                f"{self.num_slots - 1} usable (num_slots={self.num_slots}, slot 0 reserved)"
+            )
+        taken = self._free_slots[len(self._free_slots) - n :][::-1]
+        del self._free_slots[len(self._free_slots) - n :]
+        row_ids: List[int] = []
+        cols: List[int] = []
+        for i, (r, o) in enumerate(zip(rows, owned)):
+            start = len(o)
+            o.extend(taken[i * per_row : (i + 1) * per_row])
+            row_ids.extend([int(r)] * per_row)
+            cols.extend(range(start, start + per_row))
+        if n:
+            index = torch.tensor([row_ids, cols, taken], dtype=torch.int64).to(self.device)
+            self.req_to_token.index_put_((index[0], index[1]), index[2])
+        return taken
+
     def assign_slots(self, row: int, slots: Union[torch.Tensor, Sequence[int]]) -> None:
         """Append ``slots`` to request ``row``: positions ``request_len(row) ...`` map to them.
 

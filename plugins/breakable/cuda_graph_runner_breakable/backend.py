@@ -51,7 +51,7 @@ from cuda_graph_runner import envs
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
 from cuda_graph_runner.buffers import copy_into
 from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.graph_break import EagerOp, break_handler, call_eagerly, capture_safe_now
+from cuda_graph_runner.graph_break import EagerOp, break_handler, breaks_refused, call_eagerly, capture_safe_now
 from cuda_graph_runner.nested import iter_tensors, map_tensors
 from cuda_graph_runner.weak_ref import weak_ref_tensor
 
@@ -468,6 +468,11 @@ class _SegmentCapture:
             # lifts the host-value guard, which must stay armed over recorded code.
             self.graph.inlined.append(op.name)
             return op.fn(*args, **kwargs)
+        refused = breaks_refused()
+        if refused is not None:
+            raise BreakableCaptureError(
+                f"marked op {op.qualname!r} would run eagerly between graph segments: {refused}"
+            )
         self.backend.check_op_args(op, args, kwargs)
         self.end_segment()
         check = self.leak_check

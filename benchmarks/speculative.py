@@ -1,0 +1,335 @@
+"""Speculative decoding against plain graph decode, on the reference model.
+
+For each draft (``oracle``: plain greedy's own tokens at no model cost, the mechanism's
+upper bound; ``self``: the target as its own draft; ``skip:N``: the target's first N
+layers) and each ``k``, in one run:
+
+* tokens per second of the speculative loop (:func:`speculative_generate`: the draft's k
+  steps in one :class:`DraftDecodeCudaGraphRunner` graph, verify in one TARGET_VERIFY
+  graph of width k + 1) against plain greedy decode through a DECODE graph, and the ratio;
+  prefill (eager, the same in both) is timed apart and left out;
+* the accept rate and the tokens a request commits per round;
+* for model drafts, the draft graph's replay against k plain decode replays of the same
+  draft model (the k-step graph should cost about k plain steps), and the draft runner's
+  capture seconds per recorded layer-step against the target decode runner's;
+* whether the tokens equal plain greedy decoding's (they must: the loop is lossless in
+  fp32 without TF32; a divergence prints its step and the target's top-2 logit gap).
+
+Examples::
+
+    python benchmarks/speculative.py --device cuda --preset llama-3.2-1b --dtype float32 --k 4 --batch-sizes 1
+    python benchmarks/speculative.py --device cpu --preset tiny --k 2 4 --new-tokens 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from cuda_graph_runner.config import CudaGraphConfig
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner
+from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
+from cuda_graph_runner.testing.speculative import (
+    ModelDraft,
+    OracleDraft,
+    SpeculativeStats,
+    layer_skip_draft,
+    make_draft_batch,
+    speculative_generate,
+    step_batch,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[[], Any]) -> "tuple[float, Any]":
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+def _phase(args: argparse.Namespace, bs: List[int]) -> Dict[str, Any]:
+    backend = args.backend
+    phase: Dict[str, Any] = {"bs": bs}
+    if args.device.startswith("cpu") and backend in ("full", "breakable"):
+        return phase  # an emulated backend instance (see _runner)
+    if backend == "full+torch_compile":
+        phase.update(backend="full", torch_compile=True)
+    else:
+        phase["backend"] = backend
+    return phase
+
+
+def _runner(cls: Any, model: Any, config: Any, device: torch.device, args: argparse.Namespace, **kwargs: Any) -> Any:
+    """A captured runner. On the CPU, ``full`` / ``breakable`` are their backends on
+    emulated graphs (a replay reruns the recorded forward): the mechanism, not a speed."""
+    if device.type == "cpu" and args.backend in ("full", "breakable"):
+        from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
+
+        if args.backend == "full":
+            from cuda_graph_runner_full.backend import FullCudaGraphBackend as backend_cls
+        else:
+            from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend as backend_cls
+        kwargs["backend"] = backend_cls(
+            "cpu", phase="decode", device_module=EmulatedGraphDeviceModule(), memory_pool="spec"
+        )
+    return _captured(cls(model, config, show_progress=False, **kwargs))
+
+
+def plain_greedy(
+    model: Any, runner: Any, prompts: List[List[int]], steps: int, device: torch.device, keep_logits: bool = False
+):
+    """Plain greedy tokens, every step's logits when ``keep_logits`` (for a divergence's
+    top-2 gap; else empty) and ``(prefill seconds, decode seconds)``: prefill eager, then
+    ``steps - 1`` decode replays, each batch built as the speculative loop builds its own
+    (:func:`step_batch`), so both pay the same host work per forward."""
+    cache = model.kv_cache
+    kept: List[torch.Tensor] = []
+    with torch.no_grad():
+        start = time.perf_counter()
+        batch = make_extend_batch(cache, prompts)
+        first = eager_logits_fn(model)(batch)[: len(prompts)]
+        rows = batch.req_pool_indices.tolist()
+        tokens = [[t] for t in first.argmax(dim=-1).tolist()]
+        if keep_logits:
+            kept.append(first.clone())
+        _sync(device)
+        prefilled = time.perf_counter()
+        for _ in range(steps - 1):
+            out = runner.forward(step_batch(cache, rows, [[t[-1]] for t in tokens]))[: len(rows)]
+            if keep_logits:
+                kept.append(out.clone())
+            for seq, t in zip(tokens, out.argmax(dim=-1).tolist()):
+                seq.append(t)
+        _sync(device)
+        end = time.perf_counter()
+    for r in rows:
+        cache.free_request(r)
+    return tokens, kept, prefilled - start, end - prefilled
+
+
+def first_divergence(got: List[List[int]], expected: List[List[int]], logits: List[torch.Tensor]) -> str:
+    for i, (g, e) in enumerate(zip(got, expected)):
+        for step, (a, b) in enumerate(zip(g, e)):
+            if a != b:
+                top2 = logits[step][i].float().topk(2).values
+                return f"request {i} step {step}: {a} != {b}, top-2 logit gap {float(top2[0] - top2[1]):.3g}"
+    return ""
+
+
+def replay_seconds(device: torch.device, fn: Callable[[], Any], iters: int) -> float:
+    fn()
+    elapsed, _ = _timed(device, lambda: [fn() for _ in range(iters)])
+    return elapsed / iters
+
+
+def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
+    max_bs = max(args.batch_sizes)
+    context = args.prompt_len + args.new_tokens + max(args.k) + 2
+    target = reference_model(args.preset, requests=max_bs, context=context, dtype=dtype, device=device)
+    layers = target.config.num_hidden_layers
+    config = CudaGraphConfig.from_dict({"decode": _phase(args, sorted(set(args.batch_sizes)))})
+    # An untimed capture first: the device's and the allocator's one-time set-up would
+    # otherwise be charged to whichever runner captures first.
+    warm = CudaGraphConfig.from_dict({"decode": _phase(args, [1])})
+    _runner(DecodeCudaGraphRunner, target, warm, device, args)
+    decode_capture_s, decode = _timed(device, lambda: _runner(DecodeCudaGraphRunner, target, config, device, args))
+    rows: List[Dict[str, Any]] = []
+    for bs in args.batch_sizes:
+        prompts = make_dummy_prompts(bs, args.prompt_len, target.config.vocab_size, seed=bs)
+        plain_greedy(target, decode, prompts, 4, device)  # warm-up: first replays, allocator
+        runs = [plain_greedy(target, decode, prompts, args.new_tokens, device) for _ in range(args.repeats)]
+        expected, plain_s = runs[0][0], min(r[3] for r in runs)  # the best run: a rate, not a latency
+
+        def logits(prompts=prompts) -> List[torch.Tensor]:  # only for a divergence's top-2 gap
+            return plain_greedy(target, decode, prompts, args.new_tokens, device, keep_logits=True)[1]
+
+        plain_tps = bs * (args.new_tokens - 1) / plain_s
+        for k in args.k:
+            verify = _runner(
+                DecodeCudaGraphRunner, target, config, device, args, mode="target_verify", num_tokens_per_req=k + 1
+            )
+            for name in args.drafts:
+                row = _speculative_row(
+                    args,
+                    target,
+                    verify,
+                    decode_capture_s,
+                    layers,
+                    config,
+                    prompts,
+                    expected,
+                    logits,
+                    bs,
+                    k,
+                    name,
+                    device,
+                )
+                row.update(batch_size=bs, k=k, draft=name, plain_tokens_per_s=plain_tps)
+                row["speedup"] = row["spec_tokens_per_s"] / plain_tps
+                rows.append(row)
+                print(_line(row), flush=True)
+    return rows
+
+
+def _captured(runner: Any) -> Any:
+    runner.capture()
+    return runner
+
+
+def _speculative_row(
+    args, target, verify, decode_capture_s, layers, config, prompts, expected, logits, bs, k, name, device
+):
+    row: Dict[str, Any] = {}
+    in_runners = [0.0]  # seconds inside the runners' forwards (device work finished)
+    context = target.kv_cache.max_context_len
+    if name == "oracle":
+        draft: Any = OracleDraft(expected)
+    else:
+        if name == "self":
+            draft_model = reference_model(args.preset, requests=bs, context=context, dtype=target.dtype, device=device)
+        elif name.startswith("skip:"):
+            draft_model = layer_skip_draft(target, int(name[5:]), requests=bs, context=context)
+        else:
+            raise SystemExit(f"--drafts: {name!r} is not a draft; accepted: oracle, self, skip:N")
+        draft_layers = draft_model.config.num_hidden_layers
+        capture_s, draft_runner = _timed(
+            device, lambda: _runner(DraftDecodeCudaGraphRunner, draft_model, config, device, args, num_steps=k)
+        )
+        extend_runner = _runner(DecodeCudaGraphRunner, draft_model, config, device, args)
+        sizes = len(draft_runner.capture_sizes)
+        per_draft = capture_s / (sizes * k * draft_layers)
+        per_target = decode_capture_s / (len(draft_runner.capture_sizes) * layers)
+        row.update(draft_capture_s=capture_s, capture_per_layer_step_ratio=per_draft / per_target)
+        row["draft_graph_vs_k_plain"] = _draft_graph_cost(
+            draft_model, draft_runner, extend_runner, prompts, k, device, args.iters
+        )
+        draft = ModelDraft(
+            draft_model,
+            draft_fn=_timing(draft_runner.forward, device, in_runners),
+            extend_fn=_timing(extend_runner.forward, device, in_runners),
+        )
+
+    def clock() -> float:
+        _sync(device)
+        return time.perf_counter()
+
+    # A warm-up run first (the drafts free what they hold at the end, so they run again).
+    speculative_generate(target, prompts, min(args.new_tokens, 2 * k + 2), draft, k, verify_fn=verify.forward)
+    in_runners[0] = 0.0
+    verify_fn = _timing(verify.forward, device, in_runners)
+    best: Any = None
+    for _ in range(args.repeats):  # the best run (by its rounds' seconds), as for plain decode
+        in_runners[0] = 0.0
+        run_stats = SpeculativeStats()
+        got = speculative_generate(
+            target, prompts, args.new_tokens, draft, k, verify_fn=verify_fn, stats=run_stats, clock=clock
+        )
+        if best is None or run_stats.decode_seconds < best[0].decode_seconds:
+            best = (run_stats, in_runners[0], got)
+    stats, runner_s, got = best
+    row.update(
+        spec_tokens_per_s=bs * (args.new_tokens - 1) / max(stats.decode_seconds, 1e-9),
+        accept_rate=stats.accept_rate,
+        tokens_per_round=stats.tokens_per_round,
+        loop_host_share=max(0.0, 1.0 - runner_s / max(stats.decode_seconds, 1e-9)),
+        rounds=stats.rounds,
+        lossless=got == expected,
+        divergence="" if got == expected else first_divergence(got, expected, logits()),
+    )
+    return row
+
+
+def _timing(fn: Callable[[Any], Any], device: torch.device, total: List[float]) -> Callable[[Any], Any]:
+    """``fn`` that adds its seconds, device work included, to ``total[0]``: the rest of a
+    round is the loop's own host time (batch building, acceptance, KV rollback)."""
+
+    def run(batch: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(batch)
+        _sync(device)
+        total[0] += time.perf_counter() - start
+        return out
+
+    return run
+
+
+def _draft_graph_cost(draft_model, draft_runner, extend_runner, prompts, k, device, iters) -> float:
+    """One k-step draft replay over k plain one-step replays of the same draft model and batch."""
+    session = GreedySession(draft_model, draft_model.kv_cache)
+    with torch.no_grad():
+        session.prefill(prompts)
+        rows = session.rows
+        cache = draft_model.kv_cache
+        batch = make_draft_batch(cache, rows, [t[-1] for t in session.tokens], k)
+        graph_s = replay_seconds(device, lambda: draft_runner.forward(batch), iters)
+        for r in rows:  # back to the prompt; one plain decode batch, replayed k times
+            cache.truncate_request(r, cache.request_len(r) - k)
+        step = next_decode_batch(session)
+        plain_s = replay_seconds(device, lambda: [extend_runner.forward(step) for _ in range(k)], iters)
+    session.close()
+    return graph_s / plain_s
+
+
+def _line(row: Dict[str, Any]) -> str:
+    parts = [
+        f"bs={row['batch_size']} k={row['k']} draft={row['draft']}",
+        f"plain {row['plain_tokens_per_s']:.1f} tok/s",
+        f"spec {row['spec_tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x)",
+        f"accept {row['accept_rate']:.2f}",
+        f"{row['tokens_per_round']:.2f} tok/round",
+        f"loop host {100 * row['loop_host_share']:.1f}% of a round",
+    ]
+    if "draft_graph_vs_k_plain" in row:
+        parts.append(f"draft graph / k plain {row['draft_graph_vs_k_plain']:.3f}")
+        parts.append(f"capture per layer-step vs target {row['capture_per_layer_step_ratio']:.2f}x")
+    parts.append("lossless" if row["lossless"] else f"DIVERGED: {row['divergence']}")
+    return " | ".join(parts)
+
+
+def main(argv: "List[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", default="llama-3.2-1b" if torch.cuda.is_available() else "tiny")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--backend", choices=["full", "breakable", "full+torch_compile"], default="full")
+    parser.add_argument("--k", type=int, nargs="+", default=[4])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--drafts", nargs="+", default=["oracle", "self", "skip:1"])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=65)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each loop; the best is reported")
+    parser.add_argument("--iters", type=int, default=20, help="replays per draft-graph cost measurement")
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (off: the lossless check is exact)")
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    if any(k < 1 for k in args.k) or any(b < 1 for b in args.batch_sizes) or args.new_tokens < 2:
+        parser.error("--k and --batch-sizes take ints >= 1, --new-tokens an int >= 2")
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=2)
+    return 0 if all(r["lossless"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

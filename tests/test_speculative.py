@@ -1,0 +1,257 @@
+"""Speculative decoding on the CPU's emulated graphs in float32: the reference loop's greedy
+tokens equal plain greedy decoding's exactly (ragged prompts, requests finishing at
+different rounds, k = 1..5; oracle, target-as-draft and layer-skip drafts), rejected
+tokens' KV slots are rolled back, and the draft runner's k-step graph gives eager's tokens.
+GPU: test_speculative_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_graph_runner.config import CudaGraphConfig
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
+from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
+from cuda_graph_runner.testing.speculative import (
+    ModelDraft,
+    OracleDraft,
+    SpeculativeStats,
+    layer_skip_draft,
+    make_draft_batch,
+    speculative_generate,
+)
+from cuda_graph_runner_breakable.backend import BreakableCaptureError, BreakableCudaGraphBackend
+from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
+from cuda_graph_runner_full.backend import FullCudaGraphBackend
+
+REQUESTS, CONTEXT = 5, 48
+BUDGETS = [3, 9, 14, 6, 11]  # tokens per request: they finish at different rounds
+CONFIG = CudaGraphConfig.from_dict({"decode": {"bs": [5]}})  # one graph per runner: less CI time
+BACKENDS = {"full": FullCudaGraphBackend, "breakable": BreakableCudaGraphBackend}
+
+
+def _backend(name):
+    return BACKENDS[name]("cpu", phase="decode", device_module=EmulatedGraphDeviceModule(), memory_pool="spec")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return reference_model("tiny", requests=REQUESTS, context=CONTEXT, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def case(target):
+    prompts = make_dummy_prompts(REQUESTS, staggered_lengths(REQUESTS), target.config.vocab_size, seed=7)
+    full = greedy_generate(target, target.kv_cache, prompts, max(BUDGETS))
+    return prompts, [f[:b] for f, b in zip(full, BUDGETS)]
+
+
+@pytest.fixture(scope="module")
+def verify_runners(target):
+    runners = {}
+
+    def get(k):
+        if k not in runners:
+            runner = DecodeCudaGraphRunner(
+                target,
+                CONFIG,
+                backend=_backend("full"),
+                mode="target_verify",
+                num_tokens_per_req=k + 1,
+                show_progress=False,
+            )
+            runner.capture()
+            runners[k] = runner
+        return runners[k]
+
+    return get
+
+
+def _assert_cache_empty(*models):
+    for m in models:
+        assert m.kv_cache.num_free_slots == m.kv_cache.num_slots - 1 and m.kv_cache.num_free_requests == REQUESTS
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_oracle_draft_is_lossless_and_every_known_token_is_accepted(target, case, verify_runners, k):
+    prompts, expected = case
+    runner = verify_runners(k)
+    stats = SpeculativeStats()
+    got = speculative_generate(
+        target, prompts, BUDGETS, OracleDraft(expected), k, verify_fn=runner.forward, stats=stats
+    )
+    assert got == expected
+    assert sum(runner.stats.replays_by_size.values()) == stats.rounds and not runner.stats.fallbacks
+    # A round commits up to k + 1 tokens a request: the oracle's rounds are the fewest possible.
+    assert stats.rounds == max(-(-(b - 1) // (k + 1)) for b in BUDGETS)
+    assert stats.generated == sum(BUDGETS)
+    _assert_cache_empty(target)
+
+
+@pytest.mark.parametrize("k,backend", [(2, "breakable"), (4, "full")])
+def test_target_as_its_own_draft_through_the_draft_graph_is_lossless(target, case, verify_runners, k, backend):
+    prompts, expected = case
+    draft_model = reference_model("tiny", requests=REQUESTS, context=CONTEXT, device="cpu")  # same seed: same weights
+    draft_runner = DraftDecodeCudaGraphRunner(
+        draft_model, CONFIG, num_steps=k, backend=_backend(backend), show_progress=False
+    )
+    extend_runner = DecodeCudaGraphRunner(draft_model, CONFIG, backend=_backend(backend), show_progress=False)
+    draft_runner.capture()
+    extend_runner.capture()
+    stats = SpeculativeStats()
+    draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, extend_fn=extend_runner.forward)
+    got = speculative_generate(target, prompts, BUDGETS, draft, k, verify_fn=verify_runners(k).forward, stats=stats)
+    assert got == expected
+    assert stats.accept_rate == 1.0  # the same model proposes the target's own tokens
+    assert not draft_runner.stats.fallbacks and sum(draft_runner.stats.replays_by_size.values()) == stats.rounds
+    # Every round but the last of each request accepted all k: the draft-extend step ran.
+    assert sum(extend_runner.stats.replays_by_size.values()) > 0
+    _assert_cache_empty(target, draft_model)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_layer_skip_draft_rejects_tokens_and_the_loop_stays_lossless(target, case, verify_runners, k):
+    prompts, expected = case
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    stats = SpeculativeStats()
+    got = speculative_generate(
+        target, prompts, BUDGETS, ModelDraft(draft_model), k, verify_fn=verify_runners(k).forward, stats=stats
+    )
+    assert got == expected
+    assert stats.accepted < stats.proposed  # rejections happened: the rollback ran
+    _assert_cache_empty(target, draft_model)
+
+
+def test_eager_loop_matches_plain_greedy_with_one_token_budgets(target, case):
+    prompts, expected = case
+    budgets = [1, 2, 1, 4, 3]
+    got = speculative_generate(target, prompts, budgets, OracleDraft(expected), 2)
+    assert got == [e[:b] for e, b in zip(expected, budgets)]
+    _assert_cache_empty(target)
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+def test_draft_runner_replay_equals_eager_steps_on_a_ragged_padded_batch(target, backend):
+    k = 3
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    runner = DraftDecodeCudaGraphRunner(
+        draft_model, CONFIG, num_steps=k, backend=_backend(backend), show_progress=False
+    )
+    runner.capture()
+    cache = draft_model.kv_cache
+    prompts = make_dummy_prompts(3, [4, 9, 6], target.config.vocab_size, seed=3)  # 3 requests pad to the size-5 graph
+    prefill = make_extend_batch(cache, prompts)
+    rows = prefill.req_pool_indices.tolist()
+    with torch.no_grad():
+        eager_logits_fn(draft_model)(prefill)
+        batch = make_draft_batch(cache, rows, [p[-1] for p in prompts], k)
+        expected = draft_steps(draft_model, batch, k).clone()
+        got = runner.forward(batch).clone()
+    assert got.shape == (3, k) and got.dtype == torch.int64
+    assert torch.equal(got, expected)
+    assert runner.stats.replays_by_size == {3: 1}
+    assert [key.variant for key in runner.backend.captured_keys] == ["draft:3"]
+    for r in rows:
+        cache.free_request(r)
+
+
+def test_bad_arguments_are_refused_with_the_value_named(target):
+    draft_model = reference_model("tiny", requests=2, context=16, device="cpu")
+    with pytest.raises(ValueError, match="num_steps=0"):
+        DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=0, backend=_backend("full"), show_progress=False)
+    with pytest.raises(ValueError, match="mode="):
+        DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=2, mode="decode", backend=_backend("full"))
+    with pytest.raises(ValueError, match="k=0"):
+        speculative_generate(target, [[1, 2]], 3, OracleDraft([[1, 2, 3]]), 0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, [[1, 2]], [3, 4], OracleDraft([[1, 2, 3]]), 2)
+    runner = DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=3, backend=_backend("full"), show_progress=False)
+    runner.capture()
+    prefill = make_extend_batch(draft_model.kv_cache, [[1, 2, 3], [4, 5]])
+    plain = make_draft_batch(draft_model.kv_cache, prefill.req_pool_indices.tolist(), [3, 5], 1)  # 1 slot, not 3
+    with pytest.raises(ValueError, match="out_cache_loc has 2 slots for 2 requests; num_steps=3 takes 6"):
+        runner.forward(plain)
+    planned = reference_model("tiny", requests=2, context=16, device="cpu", attention="planned_standin")
+    with pytest.raises(ValueError, match="init_forward_metadata_replay.*num_steps=2"):
+        DraftDecodeCudaGraphRunner(planned, CONFIG, num_steps=2, backend=_backend("full"), show_progress=False)
+    with pytest.raises(ValueError, match="num_layers=3"):
+        layer_skip_draft(target, 3, requests=2, context=16)
+
+
+def test_the_engine_side_example_is_lossless_with_eager_runners():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "speculative_decoding.py"
+    spec = importlib.util.spec_from_file_location("speculative_decoding", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    same, stats = module.run("cpu", "disabled", k=2, requests=3, draft_layers=1)
+    assert same and stats.rounds > 0 and stats.generated == sum(4 + 5 * i for i in range(3))
+
+
+def test_a_breakable_draft_graph_that_would_break_after_step_0_is_refused_at_capture(target):
+    # Breaking at every marked op: step 1's attention would replay eagerly with step 0's batch.
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    backend = BreakableCudaGraphBackend(
+        "cpu",
+        phase="decode",
+        device_module=EmulatedGraphDeviceModule(),
+        memory_pool="spec",
+        inline_capture_safe_ops=False,
+    )
+    runner = DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=2, backend=backend, show_progress=False)
+    with pytest.raises(BreakableCaptureError, match="reference_llama_attention.*would run eagerly.*step 0's batch"):
+        runner.capture()
+    # One step has nothing after step 0: it captures and replays.
+    one = DraftDecodeCudaGraphRunner(
+        draft_model, CONFIG, num_steps=1, backend=_backend("breakable"), show_progress=False
+    )
+    one.capture()
+    assert one.backend.captured_keys
+
+
+def test_draft_runner_on_the_compiled_backend_equals_eager_steps(target, monkeypatch):
+    # The CPU's compiling backend (its forward traced by Dynamo; aot_eager: no code generation).
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_COMPILED_COMPILER", "aot_eager")
+    k = 3
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    config = CudaGraphConfig.from_dict({"decode": {"backend": "compiled", "bs": [5]}})
+    runner = DraftDecodeCudaGraphRunner(draft_model, config, num_steps=k, device="cpu", show_progress=False)
+    runner.capture()
+    cache = draft_model.kv_cache
+    prompts = make_dummy_prompts(3, [4, 9, 6], target.config.vocab_size, seed=3)
+    prefill = make_extend_batch(cache, prompts)
+    with torch.no_grad():
+        eager_logits_fn(draft_model)(prefill)
+        batch = make_draft_batch(cache, prefill.req_pool_indices.tolist(), [p[-1] for p in prompts], k)
+        expected = draft_steps(draft_model, batch, k).clone()
+        got = runner.forward(batch).clone()
+    assert torch.equal(got, expected) and runner.stats.replays_by_size == {3: 1} and not runner.stats.fallbacks
+    for r in prefill.req_pool_indices.tolist():
+        cache.free_request(r)
+
+
+def test_step_batch_equals_the_per_request_builder_and_refuses_overflow_whole():
+    from cuda_graph_runner.testing.batches import make_target_verify_batch
+    from cuda_graph_runner.testing.kv_cache import CacheFullError, PagedKVCache
+    from cuda_graph_runner.testing.speculative import step_batch
+
+    caches = [PagedKVCache(1, 1, 2, num_slots=40, max_reqs=4, max_context_len=12) for _ in range(2)]
+    for cache in caches:
+        rows = [cache.alloc_request() for _ in range(3)]
+        for r, n in zip(rows, (2, 5, 3)):
+            cache.assign_slots(r, cache.alloc_slots(n))
+    tokens = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    fast, slow = step_batch(caches[0], rows, tokens), make_target_verify_batch(caches[1], rows, tokens)
+    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.forward_mode is slow.forward_mode and fast.seq_lens_cpu == slow.seq_lens_cpu
+    assert torch.equal(caches[0].req_to_token, caches[1].req_to_token)
+    free = caches[0].num_free_slots
+    with pytest.raises(CacheFullError, match="row .* would hold 13 tokens"):
+        step_batch(caches[0], rows, [[1] * 5] * 3)  # row 2 holds 8: 13 > 12
+    assert caches[0].num_free_slots == free and [caches[0].request_len(r) for r in rows] == [5, 8, 6]
