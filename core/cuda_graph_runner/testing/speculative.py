@@ -170,7 +170,7 @@ class ModelDraft:
     """A standalone draft model with its own KV cache (``model.kv_cache``), kept one token
     behind the committed sequence: its KV holds every committed token but the last.
 
-    Per round: a draft-extend step first writes, for requests whose last round accepted
+    Per round: a draft-extend step first writes, for requests whose previous round accepted
     every proposal, the one accepted token the draft never fed itself (a one-token DECODE
     batch through ``extend_fn``); then ``k`` greedy steps from each request's last token
     (``draft_fn``, one batch of :func:`make_draft_batch`'s layout); after verification its
