@@ -34,8 +34,10 @@ pytestmark = pytest.mark.gpu
 ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def model():
+    # Per test (tiny builds in well under a second): a failed test's open requests must not
+    # fill the next test's KV cache.
     return reference_model("tiny", requests=24)
 
 
