@@ -231,33 +231,24 @@ def test_emulated_breakable_prefill_matches_eager_on_every_layout(returning):
         assert brk.op.name == "test_breakable_cpu_scaled_by_requests" and isinstance(brk.returned, torch.Tensor)
 
 
-def test_emulated_full_capture_of_the_op_replays_stale_metadata():
-    """The control: frozen into a graph, the op replays the capture's request layout. The
-    host-value guard refuses such a capture; with the guard off it replays stale metadata."""
-    from cuda_graph_runner.errors import CudaGraphHostValueError
+def test_emulated_full_prefill_of_a_model_without_a_replay_hook_is_refused():
+    """The control: frozen into a whole-forward graph, the op would replay the capture's
+    request layout, so prefill ``full`` refuses a model whose attention has no replay
+    hook (with or without the host-value guard) before anything is captured."""
+    from cuda_graph_runner.config import CudaGraphConfigError
 
     full = pytest.importorskip("cuda_graph_runner_full.backend")
     dm = EmulatedGraphDeviceModule()
     backend = full.FullCudaGraphBackend("cpu", phase="prefill", device_module=dm, memory_pool="pool-0")
-    with pytest.raises(CudaGraphHostValueError, match="extend_seq_lens_cpu"):
-        prefill_runner(MixModel(), backend, max_bs=8).capture()
-    backend.cleanup()
-    runner = PrefillCudaGraphRunner(
-        MixModel(),
-        {"prefill": {"max_bs": 8, "host_value_guard": False}},
-        device="cpu",
-        backend=backend,
-        show_progress=False,
-    )
-    with torch.no_grad():
-        runner.capture()
-        same = extend_batch([8])  # the capture's own layout: one 8-token request
-        torch.testing.assert_close(runner.forward(same), runner.eager_forward(same))
-        other = extend_batch([3, 5])
-        hidden_graph = backend.replay(*runner.replay_prepare(other)).clone()
-        with forward_context(other):
-            hidden_eager = runner.model.forward(other)
-        assert not torch.allclose(hidden_graph, hidden_eager, atol=1e-3)
+    for guard in (True, False):
+        with pytest.raises(CudaGraphConfigError, match="init_forward_metadata_replay"):
+            PrefillCudaGraphRunner(
+                MixModel(),
+                {"prefill": {"max_bs": 8, "host_value_guard": guard}},
+                device="cpu",
+                backend=backend,
+                show_progress=False,
+            )
 
 
 def test_emulated_breakable_decode_matches_eager():
