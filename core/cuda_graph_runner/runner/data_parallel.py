@@ -65,8 +65,8 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         if batch is not None:
             live = runner.size_of(batch)
             check_live_batch(runner, batch)
-            if ready:
-                ready = runner.batch_matches(batch)
+            if ready:  # what decide() refuses on this rank alone must not reach the replay
+                ready = runner.batch_matches(batch) and runner.fits_graphs(batch)
             if ready:
                 variant = runner.variant_of(batch)
                 # Asked for the largest graph of the variant (every rank holds it): the
