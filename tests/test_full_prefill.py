@@ -369,7 +369,9 @@ class _OwnValuesDP:
     def agree_batch(self, size: int, ready: bool, variant: Any, *, variants: Any = ("",), failed: Any = None):
         self.seen.append((size, ready, variant, failed))
         if failed is not None:
-            raise RuntimeError(failed)
+            from cuda_graph_runner.data_parallel import DataParallelStepError
+
+            raise DataParallelStepError(failed)
         return size, ready, variant
 
 

@@ -23,6 +23,7 @@ import torch
 from ..data_parallel import DataParallelStepError, DPGroup
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..profiling import eager_range_name, profiler_enabled
+from .sleep import asleep_error
 from .stats import REASON_EMPTY, REASON_OTHER_RANK, fallback_reason
 
 __all__ = ["dp_forward", "padded_batch"]
@@ -51,6 +52,10 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         ValueError: (this rank's own, the other ranks get DataParallelStepError) a live
             batch the replay would refuse (:func:`check_live_batch`), or a model with
             model-owned static inputs.
+        cuda_graph_runner.weights.StaleWeightsError: (this rank's own, as the ValueError)
+            the phase config's ``check_weights_every`` check found moved weights.
+        cuda_graph_runner.runner.sleep.RunnerAsleepError: (this rank's own, as the
+            ValueError) the runner is asleep and ``forward_asleep`` is ``raise``.
         Whatever else this rank's own decision raised (after the other ranks were told).
     """
     live = 0
@@ -74,6 +79,12 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
                 ready = bool(runner.backend.can_run(batch, runner.variant_key(runner.max_size, variant)))
                 if not ready:
                     variant = None
+        # As forward() without a group: a rank whose weights moved under its graphs, or
+        # that is asleep and raises, stops every rank at this step's agreement.
+        if ready and runner._weights_every:
+            runner._weights_tick()
+        if runner.sleep_state is not None and runner._asleep_raises:
+            raise asleep_error(runner)
     except Exception as exc:
         with contextlib.suppress(DataParallelStepError):
             dp.agree_batch(live, False, None, variants=runner.capture_variants(), failed=_one_line(exc))
