@@ -130,13 +130,14 @@ def check_live_batch(runner: Any, batch: ForwardBatch) -> None:
     """
     from ..host_guard import missing_extra_error
 
-    width = batch.num_tokens_per_req if runner.phase == "decode" else 1
-    tokens = batch.batch_size * width if runner.phase == "decode" else batch.num_tokens
     for name in ("input_ids", "positions", "out_cache_loc"):
+        # Decode rows per request are the runner's slot width (a draft runner's
+        # out_cache_loc holds one KV slot per step); prefill's are the batch's tokens.
+        rows = batch.batch_size * runner.slot_width(name) if runner.phase == "decode" else batch.num_tokens
         t = getattr(batch, name)
-        if t.shape[:1] != (tokens,) or t.dtype.is_floating_point or t.dtype.is_complex:
+        if t.shape[:1] != (rows,) or t.dtype.is_floating_point or t.dtype.is_complex:
             raise ValueError(
-                f"batch.{name} is {tuple(t.shape)} {t.dtype}; accepted: [{tokens}] of an integer dtype "
+                f"batch.{name} is {tuple(t.shape)} {t.dtype}; accepted: [{rows}] of an integer dtype "
                 f"({runner.phase} batch of {batch.batch_size} requests)"
             )
     for name in runner._missing_extra:
