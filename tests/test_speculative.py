@@ -282,3 +282,32 @@ def test_a_draft_batch_passes_the_data_parallel_step_and_replays(target):
     assert torch.equal(got, expected) and runner.stats.replays_by_size == {2: 1}
     for r in rows:
         cache.free_request(r)
+
+
+def test_device_drafts_are_judged_as_verified_when_the_verify_reuses_their_memory(target, case):
+    # A draft runner's zero-copy output lives in graph memory that the verify replay may
+    # write: here the verify forward overwrites the draft's tensor before returning. The
+    # round must judge the drafts it verified, not what that memory holds afterwards.
+    prompts, expected = case
+    k = 2
+    held = {}
+
+    class DeviceOracle(OracleDraft):
+        def propose(self, live, outputs, k):
+            held["tokens"] = torch.tensor(super().propose(live, outputs, k), dtype=torch.int64)
+            return held["tokens"]
+
+    eager = eager_logits_fn(target)
+
+    def verify_reusing_the_draft_memory(batch):
+        logits = eager(batch)
+        held["tokens"].fill_(-1)
+        return logits
+
+    stats = SpeculativeStats()
+    got = speculative_generate(
+        target, prompts, BUDGETS, DeviceOracle(expected), k, verify_fn=verify_reusing_the_draft_memory, stats=stats
+    )
+    assert got == expected
+    assert stats.rounds == max(-(-(b - 1) // (k + 1)) for b in BUDGETS)  # every known draft accepted
+    _assert_cache_empty(target)
