@@ -121,11 +121,12 @@ def check_live_batch(runner: Any, batch: ForwardBatch) -> None:
     """Refuse, before the step's agreement, what the replay would refuse after it on this
     rank alone (the ranks' batches differ, so the others would be left in the model's
     collectives): token fields without the rows their axis needs, a float token field,
-    an ``extra`` key the captured forward looked up and did not find.
+    an ``extra`` key the captured forward looked up and did not find, a prefill batch
+    without ``extend_seq_lens`` for graphs with request slots.
 
     Raises:
         ValueError: a field's rows or dtype (names the field, its shape or dtype, and
-            what is accepted).
+            what is accepted); ``extend_seq_lens`` missing (request slots).
         cuda_graph_runner.errors.CudaGraphHostValueError: the ``extra`` key (named).
     """
     from ..host_guard import missing_extra_error
@@ -140,6 +141,11 @@ def check_live_batch(runner: Any, batch: ForwardBatch) -> None:
                 f"batch.{name} is {tuple(t.shape)} {t.dtype}; accepted: [{rows}] of an integer dtype "
                 f"({runner.phase} batch of {batch.batch_size} requests)"
             )
+    if getattr(runner, "request_slots", None) is not None and batch.extend_seq_lens is None:
+        raise ValueError(
+            "batch.extend_seq_lens is None; accepted: [requests] int32 new tokens per request "
+            "(prefill graphs with request slots pad the request axis from it)"
+        )
     for name in runner._missing_extra:
         if name in batch.extra:
             raise missing_extra_error(name, runner._backend_label(), runner.phase)
