@@ -367,7 +367,7 @@ def render_store(results: str) -> str:
         out += [f"From `{extra.shown_path(path)}`.", "", render(nested_view(read(path))).rstrip(), ""]
     path = extra.newest_with_prefill(results)
     if path:
-        # The prefill table's request count: its rows' (run.py's first count), else run.py's old fixed 4.
+        # The prefill table's request count: its rows' (run.py's first count), else 4 (results without the field ran 4).
         counts = [m.get("prefill_requests") for m in nested_view(read(path))["models"].values()]
         requests = next((c for c in counts if c), 4)
         out += [

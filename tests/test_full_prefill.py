@@ -357,3 +357,50 @@ def test_interpreted_triton_extend_through_request_slots_equals_eager():
 
 if __name__ == "__main__":
     interpreted_triton_check()
+
+
+class _OwnValuesDP:
+    """A DP group's step agreement in one process: every rank's values are this rank's
+    (what a group agrees when the other ranks are idle), recorded."""
+
+    def __init__(self) -> None:
+        self.seen: List[Any] = []
+
+    def agree_batch(self, size: int, ready: bool, variant: Any, *, variants: Any = ("",), failed: Any = None):
+        self.seen.append((size, ready, variant, failed))
+        if failed is not None:
+            from cuda_graph_runner.data_parallel import DataParallelStepError
+
+            raise DataParallelStepError(failed)
+        return size, ready, variant
+
+
+def test_dp_step_with_more_requests_than_slots_is_not_ready_and_runs_eagerly():
+    # A rank that reported ready here would replay after the agreement and raise alone,
+    # leaving the other ranks waiting in the model's collectives.
+    from cuda_graph_runner.runner.data_parallel import dp_forward
+
+    model = planned_model()
+    runner = full_runner(model, slots=2, sizes=[16])
+    dp = _OwnValuesDP()
+    with torch.no_grad():
+        runner.capture()
+        batch = make_extend_batch(model.kv_cache, prompts_of(model, [3, 3, 3], seed=3))
+        got = dp_forward(runner, dp, batch)  # type: ignore[arg-type]
+        torch.testing.assert_close(got, eager_logits_fn(model)(batch), rtol=0, atol=0)
+    assert dp.seen == [(9, False, None, None)]
+    assert runner.run_stats()["eager_fallbacks"] == {REASON_SLOTS: 1}
+
+
+def test_dp_step_refuses_a_batch_without_extend_lengths_before_the_agreement():
+    from cuda_graph_runner.runner.data_parallel import dp_forward
+
+    model = planned_model()
+    runner = full_runner(model, slots=2, sizes=[16])
+    dp = _OwnValuesDP()
+    with torch.no_grad():
+        runner.capture()
+        batch = make_extend_batch(model.kv_cache, prompts_of(model, [3, 4], seed=3)).replace(extend_seq_lens=None)
+        with pytest.raises(ValueError, match="batch.extend_seq_lens is None"):
+            dp_forward(runner, dp, batch)  # type: ignore[arg-type]
+    assert len(dp.seen) == 1 and "extend_seq_lens" in dp.seen[0][3]  # the other ranks are told

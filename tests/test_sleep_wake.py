@@ -121,6 +121,27 @@ def test_a_failed_sleep_leaves_the_runner_asleep():
     assert runner.wake().sizes == [4, 2, 1]
 
 
+def test_forward_asleep_raise_in_a_data_parallel_step_stops_at_its_agreement():
+    from cuda_graph_runner.data_parallel import DataParallelStepError
+    from cuda_graph_runner.runner.data_parallel import dp_forward
+
+    failures = []
+
+    class OwnValuesDP:  # the step agreement in one process, recording a failed decision
+        def agree_batch(self, size, ready, variant, *, variants=("",), failed=None):
+            if failed is not None:
+                failures.append(failed)
+                raise DataParallelStepError(failed)
+            return size, ready, variant
+
+    runner = make_runner(forward_asleep="raise")
+    runner.capture()
+    runner.sleep()
+    with pytest.raises(RunnerAsleepError):
+        dp_forward(runner, OwnValuesDP(), None)  # an idle rank too: it would run the dummy batch
+    assert len(failures) == 1 and failures[0].startswith("RunnerAsleepError")
+
+
 def test_forward_asleep_bad_value():
     with pytest.raises(CudaGraphConfigError, match="forward_asleep"):
         CudaGraphConfig.from_dict({"decode": {"forward_asleep": "wait"}})

@@ -255,3 +255,59 @@ def test_step_batch_equals_the_per_request_builder_and_refuses_overflow_whole():
     with pytest.raises(CacheFullError, match="row .* would hold 13 tokens"):
         step_batch(caches[0], rows, [[1] * 5] * 3)  # row 2 holds 8: 13 > 12
     assert caches[0].num_free_slots == free and [caches[0].request_len(r) for r in rows] == [5, 8, 6]
+
+
+def test_a_draft_batch_passes_the_data_parallel_step_and_replays(target):
+    # Its out_cache_loc holds k slots per request: the DP step's live-batch check takes that width.
+    from cuda_graph_runner.runner.data_parallel import dp_forward
+
+    class OwnValuesDP:  # the step agreement in one process: every rank's values are this rank's
+        def agree_batch(self, size, ready, variant, *, variants=("",), failed=None):
+            assert failed is None, failed
+            return size, ready, variant
+
+    k = 2
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    runner = DraftDecodeCudaGraphRunner(draft_model, CONFIG, num_steps=k, backend=_backend("full"), show_progress=False)
+    runner.capture()
+    cache = draft_model.kv_cache
+    prompts = make_dummy_prompts(2, [5, 7], target.config.vocab_size, seed=5)
+    prefill = make_extend_batch(cache, prompts)
+    rows = prefill.req_pool_indices.tolist()
+    with torch.no_grad():
+        eager_logits_fn(draft_model)(prefill)
+        batch = make_draft_batch(cache, rows, [p[-1] for p in prompts], k)
+        expected = draft_steps(draft_model, batch, k).clone()
+        got = dp_forward(runner, OwnValuesDP(), batch).clone()
+    assert torch.equal(got, expected) and runner.stats.replays_by_size == {2: 1}
+    for r in rows:
+        cache.free_request(r)
+
+
+def test_device_drafts_are_judged_as_verified_when_the_verify_reuses_their_memory(target, case):
+    # A draft runner's zero-copy output lives in graph memory that the verify replay may
+    # write: here the verify forward overwrites the draft's tensor before returning. The
+    # round must judge the drafts it verified, not what that memory holds afterwards.
+    prompts, expected = case
+    k = 2
+    held = {}
+
+    class DeviceOracle(OracleDraft):
+        def propose(self, live, outputs, k):
+            held["tokens"] = torch.tensor(super().propose(live, outputs, k), dtype=torch.int64)
+            return held["tokens"]
+
+    eager = eager_logits_fn(target)
+
+    def verify_reusing_the_draft_memory(batch):
+        logits = eager(batch)
+        held["tokens"].fill_(-1)
+        return logits
+
+    stats = SpeculativeStats()
+    got = speculative_generate(
+        target, prompts, BUDGETS, DeviceOracle(expected), k, verify_fn=verify_reusing_the_draft_memory, stats=stats
+    )
+    assert got == expected
+    assert stats.rounds == max(-(-(b - 1) // (k + 1)) for b in BUDGETS)  # every known draft accepted
+    _assert_cache_empty(target)

@@ -147,3 +147,33 @@ def test_a_kv_cache_replaced_under_the_graphs_is_named():
     with torch.no_grad():
         model.kv_cache.k_buffers[0].fill_(1.0)  # written in place: same storage
     assert now.same_as(WeightsFingerprint.take(model))
+
+
+class _OwnValuesDP:
+    """A DP group's step agreement in one process (every rank's values are this rank's),
+    recorded; a failed decision raises as the group's agreement does."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def agree_batch(self, size, ready, variant, *, variants=("",), failed=None):
+        self.seen.append((size, ready, variant, failed))
+        if failed is not None:
+            from cuda_graph_runner.data_parallel import DataParallelStepError
+
+            raise DataParallelStepError(failed)
+        return size, ready, variant
+
+
+def test_data_parallel_step_checks_weights_before_its_agreement():
+    from cuda_graph_runner.runner.data_parallel import dp_forward
+
+    runner = make_runner(check_weights_every=1)
+    runner.capture()
+    dp = _OwnValuesDP()
+    dp_forward(runner, dp, decode_batch(2))
+    assert dp.seen[-1][3] is None
+    reassign(runner.model, "data")
+    with pytest.raises(StaleWeightsError, match="embed"):
+        dp_forward(runner, dp, decode_batch(2))
+    assert dp.seen[-1][3] is not None and "StaleWeightsError" in dp.seen[-1][3]  # the other ranks are told

@@ -372,6 +372,12 @@ class BaseCudaGraphRunner(abc.ABC):
         """Whether this runner's graphs are for ``batch``'s mode and layout."""
         return True
 
+    def fits_graphs(self, batch: ForwardBatch) -> bool:
+        """Whether the captured graphs can take ``batch`` beyond its size and variant (a
+        runner's own per-batch limit, such as prefill's request slots); ``decide`` and the
+        data-parallel step's readiness both ask it. True unless a runner says otherwise."""
+        return True
+
     # -- shared mechanics ---------------------------------------------------------------
     @property
     def is_disabled(self) -> bool:

@@ -23,6 +23,7 @@ import torch
 from ..data_parallel import DataParallelStepError, DPGroup
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..profiling import eager_range_name, profiler_enabled
+from .sleep import asleep_error
 from .stats import REASON_EMPTY, REASON_OTHER_RANK, fallback_reason
 
 __all__ = ["dp_forward", "padded_batch"]
@@ -51,6 +52,10 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         ValueError: (this rank's own, the other ranks get DataParallelStepError) a live
             batch the replay would refuse (:func:`check_live_batch`), or a model with
             model-owned static inputs.
+        cuda_graph_runner.weights.StaleWeightsError: (this rank's own, as the ValueError)
+            the phase config's ``check_weights_every`` check found moved weights.
+        cuda_graph_runner.runner.sleep.RunnerAsleepError: (this rank's own, as the
+            ValueError) the runner is asleep and ``forward_asleep`` is ``raise``.
         Whatever else this rank's own decision raised (after the other ranks were told).
     """
     live = 0
@@ -65,8 +70,8 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         if batch is not None:
             live = runner.size_of(batch)
             check_live_batch(runner, batch)
-            if ready:
-                ready = runner.batch_matches(batch)
+            if ready:  # what decide() refuses on this rank alone must not reach the replay
+                ready = runner.batch_matches(batch) and runner.fits_graphs(batch)
             if ready:
                 variant = runner.variant_of(batch)
                 # Asked for the largest graph of the variant (every rank holds it): the
@@ -74,6 +79,12 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
                 ready = bool(runner.backend.can_run(batch, runner.variant_key(runner.max_size, variant)))
                 if not ready:
                     variant = None
+        # As forward() without a group: a rank whose weights moved under its graphs, or
+        # that is asleep and raises, stops every rank at this step's agreement.
+        if ready and runner._weights_every:
+            runner._weights_tick()
+        if runner.sleep_state is not None and runner._asleep_raises:
+            raise asleep_error(runner)
     except Exception as exc:
         with contextlib.suppress(DataParallelStepError):
             dp.agree_batch(live, False, None, variants=runner.capture_variants(), failed=_one_line(exc))
@@ -110,24 +121,31 @@ def check_live_batch(runner: Any, batch: ForwardBatch) -> None:
     """Refuse, before the step's agreement, what the replay would refuse after it on this
     rank alone (the ranks' batches differ, so the others would be left in the model's
     collectives): token fields without the rows their axis needs, a float token field,
-    an ``extra`` key the captured forward looked up and did not find.
+    an ``extra`` key the captured forward looked up and did not find, a prefill batch
+    without ``extend_seq_lens`` for graphs with request slots.
 
     Raises:
         ValueError: a field's rows or dtype (names the field, its shape or dtype, and
-            what is accepted).
+            what is accepted); ``extend_seq_lens`` missing (request slots).
         cuda_graph_runner.errors.CudaGraphHostValueError: the ``extra`` key (named).
     """
     from ..host_guard import missing_extra_error
 
-    width = batch.num_tokens_per_req if runner.phase == "decode" else 1
-    tokens = batch.batch_size * width if runner.phase == "decode" else batch.num_tokens
     for name in ("input_ids", "positions", "out_cache_loc"):
+        # Decode rows per request are the runner's slot width (a draft runner's
+        # out_cache_loc holds one KV slot per step); prefill's are the batch's tokens.
+        rows = batch.batch_size * runner.slot_width(name) if runner.phase == "decode" else batch.num_tokens
         t = getattr(batch, name)
-        if t.shape[:1] != (tokens,) or t.dtype.is_floating_point or t.dtype.is_complex:
+        if t.shape[:1] != (rows,) or t.dtype.is_floating_point or t.dtype.is_complex:
             raise ValueError(
-                f"batch.{name} is {tuple(t.shape)} {t.dtype}; accepted: [{tokens}] of an integer dtype "
+                f"batch.{name} is {tuple(t.shape)} {t.dtype}; accepted: [{rows}] of an integer dtype "
                 f"({runner.phase} batch of {batch.batch_size} requests)"
             )
+    if getattr(runner, "request_slots", None) is not None and batch.extend_seq_lens is None:
+        raise ValueError(
+            "batch.extend_seq_lens is None; accepted: [requests] int32 new tokens per request "
+            "(prefill graphs with request slots pad the request axis from it)"
+        )
     for name in runner._missing_extra:
         if name in batch.extra:
             raise missing_extra_error(name, runner._backend_label(), runner.phase)

@@ -238,10 +238,13 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
         decision = super().decide(batch)
         if decision is None or decision.padded > self.max_padding_ratio * decision.size:
             return None
+        return decision if self.fits_graphs(batch) else None
+
+    def fits_graphs(self, batch: ForwardBatch) -> bool:
+        """False for a batch of more requests than :attr:`request_slots` (graphs with
+        request slots take at most that many); True without request slots."""
         slots = self.request_slots
-        if slots is not None and batch.req_pool_indices.shape[0] > slots:
-            return None
-        return decision
+        return slots is None or int(batch.req_pool_indices.shape[0]) <= slots
 
     # -- capture -----------------------------------------------------------------------
     def _request_len_limit(self) -> Optional[int]:

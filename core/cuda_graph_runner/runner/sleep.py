@@ -65,6 +65,8 @@ class SleepState:
 
 
 def asleep_error(runner: "BaseCudaGraphRunner") -> RunnerAsleepError:
+    """The error ``forward`` raises on a sleeping ``runner`` whose ``forward_asleep`` is
+    ``raise`` (names the phase, the backend and both ways out)."""
     return RunnerAsleepError(
         f"the {runner.phase} runner ({runner.backend.name}) is asleep (runner.sleep() gave its graphs back): "
         "call runner.wake() before forward, or set the phase config's forward_asleep to 'eager' to run "

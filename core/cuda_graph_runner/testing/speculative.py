@@ -129,7 +129,8 @@ class Draft(Protocol):
     def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> "List[List[int]] | torch.Tensor":
         """``k`` proposed tokens per live request: host lists, or a ``[len(live), k]`` int64
         tensor on the target's device (the loop then feeds it to verification without
-        reading it first: one device read per round); ``outputs[i]``: request
+        reading it first: one device read per round; it copies the tensor before the
+        verify forward, so graph memory of a draft runner's replay is fine); ``outputs[i]``: request
         ``live[i]``'s committed generated tokens, the last of which is not yet in any KV
         cache."""
 
@@ -354,7 +355,10 @@ def speculative_generate(
                     input_ids=torch.cat([batch.input_ids.view(n, k + 1)[:, :1], drafts], dim=1).reshape(-1)
                 )
                 logits = verify(batch)[: n * (k + 1)]
-                both = torch.cat([drafts, logits.argmax(dim=-1).view(n, k + 1)], dim=1).tolist()
+                # The drafts read back from the verify batch (the loop's own copy): the draft's
+                # tensor may be graph memory that the verify replay reused.
+                sent = batch.input_ids.view(n, k + 1)[:, 1:]
+                both = torch.cat([sent, logits.argmax(dim=-1).view(n, k + 1)], dim=1).tolist()
                 proposals, target = [r[:k] for r in both], [r[k:] for r in both]
             else:
                 proposals = [list(p) for p in proposed]
