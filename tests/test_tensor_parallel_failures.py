@@ -191,7 +191,32 @@ def _weights_and_sleep(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
     out["half_wake"] = (_outcome(runner.wake), runner.asleep)
 
 
-SCENARIOS = ("_variants", "_capture_rollback", "_sizes_to_capture", "_decision", "_prepare", "_weights_and_sleep")
+def _verify(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # Verify mode: the replay differs from its reference on rank 1 only; both ranks raise.
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    model.choice = lambda batch: "a"
+    config = {"decode": {"max_bs": 4, "verify": True, "verify_first_n": 100}}
+    backend = RecordingBackend("cpu", phase="decode")
+    runner = DecodeCudaGraphRunner(model, config, device="cpu", backend=backend, show_progress=False)
+    runner.capture()
+    replay = backend.replay
+    if tp.rank == 1:
+        backend.replay = lambda key, batch: replay(key, batch) + 1.0
+    out["verify"] = _outcome(lambda: runner.forward(decode_batch(3)))
+    backend.replay = replay
+    out["verify_then"] = _replays_like_eager(runner, model, 3)
+
+
+SCENARIOS = (
+    "_variants",
+    "_capture_rollback",
+    "_sizes_to_capture",
+    "_decision",
+    "_prepare",
+    "_weights_and_sleep",
+    "_verify",
+)
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +323,12 @@ def test_a_failed_capture_step_is_rolled_back_without_a_group_too():
     backend.fail = False
     runner.capture()
     assert _sizes(runner.captured_keys) == [1, 2, 4] and len(runner.captured_keys) == 6
+
+
+def test_a_verify_mismatch_on_one_rank_raises_on_every_rank(ranks):
+    _done(ranks, "_verify")
+    assert ranks[1]["verify"][0] == "CudaGraphVerifyError", ranks[1]["verify"]
+    kind, message = ranks[0]["verify"]
+    assert kind == "TensorParallelStepError" and "another TP rank" in message, (kind, message)
+    for r in ranks:
+        assert r["verify_then"] is True, r["rank"]

@@ -27,6 +27,7 @@ from ..config import ConfigInput, PhaseConfig, as_config
 from ..data_parallel import DPGroup
 from ..device import device_guard, resolve_device, synchronize
 from ..distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
+from ..errors import CudaGraphVerifyError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import forward_context
 from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard, missing_extra_error
@@ -799,14 +800,42 @@ class BaseCudaGraphRunner(abc.ABC):
                         output = self.backend.replay(key, static_batch)
             result = self.finish_output(output, batch, static_batch, key)
             if self.verifier is not None:
-                self.verifier.after_replay(
-                    self.backend, self.model, key, static_batch, result, lambda: self.eager(batch)
-                )
+                self._verify_replay(key, static_batch, result, batch)
             if self.owned_outputs:
                 # Only what shares memory with the graph's output: one copy, none for
                 # results the runner already computed eagerly (prefill logits).
                 result = clone_tensors(result, aliasing=output)
             return result
+
+    def _verify_replay(self, key: ShapeKey, static_batch: ForwardBatch, result: Any, batch: ForwardBatch) -> None:
+        """Verify mode's check of one replay. With a TP or DP group the ranks agree on the
+        outcome (one host all-reduce per checked replay, verify mode only), so a mismatch
+        on one rank stops every rank at this step instead of leaving the others waiting in
+        the next step's collectives.
+
+        Raises:
+            CudaGraphVerifyError: this rank's replay differs from its reference.
+            TensorParallelStepError: another rank's did (this rank's matched).
+        """
+        assert self.verifier is not None
+        group = self.rank_group
+        if group is None or not group.is_parallel:
+            self.verifier.after_replay(self.backend, self.model, key, static_batch, result, lambda: self.eager(batch))
+            return
+        error: Optional[CudaGraphVerifyError] = None
+        try:
+            self.verifier.after_replay(self.backend, self.model, key, static_batch, result, lambda: self.eager(batch))
+        except CudaGraphVerifyError as exc:
+            error = exc
+        if group.all_true(error is None):
+            return
+        if error is not None:
+            raise error
+        raise TensorParallelStepError(
+            f"verify mode: the replay of {key} differs from its reference on another {group.kind} rank "
+            f"(that rank raises CudaGraphVerifyError naming the difference); this is rank {group.rank} of {group.size}, "
+            "whose replay matched"
+        )
 
     def _replay_range(self, key: ShapeKey) -> str:
         name = self._range_names.get(key)
