@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.graph_break import breaks_refused
 from cuda_graph_runner.weak_ref import weak_ref_tensors
 
 from .errors import TcPiecewiseRuntimeError, failing_line, one_line
@@ -169,6 +170,12 @@ class GraphPiece:
     def _capture(self, key: Optional[ShapeKey], args: Tuple[Any, ...]) -> Any:
         if key is None:
             raise RuntimeError(f"tc_piecewise: {self.name} asked to capture without a shape key")
+        refused = breaks_refused()
+        if refused is not None:  # the pieces end at every marked op, which then runs eagerly
+            raise TcPiecewiseRuntimeError(
+                f"tc_piecewise: {self.name} of {key} cannot be captured here: tc_piecewise runs every marked op "
+                f"eagerly between its pieces, and this forward refuses that ({refused}); use backend full"
+            )
         if key in self.entries:
             raise RuntimeError(f"tc_piecewise: {self.name} already holds a graph for {key}; cleanup() first")
         owner = self.owner

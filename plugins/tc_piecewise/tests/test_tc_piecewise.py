@@ -654,3 +654,16 @@ def test_inductor_on_cpu_equals_eager_in_both_phases():
         got = greedy_generate(model, model.kv_cache, prompts, 5, prefill_fn=prefill.forward, decode_fn=decode.forward)
     assert got == expected
     assert decode.backend.compiler == prefill.backend.compiler == "inductor"
+
+
+def test_a_capture_inside_refused_breaks_names_the_reason_instead_of_a_duplicate_piece(emulated):
+    """A forward that refuses breaks (a draft runner's steps after the first) cannot run on
+    tc_piecewise, whose pieces end at every marked op: refused naming the reason (before,
+    step 1's pieces reported 'already holds a graph')."""
+    from cuda_graph_runner.graph_break import refuse_breaks
+
+    model = reference_model("tiny", requests=8, device="cpu")
+    decode = decode_runner(model, [2], backend=backend("decode", device_module=emulated, enable_capture=True))
+    with torch.no_grad(), refuse_breaks("step 1 would replay with step 0's batch"):
+        with pytest.raises(TcPiecewiseRuntimeError, match=r"refuses that \(step 1 would replay.*use backend full"):
+            decode.capture()
