@@ -18,8 +18,8 @@ does; an attention that plans other kernels for graphs, a FlashInfer wrapper wit
 
 Cost: the padded rows' compute on every eager step (up to the next bucket: decode 13
 requests run as 16, prefill 600 tokens as 640) and one allocation per padded field. A
-batch larger than the largest captured size, empty, of another mode, or (prefill) padded
-to more than twice its tokens runs as it is: no replay would take it either, so replay
+batch larger than the largest captured size, empty, of another mode, beyond the graphs'
+request slots (prefill ``full``), or (prefill) padded to more than twice its tokens runs as it is: no replay would take it either, so replay
 and eager still run the same shapes.
 
 Idea: batch-invariant kernels (vLLM's ``VLLM_BATCH_INVARIANT=1``, docs.vllm.ai "Batch
@@ -47,10 +47,11 @@ __all__ = ["padded_eager_size", "pad_rows", "pad_extra", "run_padded_eager"]
 
 def padded_eager_size(runner: "BaseCudaGraphRunner", batch: ForwardBatch) -> Optional[int]:
     """The captured size ``batch`` pads to under ``padded_eager``, or None when it runs as
-    it is: another mode or layout, empty, larger than the largest captured size, or padded
+    it is: another mode or layout, beyond the runner's own limit (:meth:`fits_graphs`:
+    prefill's request slots), empty, larger than the largest captured size, or padded
     beyond the runner's ``max_padding_ratio`` (prefill: more than twice its tokens), where
     a runner with graphs runs the live size too."""
-    if not runner.batch_matches(batch):
+    if not runner.batch_matches(batch) or not runner.fits_graphs(batch):
         return None
     size = runner.size_of(batch)
     if size <= 0 or size > runner.max_size:
