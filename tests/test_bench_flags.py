@@ -79,6 +79,30 @@ def test_json_onto_an_unwritable_file_is_refused(tmp_path, capsys, no_work):
         target.chmod(0o644)
 
 
+def test_json_where_access_says_yes_but_open_fails_is_refused_before_the_run(tmp_path, capsys, no_work, monkeypatch):
+    # Root passes os.access everywhere (/proc, /sys), and the open then fails after the run.
+    import builtins
+
+    real_open = builtins.open
+    target = str(tmp_path / "out.json")
+
+    def refusing(path, *args, **kwargs):
+        if str(path) == target:
+            raise PermissionError(13, "Permission denied", target)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing)
+    code, err = _usage_error(["bench", "--json", target, *TINY], capsys)
+    assert code == 2 and "cannot be written (Permission denied)" in err and not os.path.exists(target)
+
+
+def test_json_probe_leaves_no_file_behind(tmp_path):
+    from cuda_graph_runner.bench_args import output_file
+
+    target = tmp_path / "new.json"
+    assert output_file(str(target)) == str(target) and not target.exists()
+
+
 def test_plot_in_a_format_matplotlib_cannot_write_is_refused(tmp_path, capsys, no_work):
     pytest.importorskip("matplotlib", reason="the plot format is checked with matplotlib (cuda-graph-runner[plot])")
     code, err = _usage_error(["bench", "--plot", str(tmp_path / "plot.txt"), *TINY], capsys)

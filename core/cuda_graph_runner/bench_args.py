@@ -46,6 +46,17 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r}: folder {folder!r} does not exist or is not writable; accepted: a path in a writable folder"
         )
+    # os.access answers yes to root everywhere (/proc, /sys): open the file for real.
+    existed = os.path.exists(text)
+    try:
+        with open(text, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot be written ({exc.strerror or exc}); accepted: a writable file path"
+        ) from None
+    if not existed:
+        os.remove(text)
     return text
 
 
