@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import sys
 import time
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -459,4 +460,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from cuda_graph_runner.errors import BackendUnavailableError, UnknownBackendError
+
+    try:
+        raise SystemExit(main())
+    except (UnknownBackendError, BackendUnavailableError, ValueError) as exc:
+        # A user's mistake (a backend name, one this device cannot run, a bad value): one line, exit 2.
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -12,6 +12,7 @@ eagerly (the API and the loop, no graphs). See docs/speculative.md.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import List, Optional
 
 import torch
@@ -61,4 +62,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from cuda_graph_runner.errors import BackendUnavailableError, UnknownBackendError
+
+    try:
+        raise SystemExit(main())
+    except (UnknownBackendError, BackendUnavailableError, ValueError) as exc:
+        # A user's mistake (a backend name, one this device cannot run, a bad value): one line, exit 2.
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
