@@ -180,3 +180,12 @@ def test_prefill_eager_through_runs_the_padded_static_batch_with_the_live_reques
         out = runner.forward(batch)  # 11 tokens padded to 16; verify compares with eager
     assert out.shape[0] == 2 and runner.verifier.checked == [(runner.make_key(16), 1)]
     assert backend.device_module.names().count("replay") == 0
+
+
+def test_bench_says_its_graph_column_is_eager_under_eager_through(monkeypatch, capsys):
+    from cuda_graph_runner.cli import main
+
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_EAGER_THROUGH", "1")
+    argv = ["bench", "--device", "cpu", "--no-prefill", "--batch-sizes", "1", "--iters", "1", "--warmup", "0"]
+    assert main([*argv, "--steps", "1", "--prompt-len", "2"]) == 0
+    assert "decode: eager-through mode is on" in capsys.readouterr().out

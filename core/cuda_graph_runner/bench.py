@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from . import envs
 from .bench_args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here, as before
 from .bench_backends import BackendChoice, BenchRequestError, bench_picks, device_problem, plan_phase
 from .bench_measure import (  # noqa: F401
@@ -213,6 +214,12 @@ def _bench_phase(
         if runner is not None:
             stats = _capture(runner)
             runner.stats.reset()  # count the measured calls only
+            if runner.eager_through:  # the graph columns would read as graph times otherwise
+                through = (
+                    f"{phase}: eager-through mode is on ({envs.EAGER_THROUGH} or the config key eager_through): "
+                    "no graph replays; the graph column times the eager forward on the padded static batch"
+                )
+                note = f"{note}; {through}" if note else through
         if note:
             say(f"note: {note}")
             results["notes"].append(note)
