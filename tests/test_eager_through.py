@@ -186,6 +186,7 @@ def test_bench_says_its_graph_column_is_eager_under_eager_through(monkeypatch, c
     from cuda_graph_runner.cli import main
 
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_EAGER_THROUGH", "1")
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "1")  # a graph backend on the CPU
     argv = ["bench", "--device", "cpu", "--no-prefill", "--batch-sizes", "1", "--iters", "1", "--warmup", "0"]
     assert main([*argv, "--steps", "1", "--prompt-len", "2"]) == 0
     assert "decode: eager-through mode is on" in capsys.readouterr().out

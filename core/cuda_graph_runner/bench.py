@@ -214,7 +214,7 @@ def _bench_phase(
         if runner is not None:
             stats = _capture(runner)
             runner.stats.reset()  # count the measured calls only
-            if runner.eager_through:  # the graph columns would read as graph times otherwise
+            if runner.eager_through and not runner.is_disabled:  # else its column reads as graph times
                 through = (
                     f"{phase}: eager-through mode is on ({envs.EAGER_THROUGH} or the config key eager_through): "
                     "no graph replays; the graph column times the eager forward on the padded static batch"
