@@ -245,3 +245,17 @@ def test_bench_prompt_longer_than_the_model_takes_exits_2_naming_the_limit(capsy
     out, err = capsys.readouterr()
     assert "--prompt-len 5000 plus --steps 1 is 5001 positions" in err
     assert "max_position_embeddings=4096" in err and "Traceback" not in err and "eager ms" not in out
+
+
+def test_bench_with_every_plugin_filtered_out_names_the_variable_not_the_install(monkeypatch, capsys):
+    monkeypatch.setenv(registry.ENV_PLUGINS, "typo")
+    registry.reset_registry()
+    try:
+        with pytest.warns(RuntimeWarning, match="'typo' matches no installed backend"):
+            assert main(["bench", "--device", "cpu", *TINY]) == 0
+        out = capsys.readouterr().out
+        assert "CUDA_GRAPH_RUNNER_PLUGINS='typo' lists the plugins to load" in out
+        assert "no graph backend is installed" not in out
+    finally:
+        monkeypatch.delenv(registry.ENV_PLUGINS)
+        registry.reset_registry()

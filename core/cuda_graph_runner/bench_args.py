@@ -91,7 +91,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, measured: bool = Tru
         default=None,
         metavar="NAME",
         help="the reference model's attention backend: torch (the default on every device, CUDA included), "
-        "triton (Triton paged kernels on CUDA; needs cuda-graph-runner[triton]) "
+        "triton (Triton paged kernels on CUDA; needs cuda-graph-runner[triton]), "
+        "flashinfer and flashinfer_tc (FlashInfer's decode wrappers, plain and tensor-core, on CUDA in bf16/fp16; "
+        "needs cuda-graph-runner[flashinfer]) "
         "or planned_standin (a CPU stand-in of a plan-based attention, for testing the runner's hooks)",
     )
     parser.add_argument(

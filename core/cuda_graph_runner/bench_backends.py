@@ -167,7 +167,13 @@ def _no_backend_note(phase: str, name: Optional[str], device: torch.device, not_
         return f"{phase} backend {', '.join(preferred)} {not_picked}; running eager only"
     off = preferred if not envs.get(envs.BENCH_CPU_COMPILED) else []
     blocked = [f"{e.name}: {e.reason}" for e in entries if not e.ok]
-    why = "; ".join(blocked) if blocked else "no graph backend is installed for this phase"
+    plugins = envs.raw(envs.PLUGINS)
+    none_left = (
+        f"no graph backend for this phase is loaded: {envs.PLUGINS}={plugins!r} lists the plugins to load"
+        if plugins is not None
+        else "no graph backend is installed for this phase"
+    )
+    why = "; ".join(blocked) if blocked else none_left
     if off:
         return (
             f"{phase} backend {', '.join(off)} not picked ({envs.BENCH_CPU_COMPILED}=0) and no other {phase} "

@@ -106,8 +106,8 @@ def _phase_flags(p: str) -> List[_Flag]:
             (p,),
             "tc_compiler",
             f"compiler of tc_piecewise's pieces for {p} (default: eager); an error with a backend that does "
-            "not read it (backend disabled excepted: turning graphs off keeps a command line valid); decode "
-            "with full: the deprecated spelling of --enable-torch-compile",
+            "not read it (backend disabled excepted: turning graphs off keeps a command line valid)"
+            + ("; with full: the deprecated spelling of --enable-torch-compile" if p == Phase.DECODE else ""),
         ),
         # Decode only: no shipped prefill backend reads compile_sizes (JSON can still set it).
         *(
