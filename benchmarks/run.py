@@ -88,6 +88,7 @@ from portable import portable_argv, portable_path  # noqa: E402
 from cuda_graph_runner.backend_options import option_readers  # noqa: E402
 from cuda_graph_runner.bench_args import attention_arg  # noqa: E402
 from cuda_graph_runner.bench_backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
+from cuda_graph_runner.config import CudaGraphConfigError  # noqa: E402
 from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
 from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch  # noqa: E402
@@ -759,24 +760,20 @@ def run_prefill(
             results.note(f"{name}: prefill backend {backend} skipped: {reason}")
             continue
         try:
-            graphs = fresh_backend("prefill", backend)
-            if getattr(graphs, "records_marked_ops", False) and (
-                getattr(model, "init_forward_metadata_replay", None) is None
-                or getattr(model, "replans_prefill_graphs", None) is False
-            ):
-                attention = getattr(getattr(model, "attn_backend", None), "name", "?")
-                results.note(
-                    f"{name}: prefill backend {backend} skipped: it records attention, which needs an "
-                    f"out-of-graph metadata update that attention {attention!r} has not (--attention triton)"
+            try:
+                runner = PrefillCudaGraphRunner(
+                    model,
+                    # Request slots (prefill full; the others ignore the key): the most requests of a batch.
+                    {"prefill": {**phase_options(backend), "max_bs": max_tokens, "full_prefill_max_req": max(counts)}},
+                    show_progress=False,
+                    backend=fresh_backend("prefill", backend),
                 )
+            except CudaGraphConfigError as exc:
+                # The runner's own refusal (prefill full with an attention that re-plans no prefill graph).
+                if exc.key != "backend":
+                    raise
+                results.note(f"{name}: prefill backend {backend} skipped: {exc}")
                 continue
-            runner = PrefillCudaGraphRunner(
-                model,
-                # Request slots (prefill full; the others ignore the key): the most requests of a batch.
-                {"prefill": {**phase_options(backend), "max_bs": max_tokens, "full_prefill_max_req": max(counts)}},
-                show_progress=False,
-                backend=graphs,
-            )
             runner.capture()
             m["capture"][f"{backend} (prefill)"] = {
                 "sizes": len(runner.capture_sizes),

@@ -817,14 +817,19 @@ class BaseCudaGraphRunner(abc.ABC):
             CudaGraphVerifyError: this rank's replay differs from its reference.
             TensorParallelStepError: another rank's did (this rank's matched).
         """
-        assert self.verifier is not None
+        verifier = self.verifier
+        assert verifier is not None
+
+        def check() -> None:
+            verifier.after_replay(self.backend, self.model, key, static_batch, result, lambda: self.eager(batch))
+
         group = self.rank_group
         if group is None or not group.is_parallel:
-            self.verifier.after_replay(self.backend, self.model, key, static_batch, result, lambda: self.eager(batch))
+            check()
             return
         error: Optional[CudaGraphVerifyError] = None
         try:
-            self.verifier.after_replay(self.backend, self.model, key, static_batch, result, lambda: self.eager(batch))
+            check()
         except CudaGraphVerifyError as exc:
             error = exc
         if group.all_true(error is None):
