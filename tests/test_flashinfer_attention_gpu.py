@@ -6,11 +6,13 @@
   through ``full``, ``breakable`` and ``tc_piecewise`` (eager compiler) decode and
   ``breakable`` prefill, for captured and padded sizes and a continuous-batching
   schedule (requests joining and leaving between steps);
+* compiled full (``torch_compile: true``, ``compile_sizes``) replay equals eager with no
+  recompile while serving;
 * the host time of one replay hook (the re-plan) in microseconds, and of its two parts
   (the page ids written on the device, FlashInfer's ``plan()``), printed as benchmark rows
   (no wall-clock assertion).
 
-One device run holds the whole file (8 tests). FlashInfer JIT-compiles its decode and
+One device run holds the whole file (9 tests). FlashInfer JIT-compiles its decode and
 prefill modules with the machine's nvcc on first use and keeps them in its JIT cache
 (``FLASHINFER_WORKSPACE_BASE``): on an H200, 118 s for the first test's modules (decode,
 prefill) and 47 s for the tensor-core decode's, cold; every other test takes 12-18 s, so
@@ -207,6 +209,40 @@ def _plan_microseconds(model: Any, runner: Any, batch: Any) -> None:
         f"\nflashinfer replay plan: {rows['replay hook']:.1f} us of host time per replay (batch size 3 padded "
         f"to 4): page ids {rows['page ids']:.1f} us, FlashInfer plan() {rows['plan()']:.1f} us"
     )
+
+
+def test_compiled_full_with_compile_sizes_replay_equals_eager(pair, tmp_path, monkeypatch):
+    # Compiled full: Dynamo must not trace into FlashInfer's TVM-FFI calls (the op body is
+    # opaque to it), and nothing recompiles while serving captured, padded and dynamic sizes.
+    from cuda_graph_runner.backend import compiled_verify_tolerance
+
+    fi, _ = pair
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    phase = {"backend": "full", "bs": [1, 4, 8], "max_bs": 8, "torch_compile": True, "compile_sizes": [1, 4]}
+    runner = DecodeCudaGraphRunner(fi, {"decode": phase}, show_progress=False)
+    atol, rtol = compiled_verify_tolerance(torch.bfloat16)
+    sessions, batches = [], {}
+    try:
+        with torch.no_grad():
+            runner.capture()
+        compiled = runner.backend.compiled_forward
+        graphs = compiled.dynamo_graphs
+        for bs in (1, 3, 8):  # a compile size, padded to one, dynamic
+            prompts = make_dummy_prompts(bs, [5 + 23 * i % 120 for i in range(bs)], CONFIG.vocab_size, seed=bs)
+            session, batches[bs] = prefilled_decode_batch(fi, prompts)
+            sessions.append(session)
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+            for bs, batch in batches.items():
+                expected = eager_logits_fn(fi)(batch).clone()
+                got = runner.forward(batch)
+                torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m: f"bs {bs}: {m}")
+        assert compiled.dynamo_graphs == graphs  # nothing recompiled while serving
+    finally:
+        for s in sessions:
+            s.close()
+        runner.cleanup()
+        torch.cuda.synchronize()
 
 
 def test_prefill_replay_equals_eager_and_never_synchronizes(pair):
