@@ -161,3 +161,41 @@ def test_the_bench_reports_an_unwritable_cache_root_in_one_line(tmp_path, monkey
     assert main(args.split()) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: compile cache folder") and "Traceback" not in err
+
+
+class _Unpicklable:
+    """Pickles as FlashInfer's TVM-FFI functions do: with a TypeError."""
+
+    def __reduce__(self):
+        raise TypeError("Type `ffi.Function` does not support ToJSONGraph")
+
+
+class _HoldsAnUnpicklableObject(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.planner = _Unpicklable()
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.planner is not None  # the guards read the object
+        return self.lin(x) * self.scale
+
+
+def test_a_model_holding_an_unpicklable_object_compiles_and_is_not_kept(tmp_path, monkeypatch, caplog):
+    # Dynamo pickles what the guards read into its package; an object that refuses with a
+    # TypeError must not fail the compile: that compile is left out of the package.
+    import torch._dynamo
+
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
+    torch._dynamo.reset()
+    model, x = _HoldsAnUnpicklableObject(), torch.randn(2, 4)
+    with caplog.at_level("INFO", logger="cuda_graph_runner.compile_cache_dynamo"):
+        with compile_cache_scope("k3"):
+            got = torch.compile(model, backend="eager")(x)
+    torch.testing.assert_close(got, model(x))
+    assert "pickle cannot save (TypeError" in caplog.text
+    from torch._dynamo.guards import CheckFunctionManager
+
+    assert CheckFunctionManager.serialize_guards.__name__ == "serialize_guards"  # torch's own again

@@ -26,6 +26,10 @@ its inputs dynamic before the first call must not mark them once the package loa
 (compiled ``full`` checks :func:`counters`' ``dynamo_hit`` around ``torch.compile``);
 unmarked inputs pass the guard in either case.
 
+A compile whose guards read an object pickle cannot save (FlashInfer's TVM-FFI functions
+hanging off the attention backend) is left out of the package and traces again at the next
+start instead of failing the compile.
+
 Torch without these internals (an older or newer release that moved them): the scope
 logs once that Dynamo traces every start and the inductor caches still apply.
 """
@@ -172,7 +176,12 @@ def dynamo_cache_scope(folder: str, key: str) -> Iterator[Optional[str]]:
     PrecompileContext.clear()
     _skip_loaded_global_names()
     try:
-        with dynamo_config.patch(caching_precompile=True), _path_prefix(DynamoCache, path), _quiet_dropped_guards():
+        with (
+            dynamo_config.patch(caching_precompile=True),
+            _path_prefix(DynamoCache, path),
+            _quiet_dropped_guards(),
+            _unpicklable_guard_state_bypasses(),
+        ):
             yield path
             try:
                 PrecompileContext.save_to_dynamo_cache()
@@ -225,6 +234,57 @@ def _path_prefix(cache: Any, path: str) -> Iterator[None]:
             cache.path_prefix = previous
         else:
             del cache.path_prefix
+
+
+@contextlib.contextmanager
+def _unpicklable_guard_state_bypasses() -> Iterator[None]:
+    # torch pickles what a compile's guards read (the model and the objects hanging off it)
+    # into the package. An object whose pickling raises (FlashInfer's TVM-FFI functions
+    # raise TypeError) failed the compile itself, and torch's own bypass for a PackageError
+    # then trips an assertion (torch 2.13). Here such a compile's package entry is bypassed
+    # (torch's ``bypass_package``: nothing of it is saved, it traces again at the next
+    # start) and the compile goes on with an empty guard state, which only the package reads.
+    try:
+        from torch._dynamo.guards import CheckFunctionManager
+    except ImportError:
+        yield
+        return
+    original = vars(CheckFunctionManager).get("serialize_guards")
+    if original is None:
+        yield
+        return
+
+    def serialize_or_bypass(self: Any, builder: Any, sorted_guards: Any, output_graph: Any) -> Any:
+        try:
+            return original(self, builder, sorted_guards, output_graph)
+        except Exception as exc:
+            bypass = getattr(output_graph, "bypass_package", None)
+            if bypass is None or type(exc).__name__ == "PackageError":
+                raise
+            _say_once(
+                logging.INFO,
+                "compile cache: a compile's guards read an object pickle cannot save (%s: %s); "
+                "that compile's Dynamo code is not kept and traces again at the next start",
+                type(exc).__name__,
+                exc,
+            )
+            bypass(f"guard state not picklable: {type(exc).__name__}: {exc}")
+            return b""
+
+    # torch warns of the bypass too; the line above already said it
+    bypass_logger, quiet = logging.getLogger("torch._dynamo.output_graph"), _OurBypassFilter()
+    CheckFunctionManager.serialize_guards = serialize_or_bypass  # type: ignore[method-assign]
+    bypass_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        CheckFunctionManager.serialize_guards = original  # type: ignore[method-assign]
+        bypass_logger.removeFilter(quiet)
+
+
+class _OurBypassFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "guard state not picklable" not in record.getMessage()
 
 
 class _DroppedGuardFilter(logging.Filter):
