@@ -96,6 +96,15 @@ BATCH_SEMANTICS = {
 }
 
 
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, flushed at once, with the seconds since the start: a
+    run cut off by a timeout shows the step it was in."""
+    print(f"hf_compare [{time.perf_counter() - _T0:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def method_label(name: str, measure: str) -> str:
     """The timing record's method: ``NAME/MEASURE`` (``full+torch_compile/forward``)."""
     return f"{name}/{measure}"
@@ -325,6 +334,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = sync_fn(device)
     std = 0.15 if size == "tiny" else None
+    progress(f"{shape}: building {arch} ({size}, {dtype}) on {device}")
     adapter = hf.HFCausalLM.from_config(
         hf.builtin_config(arch, size=size), dtype=dtype, device=device, seed=0, std=std, attention=args.attention
     )
@@ -342,6 +352,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
 
     def record(name: str, measure: str, bs: int, cell: Optional[Dict[str, Any]]) -> None:
         if cell is not None:
+            progress(f"{shape}: {method_label(name, measure)} batch {bs}: {cell['median_ms']:.3f} ms")
             kept = ("median_ms", "min_ms", "max_ms", "samples_ms", "max_abs_diff", "within_tolerance")
             cell = {k: v for k, v in cell.items() if k in kept}
             timings.append({"model": shape, "phase": "decode", "method": method_label(name, measure),
@@ -349,7 +360,9 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
 
     reference = hf_twin(adapter) if any(m in OURS for m in args.methods) else None
     for label in [m for m in args.methods if m in OURS]:
+        progress(f"{shape}: {label}: capturing batch sizes {sorted({1, args.ragged})}")
         runner = our_runner(adapter, label, sorted({1, args.ragged}), device)
+        progress(f"{shape}: {label}: captured in {runner.capture_wall_s:.1f} s")
         # capture_s: the whole capture() (compiled full: its inductor compile included).
         runners.append({"model": shape, "phase": "decode", "backend": label, "num_sizes": 2,
                         "sizes": sorted({1, args.ragged}), "capture_s": round(runner.capture_wall_s, 3)})  # fmt: skip
@@ -361,6 +374,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
     del reference
     wanted = [m for m in args.methods if m in ("hf_eager", "hf_static", "hf_static_ro")]
     if wanted:
+        progress(f"{shape}: building the transformers twin (sdpa) for {', '.join(wanted)}")
         model = hf_twin(adapter)
         margin = args.new_tokens + args.steps + 8
         if "hf_eager" in wanted:
@@ -372,6 +386,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
             record("hf_eager", "e2e", args.ragged, per_step(hf_generate_fn(model, ragged, False), args.new_tokens,
                                                              args.repeats, sync))  # fmt: skip
         for name in [m for m in wanted if m != "hf_eager"]:
+            progress(f"{shape}: {name}: first 3 forward calls (compile + graph recording)")
             if name == "hf_static_ro":
                 original, forward = compile_ro(model)
             else:
@@ -395,6 +410,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
             model.forward = original
         del model
     if "hf_generate_batch" in args.methods:
+        progress(f"{shape}: hf_generate_batch: two calls of generate_batch() at batch {args.ragged}")
         model = hf_twin(adapter)
         try:
             cell = hf_generate_batch(model, ragged, args.new_tokens, sync)
@@ -475,6 +491,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.iters is not None:
         args.steps = args.repeats = max(1, args.iters)
+    env = environment(device)
+    progress(f"torch {env['torch']}, transformers {env['transformers']}, device {env.get('device_name', device)}; "
+             f"shapes {','.join(shapes)}, methods {','.join(args.methods)}")  # fmt: skip
     timings: List[Dict[str, Any]] = []
     runners: List[Dict[str, Any]] = []
     notes: List[str] = []
@@ -485,10 +504,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         runners += got["runners"]
         notes += got["notes"]
         lens[shape] = got["ragged_lens"]
-        print(f"hf_compare: {shape} done", file=sys.stderr)
+        progress(f"{shape} done")
     settings = {k: getattr(args, k) for k in ("prompt_len", "ragged", "new_tokens", "steps", "repeats", "attention")}
     settings.update(shapes=shapes, methods=args.methods, dtype="bfloat16" if device.type == "cuda" else "float32")
-    doc = document(TOOL, environment(device), timings=timings, ratios=ratios(timings), runners=runners, notes=notes,
+    doc = document(TOOL, env, timings=timings, ratios=ratios(timings), runners=runners, notes=notes,
                    settings=settings, extra={"batch_semantics": {m: BATCH_SEMANTICS[m] for m in args.methods},
                                              "ragged_prompt_lens": lens})  # fmt: skip
     text = json.dumps(doc, indent=1)
@@ -496,7 +515,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text + "\n")
-        print(f"hf_compare: wrote {args.out}", file=sys.stderr)
+        progress(f"wrote {args.out}")
     else:
         print(text)
     return 0

@@ -246,3 +246,15 @@ def test_modules_with_sinks_or_host_rope_are_refused():
     adapter.hf_model.model.rotary_emb.rope_type = "dynamic"
     with pytest.raises(hf.UnsupportedHFModelError, match="'llama' with dynamic RoPE"):
         hf.HFCausalLM(adapter.hf_model)
+
+
+def test_the_extra_declares_the_tested_transformers_range():
+    import pathlib
+    import tomllib
+
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert extras["transformers"] == [f"transformers{hf.TRANSFORMERS_RANGE}"]
+    low, high = (part.lstrip("<>=") for part in hf.TRANSFORMERS_RANGE.split(","))
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    assert tuple(int(x) for x in low.split(".")) <= version < (int(high),), transformers.__version__

@@ -1,14 +1,23 @@
 """Hugging Face transformers causal LMs through the runners on a CUDA device
 (cuda_graph_runner.models.hf), backends chosen by name through the registry.
 
-* bfloat16, decode ``full`` and ``breakable``: teacher-forced logits of the replayed
-  graphs equal the adapter's eager forward within the backend's verify tolerance, at every
-  step (verify mode on, host-value guard on), per architecture.
-* float32 (TF32 off), decode ``full``, ``breakable`` and ``tc_piecewise`` with prefill
-  ``breakable``: 5 ragged prompts in one continuous batch give the greedy tokens of
-  transformers' own eager ``generate()`` of each prompt alone.
+Ordered so that ``-x`` stops at the first layer that breaks, each test small:
 
-Run on the device machine: ``python -m pytest tests/test_hf_adapter_gpu.py``.
+* eager, no graphs (float32, TF32 off): the adapter's prefill logits on the device equal
+  transformers' own eager forward of each prompt, per architecture (transformers and the
+  paged ``torch`` attention on CUDA, before any capture);
+* bfloat16, decode ``full`` (every architecture) and ``breakable`` (Llama, Mistral's
+  sliding window): teacher-forced logits of the replayed graphs equal the adapter's eager
+  forward within the backend's verify tolerance, at every step (verify mode on, host-value
+  guard on);
+* float32 (TF32 off), decode ``full`` (every architecture), ``breakable`` (Llama,
+  Mistral) and ``tc_piecewise`` (Llama) with prefill ``breakable``: 5 ragged prompts in
+  one continuous batch give the greedy tokens of transformers' own eager ``generate()``
+  of each prompt alone.
+
+Run on the device machine (about a minute on an H200)::
+
+    timeout 300 python -m pytest -m gpu -x -v --tb=short -o faulthandler_timeout=60 tests/test_hf_adapter_gpu.py
 """
 
 from __future__ import annotations
@@ -25,11 +34,16 @@ from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_contin
 from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import GreedySession  # noqa: E402
+from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_extend_batch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
+ARCHS = hf.SUPPORTED_ARCHITECTURES
+#: (arch, decode backend) of the graph tests: every architecture under ``full``; the other
+#: backends on Llama and on Mistral (its sliding window is crossed by the prompts + steps).
+CASES = [(arch, "full") for arch in ARCHS] + [("llama", "breakable"), ("mistral", "breakable")]
+GENERATE_CASES = CASES + [("llama", "tc_piecewise")]
 
 
 @pytest.fixture
@@ -46,12 +60,28 @@ def _adapter(arch: str, dtype: torch.dtype) -> hf.HFCausalLM:
     return adapter
 
 
-@pytest.mark.parametrize("backend", ["full", "breakable"])
-@pytest.mark.parametrize("arch", hf.SUPPORTED_ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eager_prefill_on_cuda_matches_transformers_forward(arch, no_tf32):
+    adapter = _adapter(arch, torch.float32)
+    reference = hf.reference_logits_fn(hf.eager_reference(adapter))
+    prompts = ragged_prompts(adapter.config.vocab_size)[:3]
+    batch = make_extend_batch(adapter.kv_cache, prompts)
+    try:
+        got = eager_logits_fn(adapter)(batch)
+    finally:
+        for row in batch.req_pool_indices.tolist():
+            adapter.kv_cache.free_request(row)
+    assert got.device.type == torch.device(DEVICE).type and got.shape == (len(prompts), adapter.config.vocab_size)
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(got[i], reference(prompt)[-1], atol=1e-4, rtol=1e-4, msg=f"{arch} prompt {i}")
+
+
+@pytest.mark.parametrize(("arch", "backend"), CASES)
 def test_bf16_teacher_forced_logits_within_tolerance(arch, backend):
     adapter = _adapter(arch, torch.bfloat16)
+    # 5 requests: padded to the graph of 8 (4 is captured too, so the pick is exercised).
     runner = DecodeCudaGraphRunner(
-        adapter, {"decode": {"backend": backend, "bs": [1, 2, 4, 8], "verify": True}}, show_progress=False
+        adapter, {"decode": {"backend": backend, "bs": [4, 8], "verify": True}}, show_progress=False
     )
     assert runner.backend.name == backend and runner.config.decode.host_value_guard
     atol, rtol = runner.backend.verify_tolerance(torch.bfloat16)
@@ -67,7 +97,9 @@ def test_bf16_teacher_forced_logits_within_tolerance(arch, backend):
             eager = adapter.compute_logits(adapter(batch), batch)
         n = batch.batch_size
         worst = max(worst, float((graph[:n] - eager[:n]).abs().max()))
-        assert torch.allclose(graph[:n], eager[:n], atol=atol, rtol=rtol), (arch, backend, worst)
+        assert torch.allclose(graph[:n], eager[:n], atol=atol, rtol=rtol), (
+            f"{arch} / {backend}: max |graph - eager| {worst} (atol {atol}, rtol {rtol})"
+        )
         return eager
 
     with torch.no_grad():
@@ -82,8 +114,7 @@ def test_bf16_teacher_forced_logits_within_tolerance(arch, backend):
     assert sum(runner.stats.replays_by_size.values()) == STEPS - 1 and not runner.stats.fallbacks
 
 
-@pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
-@pytest.mark.parametrize("arch", hf.SUPPORTED_ARCHITECTURES)
+@pytest.mark.parametrize(("arch", "backend"), GENERATE_CASES)
 def test_fp32_continuous_batch_matches_hf_generate(arch, backend, no_tf32):
     adapter = _adapter(arch, torch.float32)
     reference = hf.eager_reference(adapter)

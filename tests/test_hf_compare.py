@@ -26,12 +26,17 @@ from cuda_graph_runner.results_schema import read  # noqa: E402
 METHODS = ["full", "breakable", "hf_eager", "hf_static"]
 
 
-def test_smoke_run_writes_the_results_document_and_its_table(tmp_path):
+def test_smoke_run_writes_the_results_document_and_its_table(tmp_path, capsys):
     folder = tmp_path / "2026-12-01-cpu-hf-compare"
     out = folder / "hf_compare.json"
     argv = ["--device", "cpu", "--shapes", "tiny", "--methods", ",".join(METHODS), "--prompt-len", "4"]
     argv += ["--ragged", "3", "--new-tokens", "2", "--iters", "1", "--out", str(out)]
     assert hf_compare.main(argv) == 0
+    # Progress lines name each step as it ends, so a run cut off by a timeout shows where it was.
+    err = capsys.readouterr().err
+    assert "transformers " in err.splitlines()[0] and err.rstrip().endswith(f"wrote {out}")
+    for method in METHODS:
+        assert f"tiny: {method}/forward batch 1: " in err and f"tiny: {method}/e2e batch 3: " in err, err
     doc = read(str(out))  # validates against the schema
     assert doc["tool"] == "benchmarks/hf_compare.py" and doc["settings"]["shapes"] == ["tiny"]
     got = {(t["method"], t["batch_size"]) for t in doc["timings"]}

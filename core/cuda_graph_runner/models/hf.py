@@ -31,7 +31,7 @@ Refused, with an error naming the feature and the architecture
 longrope), logit softcapping, attention sinks, MLA, MoE, hybrid / linear attention, and
 any architecture outside :data:`SUPPORTED_ARCHITECTURES`.
 
-Needs ``pip install 'cuda-graph-runner[transformers]'`` (transformers 5).
+Needs ``pip install 'cuda-graph-runner[transformers]'`` (transformers 5.17 or later 5.x).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 #: RoPE types whose tables are fixed when the model is built (no host step per forward).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: The tested transformers range (the ``[transformers]`` extra).
-TRANSFORMERS_RANGE = ">=5.0,<6"
+TRANSFORMERS_RANGE = ">=5.17,<6"
 INSTALL_HINT = "pip install 'cuda-graph-runner[transformers]'"
 
 
