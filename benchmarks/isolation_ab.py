@@ -134,12 +134,15 @@ def _inductor_config() -> Dict[str, Any]:
 def _recompile_limits() -> Dict[str, Any]:
     import torch._dynamo.config as dc
 
-    return {k: getattr(dc, k) for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(dc, k)}
+    return {
+        k: getattr(dc, k)
+        for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit")
+        if hasattr(dc, k)
+    }
 
 
 def child(args: argparse.Namespace) -> int:
     import torch
-
     from bench_rounds import run_rounds
     from bench_summary import ratio_stats
     from run import HandWrittenGraph, decode_batches, fresh_backend, phase_options, pin_inductor, reduce_overhead_fn
@@ -162,7 +165,9 @@ def child(args: argparse.Namespace) -> int:
     out["inductor_cache_dir"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     out["inductor_config"] = pin_inductor("pinned")
     sizes = sorted(args.batch_sizes)
-    model = ReferenceLlamaForCausalLM.from_preset(args.model, dtype=torch.bfloat16, device="cuda", attention=DEFAULT_ATTENTION)
+    model = ReferenceLlamaForCausalLM.from_preset(
+        args.model, dtype=torch.bfloat16, device="cuda", attention=DEFAULT_ATTENTION
+    )
     context = args.prompt_len + 16
     max_reqs = sum(sizes) + 2
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
@@ -260,7 +265,10 @@ def child(args: argparse.Namespace) -> int:
                         warmup_min_s=args.warmup_min_s,
                     )
                     summary = {n: c.summary() for n, c in cells.items()}
-                    row: Dict[str, Any] = {n: {"median_ms": s["median_ms"], "samples_ms": s["samples_ms"], "steady": s["steady"]} for n, s in summary.items()}
+                    row: Dict[str, Any] = {
+                        n: {"median_ms": s["median_ms"], "samples_ms": s["samples_ms"], "steady": s["steady"]}
+                        for n, s in summary.items()
+                    }
                     row["ratio_tc_hand"] = ratio_stats(summary[TC], summary["hand_graph"])
                     cells_by_bs[str(bs)] = row
         finally:
@@ -268,7 +276,9 @@ def child(args: argparse.Namespace) -> int:
         out["phases"][phase] = cells_by_bs
         print(
             f"[{args.child}] {phase}: "
-            + ", ".join(f"bs={bs} {r['ratio_tc_hand']['median']:.3f}" for bs, r in cells_by_bs.items() if r["ratio_tc_hand"]),
+            + ", ".join(
+                f"bs={bs} {r['ratio_tc_hand']['median']:.3f}" for bs, r in cells_by_bs.items() if r["ratio_tc_hand"]
+            ),
             flush=True,
         )
 
@@ -409,7 +419,9 @@ def table(results: Dict[str, Any]) -> str:
                     f"{row['hand_graph']['median_ms']:.3f} | {'yes' if steady else 'no'} |"
                 )
     lines.append("")
-    lines.append("| variant | build s | frames ok (after others/after tc) | unique graphs | recompiles | forward cache entries | trees alive | tc compiles | direct replay |")
+    lines.append(
+        "| variant | build s | frames ok (after others/after tc) | unique graphs | recompiles | forward cache entries | trees alive | tc compiles | direct replay |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for variant, r in results.items():
         if r.get("status") != "done":
