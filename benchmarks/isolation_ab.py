@@ -190,6 +190,7 @@ def child(args: argparse.Namespace) -> int:
                     fn(batches[bs])
                 methods[bs]["reduce_overhead"] = lambda fn=fn, b=batches[bs]: fn(b)
             build_s["reduce_overhead"] = time.perf_counter() - start
+            print(f"[{args.child}] reduce_overhead built in {build_s['reduce_overhead']:.1f} s", flush=True)
             start = time.perf_counter()
             full_runner = DecodeCudaGraphRunner(
                 model,
@@ -202,6 +203,7 @@ def child(args: argparse.Namespace) -> int:
                 full_runner.forward(batches[bs])
                 methods[bs][FULL_TC] = lambda b=batches[bs], r=full_runner: r.forward(b)
             build_s[FULL_TC] = time.perf_counter() - start
+            print(f"[{args.child}] {FULL_TC} built in {build_s[FULL_TC]:.1f} s", flush=True)
             after = _inductor_config()
             out["inductor_config_changed_by_others"] = {
                 k: [config_before.get(k), v] for k, v in after.items() if config_before.get(k) != v
@@ -247,6 +249,11 @@ def child(args: argparse.Namespace) -> int:
     while not os.path.exists(go):
         time.sleep(0.05)
 
+    def save() -> None:  # after every phase: a child killed later keeps what it measured
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+
     def time_phase(phase: str, names: List[str]) -> None:
         cells_by_bs: Dict[str, Any] = {}
         gc.collect()
@@ -271,9 +278,13 @@ def child(args: argparse.Namespace) -> int:
                     }
                     row["ratio_tc_hand"] = ratio_stats(summary[TC], summary["hand_graph"])
                     cells_by_bs[str(bs)] = row
+        except Exception as exc:  # one phase failing must not lose the others
+            out["notes"].append(f"{phase}: {type(exc).__name__}: {exc}"[:300])
         finally:
             gc.unfreeze()
         out["phases"][phase] = cells_by_bs
+        out["timing_s"] = round(time.perf_counter() - t_time, 1)
+        save()
         print(
             f"[{args.child}] {phase}: "
             + ", ".join(
@@ -309,8 +320,7 @@ def child(args: argparse.Namespace) -> int:
         "direct_replay": {str(k): v is not None for k, v in (getattr(backend, "_direct", None) or {}).items()},
     }
     out["final_counters"] = _counters()
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    save()
     return 0
 
 
@@ -390,10 +400,10 @@ def run_wave(variants: List[str], args: argparse.Namespace, sync_dir: str, deadl
     for c in children:
         c.logf.close()
         entry: Dict[str, Any] = {"status": c.status, "wall_s": round(time.time() - c.started, 1)}
-        if c.status == "done" and os.path.exists(c.json):
+        if os.path.exists(c.json):  # partial when the child died while timing
             with open(c.json) as f:
                 entry.update(json.load(f))
-        else:
+        if c.status != "done":
             entry["log_tail"] = c.tail()
         results[c.variant] = entry
         print(f"{c.variant}: {c.status} ({entry['wall_s']} s)", flush=True)
@@ -408,8 +418,7 @@ def table(results: Dict[str, Any]) -> str:
     for variant, r in results.items():
         if r.get("status") != "done":
             lines.append(f"| {variant} | {r.get('status')} | | | | | |")
-            continue
-        for phase, rows in r["phases"].items():
+        for phase, rows in (r.get("phases") or {}).items():
             for bs, row in rows.items():
                 s = row.get("ratio_tc_hand")
                 ratio = f"{s['median']:.3f} [{s['lo']:.3f}-{s['hi']:.3f}]" if s else "-"
@@ -424,7 +433,7 @@ def table(results: Dict[str, Any]) -> str:
     )
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for variant, r in results.items():
-        if r.get("status") != "done":
+        if "after_tc" not in r:
             continue
         a, t = r.get("after_others", {}), r.get("after_tc", {})
 
@@ -497,6 +506,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(table(results))
+    for variant, r in results.items():
+        if r.get("log_tail"):
+            print(f"--- {variant} ({r['status']}), last lines of {variant}.log:\n{r['log_tail']}")
     print(f"wrote {path} ({doc['wall_s']} s)")
     return 0
 
