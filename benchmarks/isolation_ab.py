@@ -94,13 +94,16 @@ def _counters() -> Dict[str, Dict[str, int]]:
     return out
 
 
-def _cache_entries(model: Any) -> Dict[str, int]:
+def _cache_entries(model: Any, tc_backend: Any = None) -> Dict[str, int]:
     """Dynamo cache entries on the model's forward code objects (shared by every torch.compile
-    that traces them)."""
+    that traces them) and on tc_piecewise's compiled entry."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     out = {}
     codes = {"model.forward": type(model).forward}
+    entry = getattr(getattr(tc_backend, "_compiled", None), "_torchdynamo_orig_callable", None)
+    if entry is not None and hasattr(entry, "__code__"):
+        codes["tc_entry"] = entry
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is not None and len(layers):
         codes["layer.forward"] = type(layers[0]).forward
@@ -234,7 +237,7 @@ def child(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
         out["after_tc"] = {
             "counters": _counters(),
-            "cache_entries": _cache_entries(model),
+            "cache_entries": _cache_entries(model, runner.backend),
             "cudagraph_trees_alive": _trees_alive(),
             "recompile_limits": _recompile_limits(),
         }
