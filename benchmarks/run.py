@@ -49,6 +49,14 @@ Results go to ``OUT/benchmarks.json`` in the shared results schema
 too; rewritten after every section, so a cut-short run
 keeps what it measured) and ``OUT/benchmarks.md`` (``make_docs.render``).
 
+Isolation (``--isolate``, the default with ``--device cuda``; ``--no-isolate`` turns it off):
+each method that compiles (``full+torch_compile``, ``tc_piecewise``, ``tc_piecewise:inductor``,
+reduce-overhead) runs in a fresh process of this script, beside its own eager run and
+hand-written graph, and the rows are merged into one JSON (:mod:`isolated`: which rows come
+from where, and how a ratio to reduce-overhead is chained through the hand graph). In one
+process, what the others compiled moved tc_piecewise:inductor's ratio to the hand graph by
+up to 1.3x (``benchmarks/isolation_ab.py`` measures it).
+
 ``--device cpu`` is a smoke test of the harness only (the tiny preset, float32, no CUDA
 graphs: ``hand_graph`` then copies the inputs and runs eagerly); its numbers mean nothing.
 ``--inject-sleep-ms BACKEND=MS`` is test-only: it adds a host sleep after every call of
@@ -82,6 +90,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rounds import run_rounds  # noqa: E402
 from bench_summary import ratios_for  # noqa: E402
 from floors import decode_floor_ms, measure_rates, prefill_floor_ms  # noqa: E402
+from isolated import child_argv, dir_name, groups, merge  # noqa: E402
 from make_docs import render  # noqa: E402
 from portable import portable_argv, portable_path  # noqa: E402
 
@@ -96,7 +105,7 @@ from cuda_graph_runner.forward_context import forward_context  # noqa: E402
 from cuda_graph_runner.integers import count_arg  # noqa: E402
 from cuda_graph_runner.pool import graph_owned_cublas_workspace  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
-from cuda_graph_runner.results_schema import from_run_models  # noqa: E402
+from cuda_graph_runner.results_schema import ResultsSchemaError, from_run_models, nested_view, read  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
 from cuda_graph_runner.testing.model import (  # noqa: E402
@@ -940,6 +949,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         "re-planned before every hand_graph replay too, and reduce_overhead is not timed with it)",
     )
     parser.add_argument(
+        "--isolate",
+        dest="isolate",
+        action="store_true",
+        default=None,
+        help="time each compiling method (full+torch_compile, tc_piecewise[:COMPILER], reduce-overhead) in a "
+        "fresh process of its own, with eager and the hand-written graph timed in each, and merge the rows "
+        "into one JSON (default with --device cuda; benchmarks/isolated.py)",
+    )
+    parser.add_argument("--no-isolate", dest="isolate", action="store_false", help="every method in this one process")
+    parser.add_argument(
+        "--isolate-timeout-s",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="with --isolate: seconds one process may run before it is killed (its rows are then missing)",
+    )
+    parser.add_argument("--isolated-group", default=None, help=argparse.SUPPRESS)  # set by the isolated parent
+    parser.add_argument(
         "--plot",
         default=None,
         metavar="FILE",
@@ -1010,6 +1037,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "quick": args.quick,
         "prompt_len": args.prompt_len,
     }
+    isolate = args.isolate if args.isolate is not None else args.device == "cuda"
+    settings["isolate"] = isolate
+    if args.isolated_group:
+        settings["isolated_group"] = args.isolated_group
+    if isolate:
+        return run_isolated(args, sys.argv[1:] if argv is None else list(argv), env, settings)
     if env["inject_sleep_ms"]:
         print(f"TEST ONLY: --inject-sleep-ms {env['inject_sleep_ms']} slows these methods on purpose", flush=True)
     results = Results(args.out, env, settings)
@@ -1017,8 +1050,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_model(name, args, results, args.device)
 
     unused = set(env["inject_sleep_ms"]) - results.used_sleep
-    if unused:
+    if unused and not args.isolated_group:  # an isolated parent judges over all its processes
         results.note(f"--inject-sleep-ms named {sorted(unused)}, which no timed method matched")
+    return finish(args, results)
+
+
+def finish(args: argparse.Namespace, results: Results) -> int:
     results.data["env"]["gpu_at_end"] = gpu_state()
     results.save()
     print(render(results.data))
@@ -1027,6 +1064,49 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print(f"wrote {plot_results(results.document(), args.plot)}")
     return 0
+
+
+def run_isolated(args: argparse.Namespace, argv: List[str], env: Dict[str, Any], settings: Dict[str, Any]) -> int:
+    """``--isolate``: one fresh process of this script per group of methods
+    (:func:`isolated.groups`), each writing ``OUT/isolated/GROUP/benchmarks.json``, merged
+    (:func:`isolated.merge`) into ``OUT/benchmarks.json``. A process that fails or runs
+    past ``--isolate-timeout-s`` is a note, and its rows are missing (compare.py flags them)."""
+    timed_ro = args.device == "cuda" and not args.quick and bool(args.reduce_overhead_bs)
+    plan = groups(args.backends, reduce_overhead=timed_ro)
+    env["isolated_processes"] = plan
+    results = Results(args.out, env, settings)
+    parts = []
+    for group, backends in plan.items():
+        out_dir = os.path.join(args.out, "isolated", dir_name(group))
+        cmd = [sys.executable, os.path.abspath(__file__), *child_argv(argv, group, backends, out_dir)]
+        print(f"== {group}: a fresh process ({', '.join(backends) or 'no backend'}; eager, hand_graph)", flush=True)
+        try:
+            rc = subprocess.run(cmd, timeout=args.isolate_timeout_s, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+            results.note(f"isolated process {group} ran past --isolate-timeout-s={args.isolate_timeout_s:g}")
+        path = os.path.join(out_dir, "benchmarks.json")
+        if rc not in (0, None):
+            results.note(f"isolated process {group} exited with status {rc}")
+        try:
+            parts.append((group, backends, nested_view(read(path))))
+        except (OSError, ResultsSchemaError) as exc:
+            results.note(f"isolated process {group}: no results ({type(exc).__name__}: {exc}); its rows are missing")
+    models, notes = merge(parts)
+    results.data["models"] = models
+    results.data["notes"] += notes
+    timed = set()
+    for group, _, view in parts:
+        for label, probes in view.get("host_probe_us", {}).items():
+            results.data["host_probe_us"][f"[{group}] {label}"] = probes
+    for m in models.values():
+        for section in ("decode", "prefill"):
+            for row in m.get(section, {}).values():
+                timed.update(row)
+    unused = set(env["inject_sleep_ms"]) - timed
+    if unused:
+        results.note(f"--inject-sleep-ms named {sorted(unused)}, which no timed method matched")
+    return finish(args, results)
 
 
 if __name__ == "__main__":
