@@ -56,6 +56,7 @@ KINDS = {
     "(a completion check of runner sequences on one model; timed while other GPU tests ran)",
     "profiler-traces": "profiler-traces/replay-*.trace.json of tests/test_profiling_gpu.py (torch profiler, chrome-trace JSON)",
     "attention": "run.py output per attention backend (ATTENTION/benchmarks.json, --attention ATTENTION)",
+    "speculative": "spec_*.json of benchmarks/speculative.py (one per dtype)",
     "tp": "tpN.json of benchmarks/tp.py, one per tensor-parallel size or backend set",
     "tp2-bench": "cuda-graph-runner bench at TP=2 (JSON, printed output, GPU test log)",
     "variants": "variants.json of benchmarks/variants.py",
