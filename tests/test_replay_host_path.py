@@ -91,12 +91,16 @@ def _extend_batch(lengths: list) -> ForwardBatch:
 
 def _decode(extra: Dict[str, Any]) -> tuple:
     cfg = {"decode": {"bs": [2, 4, 8], "max_bs": 8, **extra}}
-    return DecodeCudaGraphRunner(_Model(), cfg, backend=_StoredOutputBackend("cpu"), show_progress=False), _decode_batch(5)
+    return DecodeCudaGraphRunner(
+        _Model(), cfg, backend=_StoredOutputBackend("cpu"), show_progress=False
+    ), _decode_batch(5)
 
 
 def _draft(extra: Dict[str, Any]) -> tuple:
     cfg = {"decode": {"bs": [2, 4, 8], "max_bs": 8, **extra}}
-    runner = DraftDecodeCudaGraphRunner(_Model(), cfg, num_steps=3, backend=_StoredOutputBackend("cpu"), show_progress=False)
+    runner = DraftDecodeCudaGraphRunner(
+        _Model(), cfg, num_steps=3, backend=_StoredOutputBackend("cpu"), show_progress=False
+    )
     return runner, _decode_batch(5, slots_per_req=3)
 
 
