@@ -13,14 +13,21 @@ bucket (8 of 8), off a bucket (5 of 8, padded), alternating sizes within a bucke
 padding refill path), prefill at a steady token count (also with request slots, prefill
 ``full``: the request axis copied into slot buffers, host lists padded), and a whole decode ``replay`` (prepare,
 the backend's replay of a stored output, slicing: the runner's per-step host path, profiler
-range check included). Compare two checkouts in one run by pointing ``PYTHONPATH`` at each
-checkout's ``core`` in turn, or by running this script in each (``git stash`` / another
-worktree); on CUDA the numbers include the kernel launches of the copies.
+range check included), and a whole decode ``forward`` (the decision, then the replay). On
+CUDA the numbers include the kernel launches of the copies.
+
+``--against CHECKOUT`` compares two checkouts in one run: the same cases (this script's)
+built on this checkout's package and on ``CHECKOUT/core``'s, in two worker processes timed
+block by block in alternation (process CPU time, so load on a shared machine falls on
+both alike); it prints each side's median and the median of the paired ratios B/A (B:
+this checkout). Find a host-time regression this way, e.g. against a ``git worktree add``
+of the commit of a stored result.
 
 Usage::
 
     python benchmarks/replay_prepare.py                      # CPU
     python benchmarks/replay_prepare.py --device cuda --json $OUT/replay_prepare.json
+    python benchmarks/replay_prepare.py --against ../old-checkout --repeats 11
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
+import time
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -115,9 +124,11 @@ def time_us(fn: Callable[[], Any], *, iters: int, repeats: int, sync: Callable[[
     return {"median_us": statistics.median(samples), "min_us": min(samples)}
 
 
-def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
+def build_cases(device: str) -> Dict[str, Callable[[], Any]]:
+    """The timed cases, each a no-argument call, built on the package that is imported
+    (a case whose runner this package cannot build, such as request slots on a checkout
+    without them, is left out)."""
     model = _Model(device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     decode = DecodeCudaGraphRunner(
         model, {"decode": {"bs": [1, 2, 4, 8, 16], "max_bs": 16}}, backend=RecordingBackend(device), show_progress=False
     )
@@ -134,12 +145,15 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
         show_progress=False,
     )
     replayer.capture()
-    slotted = PrefillCudaGraphRunner(
-        _PlannedModel(device),
-        {"prefill": {"bs": [64, 128], "max_bs": 128, "full_prefill_max_req": 4}},
-        backend=_RecordsMarkedOps(device, phase="prefill"),
-        show_progress=False,
-    )
+    try:
+        slotted: Any = PrefillCudaGraphRunner(
+            _PlannedModel(device),
+            {"prefill": {"bs": [64, 128], "max_bs": 128, "full_prefill_max_req": 4}},
+            backend=_RecordsMarkedOps(device, phase="prefill"),
+            show_progress=False,
+        )
+    except (TypeError, ValueError):  # a checkout without request slots (--against an older one)
+        slotted = None
     b8, b5, b7 = (_decode_batch(n, device) for n in (8, 5, 7))
     p100 = _extend_batch([40, 30, 30], device)
     alternating = iter(())
@@ -158,8 +172,20 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
         "decode bs=5/7 alternating (padded to 8)": alternate,
         "prefill 100 tokens, 3 requests (padded to 128)": lambda: prefill.replay_prepare(p100),
         "decode replay bs=5 (prepare + replay + slice)": lambda: replayer.replay(b5),
-        "prefill 100 tokens, 3 requests in 4 request slots (full)": lambda: slotted.replay_prepare(p100),
+        "decode forward bs=5 (decide + replay)": lambda: replayer.forward(b5),
     }
+    if slotted is not None:
+        cases["prefill 100 tokens, 3 requests in 4 request slots (full)"] = lambda: slotted.replay_prepare(p100)
+    return cases
+
+
+def _sync_of(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
+    sync = _sync_of(device)
+    cases = build_cases(device)
     gc.collect()
     gc.freeze()
     try:
@@ -167,6 +193,112 @@ def run(device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
             return {name: time_us(fn, iters=iters, repeats=repeats, sync=sync) for name, fn in cases.items()}
     finally:
         gc.unfreeze()
+
+
+def _worker(device: str) -> int:
+    """``--worker``: build the cases on the package that is imported, then time blocks on
+    request (stdin ``<case index> <iters>`` per line; stdout one line each, the mean
+    process CPU µs per call of that block, or ``nan`` for a case this checkout lacks)."""
+    import cuda_graph_runner
+
+    sync = _sync_of(device)
+    cases = build_cases(device)
+    gc.collect()
+    gc.freeze()
+    torch.set_grad_enabled(False)
+    for fn in cases.values():
+        for _ in range(200):
+            fn()
+    names = list(_case_names())
+    print(json.dumps({"package": os.path.dirname(cuda_graph_runner.__file__)}), flush=True)
+    for line in sys.stdin:
+        index, iters = (int(x) for x in line.split())
+        fn = cases.get(names[index])
+        if fn is None:
+            print("nan", flush=True)
+            continue
+        sync()
+        start = time.process_time()
+        for _ in range(iters):
+            fn()
+        spent = time.process_time() - start
+        sync()
+        print(spent / iters * 1e6, flush=True)
+    return 0
+
+
+def _case_names() -> List[str]:
+    return [
+        "decode bs=8 (on a bucket)",
+        "decode bs=5 (padded to 8)",
+        "decode bs=5/7 alternating (padded to 8)",
+        "prefill 100 tokens, 3 requests (padded to 128)",
+        "decode replay bs=5 (prepare + replay + slice)",
+        "decode forward bs=5 (decide + replay)",
+        "prefill 100 tokens, 3 requests in 4 request slots (full)",
+    ]
+
+
+def compare(other: str, device: str, iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
+    """``--against OTHER``: the cases on this checkout's package (B) and on ``OTHER``'s
+    (A, a checkout root whose ``core/`` holds the package), in two worker processes
+    timed in alternation (block by block, A first and B first in turn), so load on a
+    shared machine falls on both alike. Per case: each side's median µs per call and
+    the median of the paired ratios B/A.
+
+    Raises:
+        ValueError: ``OTHER`` has no ``core/cuda_graph_runner``; a worker imported its
+            package from elsewhere than the checkout it was started for.
+    """
+    import subprocess
+
+    mine = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sides = []
+    for root in (os.path.abspath(other), mine):
+        core = os.path.join(root, "core")
+        if not os.path.isdir(os.path.join(core, "cuda_graph_runner")):
+            raise ValueError(f"--against {root!r}: no core/cuda_graph_runner there (give a checkout's root)")
+        env = dict(os.environ, PYTHONPATH=core + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", "--device", device],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        package = json.loads(first)["package"] if first else ""
+        if not package.startswith(os.path.join(core, "")):
+            raise ValueError(f"the worker for {root!r} imported cuda_graph_runner from {package!r}, not from {core!r}")
+        sides.append(proc)
+
+    def block(proc: Any, index: int) -> float:
+        proc.stdin.write(f"{index} {iters}\n")
+        proc.stdin.flush()
+        return float(proc.stdout.readline())
+
+    names = _case_names()
+    samples: Dict[str, List[List[float]]] = {name: [[], []] for name in names}
+    try:
+        for r in range(repeats):
+            for index, name in enumerate(names):
+                for side in (0, 1) if r % 2 == 0 else (1, 0):
+                    samples[name][side].append(block(sides[side], index))
+    finally:
+        for proc in sides:
+            proc.stdin.close()
+            proc.wait()
+    out = {}
+    for name, (a, b) in samples.items():
+        if any(v != v for v in a + b):  # nan: a case one checkout lacks
+            continue
+        out[name] = {
+            "a_median_us": statistics.median(a),
+            "b_median_us": statistics.median(b),
+            "b_over_a": statistics.median(y / x for x, y in zip(a, b)),
+        }
+    return out
 
 
 def main(argv: "List[str] | None" = None) -> int:
@@ -177,10 +309,35 @@ def main(argv: "List[str] | None" = None) -> int:
         "--repeats", type=count_arg(1), default=7, help="timed blocks; the median is reported (default 7)"
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--against",
+        metavar="CHECKOUT",
+        default=None,
+        help="also time another checkout (its root) in alternation with this one; prints medians and B/A ratios",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
+    if args.worker:
+        return _worker(args.device)
+    if args.against is not None:
+        try:
+            compared = compare(args.against, args.device, args.iters, args.repeats)
+        except ValueError as exc:
+            print(f"--against: {exc}", file=sys.stderr)
+            return 2
+        width = max(len(n) for n in compared)
+        print(f"process CPU µs per call, A = {args.against}, B = this checkout, on {args.device}")
+        for name, r in compared.items():
+            print(
+                f"  {name.ljust(width)}  A {r['a_median_us']:7.2f}  B {r['b_median_us']:7.2f}  B/A {r['b_over_a']:.3f}"
+            )
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump({"device": args.device, "torch": torch.__version__, "compare": compared}, f, indent=2)
+        return 0
     results = run(args.device, args.iters, args.repeats)
     width = max(len(n) for n in results)
     print(f"replay_prepare host time per step on {args.device} (torch {torch.__version__})")
