@@ -46,6 +46,7 @@ graph capture that is the capture stream, so they are recorded into the graph
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import datetime
@@ -54,7 +55,7 @@ import logging
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -129,7 +130,9 @@ class TPGroup:
     cpu_group: Any = None
     name: str = dataclasses.field(default="", compare=False)
     _key_digests: Dict[ShapeKey, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    _min_buffers: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _min_buffers: Dict[int, Tuple["array.array[int]", torch.Tensor]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -168,19 +171,22 @@ class TPGroup:
         """The element-wise minimum of ``values`` (int64s) over the ranks: one host
         all-reduce (gloo, MIN, no device sync). The per-step agreements' one collective.
 
-        The values travel in a tensor kept per length and reused, so a step hands gloo
-        no new tensor.
+        The values travel in an int64 tensor kept per length and reused, whose memory
+        is a Python ``array`` the values are written into and read back from: a step
+        makes no tensor and runs no torch op but the collective.
         """
         if not self.is_parallel:
             return [int(v) for v in values]
         import torch.distributed as dist
 
-        buf = self._min_buffers.get(len(values))
-        if buf is None:
-            buf = self._min_buffers[len(values)] = torch.empty(len(values), dtype=torch.int64)
-        buf.copy_(torch.tensor(values, dtype=torch.int64))
+        held = self._min_buffers.get(len(values))
+        if held is None:
+            host = array.array("q", bytes(8 * len(values)))
+            held = self._min_buffers[len(values)] = (host, torch.frombuffer(host, dtype=torch.int64))
+        host, buf = held
+        host[:] = array.array("q", values)
         dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._cpu())
-        return buf.tolist()
+        return host.tolist()
 
     def agree_ints(self, values: Sequence[int], what: str) -> List[int]:
         """Check every rank holds the same ``values`` (one host all-reduce).
