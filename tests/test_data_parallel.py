@@ -216,6 +216,97 @@ def _failures(dp: DPGroup, out: Dict[str, Any]) -> None:
     out["then"] = _outcome(lambda: runner.forward(decode_batch(2)))
 
 
+#: The torch.distributed calls that talk to other ranks (or make a group), spied on per step.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "new_group",
+)
+#: Per step, each rank's live batch size: replays, an idle rank, a step above the largest
+#: graph (every rank eager), every rank idle.
+COUNTED_STEPS = [(3, 1), (0, 2), (6, 2), (0, 0), (2, 2)]
+
+
+class QuietDPToy(DPToy):
+    """DPToy whose forward runs no collective: what a step issues is the runner's alone."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return ToyModel.forward(self, batch)
+
+
+def _collectives(dp: DPGroup, out: Dict[str, Any]) -> None:
+    # Per step: the torch.distributed calls runner.forward made (outermost only: one
+    # collective calling another counts once), with the all-reduce's tensor and length.
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+
+    runner = _decode_runner(QuietDPToy(dp), RecordingBackend("cpu", phase="decode"))
+    runner.capture()
+    calls: List[Tuple[str, Any]] = []
+    depth = [0]
+
+    def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                calls.append((name, None if t is None else (t.data_ptr(), t.numel())))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    real = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    steps = []
+    try:
+        for name, fn in real.items():
+            setattr(dist, name, spy(name, fn))
+        for sizes in COUNTED_STEPS:
+            bs = sizes[dp.rank]
+            del calls[:]
+            runner.forward(decode_batch(bs, offset=dp.rank + 1) if bs else None)
+            steps.append(list(calls))
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    out["collectives"] = steps
+    out["collective_stats"] = runner.run_stats()["eager_fallbacks"]
+
+    class TorchCalls(TorchFunctionMode):
+        seen: List[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", repr(func)))
+            return func(*args, **(kwargs or {}))
+
+    with TorchCalls():
+        dp.agree_batch(2 + dp.rank, True, "a", variants=["a", "b"])
+    out["agreement_torch_calls"] = TorchCalls.seen
+
+
 def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
     torch.set_num_threads(1)  # ranks share the CI machine's cores
     dp = DPGroup.of(tp)
@@ -224,6 +315,7 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
         "_reference_sessions": lambda: _reference_sessions(dp, out, PROMPTS[world]),
         "_schedule": lambda: _schedule(dp, out, SCHEDULE[world]),
         "_failures": lambda: _failures(dp, out),
+        "_collectives": lambda: _collectives(dp, out),
     }
     for name, run in ((n, every[n]) for n in names):
         try:
@@ -237,7 +329,7 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    scenarios = ("_reference_sessions", "_schedule", "_failures")
+    scenarios = ("_reference_sessions", "_schedule", "_failures", "_collectives")
     return run_ranks(_rank, 2, 2, scenarios, timeout_s=150, group_timeout_s=GROUP_TIMEOUT_S)
 
 
@@ -338,6 +430,24 @@ def test_dp2_a_failure_on_one_rank_is_named_on_every_rank(two_ranks):
     kind, message = r0["capture"]
     assert kind == "TensorParallelCaptureError" and "another DP rank" in message, (kind, message)
     assert "rank 1: RuntimeError: injected capture failure" in message
+
+
+def test_dp2_a_step_issues_one_small_collective_on_a_reused_tensor(two_ranks):
+    """Whatever the step (replay, idle rank, every rank eager, every rank idle), the
+    runner's agreement is one all-reduce of a few int64s, on the same tensor every step,
+    and makes no tensor: no second collective, no group, no torch op but the collective."""
+    _done(two_ranks, "_collectives")
+    for r in two_ranks:
+        steps = r["collectives"]
+        assert len(steps) == len(COUNTED_STEPS)
+        for sizes, calls in zip(COUNTED_STEPS, steps):
+            assert [name for name, _ in calls] == ["all_reduce"], (r["rank"], sizes, calls)
+        tensors = {calls[0][1] for calls in steps}
+        assert len(tensors) == 1, (r["rank"], tensors)  # one tensor, reused
+        ((_, numel),) = tensors
+        assert numel <= 8, numel
+        assert r["agreement_torch_calls"] == ["all_reduce"], r["agreement_torch_calls"]
+    assert two_ranks[0]["collective_stats"].get("too large") == 1  # the counted steps include an eager one
 
 
 # -- one process ------------------------------------------------------------------------------
