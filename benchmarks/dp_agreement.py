@@ -22,8 +22,10 @@ bounded in time, gloo). On each rank, in one run:
   (:meth:`~cuda_graph_runner.distributed.TPGroup.agree_step`) on the same group, for
   comparison.
 
-Each number is the median over ``--repeats`` blocks of ``--iters`` calls (every rank runs
-the same counts: the calls are collectives). Usage::
+``agree``, ``floor`` and ``tp`` are the medians of ``--iters * --repeats`` calls each,
+interleaved call by call so that the three see the same load; ``host`` and ``step`` the
+medians over ``--repeats`` blocks of ``--iters`` calls (every rank runs the same counts:
+the calls are collectives). Usage::
 
     python benchmarks/dp_agreement.py                 # DP=2, preset tiny, bs 8
     python benchmarks/dp_agreement.py --json $OUT/dp_agreement.json
@@ -35,6 +37,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from typing import Any, Dict
 
 import torch
@@ -68,11 +71,17 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
         "tp": lambda: tp.agree_step(args["bs"], True, key),
         "agree": lambda: dp.agree_batch(size, True, ""),
     }
-    # Interleaved blocks (floor, tp, agree, floor, ...): a busy machine slows all three alike.
+    # Interleaved call by call (floor, tp, agree, floor, ...), each call timed: a busy
+    # host's load drifts over a block's milliseconds, so blocks of one kind each saw
+    # another load; the medians of calls side by side saw the same.
     samples: Dict[str, list] = {name: [] for name in timed}
-    for _ in range(repeats):
+    clock = time.perf_counter
+    for i in range(20 + iters * repeats):
         for name, fn in timed.items():
-            samples[name] += block_means_s(fn, iters=iters, warmup=20, sync=no_sync, repeats=1)
+            start = clock()
+            fn()
+            if i >= 20:  # warm-up calls untimed
+                samples[name].append(clock() - start)
     agree = samples["agree"]
     real_all_reduce = dist.all_reduce
     dist.all_reduce = lambda *a, **k: None  # type: ignore[assignment]  # this rank alone: no collective

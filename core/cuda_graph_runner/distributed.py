@@ -159,13 +159,7 @@ class TPGroup:
 
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` is true on every rank (one host all-reduce of an int, MIN)."""
-        if not self.is_parallel:
-            return bool(flag)
-        import torch.distributed as dist
-
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
-        return bool(t.item())
+        return bool(self.host_min([1 if flag else 0])[0])
 
     def host_min(self, values: Sequence[int]) -> List[int]:
         """The element-wise minimum of ``values`` (int64s) over the ranks: one host
@@ -201,13 +195,10 @@ class TPGroup:
         vals = [int(v) for v in values]
         if not self.is_parallel:
             return vals
-        import torch.distributed as dist
-
         # MIN of (v, -v) gives min and -max in one collective.
-        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu())
+        got = self.host_min(vals + [-v for v in vals])
         n = len(vals)
-        lo, hi = t[:n].tolist(), [-v for v in t[n:].tolist()]
+        lo, hi = got[:n], [-v for v in got[n:]]
         if lo != hi:
             raise TensorParallelMismatchError(
                 f"{self.kind} ranks disagree on {what}: rank {self.rank} has {vals}, min over ranks {lo}, max {hi}; "
