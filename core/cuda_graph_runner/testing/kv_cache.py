@@ -16,7 +16,7 @@ address is fixed for the cache's lifetime: captured graphs may bake it in.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 
@@ -163,6 +163,26 @@ class PagedKVCache:
             CacheFullError: out of slots, or a row would exceed ``max_context_len``
                 (nothing is allocated then).
         """
+        row_ids, cols, taken = self.reserve_tokens(rows, per_row)
+        if taken:
+            index = torch.tensor([row_ids, cols, taken], dtype=torch.int64).to(self.device)
+            self.write_table(index[0], index[1], index[2])
+        return taken
+
+    def reserve_tokens(self, rows: Sequence[int], per_row: int) -> Tuple[List[int], List[int], List[int]]:
+        """:meth:`append_tokens`'s host bookkeeping without its table write: the caller writes
+        the table (:meth:`write_table`) from the returned lists, so a step that uploads
+        its batch fields anyway sends the table's indices in the same host-to-device copy.
+
+        Returns:
+            ``(table rows, table columns, slot ids)``: three host lists of
+            ``per_row * len(rows)`` ints, request-major.
+
+        Raises:
+            KeyError: a row is not allocated.
+            CacheFullError: out of slots, or a row would exceed ``max_context_len``
+                (nothing is allocated then).
+        """
         owned = [self._live(r) for r in rows]
         for r, o in zip(rows, owned):
             if len(o) + per_row > self.max_context_len:
@@ -184,10 +204,13 @@ class PagedKVCache:
             o.extend(taken[i * per_row : (i + 1) * per_row])
             row_ids.extend([int(r)] * per_row)
             cols.extend(range(start, start + per_row))
-        if n:
-            index = torch.tensor([row_ids, cols, taken], dtype=torch.int64).to(self.device)
-            self.req_to_token.index_put_((index[0], index[1]), index[2])
-        return taken
+        return row_ids, cols, taken
+
+    def write_table(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """``req_to_token[rows[i], cols[i]] = slots[i]`` in one device write (the table half
+        of :meth:`reserve_tokens`); ``rows``, ``cols``, ``slots``: ``[n]`` int64 on the
+        cache's device."""
+        self.req_to_token.index_put_((rows, cols), slots)
 
     def assign_slots(self, row: int, slots: Union[torch.Tensor, Sequence[int]]) -> None:
         """Append ``slots`` to request ``row``: positions ``request_len(row) ...`` map to them.
@@ -210,9 +233,17 @@ class PagedKVCache:
             self.req_to_token[row, start:end] = torch.as_tensor(ids, dtype=torch.int64).to(self.device)
         owned.extend(ids)
 
-    def truncate_request(self, row: int, length: int) -> None:
+    def truncate_request(self, row: int, length: int, *, clear: bool = True) -> None:
         """Shrink request ``row`` to ``length`` tokens, freeing the slots past it
         (rejected draft tokens after a TARGET_VERIFY step, for example).
+
+        Args:
+            clear: zero the table entries past ``length`` (one device write per call).
+                ``False`` leaves them holding the freed slot ids, which nothing reads:
+                attention reads a row up to its ``seq_lens`` (masking the rest), the row's
+                next :meth:`append_tokens` overwrites those it reaches and
+                :meth:`free_request` zeroes the row. A speculative loop that truncates
+                every request every round skips those writes.
 
         Raises:
             KeyError: ``row`` is not allocated.
@@ -223,7 +254,8 @@ class PagedKVCache:
             raise ValueError(f"truncate_request(row={row}, length={length}): request holds {len(owned)} tokens")
         dropped = owned[length:]
         del owned[length:]
-        self.req_to_token[row, length : length + len(dropped)] = 0
+        if clear and dropped:
+            self.req_to_token[row, length : length + len(dropped)] = 0
         self._free_slots.extend(reversed(dropped))
 
     def free_slots(self, slots: Union[torch.Tensor, Sequence[int]]) -> None:

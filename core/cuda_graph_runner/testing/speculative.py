@@ -26,6 +26,7 @@ acceptance as in sglang's and vLLM's speculative workers.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
@@ -59,10 +60,11 @@ def step_batch(
     slots_per_req: Optional[int] = None,
     mode: Optional[ForwardMode] = None,
 ) -> ForwardBatch:
-    """A fixed-width batch of one speculative step, built with one host-to-device copy of
-    its index fields and one write of the cache's table (:meth:`PagedKVCache.append_tokens`),
-    no device read: ``w = len(tokens[0])`` tokens per request at the positions after each
-    request's cached ones, ``slots_per_req`` (default ``w``) new KV slots per request.
+    """A fixed-width batch of one speculative step, built with one host-to-device copy
+    (its index fields and the cache table's new entries together) and one write of the
+    cache's table, no device read: ``w = len(tokens[0])`` tokens per request at the
+    positions after each request's cached ones, ``slots_per_req`` (default ``w``) new KV
+    slots per request.
 
     Args:
         tokens: ``[bs][w]`` token ids (the same ``w`` for all).
@@ -77,6 +79,30 @@ def step_batch(
         ValueError: widths differ or are zero, or as many token lists as rows.
         CacheFullError: out of slots or context.
     """
+    return _upload_step(cache, rows, tokens, slots_per_req=slots_per_req, mode=mode)[0]
+
+
+def _pack_int32(values: List[int]) -> List[int]:
+    """``values`` (each ``0 <= v < 2**31``) two to an int64, so an int64 upload carries an
+    int32 field that a byte view reads back (no cast kernel on the device)."""
+    padded = values + [0] * (len(values) % 2)
+    if sys.byteorder == "little":
+        return [lo | (hi << 32) for lo, hi in zip(padded[0::2], padded[1::2])]
+    return [hi | (lo << 32) for lo, hi in zip(padded[0::2], padded[1::2])]
+
+
+def _upload_step(
+    cache: PagedKVCache,
+    rows: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    *,
+    slots_per_req: Optional[int] = None,
+    mode: Optional[ForwardMode] = None,
+    scratch: int = 0,
+) -> "tuple[ForwardBatch, torch.Tensor]":
+    """:func:`step_batch`, and the uploaded int64 tensor: ``[input_ids (bs * w) | scratch
+    zeros | ...]``, so a caller's ``scratch`` outputs (the verify's greedy tokens) land
+    right after ``input_ids`` and one read of ``packed[: bs * w + scratch]`` returns both."""
     if len(tokens) != len(rows):
         raise ValueError(f"step_batch: {len(rows)} rows but {len(tokens)} token lists")
     widths = {len(t) for t in tokens}
@@ -85,23 +111,30 @@ def step_batch(
     w = widths.pop()
     per_req = w if slots_per_req is None else slots_per_req
     before = [cache.request_len(r) for r in rows]
-    slots = cache.append_tokens(rows, per_req)
+    table_rows, table_cols, slots = cache.reserve_tokens(rows, per_req)
     bs = len(rows)
     after = [b + w for b in before]
     flat_tokens = [int(t) for toks in tokens for t in toks]
     positions = [b + j for b in before for j in range(w)]
-    packed = torch.tensor(flat_tokens + positions + slots + list(rows) + after, dtype=torch.int64).to(cache.device)
-    fields = torch.split(packed, [bs * w, bs * w, bs * per_req, bs, bs])
-    return ForwardBatch(
+    host = flat_tokens + [0] * scratch + positions + slots + table_rows + table_cols + list(rows) + _pack_int32(after)
+    packed = torch.tensor(host, dtype=torch.int64).to(cache.device)
+    n_ids, n_loc = bs * w + scratch, bs * per_req
+    ids, positions_t, loc, t_rows, t_cols, req, lens = torch.split(
+        packed, [n_ids, bs * w, n_loc, n_loc, n_loc, bs, (bs + 1) // 2]
+    )
+    if n_loc:
+        cache.write_table(t_rows, t_cols, loc)
+    batch = ForwardBatch(
         forward_mode=mode if mode is not None else (ForwardMode.DECODE if w == 1 else ForwardMode.TARGET_VERIFY),
-        input_ids=fields[0],
-        positions=fields[1],
-        out_cache_loc=fields[2],
-        req_pool_indices=fields[3],
-        seq_lens=fields[4].to(torch.int32),
+        input_ids=ids[: bs * w],
+        positions=positions_t,
+        out_cache_loc=loc,
+        req_pool_indices=req,
+        seq_lens=lens.view(torch.int32)[:bs],
         seq_lens_cpu=after,
         num_tokens_per_req=w,
     )
+    return batch, packed
 
 
 def make_draft_batch(cache: PagedKVCache, rows: Sequence[int], last_tokens: Sequence[int], k: int) -> ForwardBatch:
@@ -228,8 +261,9 @@ class ModelDraft:
                 tokens = draft_steps(self.model, batch, k)
             else:
                 tokens = self.draft_fn(batch)
-            # An owned copy: a runner's output is graph memory the verify replay may reuse.
-            proposed = tokens[: len(live)].clone()
+            # Not copied here: the loop copies it into its verify batch before the verify
+            # replay can reuse a runner's graph memory (see Draft.propose).
+            proposed = tokens[: len(live)]
         self.forwards += k
         return proposed
 
@@ -239,7 +273,9 @@ class ModelDraft:
             k = len(proposed)
             # The k steps wrote the last token and d1 .. d(k-1); keep the accepted ones.
             length = self.cache.request_len(row)
-            self.cache.truncate_request(row, length - k + min(a, k - 1) + 1)
+            # Dropped entries (at most k - 1) are not cleared: the next round's k-slot
+            # draft batch overwrites them.
+            self.cache.truncate_request(row, length - k + min(a, k - 1) + 1, clear=False)
             if a == k:
                 self._lag[i] = proposed[k - 1]
 
@@ -344,44 +380,48 @@ def speculative_generate(
         else:
             _finish(cache, draft, rows, i)
     while live:
-        n = len(live)
+        n, w = len(live), k + 1
         proposed = draft.propose(live, [outputs[i] for i in live], k)
+        on_device = isinstance(proposed, torch.Tensor)
         with torch.no_grad():
-            if isinstance(proposed, torch.Tensor):
-                # Drafts on the device go into the verify batch unread; one read after it.
-                batch = step_batch(cache, [rows[i] for i in live], [[outputs[i][-1]] + [0] * k for i in live])
-                drafts = proposed[:n].to(device=batch.input_ids.device, dtype=torch.int64)
-                batch = batch.replace(
-                    input_ids=torch.cat([batch.input_ids.view(n, k + 1)[:, :1], drafts], dim=1).reshape(-1)
-                )
-                logits = verify(batch)[: n * (k + 1)]
-                # The drafts read back from the verify batch (the loop's own copy): the draft's
-                # tensor may be graph memory that the verify replay reused.
-                sent = batch.input_ids.view(n, k + 1)[:, 1:]
-                both = torch.cat([sent, logits.argmax(dim=-1).view(n, k + 1)], dim=1).tolist()
-                proposals, target = [r[:k] for r in both], [r[k:] for r in both]
+            # One upload (the verify batch, the table's new entries, room for the target's
+            # tokens right after input_ids), one write of the table, the verify, the argmax
+            # into that room and one read of [input_ids | target tokens]: the round's only
+            # device read. Drafts on the device go into input_ids unread.
+            rows_live = [rows[i] for i in live]
+            if on_device:
+                firsts = [[outputs[i][-1]] + [0] * k for i in live]
             else:
-                proposals = [list(p) for p in proposed]
-                batch = step_batch(
-                    cache, [rows[i] for i in live], [[outputs[i][-1]] + p for i, p in zip(live, proposals)]
-                )
-                logits = verify(batch)[: n * (k + 1)]
-                target = logits.argmax(dim=-1).view(n, k + 1).tolist()
+                firsts = [[outputs[i][-1]] + [int(t) for t in p] for i, p in zip(live, proposed)]
+            batch, packed = _upload_step(cache, rows_live, firsts, scratch=n * w)
+            if on_device:
+                # A copy, read back below: the draft's tensor may be graph memory that
+                # the verify replay reuses.
+                batch.input_ids.view(n, w)[:, 1:].copy_(proposed[:n])
+            logits = verify(batch)[: n * w]
+            torch.argmax(logits, dim=-1, out=packed[n * w : 2 * n * w])
+            read = packed[: 2 * n * w].tolist()
         stats.rounds += 1
-        stats.request_rounds += len(live)
+        stats.request_rounds += n
         accepted = []
-        for i, p, t in zip(live, proposals, target):
+        proposals = []
+        for j, i in enumerate(live):
+            p = read[j * w + 1 : (j + 1) * w]
+            t = read[(n + j) * w : (n + j + 1) * w]
             a = 0
             while a < k and p[a] == t[a]:
                 a += 1
             accepted.append(a)
-            stats.proposed += k
-            stats.accepted += a
+            proposals.append(p)
             new = (p[:a] + [t[a]])[: budgets[i] - len(outputs[i])]
             outputs[i].extend(new)
             stats.generated += len(new)
-            # The verify wrote [last, d1 .. dk]: keep last and the accepted drafts.
-            cache.truncate_request(rows[i], cache.request_len(rows[i]) - k + a)
+            # The verify wrote [last, d1 .. dk]: keep last and the accepted drafts. The
+            # table past the new length is not cleared: the next round's append overwrites
+            # it (k + 1 > k - a entries) and _finish frees the row.
+            cache.truncate_request(rows[i], cache.request_len(rows[i]) - k + a, clear=False)
+        stats.proposed += k * n
+        stats.accepted += sum(accepted)
         draft.commit(live, proposals, accepted)
         still = []
         for i in live:
