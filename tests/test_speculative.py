@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
@@ -311,3 +312,86 @@ def test_device_drafts_are_judged_as_verified_when_the_verify_reuses_their_memor
     assert got == expected
     assert stats.rounds == max(-(-(b - 1) // (k + 1)) for b in BUDGETS)  # every known draft accepted
     _assert_cache_empty(target)
+
+
+class _RoundSpy(TorchDispatchMode):
+    """Records, between the verify forwards of a loop, the device ops the loop itself runs
+    (runner forwards excluded) and its device-to-host reads (``tolist``/``item``/...)."""
+
+    READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.rounds = [[]]  # rounds[i]: events after verify i (0: before the first)
+        self.paused = False
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+
+            def spy(t, *args, _name=name, _original=original, **kwargs):
+                if not self.paused:
+                    self.rounds[-1].append(f"read:{_name}")
+                return _original(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.rounds[-1].append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+    def runner(self, fn, *, verify=False):
+        def run(batch):
+            self.paused = True
+            try:
+                return fn(batch)
+            finally:
+                self.paused = False
+                if verify:
+                    self.rounds.append([])
+
+        return run
+
+
+def _spied_rounds(target, prompts, budget, draft, k, monkeypatch):
+    spy = _RoundSpy(monkeypatch)
+    verify = spy.runner(eager_logits_fn(target), verify=True)
+    with spy:
+        speculative_generate(target, prompts, budget, draft(spy), k, verify_fn=verify)
+    monkeypatch.undo()
+    return spy.rounds[1:-1]  # full rounds: from one verify's end to the next verify
+
+
+@pytest.mark.parametrize("draft_name", ["oracle", "layer-skip"])
+def test_a_round_reads_the_device_once_and_runs_no_per_request_device_op(target, case, draft_name, monkeypatch):
+    prompts, _ = case
+    k, budget = 3, 13
+    seen = {}
+    for n in (1, 4):
+        if draft_name == "oracle":
+            # Every proposal right: all requests live until the last round.
+            expected = greedy_generate(target, target.kv_cache, prompts[:n], budget)
+
+            def draft(spy, expected=expected):
+                return OracleDraft(expected)
+        else:
+            draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+
+            def draft(spy, draft_model=draft_model):
+                return ModelDraft(
+                    draft_model,
+                    draft_fn=spy.runner(lambda b: draft_steps(draft_model, b, k)),
+                    extend_fn=spy.runner(eager_logits_fn(draft_model)),
+                )
+
+        rounds = _spied_rounds(target, prompts[:n], budget, draft, k, monkeypatch)
+        assert len(rounds) >= 2
+        for events in rounds:
+            # One device read a round (the verify's tokens and the drafts it saw), after the
+            # verify and before anything else reads: no .item()/.tolist() per request or token.
+            assert [e for e in events if e.startswith("read:")] == ["read:tolist"], events
+        seen[n] = rounds
+        _assert_cache_empty(target)
+    if draft_name == "oracle":
+        # Every request is live in every round: a per-request device op (a table clear, a
+        # per-request copy) would make a round of 4 requests run more ops than one of 1.
+        assert {len(r) for r in seen[1]} == {len(r) for r in seen[4]} and len({len(r) for r in seen[1]}) == 1
