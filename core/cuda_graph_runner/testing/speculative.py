@@ -394,7 +394,7 @@ def speculative_generate(
             else:
                 firsts = [[outputs[i][-1]] + [int(t) for t in p] for i, p in zip(live, proposed)]
             batch, packed = _upload_step(cache, rows_live, firsts, scratch=n * w)
-            if on_device:
+            if isinstance(proposed, torch.Tensor):
                 # A copy, read back below: the draft's tensor may be graph memory that
                 # the verify replay reuses.
                 batch.input_ids.view(n, w)[:, 1:].copy_(proposed[:n])
