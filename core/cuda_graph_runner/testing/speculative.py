@@ -117,7 +117,10 @@ def _upload_step(
     flat_tokens = [int(t) for toks in tokens for t in toks]
     positions = [b + j for b in before for j in range(w)]
     host = flat_tokens + [0] * scratch + positions + slots + table_rows + table_cols + list(rows) + _pack_int32(after)
-    packed = torch.tensor(host, dtype=torch.int64).to(cache.device)
+    # Pinned host memory on CUDA: the copy is asynchronous and skips the driver's staging
+    # of pageable memory (the caching host allocator keeps the block until it finished).
+    pin = cache.device.type == "cuda"
+    packed = torch.tensor(host, dtype=torch.int64, pin_memory=pin).to(cache.device, non_blocking=pin)
     n_ids, n_loc = bs * w + scratch, bs * per_req
     ids, positions_t, loc, t_rows, t_cols, req, lens = torch.split(
         packed, [n_ids, bs * w, n_loc, n_loc, n_loc, bs, (bs + 1) // 2]
