@@ -16,7 +16,13 @@ import torch
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.testing.batches import (
+    GreedySession,
+    eager_logits_fn,
+    greedy_generate,
+    make_dummy_prompts,
+    make_extend_batch,
+)
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
 from cuda_graph_runner.testing.speculative import (
     ModelDraft,
@@ -155,3 +161,42 @@ def test_draft_graph_equals_eager_steps(target, phase):
     assert torch.equal(got, expected) and runner.stats.replays_by_size == {5: 1}
     for r in prefill.req_pool_indices.tolist():
         cache.free_request(r)
+
+
+def test_a_round_synchronizes_the_host_with_the_device_once(target):
+    # torch's sync debug mode warns at every host-device synchronization (a read, a
+    # pageable copy): with the runners' forwards left out, two runs whose round counts
+    # differ must differ by exactly that many synchronizations (prefill's are the same).
+    import warnings
+
+    prompts = make_dummy_prompts(4, staggered_lengths(4), target.config.vocab_size, seed=5)
+    eager = eager_logits_fn(target)
+
+    def unwatched(fn):
+        def run(batch):
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return fn(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode(1)
+
+        return run
+
+    counts = []
+    for budget in (9, 41):
+        plain = greedy_generate(target, target.kv_cache, prompts, budget)
+        stats = SpeculativeStats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                got = speculative_generate(
+                    target, prompts, budget, OracleDraft(plain), 3, verify_fn=unwatched(eager), stats=stats
+                )
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        assert len(got) == len(prompts)
+        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        counts.append((stats.rounds, len(syncs)))
+    (rounds_a, syncs_a), (rounds_b, syncs_b) = counts
+    assert rounds_b > rounds_a and syncs_b - syncs_a == rounds_b - rounds_a, counts
