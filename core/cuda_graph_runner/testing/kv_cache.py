@@ -86,6 +86,7 @@ class PagedKVCache:
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
         self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=self.device)
+        self._flat_table = self.req_to_token.view(-1)  # the same memory, for write_table
 
         # Host-side free lists, popped from the end so allocation hands out ascending ids.
         self._free_slots: List[int] = list(range(num_slots - 1, 0, -1))
@@ -163,20 +164,20 @@ class PagedKVCache:
             CacheFullError: out of slots, or a row would exceed ``max_context_len``
                 (nothing is allocated then).
         """
-        row_ids, cols, taken = self.reserve_tokens(rows, per_row)
+        index, taken = self.reserve_tokens(rows, per_row)
         if taken:
-            index = torch.tensor([row_ids, cols, taken], dtype=torch.int64).to(self.device)
-            self.write_table(index[0], index[1], index[2])
+            packed = torch.tensor([index, taken], dtype=torch.int64).to(self.device)
+            self.write_table(packed[0], packed[1])
         return taken
 
-    def reserve_tokens(self, rows: Sequence[int], per_row: int) -> Tuple[List[int], List[int], List[int]]:
+    def reserve_tokens(self, rows: Sequence[int], per_row: int) -> Tuple[List[int], List[int]]:
         """:meth:`append_tokens`'s host bookkeeping without its table write: the caller writes
         the table (:meth:`write_table`) from the returned lists, so a step that uploads
         its batch fields anyway sends the table's indices in the same host-to-device copy.
 
         Returns:
-            ``(table rows, table columns, slot ids)``: three host lists of
-            ``per_row * len(rows)`` ints, request-major.
+            ``(table index, slot ids)``: two host lists of ``per_row * len(rows)`` ints,
+            request-major; the index is flat, ``row * max_context_len + position``.
 
         Raises:
             KeyError: a row is not allocated.
@@ -197,20 +198,18 @@ class PagedKVCache:
             )
         taken = self._free_slots[len(self._free_slots) - n :][::-1]
         del self._free_slots[len(self._free_slots) - n :]
-        row_ids: List[int] = []
-        cols: List[int] = []
+        index: List[int] = []
         for i, (r, o) in enumerate(zip(rows, owned)):
-            start = len(o)
+            start = int(r) * self.max_context_len + len(o)
             o.extend(taken[i * per_row : (i + 1) * per_row])
-            row_ids.extend([int(r)] * per_row)
-            cols.extend(range(start, start + per_row))
-        return row_ids, cols, taken
+            index.extend(range(start, start + per_row))
+        return index, taken
 
-    def write_table(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
-        """``req_to_token[rows[i], cols[i]] = slots[i]`` in one device write (the table half
-        of :meth:`reserve_tokens`); ``rows``, ``cols``, ``slots``: ``[n]`` int64 on the
-        cache's device."""
-        self.req_to_token.index_put_((rows, cols), slots)
+    def write_table(self, index: torch.Tensor, slots: torch.Tensor) -> None:
+        """``req_to_token.view(-1)[index[i]] = slots[i]`` in one device write (the table half
+        of :meth:`reserve_tokens`; ``index_copy_`` costs the host less than a 2-D
+        ``index_put_``); ``index``, ``slots``: ``[n]`` int64 on the cache's device."""
+        self._flat_table.index_copy_(0, index, slots)
 
     def assign_slots(self, row: int, slots: Union[torch.Tensor, Sequence[int]]) -> None:
         """Append ``slots`` to request ``row``: positions ``request_len(row) ...`` map to them.

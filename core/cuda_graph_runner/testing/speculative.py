@@ -111,22 +111,20 @@ def _upload_step(
     w = widths.pop()
     per_req = w if slots_per_req is None else slots_per_req
     before = [cache.request_len(r) for r in rows]
-    table_rows, table_cols, slots = cache.reserve_tokens(rows, per_req)
+    table_index, slots = cache.reserve_tokens(rows, per_req)
     bs = len(rows)
     after = [b + w for b in before]
     flat_tokens = [int(t) for toks in tokens for t in toks]
     positions = [b + j for b in before for j in range(w)]
-    host = flat_tokens + [0] * scratch + positions + slots + table_rows + table_cols + list(rows) + _pack_int32(after)
+    host = flat_tokens + [0] * scratch + positions + slots + table_index + list(rows) + _pack_int32(after)
     # Pinned host memory on CUDA: the copy is asynchronous and skips the driver's staging
     # of pageable memory (the caching host allocator keeps the block until it finished).
     pin = cache.device.type == "cuda"
     packed = torch.tensor(host, dtype=torch.int64, pin_memory=pin).to(cache.device, non_blocking=pin)
     n_ids, n_loc = bs * w + scratch, bs * per_req
-    ids, positions_t, loc, t_rows, t_cols, req, lens = torch.split(
-        packed, [n_ids, bs * w, n_loc, n_loc, n_loc, bs, (bs + 1) // 2]
-    )
+    ids, positions_t, loc, index, req, lens = torch.split(packed, [n_ids, bs * w, n_loc, n_loc, bs, (bs + 1) // 2])
     if n_loc:
-        cache.write_table(t_rows, t_cols, loc)
+        cache.write_table(index, loc)
     batch = ForwardBatch(
         forward_mode=mode if mode is not None else (ForwardMode.DECODE if w == 1 else ForwardMode.TARGET_VERIFY),
         input_ids=ids[: bs * w],
