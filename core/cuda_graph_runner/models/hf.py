@@ -45,7 +45,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch, ForwardMode, last_token_rows
 from ..testing.kv_cache import PagedKVCache
-from ..testing.model.attention_backend import AttentionBackend, make_attention_backend
+from ..testing.model.attention_backend import AttentionBackend, attached_kv_cache, make_attention_backend
 from ..testing.model.config import PRESETS, ModelConfig
 
 #: The attention implementation name the adapter registers with transformers.
@@ -368,7 +368,7 @@ class HFCausalLM(nn.Module):
     Attributes:
         hf_model: the wrapped model (in eval mode).
         config: its transformers config (``vocab_size``, ``num_hidden_layers``, ...).
-        kv_cache: the attached :class:`PagedKVCache`, or None.
+        kv_cache: the attached :class:`PagedKVCache`, or None (assigning it tells the attention backend).
         attn_backend: the attention backend every layer calls.
         init_forward_metadata, init_forward_metadata_capture, init_forward_metadata_replay,
         cleanup_cuda_graph_state: the backend's hooks; None when it plans nothing.
@@ -381,6 +381,7 @@ class HFCausalLM(nn.Module):
 
     hf_model: Any  # a transformers PreTrainedModel (a submodule)
     config: Any  # its transformers PretrainedConfig
+    kv_cache = attached_kv_cache()  # an assignment tells attn_backend (its hooks plan over this table)
     init_forward_metadata: Optional[Callable[[ForwardBatch], None]]
     init_forward_metadata_capture: Optional[Callable[[ForwardBatch], None]]
     init_forward_metadata_replay: Optional[Callable[[ForwardBatch], None]]
@@ -396,7 +397,7 @@ class HFCausalLM(nn.Module):
         self.hf_model = hf_model.eval()
         self.config = config
         self.attn_backend = backend
-        self.kv_cache: Optional[PagedKVCache] = None
+        self.kv_cache = None
         hooks = {
             "init_forward_metadata": "init_forward_metadata",
             "init_forward_metadata_capture": "init_forward_metadata_capture_cuda_graph",

@@ -57,6 +57,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional
 import torch
 
 from ...forward_batch import ForwardBatch, ForwardMode
+from ..kv_cache import PagedKVCache
 from .attention import AttentionCall, _decode_attention, _extend_attention, reference_llama_attention
 
 #: The attention a model gets when none is named, on every device (CUDA included).
@@ -116,6 +117,15 @@ class AttentionBackend(abc.ABC):
         ``cleanup()`` and before a recapture."""
         return None  # nothing to plan (torch)
 
+    def attach_kv_cache(self, cache: Optional[PagedKVCache]) -> None:
+        """The model's KV cache is now ``cache`` (a
+        :class:`~cuda_graph_runner.testing.kv_cache.PagedKVCache`, or None: detached);
+        called by the model at every assignment of its ``kv_cache``
+        (:func:`attached_kv_cache`), so a backend whose hooks index ``req_to_token`` before
+        the next forward's layers run plans over the new table, never the previous
+        cache's. Default: nothing (the layers pass the table to every forward)."""
+        return None
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` of a padded request in a decode graph (sglang's fill value; >= 1
         so a padded row attends to one key instead of none)."""
@@ -169,6 +179,26 @@ class TorchAttention(AttentionBackend):
         last_layer: bool,
     ) -> None:
         reference_llama_attention(output, q, k_cache, v_cache, req_to_token, scaling, sliding_window, last_layer)
+
+
+def attached_kv_cache() -> Any:
+    """A model's ``kv_cache`` property that tells the model's ``attn_backend`` of every
+    assignment (:meth:`AttentionBackend.attach_kv_cache`): ``create_kv_cache``,
+    ``attach_kv_cache`` and a plain ``model.kv_cache = cache`` alike; ``del`` detaches
+    (it reads None after). The value lives in ``_kv_cache``; the owner sets
+    ``attn_backend`` before its first assignment. A property, which Dynamo inlines."""
+
+    def get(model: Any) -> Optional[PagedKVCache]:
+        return model._kv_cache
+
+    def set_(model: Any, cache: Optional[PagedKVCache]) -> None:
+        object.__setattr__(model, "_kv_cache", cache)
+        model.attn_backend.attach_kv_cache(cache)
+
+    def delete(model: Any) -> None:
+        set_(model, None)
+
+    return property(get, set_, delete, "the attached KV cache, or None")
 
 
 def graph_key(batch: ForwardBatch) -> tuple:

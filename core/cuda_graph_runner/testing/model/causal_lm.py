@@ -11,7 +11,7 @@ from ...forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch, last
 from ...runner.static_inputs import StaticInput
 from ..kv_cache import PagedKVCache
 from ..tensor_parallel import TPLayout, parallel_lm_logits, shard_fused_param
-from .attention_backend import AttentionBackend, make_attention_backend
+from .attention_backend import AttentionBackend, attached_kv_cache, make_attention_backend
 from .config import PRESETS, ModelConfig
 from .layers import _Backbone, _Linear
 from .loading import HFCheckpointMixin
@@ -56,7 +56,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
 
     Attributes:
         config: the :class:`ModelConfig`.
-        kv_cache: the attached :class:`PagedKVCache`, or ``None``.
+        kv_cache: the attached :class:`PagedKVCache`, or ``None`` (assigning it tells the attention backend).
         num_lora_adapters: adapters added by :meth:`add_lora_adapters` (0: none).
         attn_backend: the :class:`~.attention_backend.AttentionBackend` every layer calls.
         init_forward_metadata, init_forward_metadata_capture, init_forward_metadata_replay,
@@ -76,6 +76,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
 
     inv_freq: torch.Tensor  # a buffer (register_buffer in __init__)
     attn_backend: AttentionBackend
+    kv_cache = attached_kv_cache()  # an assignment tells attn_backend (its hooks plan over this table)
     init_forward_metadata: Optional[Callable[[ForwardBatch], None]]
     init_forward_metadata_capture: Optional[Callable[[ForwardBatch], None]]
     init_forward_metadata_replay: Optional[Callable[[ForwardBatch], None]]
@@ -116,7 +117,7 @@ class ReferenceLlamaForCausalLM(HFCheckpointMixin, nn.Module):
             else _Linear(config.hidden_size, self.tp_layout.local_vocab, False, dtype, device)
         )
         self.register_buffer("inv_freq", compute_inv_freq(config).to(device), persistent=False)
-        self.kv_cache: Optional[PagedKVCache] = None
+        self.kv_cache = None
         self.num_lora_adapters = 0
         self.lora_rank = 0
 

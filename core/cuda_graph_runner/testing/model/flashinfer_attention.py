@@ -23,11 +23,15 @@ request ``i``'s pages are ``req_to_token[req_pool_indices[i], :kv_len_i]``, its
 * TARGET_VERIFY / DLLM_EXTEND (several query tokens per request) are refused with a
   clear error: this backend does not plan them.
 
-Geometry (heads, head_dim, dtype, ``req_to_token``) reaches the backend with the first
-layer's call, so a hook that runs before any forward records its host lengths and the
-first layer of the next forward (an eager forward, or a capture's warm-up, which runs
-outside the graph) plans them; every later hook plans at once. A forward recorded into
-a graph with no plan raises instead of recording stale buffers.
+Geometry (heads, head_dim, dtype) reaches the backend with the first layer's call, so a
+hook that runs before any forward records its host lengths and the first layer of the
+next forward (an eager forward, or a capture's warm-up, which runs outside the graph)
+plans them; every later hook plans at once. The ``req_to_token`` table the hooks index
+is the model's current cache's: the model tells the backend of every cache it attaches
+(:meth:`FlashInferAttention.attach_kv_cache`), as a hook runs before the forward's layers
+pass the table (a table of the previous cache would be indexed with the new batch's rows
+and lengths: out of range on CUDA is a device-side assert). A forward recorded into a
+graph with no plan raises instead of recording stale buffers.
 
 FlashInfer's ``plan()`` fills a pinned host buffer and copies it to the device with an
 asynchronous copy, and re-planning the same wrapper overwrites that buffer: the backend
@@ -274,7 +278,9 @@ def write_page_ids(
     ``create_flashinfer_kv_indices_triton``).
 
     Raises:
-        ValueError: ``out`` holds fewer than ``sum(kv_lens)`` entries.
+        ValueError: ``out`` holds fewer than ``sum(kv_lens)`` entries, or a length exceeds
+            the table's width (checked on the host: on CUDA an index past the row would
+            be a device-side assert, e.g. lengths meant for another cache's table).
     """
     lens = [int(n) for n in kv_lens]
     n = len(lens)
@@ -282,6 +288,13 @@ def write_page_ids(
     total = starts[-1]
     if total > out.numel():
         raise ValueError(f"page-id buffer of {out.numel()} entries cannot hold {total} page ids")
+    width = req_to_token.shape[1]
+    if lens and max(lens) > width:
+        i = max(range(n), key=lens.__getitem__)
+        raise ValueError(
+            f"request {i} has {lens[i]} KV tokens, more than the {width} columns of the req_to_token table "
+            f"{tuple(req_to_token.shape)} (a table of another KV cache?); accepted: lengths up to {width}"
+        )
     device = out.device
     meta = _pinned_ints(lens + starts[:-1], torch.int64).to(device, non_blocking=True)
     req = torch.repeat_interleave(meta[:n], output_size=total)  # request i, lens[i] times: no sync
@@ -415,6 +428,18 @@ class FlashInferAttention(AttentionBackend):
                 self._workspace_buffer(), "NHD", use_tensor_cores=self.use_tensor_cores
             )
 
+    def attach_kv_cache(self, cache: Any) -> None:
+        """Plan every later hook over ``cache.req_to_token`` (None: forget the table until
+        the next forward's first layer): a hook runs before the forward's layers, so
+        without this it would plan over the previous cache's table, whose rows and width
+        the new batch's request rows and lengths need not fit."""
+        self.req_to_token = None if cache is None else cache.req_to_token
+
+    def _can_plan(self) -> bool:
+        """Whether a hook can plan at once: the geometry is known (a forward ran) and so
+        is the table (else the next forward's first layer plans)."""
+        return self.geometry is not None and self.req_to_token is not None
+
     # -- plans -------------------------------------------------------------------------
     def _ran(self, wrapper: Any) -> None:
         """Note an eager run of ``wrapper`` (not one recorded into a graph) on the current
@@ -533,7 +558,7 @@ class FlashInferAttention(AttentionBackend):
         else:
             ext, pre = _extend_lens(batch, allow_device=True)
             self._eager_pending = (weakref.ref(batch), (tuple(ext), tuple(pre)))
-        if self.geometry is not None:
+        if self._can_plan():
             self._plan_eager(batch)
 
     def _plan_eager(self, batch: ForwardBatch) -> None:
@@ -554,7 +579,7 @@ class FlashInferAttention(AttentionBackend):
     def init_cuda_graph_state(self, batch: ForwardBatch) -> DecodeState:
         key = graph_key(batch)
         state = DecodeState(key, key[2])
-        if self.geometry is not None:
+        if self._can_plan():
             self._build_decode(state, graph=True)
         return state
 
@@ -585,12 +610,16 @@ class FlashInferAttention(AttentionBackend):
                 f"attention {self.name!r}: replay of graph {key} has no wrapper: the capture hook never ran for "
                 "it, or cleanup dropped it (capture again after cleanup)"
             )
+        if self.req_to_token is None:
+            raise FlashInferPlanError(
+                f"attention {self.name!r}: replay of graph {key} with no KV cache attached to the model"
+            )
         self._plan_decode(state, batch, _host_lens(batch.seq_lens_cpu, "seq_lens_cpu"), "replay")
 
     def _plan_static_extend(self, batch: ForwardBatch, kind: str) -> None:
         ext, pre = _extend_lens(batch, allow_device=False)
-        if self.geometry is None:
-            self._prefill_plan = None  # the op plans at its first layer
+        if not self._can_plan():
+            self._prefill_plan = None  # the op plans at its first layer (it has both)
             return
         self._plan_prefill(batch, ext, pre, kind)
 
