@@ -6,7 +6,12 @@ index buffer; its ``run`` computes attention from the *planned* buffers only (st
 shapes, so emulated graphs replay it), so a stale or missing plan gives wrong numbers;
 its ``plan`` simulates the asynchronous copy from the pinned host buffer on a stream
 that only advances when an event is waited on (a device infinitely far behind), and
-raises when a plan overwrites a pinned buffer whose copy is still pending.
+raises when a plan overwrites a pinned buffer whose copy is still pending; its plans and
+runs check the ranges the real kernels rely on and never check themselves (indptr from 0,
+never decreasing, within the page ids; each request's query tokens within its KV: a
+plan raises :class:`OutOfRange`; page ids within the cache's slots: a run asserts on
+the device, recorded into graphs too), where CUDA gives an illegal address or a
+device-side assert.
 """
 
 from __future__ import annotations
@@ -84,6 +89,30 @@ def _host(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+class OutOfRange(AssertionError):
+    """A plan or run the real kernels would take out of range (an illegal address or a
+    device-side assert on CUDA, never an error they raise)."""
+
+
+def _check_indptr(indptr: torch.Tensor, what: str, entries: int) -> List[int]:
+    """``indptr`` as a list: starts at 0, never decreases, ends within ``entries``."""
+    v = [int(x) for x in indptr.tolist()]
+    if not v or v[0] != 0 or any(b < a for a, b in zip(v, v[1:])):
+        raise OutOfRange(f"{what} {v} must start at 0 and never decrease")
+    if v[-1] > entries:
+        raise OutOfRange(f"{what} ends at {v[-1]}, past the {entries} entries it indexes")
+    return v
+
+
+def _check_slots(indices: torch.Tensor, used: Any, num_slots: int, what: str) -> None:
+    """The first ``used`` (an int, or a 0-d device tensor) page ids of ``indices`` are KV
+    slots of the cache run over: a device-side assert (no host read, so a graph records
+    it and every replay checks again; on the CPU it raises a RuntimeError at once)."""
+    live = torch.arange(indices.numel()) < used
+    ok = (~live | ((indices >= 0) & (indices < num_slots))).all()
+    torch._assert_async(ok, f"{what}: a page id outside the KV cache's {num_slots} slots")
+
+
 CALLS: List[tuple] = []  # (wrapper kind, method, args, kwargs) of every call the backend made
 
 
@@ -132,6 +161,10 @@ class FakeDecodeWrapper(_Wrapper):
         _host(indptr, "indptr")
         _host(last_page_len, "last_page_len")
         assert page_size == 1 and q_data_type in (torch.bfloat16, torch.float16)
+        entries = self.indices.numel() if self.graph else indices.numel()
+        _check_indptr(indptr, "decode indptr", entries)
+        if len(last_page_len) != len(indptr) - 1 or not bool((last_page_len == 1).all()):
+            raise OutOfRange(f"last_page_len {last_page_len.tolist()} for {len(indptr) - 1} requests of page size 1")
         self.log.append({"kind": "decode", "graph": self.graph, "indptr": indptr.tolist(), "wrapper": self,
                          "tc": self.use_tensor_cores})  # fmt: skip
         if self.graph:
@@ -150,6 +183,9 @@ class FakeDecodeWrapper(_Wrapper):
         # Static shapes from the buffers only: emulated graphs replay these ops as recorded.
         k_cache, v_cache = kv[0][:, 0], kv[1][:, 0]
         bs, heads, d = q.shape
+        if bs != len(self.indptr) - 1:
+            raise OutOfRange(f"decode run of {bs} queries, planned for {len(self.indptr) - 1} requests")
+        _check_slots(self.indices, self.indptr[-1], k_cache.shape[0], "decode run")
         ctx = self.indices.numel() // bs if self.graph else self.ctx
         starts, lens = self.indptr[:-1].long(), (self.indptr[1:] - self.indptr[:-1]).long()
         j = torch.arange(ctx)
@@ -176,6 +212,13 @@ class FakePrefillWrapper(_Wrapper):
         _host(qo_indptr, "qo_indptr")
         _host(kv_indptr, "paged_kv_indptr")
         assert causal and page_size == 1
+        qo = _check_indptr(qo_indptr, "qo_indptr", 1 << 62)
+        kv = _check_indptr(kv_indptr, "paged_kv_indptr", indices.numel())
+        if len(qo) != len(kv) or len(last_page_len) != len(kv) - 1 or not bool((last_page_len == 1).all()):
+            raise OutOfRange(f"qo_indptr {qo}, paged_kv_indptr {kv}, last_page_len {last_page_len.tolist()}")
+        for i in range(len(qo) - 1):
+            if qo[i + 1] - qo[i] > kv[i + 1] - kv[i]:  # causal: the new tokens are the last of the KV
+                raise OutOfRange(f"request {i}: {qo[i + 1] - qo[i]} query tokens over {kv[i + 1] - kv[i]} KV tokens")
         self.log.append({"kind": "prefill", "qo": qo_indptr.tolist(), "kv": kv_indptr.tolist()})
         self.qo, self.kv, self.indices = qo_indptr.tolist(), kv_indptr.tolist(), indices.clone()
         self.scale, self.window = sm_scale, window_left
@@ -185,6 +228,9 @@ class FakePrefillWrapper(_Wrapper):
     def run(self, q, kv, out):
         k_cache, v_cache = kv[0][:, 0], kv[1][:, 0]
         heads = q.shape[1]
+        if self.qo[-1] > q.shape[0]:
+            raise OutOfRange(f"prefill run of {q.shape[0]} query tokens, planned for {self.qo[-1]}")
+        _check_slots(self.indices, self.kv[-1], k_cache.shape[0], "prefill run")
         for i in range(len(self.qo) - 1):
             q0, q1, k0, k1 = self.qo[i], self.qo[i + 1], self.kv[i], self.kv[i + 1]
             n, m = q1 - q0, k1 - k0
@@ -431,7 +477,7 @@ def test_run_py_refuses_a_missing_attention_package_before_any_work(monkeypatch,
     assert not out.exists()  # nothing was written
 
 
-def _breakable_prefill(model: Any, *, alias_args: bool) -> PrefillCudaGraphRunner:
+def _breakable_prefill(model: Any, *, alias_args: bool, sizes: tuple = (16, 32)) -> PrefillCudaGraphRunner:
     backend = BreakableCudaGraphBackend(
         "cpu", phase="prefill", device_module=EmulatedGraphDeviceModule(), memory_pool="pool-0"
     )
@@ -440,7 +486,7 @@ def _breakable_prefill(model: Any, *, alias_args: bool) -> PrefillCudaGraphRunne
         # tensor objects over the same memory (the KV cache, req_to_token).
         backend.freeze = weak_ref_tensors  # type: ignore[method-assign]
     return PrefillCudaGraphRunner(
-        model, {"prefill": {"bs": [16, 32]}}, device="cpu", backend=backend, show_progress=False
+        model, {"prefill": {"bs": list(sizes)}}, device="cpu", backend=backend, show_progress=False
     )
 
 
@@ -560,6 +606,106 @@ def test_an_extend_or_eager_decode_recorded_into_a_graph_is_refused(fake, monkey
         session.close()
 
 
+def _prefill_section_after_decode(model: Any, tokens: List[int], counts: List[int]) -> dict:
+    """What ``benchmarks/run.py`` does to ``model`` before timing prefill: eager decode
+    forwards over its decode cache (the geometry and that table are learnt), then a new
+    cache sized as ``run_prefill`` sizes it and every case's batch alive in it; returns
+    ``{(tokens, requests): batch}``."""
+    run = _run_py()
+    session, batch, expected = staggered_decode_case(model, 2, seed=11)
+    torch.testing.assert_close(eager_logits_fn(model)(batch), expected, **TOL)
+    session.close()
+    cases = [(t, r) for r in counts for t in tokens]
+    lengths = {case: run.prefill_lengths(*case) for case in cases}
+    model.create_kv_cache(
+        num_slots=sum(tokens) * len(counts) + 1,
+        max_reqs=sum(len(x) for x in lengths.values()) + 1,
+        max_context_len=max(max(x) for x in lengths.values()) + 1,
+    )
+    return {
+        case: make_extend_batch(model.kv_cache, make_dummy_prompts(len(n), n, model.config.vocab_size, seed=case[0]))
+        for case, n in lengths.items()
+    }
+
+
+def _run_py() -> Any:
+    import importlib
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("run")
+
+
+def test_hooks_after_a_new_kv_cache_plan_over_its_table(fake):
+    """A hook runs before the forward's layers pass the table: it must index the model's
+    current cache, not the one of the last forward (narrower here: out of range)."""
+    model = fi_model()
+    backend = model.attn_backend
+    assert isinstance(backend, fia.FlashInferAttention)
+    with torch.no_grad():
+        batches = _prefill_section_after_decode(model, [CONTEXT + 16], [1, 2])
+        twin = torch_twin(model)
+        for case, batch in batches.items():
+            start = len(backend.plan_log)
+            torch.testing.assert_close(
+                eager_logits_fn(model)(batch), eager_logits_fn(twin)(batch), **TOL, msg=str(case)
+            )
+            assert [k for k, _, _ in list(backend.plan_log)[start:]] == ["eager"], case  # the hook's plan served
+        assert backend.req_to_token is model.kv_cache.req_to_token  # told at create_kv_cache
+        other = model.kv_cache
+        model.create_kv_cache(num_slots=4 * CONTEXT + 1, max_reqs=5, max_context_len=CONTEXT)
+        model.kv_cache = other  # a plain assignment tells the backend too
+        assert backend.req_to_token is other.req_to_token
+        del model.kv_cache
+        assert model.kv_cache is None and backend.req_to_token is None
+        model.kv_cache = other
+        torch.testing.assert_close(eager_logits_fn(model)(batch), eager_logits_fn(twin)(batch), **TOL)
+
+
+def test_run_py_prefill_section_after_its_decode_section_equals_torch(fake):
+    """``benchmarks/run.py --attention flashinfer``'s prefill section on the CPU: eager and
+    breakable prefill over tokens x requests, all batches alive in the cache made after the
+    decode section's (on an H200: the capture hook's plan of the largest size indexed the
+    decode cache's table, a device-side index assert)."""
+    model = fi_model()
+    with torch.no_grad():
+        batches = _prefill_section_after_decode(model, [16, 64], [1, 4])
+        twin = torch_twin(model)
+        wants = {case: eager_logits_fn(twin)(batch) for case, batch in batches.items()}
+        runner = _breakable_prefill(model, alias_args=False, sizes=(16, 64))
+        runner.capture()
+        for _ in range(2):  # rounds: every batch re-run, rewriting its own slots only
+            for case, batch in batches.items():
+                want = wants[case]
+                torch.testing.assert_close(eager_logits_fn(model)(batch), want, **TOL, msg=f"eager {case}")
+                torch.testing.assert_close(runner.forward(batch), want, **TOL, msg=f"breakable {case}")
+        assert sum(runner.stats.replays_by_size.values()) == 2 * len(batches)  # every forward a replay
+        runner.cleanup()
+
+
+def test_the_fake_catches_what_the_kernels_would_index_out_of_range(fake):
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    prefill = fia._flashinfer().BatchPrefillWithPagedKVCacheWrapper(None)
+    plan = dict(causal=True, sm_scale=1.0, window_left=-1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                non_blocking=True)  # fmt: skip
+    ones = i32([1, 1])
+    with pytest.raises(OutOfRange, match=r"paged_kv_indptr \[0, 3, 2\] must start at 0 and never decrease"):
+        prefill.plan(i32([0, 1, 2]), i32([0, 3, 2]), i32([1, 2, 3]), ones, 1, 1, 64, 1, **plan)
+    with pytest.raises(OutOfRange, match="paged_kv_indptr ends at 4, past the 3 entries"):
+        prefill.plan(i32([0, 1, 2]), i32([0, 2, 4]), i32([1, 2, 3]), ones, 1, 1, 64, 1, **plan)
+    with pytest.raises(OutOfRange, match="request 1: 3 query tokens over 1 KV tokens"):
+        prefill.plan(i32([0, 1, 4]), i32([0, 2, 3]), i32([1, 2, 3]), ones, 1, 1, 64, 1, **plan)
+    fake.stream.complete(fake.stream.enqueued)
+    prefill.plan(i32([0, 1, 2]), i32([0, 2, 3]), i32([1, 2, 9]), ones, 1, 1, 64, 1, **plan)  # slot 9 of 8
+    kv = torch.zeros(8, 1, 1, 64, dtype=torch.bfloat16)
+    q = torch.zeros(2, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="prefill run: a page id outside the KV cache's 8 slots"):
+        prefill.run(q, (kv, kv), out=torch.empty_like(q))
+
+
 def test_page_ids_are_each_requests_row_prefix_in_order():
     table = torch.arange(5 * 6, dtype=torch.int64).view(5, 6) + 100
     rows = torch.tensor([3, 1, 4, 0])
@@ -570,6 +716,8 @@ def test_page_ids_are_each_requests_row_prefix_in_order():
     assert out[:9].tolist() == want and out[9:].eq(-1).all()
     with pytest.raises(ValueError, match="page-id buffer of 16 entries cannot hold 18 page ids"):
         fia.write_page_ids(out, table, rows[:3], [6, 6, 6])
+    with pytest.raises(ValueError, match=r"request 1 has 7 KV tokens, more than the 6 columns of the req_to_token"):
+        fia.write_page_ids(out, table, rows[:2], [2, 7])  # never an index past the row (a device assert on CUDA)
 
 
 def test_prefill_full_is_refused_as_flashinfer_replans_decode_graphs_only(fake):
