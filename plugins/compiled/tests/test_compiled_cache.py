@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from cuda_graph_runner import envs
-from cuda_graph_runner.compile_cache import cache_counters
 from cuda_graph_runner.testing.model import ModelConfig
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_compiled import toolchain
@@ -79,22 +78,23 @@ def test_a_fresh_process_with_other_threads_compiles_from_the_inductor_cache_and
 ):
     monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
     monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
-    namespace: dict = {}
-    exec(compile(START, "<start>", "exec"), namespace)  # the same code as the fresh process
-    torch._dynamo.reset()
-    before = cache_counters()
-    cold = namespace["start"]()
-    torch._dynamo.reset()
-    cold_counts = {k: v - before[k] for k, v in cold["counters"].items()}
-    assert cold_counts["fx_miss"] >= 1 and cold_counts["dynamo_hit"] == 0, cold_counts
-
     env = dict(os.environ, **{envs.CACHE_DIR: str(tmp_path)})
+
+    def fresh_start(threads: "int | None") -> dict:
+        # Both starts in fresh processes: a test worker's global state (left by the tests
+        # before it) must not key the cold start's graphs differently from the warm one's.
+        setup = f"\ntorch.set_num_threads({threads})" if threads else ""
+        script = START + setup + "\nprint('RESULT ' + json.dumps(start()))\n"
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        results = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and results, proc.stderr[-3000:]
+        return json.loads(results[-1][len("RESULT ") :])
+
+    cold = fresh_start(None)
+    cold_counts = cold["counters"]
+    assert cold_counts["fx_miss"] >= 1 and cold_counts["dynamo_hit"] == 0, cold_counts
     threads = 1 if cold["threads"] != 1 else 2
-    script = START + f"\ntorch.set_num_threads({threads})\nprint('RESULT ' + json.dumps(start()))\n"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    results = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and results, proc.stderr[-3000:]
-    warm = json.loads(results[-1][len("RESULT ") :])
+    warm = fresh_start(threads)
 
     assert warm["threads"] == threads != cold["threads"], (warm["threads"], cold["threads"])
     counts = warm["counters"]
