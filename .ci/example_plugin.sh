@@ -90,7 +90,7 @@ from importlib import metadata
 import acme_cgr
 import cuda_graph_runner
 from cuda_graph_runner import CudaGraphConfig, registry
-from cuda_graph_runner.errors import UnknownBackendError
+from cuda_graph_runner.backend.errors import UnknownBackendError
 
 for mod in (acme_cgr, cuda_graph_runner):  # installed copies, not the repository's
     assert "site-packages" in mod.__file__, mod.__file__

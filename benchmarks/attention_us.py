@@ -29,10 +29,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, as_static_batch
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.testing.model import PRESETS
-from cuda_graph_runner.testing.model.attention_backend import attention_backend_names, make_attention_backend
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode, as_static_batch
+from cuda_graph_runner.reference.model import PRESETS
+from cuda_graph_runner.reference.model.attention_backend import attention_backend_names, make_attention_backend
 
 
 def time_attention(name: str, preset: str, context: int, replays: int) -> Dict[str, float]:

@@ -12,7 +12,7 @@ max of those per-round ratios.
 
 run.py builds its results as these per-model tables (``SCHEMA``, also the file format
 before the shared results schema) and writes them in the shared schema
-(:mod:`cuda_graph_runner.results_schema`: ``from_run_models``); readers get the tables
+(:mod:`cuda_graph_runner.cli.results_schema`: ``from_run_models``); readers get the tables
 back with ``results_schema.nested_view``::
 
     {"schema": SCHEMA, "env": {...}, "settings": {...}, "notes": [...],

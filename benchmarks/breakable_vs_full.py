@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_summary import ratio_stats  # noqa: E402
 
-from cuda_graph_runner.results_schema import nested_view, read  # noqa: E402
+from cuda_graph_runner.cli.results_schema import nested_view, read  # noqa: E402
 
 RUN = (
     "python benchmarks/run.py --out OUT --models llama-3.2-1b qwen2.5-0.5b --batch-sizes 1 32 128 "

@@ -44,8 +44,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_summary import format_ratio  # noqa: E402
 
-from cuda_graph_runner.results_schema import ResultsSchemaError, from_json, nested_view  # noqa: E402
-from cuda_graph_runner.tables import markdown_table  # noqa: E402
+from cuda_graph_runner.cli.results_schema import ResultsSchemaError, from_json, nested_view  # noqa: E402
+from cuda_graph_runner.cli.tables import markdown_table  # noqa: E402
 
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline", "h200-llama-3.2-1b.json")
 CREATE_BASELINE = (
@@ -99,9 +99,9 @@ def judge(base: Dict[str, float], new: Dict[str, float], threshold: float) -> st
 
 
 def load(path: str, role: str) -> Dict[str, Any]:
-    """Read a run's JSON (:mod:`cuda_graph_runner.results_schema`, validated; stored files
+    """Read a run's JSON (:mod:`cuda_graph_runner.cli.results_schema`, validated; stored files
     of the older run.py schema are converted) as per-model tables
-    (:func:`~cuda_graph_runner.results_schema.nested_view`); :class:`CompareError` naming
+    (:func:`~cuda_graph_runner.cli.results_schema.nested_view`); :class:`CompareError` naming
     the file when it is missing, not JSON, a placeholder, not a results document (the
     bad field named), or without ratios."""
     try:
@@ -131,7 +131,7 @@ def load(path: str, role: str) -> Dict[str, Any]:
 
 
 #: Backend labels renamed since a results file was written: old -> today's spelling, so
-#: results from before and after the rename compare (``cuda_graph_runner.bench_backends``).
+#: results from before and after the rename compare (``cuda_graph_runner.cli.bench.backends``).
 RENAMED_LABELS = {"full:inductor": "full+torch_compile"}
 
 

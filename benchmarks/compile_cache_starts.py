@@ -40,14 +40,14 @@ from typing import Any, Dict, List, Optional, Tuple
 def _start(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
-    from cuda_graph_runner.compile_cache import cache_counters
+    from cuda_graph_runner.backend.compile_cache import cache_counters
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
     from cuda_graph_runner.testing.reference_setup import reference_model
 
     wall = time.perf_counter()
     dtype = getattr(torch, args.dtype)
     model = reference_model(args.model, requests=max(args.sizes), dtype=dtype, device=args.device)
-    from cuda_graph_runner.bench_backends import TORCH_COMPILE, label_options, parse_label
+    from cuda_graph_runner.cli.bench.backends import TORCH_COMPILE, label_options, parse_label
 
     name, compiler = parse_label(args.backend)
     decode: Dict[str, Any] = {"backend": name, "bs": list(args.sizes), **label_options(compiler, None, None)}
@@ -72,7 +72,7 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     step_ms = None
     if args.replays:
         # A warm start must replay as fast as a cold one (loaded code, same guards).
-        from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
+        from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
 
         with torch.no_grad():
             session = GreedySession(model, model.kv_cache)
@@ -102,10 +102,10 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _count(minimum: int) -> Any:
-    from cuda_graph_runner.integers import parse_digits
+    from cuda_graph_runner.config.integers import parse_digits
 
     def parse(text: str) -> int:
-        value = parse_digits(text)  # ASCII digits only (cuda_graph_runner.integers)
+        value = parse_digits(text)  # ASCII digits only (cuda_graph_runner.config.integers)
         if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
         return value
@@ -121,7 +121,7 @@ def _device_problem(text: str) -> Optional[str]:
     """Why ``--device`` cannot run here (not a device, no such device), or None."""
     import torch
 
-    from cuda_graph_runner.bench_backends import device_problem
+    from cuda_graph_runner.cli.bench.backends import device_problem
 
     try:
         device = torch.device(text)
@@ -133,10 +133,10 @@ def _device_problem(text: str) -> Optional[str]:
 
 
 def main(argv: List[str] | None = None) -> int:
-    from cuda_graph_runner.backend_options import declared_reads, option_readers
+    from cuda_graph_runner.backend.options import declared_reads, option_readers
     from cuda_graph_runner.config import TC_COMPILERS
+    from cuda_graph_runner.reference.model import PRESETS
     from cuda_graph_runner.registry import get_registry
-    from cuda_graph_runner.testing.model import PRESETS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument(
@@ -159,8 +159,8 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
+        from cuda_graph_runner.backend.errors import CudaGraphRunnerError
         from cuda_graph_runner.config import CudaGraphConfigError
-        from cuda_graph_runner.errors import CudaGraphRunnerError
 
         try:
             print("RESULT " + json.dumps(_start(args)), flush=True)
@@ -168,7 +168,7 @@ def main(argv: List[str] | None = None) -> int:
             print(f"compile_cache_starts: {exc}", file=sys.stderr)
             return 2
         return 0
-    from cuda_graph_runner.bench_backends import TORCH_COMPILE, label_of, parse_label
+    from cuda_graph_runner.cli.bench.backends import TORCH_COMPILE, label_of, parse_label
 
     names = get_registry().names()
     args.backend = label_of(*parse_label(args.backend))  # today's spelling (full:inductor warns)

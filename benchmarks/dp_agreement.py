@@ -4,7 +4,7 @@
 Spawns ``--dp`` ranks on this host (:func:`cuda_graph_runner.testing.tp_launch.run_ranks`:
 bounded in time, gloo). On each rank, in one run:
 
-* ``agree µs``: one :meth:`cuda_graph_runner.data_parallel.DPGroup.agree_batch` (the
+* ``agree µs``: one :meth:`cuda_graph_runner.runner.dp_group.DPGroup.agree_batch` (the
   per-step host all-reduce of five int64s, no device sync), ragged live sizes;
 * ``step ms``: one decode step of the reference model's DP layout through
   ``runner.forward`` (agreement, padding to the largest batch, the replay of the
@@ -19,7 +19,7 @@ bounded in time, gloo). On each rank, in one run:
   ``agree_batch`` with ``torch.distributed.all_reduce`` replaced by a no-op: the values
   packed, the result read back and decided);
 * ``tp µs``: the tensor-parallel per-batch agreement
-  (:meth:`~cuda_graph_runner.distributed.TPGroup.agree_step`) on the same group, for
+  (:meth:`~cuda_graph_runner.runner.distributed.TPGroup.agree_step`) on the same group, for
   comparison.
 
 ``agree``, ``floor`` and ``tp`` are the medians of ``--iters * --repeats`` calls each,
@@ -47,11 +47,11 @@ TARGET_US = 100
 
 
 def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
-    from cuda_graph_runner.bench_measure import block_means_s
-    from cuda_graph_runner.data_parallel import DPGroup
+    from cuda_graph_runner.cli.bench.measure import block_means_s
+    from cuda_graph_runner.runner.dp_group import DPGroup
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import make_decode_batch
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.batches import make_decode_batch
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
     from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
     from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
@@ -118,7 +118,7 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def main() -> int:
-    from cuda_graph_runner.integers import count_arg
+    from cuda_graph_runner.config.integers import count_arg
     from cuda_graph_runner.testing.tp_launch import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,7 +4,7 @@
 The same transformers model (random weights of a checkpoint's shape:
 :data:`SHAPES`, bf16) and the same prompts, through:
 
-* ours: :class:`~cuda_graph_runner.models.hf.HFCausalLM` (transformers' own modeling code,
+* ours: :class:`~cuda_graph_runner.reference.models.hf.HFCausalLM` (transformers' own modeling code,
   attention on the paged KV cache) with decode graphs of ``full``, compiled full
   (``full+torch_compile``) and ``breakable``;
 * ``hf_eager``: transformers' ``generate()`` (DynamicCache, ``sdpa`` attention);
@@ -28,7 +28,7 @@ Measures, decode ms per step:
   static cache at one length for the whole batch); ``generate_batch`` schedules requests
   itself.
 
-Writes one results document (:mod:`cuda_graph_runner.results_schema`, tool
+Writes one results document (:mod:`cuda_graph_runner.cli.results_schema`, tool
 ``benchmarks/hf_compare.py``): timings with method ``NAME/MEASURE``
 (:func:`method_label`), runners with capture and compile seconds, the ratio of compiled
 full to HF static + reduce-overhead (forward, batch 1), and ``extra.batch_semantics``.
@@ -61,17 +61,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from cuda_graph_runner.bench_backends import label_options, parse_label
-from cuda_graph_runner.bench_measure import block_means_s, sync_fn
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.models import hf
-from cuda_graph_runner.results_schema import document
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.cli.bench.backends import label_options, parse_label
+from cuda_graph_runner.cli.bench.measure import block_means_s, sync_fn
+from cuda_graph_runner.cli.results_schema import document
+from cuda_graph_runner.reference.batches import make_decode_batch, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.models import hf
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import make_decode_batch, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 
 TOOL = "benchmarks/hf_compare.py"
-#: ``--shapes`` names: (transformers architecture, :data:`cuda_graph_runner.models.hf.SIZES` name).
+#: ``--shapes`` names: (transformers architecture, :data:`cuda_graph_runner.reference.models.hf.SIZES` name).
 SHAPES: Dict[str, Tuple[str, str]] = {
     "llama-3.2-1b": ("llama", "llama-3.2-1b"),
     "qwen2.5-0.5b": ("qwen2", "qwen2.5-0.5b"),

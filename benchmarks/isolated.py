@@ -98,7 +98,7 @@ def merge(parts: Sequence[Tuple[str, Sequence[str], Dict[str, Any]]]) -> Tuple[D
 
     Args:
         parts: ``(group, backend labels, view)`` per finished group, ``base`` first; ``view``
-            is :func:`cuda_graph_runner.results_schema.nested_view` of that group's
+            is :func:`cuda_graph_runner.cli.results_schema.nested_view` of that group's
             ``benchmarks.json``.
 
     Returns:

@@ -151,7 +151,7 @@ def child(args: argparse.Namespace) -> int:
     from run import HandWrittenGraph, decode_batches, fresh_backend, phase_options, pin_inductor, reduce_overhead_fn
 
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM
 
     others, reset, _fresh, limit = VARIANTS[args.child]
     out: Dict[str, Any] = {"variant": args.child, "torch": torch.__version__, "notes": [], "phases": {}}

@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
 
-from cuda_graph_runner.integers import count_arg  # noqa: E402
+from cuda_graph_runner.config.integers import count_arg  # noqa: E402
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM  # noqa: E402
 
 #: name -> (compile sizes: None for one dynamic graph, "sizes" for the batch sizes;
 #: inductor options passed to compiled full, on top of ``triton.cudagraphs=False``).

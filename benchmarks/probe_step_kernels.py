@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe_compiled_full  # noqa: E402
 import run  # noqa: E402
 
-from cuda_graph_runner.forward_context import forward_context  # noqa: E402
-from cuda_graph_runner.integers import count_arg  # noqa: E402
+from cuda_graph_runner.backend.context import forward_context  # noqa: E402
+from cuda_graph_runner.config.integers import count_arg  # noqa: E402
+from cuda_graph_runner.reference.model.attention import _decode_metadata  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.model.attention import _decode_metadata  # noqa: E402
 
 
 def kernel_table(fn, steps: int = 5):

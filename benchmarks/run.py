@@ -45,7 +45,7 @@ How the numbers are made to hold from run to run (docs/benchmarks.md says why):
    are recorded before and after timing.
 
 Results go to ``OUT/benchmarks.json`` in the shared results schema
-(:mod:`cuda_graph_runner.results_schema`, which ``cuda-graph-runner bench --json`` writes
+(:mod:`cuda_graph_runner.cli.results_schema`, which ``cuda-graph-runner bench --json`` writes
 too; rewritten after every section, so a cut-short run
 keeps what it measured) and ``OUT/benchmarks.md`` (``make_docs.render``).
 
@@ -94,21 +94,21 @@ from isolated import child_argv, dir_name, groups, merge  # noqa: E402
 from make_docs import render  # noqa: E402
 from portable import portable_argv, portable_path  # noqa: E402
 
-from cuda_graph_runner.backend_options import option_readers  # noqa: E402
-from cuda_graph_runner.bench_args import attention_arg  # noqa: E402
-from cuda_graph_runner.bench_backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
+from cuda_graph_runner.backend.options import option_readers  # noqa: E402
+from cuda_graph_runner.cli.bench.args import attention_arg  # noqa: E402
+from cuda_graph_runner.cli.bench.backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
 from cuda_graph_runner.config import CudaGraphConfigError  # noqa: E402
 from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
-from cuda_graph_runner.errors import CudaGraphRunnerError  # noqa: E402
-from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch  # noqa: E402
-from cuda_graph_runner.forward_context import forward_context  # noqa: E402
-from cuda_graph_runner.integers import count_arg  # noqa: E402
-from cuda_graph_runner.pool import graph_owned_cublas_workspace  # noqa: E402
+from cuda_graph_runner.backend.errors import CudaGraphRunnerError  # noqa: E402
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, as_static_batch  # noqa: E402
+from cuda_graph_runner.backend.context import forward_context  # noqa: E402
+from cuda_graph_runner.config.integers import count_arg  # noqa: E402
+from cuda_graph_runner.backend.pool import graph_owned_cublas_workspace  # noqa: E402
 from cuda_graph_runner.registry import get_registry  # noqa: E402
-from cuda_graph_runner.results_schema import ResultsSchemaError, from_run_models, nested_view, read  # noqa: E402
+from cuda_graph_runner.cli.results_schema import ResultsSchemaError, from_run_models, nested_view, read  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
-from cuda_graph_runner.testing.model import (  # noqa: E402
+from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
+from cuda_graph_runner.reference.model import (  # noqa: E402
     DEFAULT_ATTENTION,
     ReferenceLlamaForCausalLM,
     make_attention_backend,
@@ -242,7 +242,7 @@ def phase_options(label: str, compile_sizes: Sequence[int] = ()) -> Dict[str, An
     ``"full+torch_compile"`` -> ``{"backend": "full", "torch_compile": True, ...}`` (every
     size compiled; the deprecated ``full:inductor`` reads as it, with a warning);
     ``compile_sizes`` (``--compile-sizes``) go to the labels that use them, by the rule of
-    ``cuda-graph-runner bench`` (:func:`~cuda_graph_runner.bench_backends.takes_compile_sizes`)."""
+    ``cuda-graph-runner bench`` (:func:`~cuda_graph_runner.cli.bench.backends.takes_compile_sizes`)."""
     name, compiler = parse_label(label)
     options: Dict[str, Any] = {"backend": name, **label_options(compiler, None, None)}
     if compile_sizes and takes_compile_sizes(name, compiler, option_readers(get_registry())):
@@ -450,7 +450,7 @@ class Results:
         self.data["notes"].append(text)
 
     def document(self) -> Dict[str, Any]:
-        """The results so far as a :mod:`cuda_graph_runner.results_schema` document."""
+        """The results so far as a :mod:`cuda_graph_runner.cli.results_schema` document."""
         d = self.data
         return from_run_models(
             d["models"], d["env"], settings=d["settings"], notes=d["notes"], host_probe_us=d["host_probe_us"]
@@ -976,7 +976,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.plot:
-        from cuda_graph_runner.plot import PlotUnavailableError, check_plot_available
+        from cuda_graph_runner.cli.plot import PlotUnavailableError, check_plot_available
 
         try:
             check_plot_available()
@@ -1060,7 +1060,7 @@ def finish(args: argparse.Namespace, results: Results) -> int:
     results.save()
     print(render(results.data))
     if args.plot:
-        from cuda_graph_runner.plot import plot_results
+        from cuda_graph_runner.cli.plot import plot_results
 
         print(f"wrote {plot_results(results.document(), args.plot)}")
     return 0

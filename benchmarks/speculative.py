@@ -41,11 +41,8 @@ from typing import Any, Callable, Dict, List
 import torch
 
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
-from cuda_graph_runner.testing.speculative import (
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.speculative import (
     ModelDraft,
     OracleDraft,
     SpeculativeStats,
@@ -54,6 +51,9 @@ from cuda_graph_runner.testing.speculative import (
     speculative_generate,
     step_batch,
 )
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner
+from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -20,7 +20,7 @@ Per batch size (default 1, 8, 32, 128; ``llama-3.2-1b`` bfloat16, random weights
 
 Every rank runs the same fixed number of steps (no time-based loop: ranks that stop at
 different times would deadlock their collectives), and ends in bounded time
-(``cuda_graph_runner.distributed.shutdown`` + ``exit_now``).
+(``cuda_graph_runner.runner.distributed.shutdown`` + ``exit_now``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import torch
 
 def _comm_ms(tp: Any, model: Any, bs: int, iters: int) -> float:
     """Milliseconds per replay of a graph holding one decode step's collectives."""
-    from cuda_graph_runner.bench import time_ms
-    from cuda_graph_runner.distributed import all_gather_last_dim, all_reduce
-    from cuda_graph_runner.pool import graph_owned_cublas_workspace
+    from cuda_graph_runner.backend.pool import graph_owned_cublas_workspace
+    from cuda_graph_runner.cli.bench.command import time_ms
+    from cuda_graph_runner.runner.distributed import all_gather_last_dim, all_reduce
 
     if tp is None or not tp.is_parallel:
         return 0.0
@@ -69,7 +69,7 @@ def _comm_ms(tp: Any, model: Any, bs: int, iters: int) -> float:
 
 
 def main() -> int:
-    from cuda_graph_runner.integers import count_arg
+    from cuda_graph_runner.config.integers import count_arg
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.2-1b")
@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
 
-    from cuda_graph_runner.distributed import exit_now, init_tensor_parallel, shutdown
+    from cuda_graph_runner.runner.distributed import exit_now, init_tensor_parallel, shutdown
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = init_tensor_parallel(world, device_type="cuda") if world > 1 else None
@@ -103,9 +103,14 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, tp: Any) -> None:
-    from cuda_graph_runner.bench import load_model, time_ms
+    from cuda_graph_runner.cli.bench.command import load_model, time_ms
+    from cuda_graph_runner.reference.batches import (
+        GreedySession,
+        eager_logits_fn,
+        make_decode_batch,
+        make_dummy_prompts,
+    )
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
     rank0 = tp is None or tp.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
@@ -149,7 +154,7 @@ def run(args: argparse.Namespace, tp: Any) -> None:
             }
             row["comm_ms"] = _comm_ms(tp, model, bs, args.iters)
             results["rows"].append(row)
-        from cuda_graph_runner.bench_backends import label_options, parse_label
+        from cuda_graph_runner.cli.bench.backends import label_options, parse_label
 
         for backend in [b for b in args.backends.split(",") if b]:
             name, compiler = parse_label(backend)  # full+torch_compile; full:inductor warns

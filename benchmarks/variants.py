@@ -2,7 +2,7 @@
 """What graph variants cost and save: the LoRA and no-LoRA graphs of one decode runner.
 
 The reference model gets ``--adapters`` random LoRA adapters of rank ``--rank`` on every
-attention and MLP projection (:mod:`cuda_graph_runner.testing.model.lora`); one decode
+attention and MLP projection (:mod:`cuda_graph_runner.reference.model.lora`); one decode
 runner captures the variants ``nolora`` and ``lora`` for every size up to the largest
 ``--batch-sizes`` entry (:mod:`cuda_graph_runner.runner.variants`). Rows:
 
@@ -39,7 +39,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    from cuda_graph_runner.integers import count_arg
+    from cuda_graph_runner.config.integers import count_arg
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.2-1b", help="a reference-model preset (default llama-3.2-1b)")
@@ -64,7 +64,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> Any:
     import torch
 
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     model = ReferenceLlamaForCausalLM.from_preset(args.model, dtype=getattr(torch, args.dtype), device="cuda")
     model.add_lora_adapters(args.adapters, args.rank, alpha=2.0 * args.rank)
@@ -115,13 +115,13 @@ def step_times(model: Any, runner: Any, args: argparse.Namespace) -> Dict[str, A
     """ms per step of the nolora graph, the lora graph and the eager lora step, per batch size."""
     import torch
 
-    from cuda_graph_runner.testing.batches import (
+    from cuda_graph_runner.reference.batches import (
         eager_logits_fn,
         make_decode_batch,
         make_dummy_prompts,
         make_extend_batch,
     )
-    from cuda_graph_runner.testing.model import LORA_IDS
+    from cuda_graph_runner.reference.model import LORA_IDS
 
     cache = model.kv_cache
     eager = eager_logits_fn(model)
@@ -170,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/variants.py needs a CUDA device", file=sys.stderr)
         return 2
-    from cuda_graph_runner.errors import UnknownBackendError
+    from cuda_graph_runner.backend.errors import UnknownBackendError
 
     model = build(args)
     max_bs = max(args.batch_sizes)

@@ -46,10 +46,10 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from cuda_graph_runner import CudaGraphConfig, DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.reference.batches import make_decode_batch, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.kv_cache import PagedKVCache
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner.stats import format_summary
-from cuda_graph_runner.testing.batches import make_decode_batch, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.kv_cache import PagedKVCache
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -460,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from cuda_graph_runner.errors import BackendUnavailableError, UnknownBackendError
+    from cuda_graph_runner.backend.errors import BackendUnavailableError, UnknownBackendError
 
     try:
         raise SystemExit(main())

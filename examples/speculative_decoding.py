@@ -18,10 +18,10 @@ from typing import List, Optional
 import torch
 
 from cuda_graph_runner.config import CudaGraphConfig
+from cuda_graph_runner.reference.batches import greedy_generate, make_dummy_prompts
+from cuda_graph_runner.reference.speculative import ModelDraft, SpeculativeStats, layer_skip_draft, speculative_generate
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, DraftDecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import greedy_generate, make_dummy_prompts
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
-from cuda_graph_runner.testing.speculative import ModelDraft, SpeculativeStats, layer_skip_draft, speculative_generate
 
 
 def run(device: str, backend: str, k: int, requests: int, draft_layers: int) -> "tuple[bool, SpeculativeStats]":
@@ -62,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from cuda_graph_runner.errors import BackendUnavailableError, UnknownBackendError
+    from cuda_graph_runner.backend.errors import BackendUnavailableError, UnknownBackendError
 
     try:
         raise SystemExit(main())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import transformers  # noqa: F401  (callers skip without it first)
 
-from cuda_graph_runner.models import hf
-from cuda_graph_runner.testing.batches import make_decode_batch, make_extend_batch
+from cuda_graph_runner.reference.batches import make_decode_batch, make_extend_batch
+from cuda_graph_runner.reference.models import hf
 
 STEPS = 32
 PROMPT_LENS = (7, 3, 12, 1, 9)

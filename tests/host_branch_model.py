@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
 THRESHOLD = 8
 

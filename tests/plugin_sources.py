@@ -66,7 +66,7 @@ def spec_module(
     """
     return f"""
         {before}
-        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+        from cuda_graph_runner.backend.hookspecs import BackendSpec, hookimpl
 
         @hookimpl
         def cuda_graph_runner_backend_specs():

@@ -8,8 +8,8 @@ import pytest
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import DisabledBackend, ShapeKey
+from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, PhaseConfig, as_config
-from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.registry import manager
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner import base as runner_base

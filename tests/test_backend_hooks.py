@@ -7,7 +7,7 @@ import types
 import pluggy
 import pytest
 
-from cuda_graph_runner.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec, backend_hooks
+from cuda_graph_runner.backend.hookspecs import PROJECT_NAME, BackendHookSpecs, BackendSpec, backend_hooks
 
 SPEC = BackendSpec(name="acme", backend_class="acme_cgr.backend:X", phases=("decode",), devices=("*",))
 

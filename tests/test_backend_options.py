@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cuda_graph_runner import backend_options
 from cuda_graph_runner.backend import DisabledBackend
+from cuda_graph_runner.backend import options as backend_options
+from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, PhaseConfig
-from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.registry import BackendRegistry
 
 
@@ -121,7 +121,7 @@ def test_check_with_registry_reads_the_options_of_a_registry_not_yet_scanned():
     from the entries before the first scan filled them."""
     from types import SimpleNamespace
 
-    from cuda_graph_runner.backend_options import check_with_registry
+    from cuda_graph_runner.backend.options import check_with_registry
     from cuda_graph_runner.config import CudaGraphConfig
 
     class LazyRegistry:

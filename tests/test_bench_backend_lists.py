@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from cuda_graph_runner.bench_args import add_bench_arguments
+from cuda_graph_runner.cli.bench.args import add_bench_arguments
 
 
 @pytest.mark.parametrize("flag", ["--decode-backends", "--prefill-backends"])
@@ -32,7 +32,7 @@ def test_an_unknown_name_is_reported_before_a_known_name_that_cannot_run():
     further down the list is the user's first mistake (exit 2)."""
     import torch
 
-    from cuda_graph_runner.bench_backends import BenchRequestError, plan_phase
+    from cuda_graph_runner.cli.bench.backends import BenchRequestError, plan_phase
     from cuda_graph_runner.config import CudaGraphConfig
 
     with pytest.raises(BenchRequestError) as exc:
@@ -55,7 +55,7 @@ READERS = {"tc_compiler": ["tc_piecewise"], "compile_sizes": ["full"], "torch_co
     ],
 )
 def test_only_a_compiling_label_of_a_reading_backend_takes_compile_sizes(backend, compiler, takes):
-    from cuda_graph_runner.bench_backends import takes_compile_sizes
+    from cuda_graph_runner.cli.bench.backends import takes_compile_sizes
 
     assert takes_compile_sizes(backend, compiler, READERS) is takes
 
@@ -75,8 +75,8 @@ def test_compile_sizes_are_dropped_for_the_other_labels_as_if_never_set(backend,
     """``full,full+torch_compile`` or ``breakable,full+torch_compile`` with compile sizes: the label
     that does not use them runs without them, value and source (the backend options check
     would otherwise name a value the user never gave that label)."""
-    from cuda_graph_runner.backend_options import _set_options
-    from cuda_graph_runner.bench_backends import label_config
+    from cuda_graph_runner.backend.options import _set_options
+    from cuda_graph_runner.cli.bench.backends import label_config
 
     out = label_config(_flag_config(), "decode", backend, compiler, 64, READERS, True)
     assert out.decode.compile_sizes is None and ("decode", "compile_sizes") not in out.sources
@@ -84,7 +84,7 @@ def test_compile_sizes_are_dropped_for_the_other_labels_as_if_never_set(backend,
 
 
 def test_the_compiling_label_keeps_them_and_a_lone_eager_label_keeps_them_to_be_refused():
-    from cuda_graph_runner.bench_backends import label_config
+    from cuda_graph_runner.cli.bench.backends import label_config
 
     config = _flag_config()
     kept = label_config(config, "decode", "full", "torch_compile", 64, READERS, True)

@@ -9,9 +9,10 @@ import os
 
 import pytest
 
-from cuda_graph_runner import bench, envs
-from cuda_graph_runner.cli import main
-from cuda_graph_runner.integers import count_arg, parse_digits
+from cuda_graph_runner.backend import envs
+from cuda_graph_runner.cli.bench import command as bench
+from cuda_graph_runner.cli.command import main
+from cuda_graph_runner.config.integers import count_arg, parse_digits
 
 TINY = ["--batch-sizes", "1", "--iters", "1", "--warmup", "0", "--steps", "1", "--prompt-len", "2", "--no-prefill"]
 
@@ -97,7 +98,7 @@ def test_json_where_access_says_yes_but_open_fails_is_refused_before_the_run(tmp
 
 
 def test_json_probe_leaves_no_file_behind(tmp_path):
-    from cuda_graph_runner.bench_args import output_file
+    from cuda_graph_runner.cli.bench.args import output_file
 
     target = tmp_path / "new.json"
     assert output_file(str(target)) == str(target) and not target.exists()
@@ -122,7 +123,7 @@ def test_prefill_requests_above_every_token_count_are_refused(capsys, no_work):
 
 
 def test_output_paths_are_checked_for_a_namespace_built_in_code(tmp_path, capsys, no_work):
-    from cuda_graph_runner.cli import build_parser
+    from cuda_graph_runner.cli.command import build_parser
 
     args = build_parser().parse_args(["bench", *TINY])
     args.json_path = str(tmp_path)  # past argparse's type check

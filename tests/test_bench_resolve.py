@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from cuda_graph_runner import bench
-from cuda_graph_runner.cli import main
+from cuda_graph_runner.cli.bench import command as bench
+from cuda_graph_runner.cli.command import main
 from cuda_graph_runner.registry import get_registry
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
@@ -52,7 +52,8 @@ def test_eager_note_names_why_each_backend_cannot_run_or_which_one_was_turned_of
     off, that one (not "no backend is usable")."""
     import torch
 
-    from cuda_graph_runner import bench_backends, registry
+    from cuda_graph_runner import registry
+    from cuda_graph_runner.cli.bench import backends as bench_backends
 
     seen = []
 
@@ -87,9 +88,9 @@ def test_a_real_model_on_the_cpu_runs_compiled_only_when_asked(monkeypatch, caps
     import pytest
     import torch
 
-    from cuda_graph_runner import real_model
-    from cuda_graph_runner.bench_backends import BenchRequestError, plan_phase
+    from cuda_graph_runner.cli.bench.backends import BenchRequestError, plan_phase
     from cuda_graph_runner.config import CudaGraphConfig
+    from cuda_graph_runner.reference import real_model
     from cuda_graph_runner.registry import list_backends
 
     reason = real_model.REAL_MODELS["smollm2-135m"].cpu_compiled_opt_in

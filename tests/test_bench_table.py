@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cuda_graph_runner import bench_measure
-from cuda_graph_runner.cli import main
+from cuda_graph_runner.cli.bench import measure as bench_measure
+from cuda_graph_runner.cli.command import main
 
 
 def _table(text: str, header_start: str):

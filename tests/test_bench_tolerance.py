@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from cuda_graph_runner.bench_measure import bench_decode, bench_prefill
-from cuda_graph_runner.testing.batches import eager_logits_fn
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.cli.bench.measure import bench_decode, bench_prefill
+from cuda_graph_runner.reference.batches import eager_logits_fn
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
 
 class _OffsetRunner:

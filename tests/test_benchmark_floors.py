@@ -14,7 +14,7 @@ sys.path.insert(0, BENCH)
 
 from floors import DeviceRates, decode_floor_ms, prefill_floor_ms, prefill_flops, weight_bytes  # noqa: E402
 
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM  # noqa: E402
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_the_tables_show_the_floor_and_each_method_over_it_through_the_results_j
 
     import make_docs
 
-    from cuda_graph_runner.results_schema import from_run_models, nested_view, read
+    from cuda_graph_runner.cli.results_schema import from_run_models, nested_view, read
 
     models = {
         "m": {
@@ -109,9 +109,9 @@ def test_run_py_times_every_prefill_request_count_with_triton_attention(tmp_path
     import make_docs
     import run
 
-    from cuda_graph_runner.results_schema import nested_view, read
-    from cuda_graph_runner.testing.model import paged_attention_model as pam
-    from cuda_graph_runner.testing.model import triton_attention
+    from cuda_graph_runner.cli.results_schema import nested_view, read
+    from cuda_graph_runner.reference.model import paged_attention_model as pam
+    from cuda_graph_runner.reference.model import triton_attention
 
     stand_in = pam.TorchKernels()
     monkeypatch.setattr(triton_attention, "_kernels", lambda: stand_in)

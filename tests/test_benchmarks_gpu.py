@@ -53,7 +53,7 @@ def run_json(tmp_path_factory):
         ]
     )
     assert rc == 0
-    from cuda_graph_runner.results_schema import nested_view
+    from cuda_graph_runner.cli.results_schema import nested_view
 
     with open(out / "benchmarks.json") as f:
         doc = json.load(f)

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from cuda_graph_runner import bench_measure
+from cuda_graph_runner.cli.bench import measure as bench_measure
 
 
 @pytest.fixture()

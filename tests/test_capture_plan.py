@@ -12,11 +12,11 @@ import torch
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ShapeKey
-from cuda_graph_runner.buffers import copy_into
-from cuda_graph_runner.capture_plan import CapturePlan
-from cuda_graph_runner.graph_table import CapturedGraphs
-from cuda_graph_runner.hookspecs import BackendSpec
-from cuda_graph_runner.model_forward import forward_wrappers, wrap_model_forward
+from cuda_graph_runner.backend.buffers import copy_into
+from cuda_graph_runner.backend.capture_plan import CapturePlan
+from cuda_graph_runner.backend.graph_table import CapturedGraphs
+from cuda_graph_runner.backend.hookspecs import BackendSpec
+from cuda_graph_runner.backend.model_forward import forward_wrappers, wrap_model_forward
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.conformance import BackendConformanceTests
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cuda_graph_runner.cli import main
+from cuda_graph_runner.cli.command import main
 
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA"

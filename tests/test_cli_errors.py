@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.cli import main
-from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.backend.hookspecs import BackendSpec
+from cuda_graph_runner.cli.command import main
 
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the CPU-only behaviour; this machine has CUDA"
@@ -109,7 +109,7 @@ def test_bench_label_compiler_for_a_backend_that_reads_none_is_refused_for_the_o
 
 
 def test_bench_size_flags_take_spaces_and_commas_like_the_config_flags():
-    from cuda_graph_runner.cli import build_parser
+    from cuda_graph_runner.cli.command import build_parser
 
     args = build_parser().parse_args(
         ["bench", "--batch-sizes", "1,2", "4", "--prefill-tokens", "8,16", "--prefill-requests", "1,3"]

@@ -10,10 +10,10 @@ import warnings
 
 import pytest
 
-from cuda_graph_runner import cli_logging
-from cuda_graph_runner.bench import CSV_COLUMNS, results_csv
-from cuda_graph_runner.cli import build_parser, main
-from cuda_graph_runner.results_schema import LEGACY_BENCH, LEGACY_RUN, SCHEMA, from_json
+from cuda_graph_runner.cli import logging_setup as cli_logging
+from cuda_graph_runner.cli.bench.command import CSV_COLUMNS, results_csv
+from cuda_graph_runner.cli.command import build_parser, main
+from cuda_graph_runner.cli.results_schema import LEGACY_BENCH, LEGACY_RUN, SCHEMA, from_json
 
 SMALL_BENCH = (
     "bench --batch-sizes 1 2 --prefill-tokens 8 --prefill-requests 2 --iters 1 --warmup 0 --steps 1 --prompt-len 4"
@@ -82,7 +82,7 @@ def test_bad_format_is_a_usage_error(capsys):
 
 
 def test_plot_series_of_both_schemas():
-    from cuda_graph_runner.plot import series_from_results
+    from cuda_graph_runner.cli.plot import series_from_results
 
     bench = {
         "schema": LEGACY_BENCH,
@@ -157,7 +157,7 @@ def test_verbose_shows_our_info_records_and_hides_others_below_warning():
 
 def test_main_with_v_logs_capture_times_to_stderr(capsys, monkeypatch):
     """End to end: `-v` makes the runner's INFO record visible (it was never shown before)."""
-    from cuda_graph_runner import bench
+    from cuda_graph_runner.cli.bench import command as bench
 
     def fake_bench(args):
         logging.getLogger("cuda_graph_runner.runner.base").info("captured 2 decode graphs with x in 0.10 s")

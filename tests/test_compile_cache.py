@@ -1,4 +1,4 @@
-"""The compile cache scope (cuda_graph_runner.compile_cache): where it puts torch.compile's
+"""The compile cache scope (cuda_graph_runner.backend.compile_cache): where it puts torch.compile's
 caches, that it is scoped, and the switches; the key of Dynamo's cached code. The hit
 counts of a second start are measured with real compiles in
 plugins/compiled/tests/test_compiled.py and test_compiled_cache.py (inductor on the CPU,
@@ -13,8 +13,8 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from cuda_graph_runner import compile_cache_dynamo, envs
-from cuda_graph_runner.compile_cache import cache_counters, compile_cache_dir, compile_cache_scope, compile_key
+from cuda_graph_runner.backend import compile_cache_dynamo, envs
+from cuda_graph_runner.backend.compile_cache import cache_counters, compile_cache_dir, compile_cache_scope, compile_key
 
 
 def test_cache_root_from_the_variable_else_xdg_else_home(tmp_path):
@@ -117,7 +117,7 @@ def test_a_failed_save_is_logged_and_the_block_goes_on(tmp_path, monkeypatch, ca
 
     monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
     monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", broken)
-    with caplog.at_level("WARNING", logger="cuda_graph_runner.compile_cache_dynamo"):
+    with caplog.at_level("WARNING", logger="cuda_graph_runner.backend.compile_cache_dynamo"):
         with compile_cache_scope("k2"):
             pass
     assert "Dynamo's package not saved" in caplog.text and "disk full" in caplog.text
@@ -130,14 +130,14 @@ def test_a_torch_without_the_feature_falls_back_and_says_so(tmp_path, monkeypatc
     monkeypatch.delattr(dynamo_config, "caching_precompile", raising=False)
     monkeypatch.setattr(compile_cache_dynamo, "_said", set())
     assert "no caching_precompile" in compile_cache_dynamo.supported()
-    with caplog.at_level("INFO", logger="cuda_graph_runner.compile_cache_dynamo"):
+    with caplog.at_level("INFO", logger="cuda_graph_runner.backend.compile_cache_dynamo"):
         with compile_cache_scope("k3") as folder:
             assert folder == compile_cache_dir()
     assert "Dynamo traces every start" in caplog.text
 
 
 def test_the_key_follows_model_config_dtype_and_options():
-    from cuda_graph_runner.testing.model import ModelConfig, ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.model import ModelConfig, ReferenceLlamaForCausalLM
 
     config = ModelConfig(num_hidden_layers=1)
     model = ReferenceLlamaForCausalLM.from_config(config)
@@ -152,7 +152,7 @@ def test_the_key_follows_model_config_dtype_and_options():
 
 
 def test_the_bench_reports_an_unwritable_cache_root_in_one_line(tmp_path, monkeypatch, capsys):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     blocker = tmp_path / "file"
     blocker.write_text("")

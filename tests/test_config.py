@@ -333,7 +333,7 @@ def test_error_without_value_omits_it():
 # -- import weight ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["cuda_graph_runner.config", "cuda_graph_runner.cli_config"])
+@pytest.mark.parametrize("module", ["cuda_graph_runner.config", "cuda_graph_runner.cli.config_command"])
 def test_import_does_not_pull_torch(module):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CORE), env.get("PYTHONPATH")]))

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from cuda_graph_runner.cli_config import add_config_subcommand, run_config
+from cuda_graph_runner.cli.config_command import add_config_subcommand, run_config
 from cuda_graph_runner.config import flags as flags_module
 
 INSTALLED = {

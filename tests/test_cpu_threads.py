@@ -1,4 +1,4 @@
-"""The bench's CPU thread count (cuda_graph_runner.cpu_threads): the same in every start
+"""The bench's CPU thread count (cuda_graph_runner.cli.bench.cpu_threads): the same in every start
 on a machine, the flag and the thread variables win, and the bench says which it used."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.cli import main
-from cuda_graph_runner.cpu_threads import choose_threads, default_threads
+from cuda_graph_runner.cli.bench.cpu_threads import choose_threads, default_threads
+from cuda_graph_runner.cli.command import main
 
 
 @pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8)])
@@ -40,7 +40,7 @@ def test_the_bench_says_its_threads_runs_with_them_and_gives_torchs_back(capsys,
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     seen = []
-    from cuda_graph_runner import bench
+    from cuda_graph_runner.cli.bench import command as bench
 
     real = bench.bench_decode
 

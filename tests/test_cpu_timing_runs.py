@@ -13,7 +13,7 @@ sys.path.insert(0, BENCH)
 
 import cpu_timing_runs  # noqa: E402
 
-from cuda_graph_runner.bench_output import results_document  # noqa: E402
+from cuda_graph_runner.cli.bench.output import results_document  # noqa: E402
 
 
 def _document(eager_ms, graph_ms):

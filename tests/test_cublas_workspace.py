@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from cuda_graph_runner import pool
+from cuda_graph_runner.backend import pool
 
 
 @pytest.fixture

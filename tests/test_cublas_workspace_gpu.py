@@ -26,8 +26,8 @@ _SCRIPT = textwrap.dedent(
     import sys
     import torch
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     backend = sys.argv[1]
     model = ReferenceLlamaForCausalLM.from_preset("llama-3.2-1b", dtype=torch.bfloat16, device="cuda")

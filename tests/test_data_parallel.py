@@ -15,11 +15,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from cuda_graph_runner.data_parallel import DPGroup, all_gather_rows
-from cuda_graph_runner.distributed import TPGroup
-from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.runner.distributed import TPGroup
+from cuda_graph_runner.runner.dp_group import DPGroup, all_gather_rows
 from cuda_graph_runner.testing.fakes import RecordingBackend
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.testing.tp_launch import run_ranks
@@ -80,7 +80,7 @@ def _decode_runner(model, backend, max_bs: int = MAX_BS):
 def _session(model, prompts, prefill_fn, decode_fn) -> Tuple[List[torch.Tensor], List[int]]:
     """Prefill then DECODE_STEPS greedy decodes of ``prompts`` (none: the rank passes None
     every step); each step's float32 logits and each step's output rows."""
-    from cuda_graph_runner.testing.batches import GreedySession
+    from cuda_graph_runner.reference.batches import GreedySession
 
     # The attached cache: captured graphs hold its tensors, as device graphs hold addresses.
     cache = model.kv_cache or model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=32)
@@ -366,7 +366,7 @@ def _check_reference(ranks, world: int) -> None:
 
 
 def _eager(model):
-    from cuda_graph_runner.testing.batches import eager_logits_fn
+    from cuda_graph_runner.reference.batches import eager_logits_fn
 
     return eager_logits_fn(model)
 
@@ -468,7 +468,7 @@ def test_the_row_gather_has_a_fake_implementation():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from cuda_graph_runner.tp_ops import all_gather_rows_op
+    from cuda_graph_runner.runner.tp_ops import all_gather_rows_op
 
     dp = DPGroup(0, 2, torch.device("cpu"))
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
@@ -497,7 +497,7 @@ def test_dp_layout_refuses_what_it_cannot_split():
     ],
 )
 def test_bench_dp_usage_errors(argv, message, capsys, monkeypatch):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

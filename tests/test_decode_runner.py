@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.backend.forward_batch import ForwardMode
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.forward_batch import ForwardMode
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, default_decode_batch_sizes
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch

@@ -14,11 +14,11 @@ import pytest
 import torch
 from host_branch_model import THRESHOLD, make_model
 
+from cuda_graph_runner.backend.envs import EnvVarError
+from cuda_graph_runner.backend.errors import CudaGraphVerifyError
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.envs import EnvVarError
-from cuda_graph_runner.errors import CudaGraphVerifyError
+from cuda_graph_runner.reference.batches import GreedySession, make_dummy_prompts
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
@@ -161,9 +161,9 @@ def test_config_key_round_trips_and_is_checked():
 
 
 def test_prefill_eager_through_runs_the_padded_static_batch_with_the_live_requests():
+    from cuda_graph_runner.reference.batches import make_extend_batch
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
     from cuda_graph_runner.runner import PrefillCudaGraphRunner
-    from cuda_graph_runner.testing.batches import make_extend_batch
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
     from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cpu")
@@ -183,7 +183,7 @@ def test_prefill_eager_through_runs_the_padded_static_batch_with_the_live_reques
 
 
 def test_bench_says_its_graph_column_is_eager_under_eager_through(monkeypatch, capsys):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_EAGER_THROUGH", "1")
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "1")  # a graph backend on the CPU

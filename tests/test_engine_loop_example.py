@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend

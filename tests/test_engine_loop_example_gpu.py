@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
 pytestmark = [
     pytest.mark.gpu,

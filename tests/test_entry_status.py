@@ -9,8 +9,8 @@ import pytest
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import DisabledBackend
-from cuda_graph_runner.cli import main
-from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.backend.hookspecs import BackendSpec
+from cuda_graph_runner.cli.command import main
 from cuda_graph_runner.registry import AVAILABLE, CONFLICT, FAILED, UNAVAILABLE, EntryStatus
 
 STRINGS = {"available", "unavailable", "failed", "conflict"}

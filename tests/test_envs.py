@@ -1,4 +1,4 @@
-"""One parser for every CUDA_GRAPH_RUNNER_* variable (cuda_graph_runner.envs), and every
+"""One parser for every CUDA_GRAPH_RUNNER_* variable (cuda_graph_runner.backend.envs), and every
 reader using it: registry, breakable, tc_piecewise, the CLI's error for a bad value."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cuda_graph_runner import envs, registry
+from cuda_graph_runner import registry
+from cuda_graph_runner.backend import envs
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,7 @@ def test_disable_autoload_accepts_true(monkeypatch):
 
 
 def test_cli_reports_a_bad_value_without_a_traceback(monkeypatch, capsys):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     monkeypatch.setenv(registry.ENV_DISABLE_AUTOLOAD, "perhaps")
     registry.reset_registry()

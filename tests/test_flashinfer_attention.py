@@ -24,15 +24,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuda_graph_runner.forward_batch import ForwardMode
-from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.backend.weak_ref import weak_ref_tensors
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ATTENTION_BACKENDS, PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model import flashinfer_attention as fia
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ATTENTION_BACKENDS, PRESETS, ReferenceLlamaForCausalLM
-from cuda_graph_runner.testing.model import flashinfer_attention as fia
 from cuda_graph_runner.testing.reference_setup import staggered_decode_case
 from cuda_graph_runner.testing.tolerances import model_tolerance
-from cuda_graph_runner.weak_ref import weak_ref_tensors
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend

@@ -30,16 +30,16 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     make_decode_batch,
     make_dummy_prompts,
     make_extend_batch,
 )
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
-from cuda_graph_runner.testing.model.flashinfer_attention import flashinfer_available
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model.flashinfer_attention import flashinfer_available
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 
@@ -173,7 +173,7 @@ def _continuous_batching(model: Any, runner: Any) -> None:
 def _plan_microseconds(model: Any, runner: Any, batch: Any) -> None:
     """Host microseconds of the replay hook (page ids written, wrapper re-planned), and of
     each part alone: rows."""
-    from cuda_graph_runner.testing.model.flashinfer_attention import _indptr, write_page_ids
+    from cuda_graph_runner.reference.model.flashinfer_attention import _indptr, write_page_ids
 
     _, static = runner.replay_prepare(batch)
     backend = model.attn_backend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuda_graph_runner.forward_context import forward_context, forward_scratch, get_forward_batch
+from cuda_graph_runner.backend.context import forward_context, forward_scratch, get_forward_batch
 from cuda_graph_runner.testing.toy_model import decode_batch
 
 
@@ -29,8 +29,8 @@ def test_outside_any_block_errors_name_the_fix():
 def test_reference_model_releases_its_per_step_metadata_by_the_end_of_the_forward():
     import torch
 
-    from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny")
     cache = model.create_kv_cache(num_slots=64, max_reqs=4, max_context_len=16)

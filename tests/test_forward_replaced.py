@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from cuda_graph_runner.model_forward import forward_replaced, forward_wrappers, wrap_model_forward
+from cuda_graph_runner.backend.model_forward import forward_replaced, forward_wrappers, wrap_model_forward
 
 WAIT_S = 30  # a thread that waits longer has lost its partner: the test fails, never hangs
 
@@ -125,7 +125,7 @@ def test_dynamo_compiles_the_forward_as_written_through_the_dispatcher():
     wrapper = wrap_model_forward(model, backend.forward, active=backend.active)
     compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
     assert compiled(torch.tensor(2)).item() == 3
-    from cuda_graph_runner.model_forward import forward_as_written
+    from cuda_graph_runner.backend.model_forward import forward_as_written
 
     assert forward_as_written(model) == wrapper.original and forward_as_written(model)(torch.tensor(2)).item() == 3
     wrapper.remove()

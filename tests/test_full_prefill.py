@@ -19,13 +19,13 @@ from typing import Any, List, Sequence
 import pytest
 import torch
 
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode, _stored, last_token_rows
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, _stored, last_token_rows
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model.extend_plan import max_extend_tiles, padded_extend_tiles, token_tables
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.runner.stats import REASON_SLOTS, format_summary
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
-from cuda_graph_runner.testing.model.extend_plan import max_extend_tiles, padded_extend_tiles, token_tables
 
 emulation = pytest.importorskip("cuda_graph_runner_breakable.emulation")
 full = pytest.importorskip("cuda_graph_runner_full.backend")
@@ -369,7 +369,7 @@ class _OwnValuesDP:
     def agree_batch(self, size: int, ready: bool, variant: Any, *, variants: Any = ("",), failed: Any = None):
         self.seen.append((size, ready, variant, failed))
         if failed is not None:
-            from cuda_graph_runner.data_parallel import DataParallelStepError
+            from cuda_graph_runner.runner.dp_group import DataParallelStepError
 
             raise DataParallelStepError(failed)
         return size, ready, variant

@@ -21,12 +21,12 @@ import importlib.util
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model.extend_plan import max_extend_tiles, padded_extend_tiles
+from cuda_graph_runner.reference.model.paged_attention_model import extend_tiles
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.runner.stats import REASON_SLOTS
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
-from cuda_graph_runner.testing.model.extend_plan import max_extend_tiles, padded_extend_tiles
-from cuda_graph_runner.testing.model.paged_attention_model import extend_tiles
 from cuda_graph_runner.testing.tolerances import model_tolerance
 
 pytestmark = [
@@ -52,7 +52,7 @@ def full_runner(model, sizes, slots) -> PrefillCudaGraphRunner:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_kernel_on_a_padded_tile_grid_writes_what_the_unpadded_grid_writes(dtype):
-    from cuda_graph_runner.testing.model import triton_kernels
+    from cuda_graph_runner.reference.model import triton_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, context = 6, 256

@@ -13,9 +13,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import GreedySession, make_dummy_prompts
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
 

@@ -13,17 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.errors import CudaGraphHostValueError
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, as_static_batch
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.graph_break import (
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.errors import CudaGraphHostValueError
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode, as_static_batch
+from cuda_graph_runner.backend.graph_break import (
     DECODE_LIKE_MODES,
     capture_safe_now,
     eager_op,
     normalize_capture_safe,
     register_eager_op,
 )
-from cuda_graph_runner.host_guard import SCOPE_OUTSIDE_MARKED_OPS, host_value_guard
+from cuda_graph_runner.backend.host_guard import SCOPE_OUTSIDE_MARKED_OPS, host_value_guard
 
 D, V, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
 
@@ -142,6 +142,6 @@ def test_reregistering_with_another_declaration_is_refused():
 
 
 def test_the_reference_attention_is_capture_safe_in_fixed_width_modes_only():
-    from cuda_graph_runner.testing.model import reference_llama_attention
+    from cuda_graph_runner.reference.model import reference_llama_attention
 
     assert [reference_llama_attention.is_capture_safe(batch(m)) for m in (D, V, E)] == [True, True, False]

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from cuda_graph_runner.graph_break import marked_op_bodies, register_eager_op
+from cuda_graph_runner.backend.graph_break import marked_op_bodies, register_eager_op
 
 
 def _op(name: str, value: float):

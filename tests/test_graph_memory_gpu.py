@@ -21,13 +21,13 @@ import time
 import pytest
 import torch
 
-from cuda_graph_runner.memory_estimate import estimate_graph_memory
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts
+from cuda_graph_runner.reference.model import PRESETS
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts
-from cuda_graph_runner.testing.model import PRESETS
+from cuda_graph_runner.runner.memory_estimate import estimate_graph_memory
+from cuda_graph_runner.runner.weights import StaleWeightsError
 from cuda_graph_runner.testing.reference_setup import prefilled_decode_batch, reference_model
 from cuda_graph_runner.testing.tolerances import model_tolerance
-from cuda_graph_runner.weights import StaleWeightsError
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Hugging Face transformers causal LMs through the runners (cuda_graph_runner.models.hf), on the CPU.
+"""Hugging Face transformers causal LMs through the runners (cuda_graph_runner.reference.models.hf), on the CPU.
 
 Per architecture (tiny random-weight configs): 5 ragged prompts admitted at different
 steps into one continuous batch, prefilled and decoded through emulated graphs (full for
@@ -19,10 +19,10 @@ transformers = pytest.importorskip(
 
 from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 
-from cuda_graph_runner.forward_context import forward_context  # noqa: E402
-from cuda_graph_runner.models import hf  # noqa: E402
+from cuda_graph_runner.backend.context import forward_context  # noqa: E402
+from cuda_graph_runner.reference.batches import make_extend_batch  # noqa: E402
+from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import make_extend_batch  # noqa: E402
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend  # noqa: E402
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule  # noqa: E402
 from cuda_graph_runner_full.backend import FullCudaGraphBackend  # noqa: E402
@@ -173,7 +173,7 @@ def test_unsupported_features_are_refused_by_name(make, feature):
 
 
 def test_unknown_attention_backend_and_missing_cache_are_named():
-    from cuda_graph_runner.testing.model import attention_backend_names
+    from cuda_graph_runner.reference.model import attention_backend_names
 
     with pytest.raises(ValueError, match=f"accepted: {', '.join(attention_backend_names())}$"):
         hf.HFCausalLM.from_config("qwen2", attention="flash")
@@ -204,7 +204,7 @@ def test_readme_hf_snippet_runs(capsys):
 
 
 def test_bench_hf_model_shows_its_match_against_hf(capsys, tmp_path):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     flags = ["--device", "cpu", "--batch-sizes", "2", "--decode-backends", "disabled"]
     flags += ["--prefill-backends", "disabled", "--prefill-tokens", "12", "--prefill-requests", "2", "--iters", "1"]
@@ -223,8 +223,8 @@ def test_bench_hf_model_shows_its_match_against_hf(capsys, tmp_path):
 
 
 def test_bench_hf_real_model_needs_its_packages(capsys, monkeypatch):
-    from cuda_graph_runner import real_model
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
+    from cuda_graph_runner.reference import real_model
 
     def missing(name):
         raise real_model.RealModelUnavailableError(f"--model {name} needs gguf: {real_model.INSTALL_HINT}")

@@ -1,8 +1,8 @@
-"""The Hugging Face adapter (cuda_graph_runner.models.hf) with the kernel attention
+"""The Hugging Face adapter (cuda_graph_runner.reference.models.hf) with the kernel attention
 backends inside its marked op, on the CPU, and its checkpoint-shaped built-in configs.
 
 * ``triton``: the kernels stood in by their pure-torch model
-  (:class:`~cuda_graph_runner.testing.model.paged_attention_model.TorchKernels`), so the
+  (:class:`~cuda_graph_runner.reference.model.paged_attention_model.TorchKernels`), so the
   backend's own code (split counts, tile tables, launchers) runs as on a device: a
   continuous batch through emulated graphs gives transformers' own ``generate()`` tokens,
   and eager logits equal the adapter's with ``torch`` attention.
@@ -27,14 +27,14 @@ transformers = pytest.importorskip(
 from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 from test_flashinfer_attention import fake  # noqa: E402,F401  (the fixture)
 
-from cuda_graph_runner.forward_context import forward_context, get_forward_batch  # noqa: E402
-from cuda_graph_runner.models import hf  # noqa: E402
+from cuda_graph_runner.backend.context import forward_context, get_forward_batch  # noqa: E402
+from cuda_graph_runner.reference.batches import make_decode_batch, make_extend_batch  # noqa: E402
+from cuda_graph_runner.reference.model import paged_attention_model as pam  # noqa: E402
+from cuda_graph_runner.reference.model import triton_attention  # noqa: E402
+from cuda_graph_runner.reference.model.attention import AttentionCall, _decode_attention  # noqa: E402
+from cuda_graph_runner.reference.model.config import PRESETS, ModelConfig  # noqa: E402
+from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import make_decode_batch, make_extend_batch  # noqa: E402
-from cuda_graph_runner.testing.model import paged_attention_model as pam  # noqa: E402
-from cuda_graph_runner.testing.model import triton_attention  # noqa: E402
-from cuda_graph_runner.testing.model.attention import AttentionCall, _decode_attention  # noqa: E402
-from cuda_graph_runner.testing.model.config import PRESETS, ModelConfig  # noqa: E402
 from cuda_graph_runner.testing.tolerances import model_tolerance  # noqa: E402
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend  # noqa: E402
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule  # noqa: E402
@@ -215,7 +215,7 @@ def test_checkpoint_shaped_configs_are_their_reference_presets(arch, size):
 
 
 def test_bench_hf_model_with_triton_attention_matches_hf(graph_kernels, capsys):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     flags = ["--device", "cpu", "--batch-sizes", "2", "--decode-backends", "disabled"]
     flags += ["--prefill-backends", "disabled", "--prefill-tokens", "12", "--prefill-requests", "2", "--iters", "1"]

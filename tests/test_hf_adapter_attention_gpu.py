@@ -1,4 +1,4 @@
-"""The Hugging Face adapter (cuda_graph_runner.models.hf) with the ``triton`` and
+"""The Hugging Face adapter (cuda_graph_runner.reference.models.hf) with the ``triton`` and
 ``flashinfer`` attention inside its marked op, on a CUDA device.
 
 bfloat16, head_dim 64. Ordered so that ``-x`` stops at the first layer that breaks:
@@ -30,12 +30,12 @@ transformers = pytest.importorskip(
 
 from hf_cases import STEPS, ragged_prompts  # noqa: E402
 
-from cuda_graph_runner.forward_context import forward_context  # noqa: E402
-from cuda_graph_runner.models import hf  # noqa: E402
+from cuda_graph_runner.backend.context import forward_context  # noqa: E402
+from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn  # noqa: E402
-from cuda_graph_runner.testing.model.flashinfer_attention import flashinfer_available  # noqa: E402
-from cuda_graph_runner.testing.model.triton_attention import triton_available  # noqa: E402
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn  # noqa: E402
+from cuda_graph_runner.reference.model.flashinfer_attention import flashinfer_available  # noqa: E402
+from cuda_graph_runner.reference.model.triton_attention import triton_available  # noqa: E402
 from cuda_graph_runner.testing.tolerances import model_tolerance  # noqa: E402
 
 pytestmark = [

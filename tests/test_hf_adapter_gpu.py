@@ -1,5 +1,5 @@
 """Hugging Face transformers causal LMs through the runners on a CUDA device
-(cuda_graph_runner.models.hf), backends chosen by name through the registry.
+(cuda_graph_runner.reference.models.hf), backends chosen by name through the registry.
 
 Ordered so that ``-x`` stops at the first layer that breaks, each test small:
 
@@ -31,10 +31,10 @@ transformers = pytest.importorskip(
 
 from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch  # noqa: E402
 
-from cuda_graph_runner.forward_context import forward_context  # noqa: E402
-from cuda_graph_runner.models import hf  # noqa: E402
+from cuda_graph_runner.backend.context import forward_context  # noqa: E402
+from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_extend_batch  # noqa: E402
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_extend_batch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

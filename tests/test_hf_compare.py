@@ -21,7 +21,7 @@ import hf_compare  # noqa: E402
 import make_docs  # noqa: E402
 import make_docs_extra  # noqa: E402
 
-from cuda_graph_runner.results_schema import read  # noqa: E402
+from cuda_graph_runner.cli.results_schema import read  # noqa: E402
 
 METHODS = ["full", "breakable", "hf_eager", "hf_static"]
 

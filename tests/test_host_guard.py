@@ -1,4 +1,4 @@
-"""The host-value guard (cuda_graph_runner.host_guard) on the CPU, with every backend here.
+"""The host-value guard (cuda_graph_runner.backend.host_guard) on the CPU, with every backend here.
 
 A model reading a host value of the batch where the backend would freeze it fails at
 capture with CudaGraphHostValueError naming the field, the backend and the fixes; reads
@@ -12,11 +12,11 @@ import pytest
 import torch
 from host_branch_model import HostBranchLlama, make_model
 
-from cuda_graph_runner.errors import CudaGraphHostValueError
-from cuda_graph_runner.forward_batch import StaticForwardBatch, as_static_batch
-from cuda_graph_runner.forward_context import get_forward_batch
-from cuda_graph_runner.graph_break import eager_op
-from cuda_graph_runner.host_guard import GuardedExtra, host_value_guard, is_host_value
+from cuda_graph_runner.backend.context import get_forward_batch
+from cuda_graph_runner.backend.errors import CudaGraphHostValueError
+from cuda_graph_runner.backend.forward_batch import StaticForwardBatch, as_static_batch
+from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.backend.host_guard import GuardedExtra, host_value_guard, is_host_value
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
@@ -59,7 +59,7 @@ def host_branch():
 
 @pytest.fixture(scope="module")
 def reference():
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     return make_model(ReferenceLlamaForCausalLM)
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.cli import main
-from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.backend.hookspecs import BackendSpec
+from cuda_graph_runner.cli.command import main
+from cuda_graph_runner.reference.batches import make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
@@ -272,7 +272,7 @@ class _RawGraph:
 
 
 def test_graph_node_counts_reads_nodes_and_kernels_from_the_runtime(monkeypatch):
-    from cuda_graph_runner import graph_nodes
+    from cuda_graph_runner.backend import graph_nodes
 
     monkeypatch.setattr(graph_nodes, "_runtime", _FakeRuntime())
     assert graph_nodes.graph_node_counts(_RawGraph()) == {"nodes": 3, "kernels": 2}

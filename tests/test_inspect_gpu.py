@@ -2,7 +2,7 @@
 
 * ``inspect --json`` with ``full`` decode and ``breakable`` prefill on the tiny reference
   model: exit 0; every ``full`` graph reports its CUDA graph nodes and kernels (kept
-  templates, :mod:`cuda_graph_runner.graph_nodes`), kernels > 0 and <= nodes; every
+  templates, :mod:`cuda_graph_runner.backend.graph_nodes`), kernels > 0 and <= nodes; every
   ``breakable`` graph its segments (one more than the marked ops between them) and the
   nodes summed over its segments; each runner its capture seconds and graph memory;
 * a runner in eager-through mode with verify on gives eager's tokens on a real capture
@@ -18,10 +18,10 @@ import json
 import pytest
 import torch
 
-from cuda_graph_runner.cli import main
+from cuda_graph_runner.cli.command import main
+from cuda_graph_runner.reference.batches import GreedySession, make_dummy_prompts
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
 

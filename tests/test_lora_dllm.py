@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardMode
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.reference.batches import (
     eager_logits_fn,
     make_decode_batch,
     make_dllm_extend_batch,
@@ -23,8 +22,9 @@ from cuda_graph_runner.testing.batches import (
     make_extend_batch,
     make_target_verify_batch,
 )
+from cuda_graph_runner.reference.model import LORA_IDS, PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
-from cuda_graph_runner.testing.model import LORA_IDS, PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 
 CONTEXT = 48

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.memory_estimate import FEWEST_SLOTS, estimate_graph_memory
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.runner.memory_estimate import FEWEST_SLOTS, estimate_graph_memory
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.reference_setup import reference_model
 

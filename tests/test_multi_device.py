@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.capture_report import CaptureOutOfMemoryError, CaptureReport, find_out_of_memory
-from cuda_graph_runner.device import device_guard, new_stream, resolve_device, synchronize
-from cuda_graph_runner.errors import CudaGraphRunnerError
-from cuda_graph_runner.pool import get_capture_stream, get_global_graph_memory_pool
+from cuda_graph_runner.backend.device import device_guard, new_stream, resolve_device, synchronize
+from cuda_graph_runner.backend.errors import CudaGraphRunnerError
+from cuda_graph_runner.backend.pool import get_capture_stream, get_global_graph_memory_pool
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.capture_report import CaptureOutOfMemoryError, CaptureReport, find_out_of_memory
 from cuda_graph_runner.testing.device_check import TinyDecodeModel, check_device_calls, tiny_decode_batch
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule, RecordingBackend
 

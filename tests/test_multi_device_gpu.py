@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from cuda_graph_runner.capture_report import ESTIMATE_FACTOR, ESTIMATE_SLACK_BYTES
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.runner.capture_report import ESTIMATE_FACTOR, ESTIMATE_SLACK_BYTES
 
 pytestmark = pytest.mark.gpu
 
@@ -78,7 +78,7 @@ def test_graph_memory_after_the_largest_size_bounds_the_final_pool(backend):
     """The documented accuracy of ``capture(sizes=[max_size])`` + ``graph_memory_bytes()``."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from cuda_graph_runner.pool import reset_global_graph_memory_pools
+    from cuda_graph_runner.backend.pool import reset_global_graph_memory_pools
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32, device="cuda")
     model.create_kv_cache(num_slots=64 * 64 + 1, max_reqs=65, max_context_len=64)

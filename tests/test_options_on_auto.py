@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner import bench, registry
-from cuda_graph_runner.bench_backends import BenchRequestError, plan_phase
-from cuda_graph_runner.cli import main
+from cuda_graph_runner import registry
+from cuda_graph_runner.cli.bench import command as bench
+from cuda_graph_runner.cli.bench.backends import BenchRequestError, plan_phase
+from cuda_graph_runner.cli.command import main
 from cuda_graph_runner.config import CudaGraphConfig
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's defaults; this machine has CUDA")

@@ -18,23 +18,23 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, DisabledBackend
-from cuda_graph_runner.buffers import copy_into
-from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.nested import (
+from cuda_graph_runner.backend.buffers import copy_into
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.backend.nested import (
     UnsupportedStructureError,
     check_structure,
     clone_tensors,
     iter_tensors,
     map_tensors,
 )
+from cuda_graph_runner.backend.weak_ref import weak_ref_tensors
+from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner.base import freeze_gc, slice_rows
 from cuda_graph_runner.runner.sizes import OutputRowsError
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
-from cuda_graph_runner.weak_ref import weak_ref_tensors
 
 VOCAB = 16
 HIDDEN = 8
@@ -266,8 +266,8 @@ def test_owned_prefill_outputs_are_not_copied_twice():
 def test_greedy_session_keeps_copies_of_zero_copy_logits():
     """GreedySession(decode_fn=runner.forward) keeps the logits its tokens came from, equal
     to an eager session's, although every replay rewrites the runner's output."""
-    from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.batches import GreedySession, make_dummy_prompts
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32)
     cache = model.create_kv_cache(num_slots=1024, max_reqs=16, max_context_len=48)

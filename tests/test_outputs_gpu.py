@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
+from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner.base import BaseCudaGraphRunner
 from cuda_graph_runner.runner.padded_eager import pad_extra
 from cuda_graph_runner.runner.static_inputs import StaticInput
-from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend

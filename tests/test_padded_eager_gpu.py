@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.cli import build_parser, main
+from cuda_graph_runner.backend.errors import BackendUnavailableError
+from cuda_graph_runner.cli.command import build_parser, main
 from cuda_graph_runner.config import Backend
-from cuda_graph_runner.errors import BackendUnavailableError
 
 pytestmark = pytest.mark.skipif(
     "compiled" not in registry.backend_phases(),
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_runner_for_prefill_with_a_decode_only_backend_names_the_phase():
     from cuda_graph_runner import PrefillCudaGraphRunner
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny")
     with pytest.raises(BackendUnavailableError) as info:

@@ -19,23 +19,23 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import DisabledBackend
-from cuda_graph_runner.forward_batch import ForwardMode
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     make_dummy_prompts,
     make_extend_batch,
     make_target_verify_batch,
 )
-from cuda_graph_runner.testing.fakes import RecordingBackend
-from cuda_graph_runner.testing.model import LORA_IDS, PRESETS, ReferenceLlamaForCausalLM, attention_backend_names
-from cuda_graph_runner.testing.model.planned_standin import (
+from cuda_graph_runner.reference.model import LORA_IDS, PRESETS, ReferenceLlamaForCausalLM, attention_backend_names
+from cuda_graph_runner.reference.model.planned_standin import (
     PlannedAttentionStandIn,
     StalePlanError,
     UnplannedForwardError,
 )
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.reference_setup import staggered_decode_case
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
@@ -285,7 +285,7 @@ def test_target_verify_and_lora_variants_get_one_state_per_size_and_variant():
 
 def test_npu_plans_before_every_replay_and_cleanup_drops_the_state():
     """``npu`` on its recording graph module (replay computes nothing: the order only)."""
-    from cuda_graph_runner.pool import reset_global_graph_memory_pools
+    from cuda_graph_runner.backend.pool import reset_global_graph_memory_pools
     from cuda_graph_runner_npu.backend import NPUCudaGraphBackend
     from cuda_graph_runner_npu.testing import RecordingNPUModule
 
@@ -332,7 +332,7 @@ BENCH_TINY = [
 
 
 def test_bench_attention_flag_refuses_an_unknown_name_before_any_work(capsys):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     with pytest.raises(SystemExit) as info:
         main(["bench", "--attention", "flash", *BENCH_TINY])
@@ -348,7 +348,7 @@ def test_bench_attention_flag_refuses_an_unknown_name_before_any_work(capsys):
 def test_bench_runs_the_model_with_the_named_attention(capsys, tmp_path):
     import json
 
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     out = tmp_path / "bench.json"
     argv = ["bench", "--attention", "planned_standin", "--decode-backends", "disabled", "--json", str(out)]

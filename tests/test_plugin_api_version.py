@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import cuda_graph_runner.hookspecs as hookspecs
+import cuda_graph_runner.backend.hookspecs as hookspecs
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import DisabledBackend
-from cuda_graph_runner.errors import BackendUnavailableError
-from cuda_graph_runner.hookspecs import PLUGIN_API_VERSION, BackendSpec
+from cuda_graph_runner.backend.errors import BackendUnavailableError
+from cuda_graph_runner.backend.hookspecs import PLUGIN_API_VERSION, BackendSpec
 from cuda_graph_runner.registry import versions
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.errors import BackendConflictError, BackendUnavailableError, UnknownBackendError
+from cuda_graph_runner.backend.errors import BackendConflictError, BackendUnavailableError, UnknownBackendError
 from cuda_graph_runner.testing.conformance import install_plugin_distributions, run_python, write_plugin_source
 
 
@@ -14,7 +14,7 @@ def _dup_module(cls_name: str) -> str:
     module = cls_name.lower()
     return f"""
         from cuda_graph_runner.backend import DisabledBackend
-        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+        from cuda_graph_runner.backend.hookspecs import BackendSpec, hookimpl
 
         class {cls_name}(DisabledBackend):
             pass
@@ -115,7 +115,7 @@ def test_prefer_in_a_fresh_process(dup_site):
 
 
 def test_backends_lists_a_conflict_and_check_fails_on_it(with_dups, capsys):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     assert main(["backends", "--device-type", "cpu"]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("dup "))

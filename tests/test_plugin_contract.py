@@ -15,8 +15,8 @@ from plugin_sources import RECORDING_BACKEND, PluginDist, install_plugins, minim
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import BaseCudaGraphBackend, DisabledBackend
-from cuda_graph_runner.errors import BackendContractError
-from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.backend.errors import BackendContractError
+from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.testing.conformance import run_python
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
@@ -160,7 +160,7 @@ CONTRACT_MODULES = {
         pass
 """,
     "czoo_plugin": """
-        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+        from cuda_graph_runner.backend.hookspecs import BackendSpec, hookimpl
 
         def _spec(name, cls):
             return BackendSpec(name=name, backend_class=cls, phases=("decode",), devices=("*",), api_version="1.0")
@@ -171,7 +171,7 @@ CONTRACT_MODULES = {
                     _spec("c_extra", "czoo_backends:ExtraArg"), _spec("c_notsub", "czoo_backends:NotABackend")]
     """,
     "czoo_eager": """
-        from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+        from cuda_graph_runner.backend.hookspecs import BackendSpec, hookimpl
         from czoo_backends import NoHook
 
         @hookimpl

@@ -10,8 +10,8 @@ import pytest
 from plugin_sources import PluginDist, install_plugins, load_only, spec_module
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.errors import UnknownBackendError
-from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.backend.errors import UnknownBackendError
+from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.testing.conformance import registry_snapshot
 from cuda_graph_runner.testing.fakes import RecordingBackend

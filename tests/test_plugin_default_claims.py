@@ -20,8 +20,8 @@ import pytest
 from plugin_sources import PluginDist, install_plugins
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.cli import main
-from cuda_graph_runner.errors import BackendConflictError
+from cuda_graph_runner.backend.errors import BackendConflictError
+from cuda_graph_runner.cli.command import main
 
 PLUGIN_MODULES = ("alpha_plugin", "beta_plugin", "zeta_plugin", "gamma_plugin", "broken_plugin")
 
@@ -31,7 +31,7 @@ def _claiming_module(name: str, *, probe: str = "None", claim: str = "") -> str:
     return f"""
         import os
         from cuda_graph_runner.backend import DisabledBackend
-        from cuda_graph_runner.hookspecs import BackendSpec, DefaultClaim, hookimpl
+        from cuda_graph_runner.backend.hookspecs import BackendSpec, DefaultClaim, hookimpl
 
         class {name.title()}Backend(DisabledBackend):
             pass
@@ -53,7 +53,7 @@ def _claiming_module(name: str, *, probe: str = "None", claim: str = "") -> str:
 
 GAMMA = """
     from cuda_graph_runner.backend import DisabledBackend
-    from cuda_graph_runner.hookspecs import BackendSpec, hookimpl
+    from cuda_graph_runner.backend.hookspecs import BackendSpec, hookimpl
 
     BUILD = "{build}"
 

@@ -13,7 +13,7 @@ import pytest
 from plugin_sources import PluginDist, install_plugins, minimal_backend_source, spec_module
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.errors import BackendLoadError, BackendUnavailableError
+from cuda_graph_runner.backend.errors import BackendLoadError, BackendUnavailableError
 from cuda_graph_runner.testing.conformance import run_python
 
 GOOD_BACKENDS = minimal_backend_source("GoodBackend")
@@ -25,7 +25,7 @@ ZOO_MODULES = {
     "zoo_import_fails": "raise ImportError('vendor SDK libzoo.so not found')\n",
     "zoo_ok": "'''A module that imports fine but lacks what the entry point names.'''\n",
     "zoo_hook_raises": """
-        from cuda_graph_runner.hookspecs import hookimpl
+        from cuda_graph_runner.backend.hookspecs import hookimpl
 
         @hookimpl
         def cuda_graph_runner_backend_specs():
@@ -48,7 +48,7 @@ ZOO_MODULES = {
     """,
     ),
     "zoo_unknown_hook": """
-        from cuda_graph_runner.hookspecs import hookimpl
+        from cuda_graph_runner.backend.hookspecs import hookimpl
 
         @hookimpl
         def cuda_graph_runner_backend_spec():  # typo: no such hook

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend
-from cuda_graph_runner.hookspecs import PLUGIN_API_VERSION
+from cuda_graph_runner.backend.hookspecs import PLUGIN_API_VERSION
 from cuda_graph_runner.registry.contract import RUNNER_CALLS
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugin-authors.md"

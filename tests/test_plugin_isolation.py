@@ -19,8 +19,8 @@ from plugin_sources import spec_module as _spec_module
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import DisabledBackend
-from cuda_graph_runner.errors import RegistryReentryError
-from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner.backend.errors import RegistryReentryError
+from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.registry import discovery
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
@@ -34,7 +34,7 @@ ISO_MODULES = {
     """,
     "iso_exit": "import sys\nsys.exit(3)\n",
     "iso_hook_exit": """
-        from cuda_graph_runner.hookspecs import hookimpl
+        from cuda_graph_runner.backend.hookspecs import hookimpl
 
         @hookimpl
         def cuda_graph_runner_backend_specs():
@@ -47,7 +47,7 @@ ISO_MODULES = {
         "peek",
         before="""
         from cuda_graph_runner import registry
-        from cuda_graph_runner.errors import RegistryReentryError
+        from cuda_graph_runner.backend.errors import RegistryReentryError
         try:
             SEEN = sorted(registry.get_registry().names())
         except RegistryReentryError as err:
@@ -158,7 +158,7 @@ def test_keyboard_interrupt_still_interrupts(iso, monkeypatch):
 
 
 def test_cli_backends_and_config_survive_broken_plugins(iso, capsys):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     assert main(["backends", "--device-type", "cpu"]) == 0
     out = capsys.readouterr().out

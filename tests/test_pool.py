@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from cuda_graph_runner import pool
+from cuda_graph_runner.backend import pool
 
 
 class _FakeMemPool:

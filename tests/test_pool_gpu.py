@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner import pool
+from cuda_graph_runner.backend import pool
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = [
     pytest.mark.gpu,

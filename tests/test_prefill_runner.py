@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.runner import PrefillCudaGraphRunner, default_prefill_token_sizes
 from cuda_graph_runner.runner.prefill import MAX_PADDING_RATIO
 from cuda_graph_runner.testing.fakes import RecordingBackend

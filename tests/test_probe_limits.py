@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from cuda_graph_runner import envs, registry
-from cuda_graph_runner.cli import main
-from cuda_graph_runner.hookspecs import BackendSpec
+from cuda_graph_runner import registry
+from cuda_graph_runner.backend import envs
+from cuda_graph_runner.backend.hookspecs import BackendSpec
+from cuda_graph_runner.cli.command import main
 from cuda_graph_runner.registry import BackendRegistry
 from cuda_graph_runner.testing.fakes import RecordingBackend
 

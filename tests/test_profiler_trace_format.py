@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from cuda_graph_runner import profiling
+from cuda_graph_runner.backend import profiling
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 TRACES = sorted(glob.glob(os.path.join(ROOT, "*", "profiler-traces", "replay-*.trace.json")))

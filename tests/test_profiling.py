@@ -1,4 +1,4 @@
-"""Profiler support (:mod:`cuda_graph_runner.profiling`): the named range of every replay in
+"""Profiler support (:mod:`cuda_graph_runner.backend.profiling`): the named range of every replay in
 a CPU profiler trace, nothing entered with no profiler, per-size capture traces written
 where asked, kernel annotations off where torch or the device lacks them and layer-named
 where a (stand-in) annotation module records."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from toy_model import ToyModel, decode_batch
 
-from cuda_graph_runner import profiling
+from cuda_graph_runner.backend import profiling
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
 

@@ -1,4 +1,4 @@
-"""GPU: profiler traces of real replays and captures (:mod:`cuda_graph_runner.profiling`).
+"""GPU: profiler traces of real replays and captures (:mod:`cuda_graph_runner.backend.profiling`).
 
 * A torch profiler trace (CPU + CUDA activities) of decode replays with ``full`` and
   ``breakable`` and of a breakable prefill replay, exported as chrome-trace JSON and
@@ -24,9 +24,9 @@ import os
 import pytest
 import torch
 
-from cuda_graph_runner import profiling
+from cuda_graph_runner.backend import profiling
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu

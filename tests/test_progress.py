@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cuda_graph_runner import progress
+from cuda_graph_runner.backend import progress
 
 
 def test_bar_leaves_one_summary_line_when_shown(capsys):
@@ -86,7 +86,7 @@ def test_preparing_a_real_model_draws_no_library_bar_into_a_log(tmp_path, monkey
     import torch
     from tqdm.auto import tqdm
 
-    from cuda_graph_runner import real_model
+    from cuda_graph_runner.reference import real_model
 
     spec = real_model.REAL_MODELS["smollm2-135m"]
     monkeypatch.setattr(real_model, "check_available", lambda name: spec)

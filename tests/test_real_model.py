@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuda_graph_runner import real_model
+from cuda_graph_runner.reference import real_model
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
@@ -23,7 +23,7 @@ def smollm2():
         real_model.check_available("smollm2-135m")
     except real_model.RealModelUnavailableError as exc:
         pytest.skip(str(exc))
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     path = real_model.prepare("smollm2-135m", show_progress=False)  # the user's cache: once per machine
     model = ReferenceLlamaForCausalLM.from_pretrained(path)

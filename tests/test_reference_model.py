@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardMode
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     greedy_generate,
@@ -18,8 +18,8 @@ from cuda_graph_runner.testing.batches import (
     make_target_verify_batch,
     pad_decode_batch,
 )
-from cuda_graph_runner.testing.kv_cache import CacheFullError, PagedKVCache
-from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.kv_cache import CacheFullError, PagedKVCache
+from cuda_graph_runner.reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 
 transformers = pytest.importorskip("transformers")

@@ -13,13 +13,13 @@ import pytest
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import BaseCudaGraphBackend, DisabledBackend
-from cuda_graph_runner.errors import (
+from cuda_graph_runner.backend.errors import (
     BackendConflictError,
     BackendContractError,
     BackendUnavailableError,
     UnknownBackendError,
 )
-from cuda_graph_runner.hookspecs import ENTRY_POINT_GROUP, BackendSpec
+from cuda_graph_runner.backend.hookspecs import ENTRY_POINT_GROUP, BackendSpec
 from cuda_graph_runner.testing.conformance import install_plugin_distributions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_plugin_whose_hook_raises_is_failed_with_cause(tmp_path, monkeypatch):
         tmp_path,
         "raising_cgr_plugin",
         """
-        from cuda_graph_runner.hookspecs import hookimpl
+        from cuda_graph_runner.backend.hookspecs import hookimpl
         @hookimpl
         def cuda_graph_runner_backend_specs():
             raise RuntimeError("device table corrupt")

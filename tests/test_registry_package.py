@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cuda_graph_runner import registry
+from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.config import CudaGraphConfigError, PhaseConfig
-from cuda_graph_runner.hookspecs import BackendSpec
 from cuda_graph_runner.registry import versions
 from cuda_graph_runner.registry.entries import spec_problem
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch

@@ -10,9 +10,9 @@ import pytest
 import torch
 from toy_model import ToyModel, decode_batch
 
-from cuda_graph_runner.buffers import CudaGraphBufferRegistry, FusedFill
+from cuda_graph_runner.backend.buffers import CudaGraphBufferRegistry, FusedFill
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
 

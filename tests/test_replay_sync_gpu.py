@@ -26,8 +26,8 @@ from typing import Any, Dict
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu
@@ -160,7 +160,7 @@ def test_capture_seconds_of_the_default_decode_sizes():
     """A benchmark row per warm-up policy (printed, and saved under $OUT): seconds for
     ``full`` to capture the 36 default decode sizes of llama-3.2-1b in bfloat16; every
     policy's replay must still equal eager (greedy tokens)."""
-    from cuda_graph_runner.testing.batches import greedy_generate
+    from cuda_graph_runner.reference.batches import greedy_generate
 
     m = reference_model("llama-3.2-1b", requests=256, context=40, dtype=torch.bfloat16)
     rows = {}

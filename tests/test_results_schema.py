@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cuda_graph_runner.results_schema import (
+from cuda_graph_runner.cli.results_schema import (
     LEGACY_BENCH,
     SCHEMA,
     ResultsSchemaError,

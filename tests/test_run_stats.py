@@ -78,11 +78,11 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
     """The bench's JSON has each runner's run_stats; -v logs the one-line summary."""
     import json
 
-    from cuda_graph_runner import bench
+    from cuda_graph_runner.cli.bench import command as bench
 
     # A CPU-capturable backend for the bench: the recording fake instead of the registry's choice.
-    from cuda_graph_runner.bench_backends import BackendChoice
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.bench.backends import BackendChoice
+    from cuda_graph_runner.cli.command import main
 
     def plan(phase, selection, config, device, default_max, *_):
         if phase != "decode":

@@ -19,9 +19,9 @@ from typing import Any, Callable, Dict
 import pytest
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardMode
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.model_forward import wrap_model_forward
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.backend.model_forward import wrap_model_forward
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, capture_gc
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch

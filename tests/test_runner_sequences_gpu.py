@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardMode
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = [
     pytest.mark.gpu,

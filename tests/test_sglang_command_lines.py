@@ -298,7 +298,7 @@ def test_prefill_max_bs_below_every_bucket_is_refused_by_the_runner():
 
 
 def test_tc_compiler_from_sglang_flags_on_full_warns_that_it_is_ignored():
-    from cuda_graph_runner import backend_options
+    from cuda_graph_runner.backend import options as backend_options
 
     config = config_of(["--cuda-graph-tc-compiler", "inductor"])
     selected = {"decode": ("full", ("torch_compile", "compile_sizes")), "prefill": ("breakable", ())}
@@ -337,7 +337,7 @@ def test_old_compiled_full_spelling_warns_and_compiles(build):
 
 
 def test_old_bench_label_warns_and_reads_as_the_new_one():
-    from cuda_graph_runner.bench_backends import TORCH_COMPILE, label_of, parse_backends
+    from cuda_graph_runner.cli.bench.backends import TORCH_COMPILE, label_of, parse_backends
 
     with pytest.warns(DeprecationWarning, match="'full\\+torch_compile'"):
         parsed = parse_backends("full:inductor,tc_piecewise:inductor", None)
@@ -446,7 +446,7 @@ def test_the_differences_doc_lists_each_deliberate_difference_and_is_linked():
 def test_config_command_shows_max_bs_as_max_of_bs(capsys):
     """``cuda-graph-runner config --cuda-graph-max-bs 160 --cuda-graph-bs 1 2 4 8``: the
     effective max_bs is 8, what the runner captures up to (sglang's max(bs))."""
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -122,8 +122,8 @@ def test_a_failed_sleep_leaves_the_runner_asleep():
 
 
 def test_forward_asleep_raise_in_a_data_parallel_step_stops_at_its_agreement():
-    from cuda_graph_runner.data_parallel import DataParallelStepError
     from cuda_graph_runner.runner.data_parallel import dp_forward
+    from cuda_graph_runner.runner.dp_group import DataParallelStepError
 
     failures = []
 

@@ -11,11 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
-from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
-from cuda_graph_runner.testing.speculative import (
+from cuda_graph_runner.reference.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.speculative import (
     ModelDraft,
     OracleDraft,
     SpeculativeStats,
@@ -23,6 +20,9 @@ from cuda_graph_runner.testing.speculative import (
     make_draft_batch,
     speculative_generate,
 )
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
+from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
 from cuda_graph_runner_breakable.backend import BreakableCaptureError, BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
@@ -236,9 +236,9 @@ def test_draft_runner_on_the_compiled_backend_equals_eager_steps(target, monkeyp
 
 
 def test_step_batch_equals_the_per_request_builder_and_refuses_overflow_whole():
-    from cuda_graph_runner.testing.batches import make_target_verify_batch
-    from cuda_graph_runner.testing.kv_cache import CacheFullError, PagedKVCache
-    from cuda_graph_runner.testing.speculative import step_batch
+    from cuda_graph_runner.reference.batches import make_target_verify_batch
+    from cuda_graph_runner.reference.kv_cache import CacheFullError, PagedKVCache
+    from cuda_graph_runner.reference.speculative import step_batch
 
     caches = [PagedKVCache(1, 1, 2, num_slots=40, max_reqs=4, max_context_len=12) for _ in range(2)]
     for cache in caches:

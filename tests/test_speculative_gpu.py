@@ -16,7 +16,7 @@ import torch
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     greedy_generate,
@@ -24,7 +24,7 @@ from cuda_graph_runner.testing.batches import (
     make_extend_batch,
 )
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
-from cuda_graph_runner.testing.speculative import (
+from cuda_graph_runner.reference.speculative import (
     ModelDraft,
     OracleDraft,
     SpeculativeStats,

@@ -1,11 +1,11 @@
-"""The one table formatter (``cuda_graph_runner.tables``), and that every table printer uses it."""
+"""The one table formatter (``cuda_graph_runner.cli.tables``), and that every table printer uses it."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from cuda_graph_runner import tables
+from cuda_graph_runner.cli import tables
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -32,7 +32,8 @@ def test_format_cell():
 
 
 def test_every_table_printer_uses_the_one_module():
-    from cuda_graph_runner import bench, cli
+    from cuda_graph_runner.cli import command as cli
+    from cuda_graph_runner.cli.bench import command as bench
 
     sys.path.insert(0, BENCH)
     try:

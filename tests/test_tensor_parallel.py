@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from cuda_graph_runner.distributed import TPGroup, all_gather_last_dim
-from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
-from cuda_graph_runner.testing.tensor_parallel import TPLayout, shard_hf_tensor
+from cuda_graph_runner.reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.tensor_parallel import TPLayout, shard_hf_tensor
+from cuda_graph_runner.runner.distributed import TPGroup, all_gather_last_dim
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.tp_launch import run_ranks
 
@@ -35,7 +35,7 @@ DECODE_STEPS = 4
 
 def _session_logits(model, decode_fn=None):
     """Prefill + DECODE_STEPS greedy decodes; the float32 logits of every step ``[steps, bs, vocab]``."""
-    from cuda_graph_runner.testing.batches import GreedySession
+    from cuda_graph_runner.reference.batches import GreedySession
 
     cache = model.kv_cache or model.create_kv_cache(num_slots=512, max_reqs=8, max_context_len=32)
     session = GreedySession(model, cache, decode_fn=decode_fn)
@@ -83,8 +83,8 @@ def write_hf_checkpoint(path: str, config: ModelConfig, seed: int) -> None:
 
 def _rank_checks(tp: TPGroup, ckpt: str):
     """Everything a rank checks in one launch; returns values the parent asserts on."""
-    from cuda_graph_runner.distributed import TensorParallelCaptureError, TensorParallelMismatchError
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
+    from cuda_graph_runner.runner.distributed import TensorParallelCaptureError, TensorParallelMismatchError
     from cuda_graph_runner.testing.fakes import RecordingBackend
 
     torch.set_num_threads(1)  # ranks share the CI machine's cores
@@ -223,7 +223,7 @@ def test_size_one_group_runs_no_collective():
     ],
 )
 def test_bench_tp_usage_errors(argv, message, capsys, monkeypatch):
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -239,7 +239,7 @@ def test_bench_tp_usage_errors(argv, message, capsys, monkeypatch):
 
 
 def test_groups_are_named_for_the_custom_ops_and_found_by_name():
-    from cuda_graph_runner import tp_ops
+    from cuda_graph_runner.runner import tp_ops
 
     tp = TPGroup(1, 2, torch.device("cpu"))
     assert tp.name.startswith("tp2-rank1-")
@@ -254,7 +254,7 @@ def test_custom_ops_have_fake_implementations():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from cuda_graph_runner.tp_ops import all_gather_last_dim_op, all_reduce_op
+    from cuda_graph_runner.runner.tp_ops import all_gather_last_dim_op, all_reduce_op
 
     tp = TPGroup(0, 2, torch.device("cpu"))
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
@@ -264,7 +264,7 @@ def test_custom_ops_have_fake_implementations():
 
 
 def test_per_rank_compile_cache_directory(monkeypatch, tmp_path):
-    from cuda_graph_runner.distributed import per_rank_compile_cache
+    from cuda_graph_runner.runner.distributed import per_rank_compile_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert per_rank_compile_cache(1) == str(tmp_path / "rank_1")

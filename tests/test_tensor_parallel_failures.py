@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.distributed import TPGroup, all_reduce
-from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.runner.distributed import TPGroup, all_reduce
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.testing.tp_launch import run_ranks

@@ -30,8 +30,8 @@ def _two_gpus() -> bool:
 
 
 def _rank_checks(tp):
+    from cuda_graph_runner.reference.batches import greedy_generate, make_dummy_prompts
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import greedy_generate, make_dummy_prompts
     from cuda_graph_runner.testing.reference_setup import reference_model, staggered_decode_case
 
     out = {"rank": tp.rank, "diffs": {}, "tokens": {}, "bf16": {}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.testing.model import PRESETS
+from cuda_graph_runner.reference.model import PRESETS
 from cuda_graph_runner.testing.tolerances import assert_close, model_tolerance, tolerance
 
 

@@ -1,5 +1,5 @@
 """The ``triton`` attention backend on the CPU: its algorithm in plain torch
-(:mod:`cuda_graph_runner.testing.model.paged_attention_model`: split-KV page walk and
+(:mod:`cuda_graph_runner.reference.model.paged_attention_model`: split-KV page walk and
 merge, extend tiles) against the reference attention, the split count fixed per padded
 batch size, the errors without Triton or without CUDA, and (only where the ``triton``
 package is installed and no CUDA device is) the kernels in Triton's interpreter.
@@ -18,11 +18,11 @@ import sys
 import pytest
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode, as_static_batch
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM, attention_backend, triton_attention
-from cuda_graph_runner.testing.model import paged_attention_model as pam
-from cuda_graph_runner.testing.model.attention import AttentionCall, _decode_attention, _extend_attention
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode, as_static_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM, attention_backend, triton_attention
+from cuda_graph_runner.reference.model import paged_attention_model as pam
+from cuda_graph_runner.reference.model.attention import AttentionCall, _decode_attention, _extend_attention
 
 KV_HEADS, HEAD_DIM, HEADS = 2, 16, 4
 SLOTS, ROWS, CONTEXT = 400, 6, 64
@@ -193,7 +193,7 @@ def test_triton_attention_on_cpu_tensors_outside_the_interpreter_says_so(monkeyp
 def interpreter_check() -> None:
     """The kernels in Triton's interpreter against the torch model (run in a child
     process: Triton picks the interpreter when ``triton`` is first imported)."""
-    from cuda_graph_runner.testing.model import triton_kernels as tk
+    from cuda_graph_runner.reference.model import triton_kernels as tk
 
     k, v, r2t = _cache()
     rows, lens, width = [3, 1, 0], [37, 23, 3], 3

@@ -1,5 +1,5 @@
 """The ``triton`` attention under torch.compile, on the CPU: the kernels stood in by their
-pure-torch model (:mod:`cuda_graph_runner.testing.model.paged_attention_model`), so the
+pure-torch model (:mod:`cuda_graph_runner.reference.model.paged_attention_model`), so the
 backend's own code runs as on a device.
 
 * Dynamo records each layer's attention as one opaque marked-op call and never runs the
@@ -21,13 +21,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
+from cuda_graph_runner.reference.model import paged_attention_model as pam
+from cuda_graph_runner.reference.model import triton_attention
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
-from cuda_graph_runner.testing.model import paged_attention_model as pam
-from cuda_graph_runner.testing.model import triton_attention
 from cuda_graph_runner.testing.reference_setup import reference_model
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
@@ -170,8 +170,8 @@ def test_compiled_full_with_compile_sizes_compiles_no_kernel_and_equals_eager(ke
 def test_breakable_prefill_with_triton_breaks_at_each_extend_and_replays_eager(kernels):
     # The extend kernel's tile table follows the request lengths: not capture-safe, so
     # breakable runs it eagerly between segments (decode records it inside its segment).
+    from cuda_graph_runner.reference.batches import make_extend_batch
     from cuda_graph_runner.runner import PrefillCudaGraphRunner
-    from cuda_graph_runner.testing.batches import make_extend_batch
     from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
     from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 

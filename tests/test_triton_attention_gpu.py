@@ -1,4 +1,4 @@
-"""GPU: the ``triton`` attention (:mod:`cuda_graph_runner.testing.model.triton_attention`).
+"""GPU: the ``triton`` attention (:mod:`cuda_graph_runner.reference.model.triton_attention`).
 
 * the kernels against the reference attention (``torch``) on llama-3.2-1b's head layout
   (32 query heads, 8 KV heads, head_dim 64): decode, target-verify (3), DLLM block (4),
@@ -36,19 +36,19 @@ import importlib.util
 import pytest
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     make_decode_batch,
     make_dummy_prompts,
     make_extend_batch,
 )
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
-from cuda_graph_runner.testing.model import paged_attention_model as pam
-from cuda_graph_runner.testing.model.attention import AttentionCall, _decode_attention, _extend_attention
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model import paged_attention_model as pam
+from cuda_graph_runner.reference.model.attention import AttentionCall, _decode_attention, _extend_attention
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import assert_greedy_tokens_equal_eager
 
 pytestmark = [
@@ -63,7 +63,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def kernels():
-    from cuda_graph_runner.testing.model import triton_kernels
+    from cuda_graph_runner.reference.model import triton_kernels
 
     return triton_kernels
 
@@ -349,7 +349,7 @@ def test_run_py_with_triton_times_compiled_full_and_breakable_prefill_per_reques
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import run
 
-    from cuda_graph_runner.results_schema import nested_view
+    from cuda_graph_runner.cli.results_schema import nested_view
 
     argv = ["--out", str(tmp_path), "--models", "tiny", "--batch-sizes", "1", "4", "--quick"]
     argv += ["--attention", "triton", "--backends", "full,full+torch_compile,breakable", "--compile-sizes", "1"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, StaticInput
 from cuda_graph_runner.runner.stats import REASON_VARIANT
 from cuda_graph_runner.runner.variants import compose_key_variant, split_key_variant

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.reference.batches import (
     eager_logits_fn,
     make_decode_batch,
     make_dllm_extend_batch,
     make_dummy_prompts,
     make_extend_batch,
 )
-from cuda_graph_runner.testing.model import LORA_IDS, PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model import LORA_IDS, PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.tolerances import model_tolerance
 
 pytestmark = pytest.mark.gpu

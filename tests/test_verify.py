@@ -1,4 +1,4 @@
-"""Verify mode (cuda_graph_runner.verify) on the CPU with emulated graphs that really replay.
+"""Verify mode (cuda_graph_runner.runner.verify) on the CPU with emulated graphs that really replay.
 
 The host-branch model captured with the guard off replays its capture-time branch:
 verify mode catches it on the first replay whose live lengths flip the branch, even when
@@ -13,15 +13,15 @@ import pytest
 import torch
 from host_branch_model import THRESHOLD, make_model
 
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.errors import CudaGraphVerifyError
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.errors import CudaGraphVerifyError
-from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.reference.batches import GreedySession, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.runner.verify import VerifyPolicy, compare_outputs, policy_from
 from cuda_graph_runner.testing.fakes import RecordingBackend
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
-from cuda_graph_runner.verify import VerifyPolicy, compare_outputs, policy_from
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
@@ -77,7 +77,7 @@ def test_without_verify_the_frozen_branch_replays_wrong_silently(make_backend):
         runner.capture()
         session = GreedySession(model, model.kv_cache)
         session.prefill(make_dummy_prompts(2, THRESHOLD + 2, model.config.vocab_size, seed=3))
-        from cuda_graph_runner.testing.batches import make_decode_batch
+        from cuda_graph_runner.reference.batches import make_decode_batch
 
         batch = make_decode_batch(model.kv_cache, session.rows, None, [t[-1] for t in session.tokens])
         assert max(batch.seq_lens_cpu) > THRESHOLD
@@ -215,7 +215,7 @@ def test_reference_model_step_is_idempotent():
     session = GreedySession(model, cache)
     with torch.no_grad():
         session.prefill(make_dummy_prompts(2, 5, model.config.vocab_size, seed=5))
-        from cuda_graph_runner.testing.batches import make_decode_batch
+        from cuda_graph_runner.reference.batches import make_decode_batch
 
         batch = make_decode_batch(cache, session.rows, None, [t[-1] for t in session.tokens])
         outs, caches = [], []

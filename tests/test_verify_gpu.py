@@ -19,10 +19,10 @@ import pytest
 import torch
 from host_branch_model import THRESHOLD, make_model
 
-from cuda_graph_runner.errors import CudaGraphHostValueError, CudaGraphVerifyError
+from cuda_graph_runner.backend.errors import CudaGraphHostValueError, CudaGraphVerifyError
+from cuda_graph_runner.reference.batches import GreedySession, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
 

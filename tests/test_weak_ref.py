@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_graph_runner.weak_ref import weak_ref_tensor, weak_ref_tensors
+from cuda_graph_runner.backend.weak_ref import weak_ref_tensor, weak_ref_tensors
 
 
 def test_alias_views_the_same_memory_with_the_same_layout():

@@ -9,8 +9,8 @@ from toy_model import ToyModel, decode_batch
 
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.weights import StaleWeightsError, WeightsFingerprint
 from cuda_graph_runner.testing.fakes import RecordingBackend
-from cuda_graph_runner.weights import StaleWeightsError, WeightsFingerprint
 
 
 class BufferedToy(ToyModel):
@@ -159,7 +159,7 @@ class _OwnValuesDP:
     def agree_batch(self, size, ready, variant, *, variants=("",), failed=None):
         self.seen.append((size, ready, variant, failed))
         if failed is not None:
-            from cuda_graph_runner.data_parallel import DataParallelStepError
+            from cuda_graph_runner.runner.dp_group import DataParallelStepError
 
             raise DataParallelStepError(failed)
         return size, ready, variant

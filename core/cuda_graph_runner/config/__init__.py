@@ -32,7 +32,7 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     meaning); a *backend option* (``BACKEND_OPTION_KEYS``): read only by backends
     whose spec lists it in ``BackendSpec.options``. Setting an option that the selected
     backend does not read is an error at resolve time (see
-    ``cuda_graph_runner.backend_options``), except ``tc_compiler`` from sglang's own
+    ``cuda_graph_runner.backend.options``), except ``tc_compiler`` from sglang's own
     spellings (``--cuda-graph-tc-compiler``, ``--piecewise-cuda-graph-compiler``,
     ``--cuda-graph-config``), ignored with a warning as sglang ignores it. Decode
     ``tc_compiler`` with backend ``full`` (or auto) from any other source is the
@@ -61,9 +61,9 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
 ``host_value_guard``
     ``true`` (default): model code reading a host value of the batch
     (``seq_lens_cpu``, ...) where the graph would freeze it is an error at capture
-    (``cuda_graph_runner.host_guard``); ``false`` turns the check off.
+    (``cuda_graph_runner.backend.host_guard``); ``false`` turns the check off.
 ``verify``, ``verify_first_n``, ``verify_every``
-    Verify mode (``cuda_graph_runner.verify``), off by default: compare the first
+    Verify mode (``cuda_graph_runner.runner.verify``), off by default: compare the first
     ``verify_first_n`` replays of each shape (default 3), and every
     ``verify_every``-th one (0, the default: none after those), with the backend's
     reference on the same batch. The environment variables
@@ -114,7 +114,7 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
 ``check_weights_every``
     ``0`` (default: off, nothing on the replay path) or N: every N-th replay of
     ``forward`` first checks that the model's parameters and buffers still live where
-    the graphs read them (``runner.check_weights()``, ``cuda_graph_runner.weights``) and
+    the graphs read them (``runner.check_weights()``, ``cuda_graph_runner.runner.weights``) and
     raises ``StaleWeightsError`` naming the moved ones. Up to N-1 replays after a
     re-assignment can run before the check sees it; call ``check_weights()`` after
     loading weights to be exact.

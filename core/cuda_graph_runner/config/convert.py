@@ -10,7 +10,7 @@ then converts nothing.
 Sources: a mapping records its keys as source ``"api"`` (like :meth:`CudaGraphConfig.from_dict`);
 a ``PhaseConfig`` carries no sources, so only the fields that differ from the defaults
 are recorded as set (an option left at its default is not "set", whichever way the config
-arrived: :mod:`cuda_graph_runner.backend_options`).
+arrived: :mod:`cuda_graph_runner.backend.options`).
 
 What it does not do: check backend names or options against the installed backends
 (the registry does, at resolve time).

@@ -12,8 +12,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..integers import parse_digits
 from .exceptions import CudaGraphConfigError, _short_repr
+from .integers import parse_digits
 from .loading import _load_json
 from .model import (
     _BACKEND_NAME,

@@ -5,7 +5,7 @@ How a backend is found (the torch ``torch_dynamo_backends`` / OpenTelemetry mode
 1. The entry-point group ``cuda_graph_runner.backends`` is scanned once (cached); the
    entry-point name is the backend name users write in config.
 2. Each entry point names a light *registration module* implementing the hooks of
-   :mod:`cuda_graph_runner.hookspecs`; it is registered with a ``pluggy.PluginManager``
+   :mod:`cuda_graph_runner.backend.hookspecs`; it is registered with a ``pluggy.PluginManager``
    and contributes ``BackendSpec`` records. Backend classes are not imported yet.
 3. ``resolve_decode_backend`` / ``resolve_prefill_backend`` import the one class that
    was asked for, check it against the contract and build it.
@@ -56,7 +56,7 @@ iterate over snapshots); a thread that asks while another scans waits for the co
 registry. The registry never writes to a plugin's class: the registered name is set on
 each backend instance ``resolve`` builds.
 
-Environment variables (parsed by :mod:`cuda_graph_runner.envs`; booleans accept
+Environment variables (parsed by :mod:`cuda_graph_runner.backend.envs`; booleans accept
 1/0/true/false/yes/no/on/off; read when the registry first scans):
 
 * ``CUDA_GRAPH_RUNNER_PLUGINS``: comma-separated entry-point (backend) names or
@@ -81,8 +81,7 @@ not the parent's ``register()`` calls.
 
 from __future__ import annotations
 
-from ..config import WELL_KNOWN_DISTRIBUTIONS
-from ..errors import (
+from ..backend.errors import (
     BackendConflictError,
     BackendContractError,
     BackendLoadError,
@@ -90,7 +89,8 @@ from ..errors import (
     RegistryReentryError,
     UnknownBackendError,
 )
-from ..hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
+from ..backend.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
+from ..config import WELL_KNOWN_DISTRIBUTIONS
 from . import conflicts
 from .contract import RUNNER_CALLS, check_backend_class
 from .discovery import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS

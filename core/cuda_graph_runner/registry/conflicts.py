@@ -31,8 +31,8 @@ import os
 from importlib import metadata
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ..errors import BackendConflictError
-from ..hookspecs import DefaultClaim
+from ..backend.errors import BackendConflictError
+from ..backend.hookspecs import DefaultClaim
 from .entries import CONFLICT, BackendEntry
 
 DISABLED = "disabled"
@@ -44,7 +44,7 @@ class Claim:
 
     Attributes:
         backend: the backend name claimed.
-        priority: from :class:`~cuda_graph_runner.hookspecs.DefaultClaim` (0 for a plain name).
+        priority: from :class:`~cuda_graph_runner.backend.hookspecs.DefaultClaim` (0 for a plain name).
         plugin: pluggy plugin name of the claimant (``"<distribution>:<entry point>"``).
         distribution: the claimant's distribution.
         usable: whether the backend can run here for the phase.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Dict, List, Sequence, Tuple
 
-from ..errors import BackendContractError
+from ..backend.errors import BackendContractError
 
 #: How the runners and the registry call each method: (positional arguments passed,
 #: keyword arguments passed). ``__init__`` is called by ``resolve``.
@@ -45,7 +45,7 @@ def check_backend_class(cls: Any, name: str = "?") -> None:
         BackendContractError: naming the class, the method and what is wrong (every
             problem found, ``; ``-separated; also in its ``problems`` attribute).
     """
-    from ..backend import BaseCudaGraphBackend  # imports torch: only when a class is checked
+    from ..backend.base import BaseCudaGraphBackend  # imports torch: only when a class is checked
 
     qual = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)!s}"
     if not (isinstance(cls, type) and issubclass(cls, BaseCudaGraphBackend)):

@@ -1,7 +1,7 @@
 """Entry-point discovery: which plugins are installed, and importing the one asked for.
 
 What it does: reads the entry-point group (one distribution at a time when importlib's
-walk over all of them breaks), applies the autoload switches of :mod:`cuda_graph_runner.envs`
+walk over all of them breaks), applies the autoload switches of :mod:`cuda_graph_runner.backend.envs`
 (``CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD``, ``CUDA_GRAPH_RUNNER_PLUGINS``), names each
 entry point's distribution even when its METADATA is incomplete, and imports an entry
 point or a ``"module:attr"`` reference with an error that says which part failed.
@@ -19,8 +19,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from packaging.utils import canonicalize_name
 
-from .. import envs
-from ..errors import BackendLoadError
+from ..backend import envs
+from ..backend.errors import BackendLoadError
 
 ENV_PLUGINS = envs.PLUGINS
 ENV_DISABLE_AUTOLOAD = envs.DISABLE_PLUGIN_AUTOLOAD
@@ -41,7 +41,7 @@ def normalize_dist(name: str) -> str:
 
 
 def read_environment() -> Dict[str, Any]:
-    """The scan's environment variables, parsed by :mod:`cuda_graph_runner.envs`.
+    """The scan's environment variables, parsed by :mod:`cuda_graph_runner.backend.envs`.
 
     Raises:
         envs.EnvVarError: a value does not parse (names variable, value, accepted values).

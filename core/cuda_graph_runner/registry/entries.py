@@ -19,9 +19,9 @@ import enum
 import re
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
+from ..backend.errors import BackendContractError, BackendUnavailableError
+from ..backend.hookspecs import BackendSpec
 from ..config import _BACKEND_NAME, WELL_KNOWN_DISTRIBUTIONS
-from ..errors import BackendContractError, BackendUnavailableError
-from ..hookspecs import BackendSpec
 from .contract import check_backend_class
 from .discovery import one_line, ref_name
 from .probing import ProbeCache, call_probe

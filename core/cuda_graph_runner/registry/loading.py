@@ -21,15 +21,15 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import pluggy
 
-from .. import envs, hookspecs
-from ..errors import (
+from ..backend import envs, hookspecs
+from ..backend.errors import (
     BackendConflictError,
     BackendContractError,
     BackendLoadError,
     RegistryReentryError,
     UnknownBackendError,
 )
-from ..hookspecs import PLUGIN_API_VERSION, BackendSpec
+from ..backend.hookspecs import PLUGIN_API_VERSION, BackendSpec
 from . import conflicts, discovery
 from .discovery import normalize_dist, one_line
 from .entries import FAILED, IN_PROCESS, BackendEntry, entry_from_spec
@@ -44,7 +44,7 @@ class _BuiltinPlugin:
 
     @hookspecs.hookimpl
     def cuda_graph_runner_backend_specs(self) -> List[BackendSpec]:
-        from ..backend import DisabledBackend
+        from ..backend.base import DisabledBackend
 
         return [
             BackendSpec(

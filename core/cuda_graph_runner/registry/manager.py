@@ -22,16 +22,17 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import pluggy
 
-from .. import backend_options, envs, hookspecs
-from ..config import ConfigInput, as_config
-from ..errors import (
+from ..backend import envs, hookspecs
+from ..backend import options as backend_options
+from ..backend.errors import (
     BackendConflictError,
     BackendContractError,
     BackendLoadError,
     BackendUnavailableError,
     UnknownBackendError,
 )
-from ..hookspecs import ENTRY_POINT_GROUP, BackendSpec
+from ..backend.hookspecs import ENTRY_POINT_GROUP, BackendSpec
+from ..config import ConfigInput, as_config
 from . import conflicts, discovery
 from .contract import check_backend_class
 from .discovery import one_line
@@ -53,7 +54,7 @@ from .versions import CORE_DISTRIBUTION
 if TYPE_CHECKING:  # torch and the backend module: not imported to list or discover backends
     import torch
 
-    from ..backend import BaseCudaGraphBackend
+    from ..backend.base import BaseCudaGraphBackend
 
 ENV_STRICT = envs.STRICT_PLUGINS
 
@@ -76,7 +77,7 @@ class BackendRegistry(PluginLoading):
 
     Raises:
         ValueError: ``probe_timeout_s`` is negative or not a number.
-        cuda_graph_runner.envs.EnvVarError: a bad ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` or
+        cuda_graph_runner.backend.envs.EnvVarError: a bad ``CUDA_GRAPH_RUNNER_PROBE_TIMEOUT_S`` or
             ``CUDA_GRAPH_RUNNER_STRICT_PLUGINS``.
     """
 

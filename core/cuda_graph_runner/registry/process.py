@@ -18,15 +18,15 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from ..backend.hookspecs import BackendSpec
 from ..config import ConfigInput
-from ..hookspecs import BackendSpec
 from .entries import BackendEntry
 from .manager import BackendRegistry, live_registries
 
 if TYPE_CHECKING:  # torch and the backend module: not imported to list or discover backends
     import torch
 
-    from ..backend import BaseCudaGraphBackend
+    from ..backend.base import BaseCudaGraphBackend
 
 _default: Optional[BackendRegistry] = None
 _default_lock = threading.Lock()

@@ -17,7 +17,7 @@ from typing import Optional
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from ..hookspecs import PLUGIN_API_VERSION
+from ..backend.hookspecs import PLUGIN_API_VERSION
 
 CORE_DISTRIBUTION = "cuda-graph-runner"
 

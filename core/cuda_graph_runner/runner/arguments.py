@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..backend import BaseCudaGraphBackend
+from ..backend.base import BaseCudaGraphBackend
 
 
 def model_device(model: Any, runner: str) -> torch.device:

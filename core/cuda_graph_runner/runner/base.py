@@ -19,31 +19,31 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .. import profiling
-from ..backend import BaseCudaGraphBackend, DisabledBackend, ShapeKey
-from ..buffers import CudaGraphBufferRegistry
-from ..capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
+from ..backend import profiling
+from ..backend.base import BaseCudaGraphBackend, DisabledBackend, ShapeKey
+from ..backend.buffers import CudaGraphBufferRegistry
+from ..backend.capture_plan import build_capture_plan, capture_static_batch
+from ..backend.context import forward_context
+from ..backend.device import device_guard, resolve_device, synchronize
+from ..backend.errors import CudaGraphVerifyError
+from ..backend.forward_batch import ForwardBatch, ForwardMode
+from ..backend.host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard, missing_extra_error
+from ..backend.nested import check_structure, clone_tensors
+from ..backend.pool import get_capture_stream, release_unused_graph_memory_pool
+from ..backend.profiling import eager_range_name, profiler_enabled, replay_range_name
 from ..config import ConfigInput, PhaseConfig, as_config
-from ..data_parallel import DPGroup
-from ..device import device_guard, resolve_device, synchronize
-from ..distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
-from ..errors import CudaGraphVerifyError
-from ..forward_batch import ForwardBatch, ForwardMode
-from ..forward_context import forward_context
-from ..host_guard import SCOPE_OFF, SCOPE_TRACE, host_value_guard, missing_extra_error
-from ..model_protocol import GraphModel
-from ..nested import check_structure, clone_tensors
-from ..pool import get_capture_stream, release_unused_graph_memory_pool
-from ..profiling import eager_range_name, profiler_enabled, replay_range_name
-from ..weights import WeightsFingerprint, check_fingerprint
 from . import sleep as sleep_mode
 from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
-from .capture_plan import build_capture_plan, capture_static_batch
+from .capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from .data_parallel import dp_forward
 from .decision import ReplayDecision
+from .distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
+from .dp_group import DPGroup
+from .model_protocol import GraphModel
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
+from .weights import WeightsFingerprint, check_fingerprint
 
 
 def key_label(key: ShapeKey) -> str:
@@ -84,10 +84,10 @@ class BaseCudaGraphRunner(abc.ABC):
     """Captures a model per size with one backend and replays it per batch.
 
     Args:
-        model: a :class:`~cuda_graph_runner.model_protocol.GraphModel`:
+        model: a :class:`~cuda_graph_runner.runner.model_protocol.GraphModel`:
             ``forward(batch) -> hidden [num_tokens, hidden]`` and
             ``compute_logits(hidden, batch) -> logits`` (float32), plus the optional
-            hooks of :mod:`cuda_graph_runner.model_protocol` (``init_forward_metadata``,
+            hooks of :mod:`cuda_graph_runner.runner.model_protocol` (``init_forward_metadata``,
             ``init_forward_metadata_capture``, ``init_forward_metadata_replay``,
             ``cleanup_cuda_graph_state``, ``post_warmup_hook``, and for decode
             ``get_cuda_graph_seq_len_fill_value``).
@@ -105,10 +105,10 @@ class BaseCudaGraphRunner(abc.ABC):
         show_progress: progress bar during capture (None: only on a terminal).
         capture_trace_dir: a folder (made when missing) that gets a torch profiler
             trace of each size's capture, one chrome-trace JSON per phase, rank and size
-            (:mod:`cuda_graph_runner.profiling`); None (default): no traces.
+            (:mod:`cuda_graph_runner.backend.profiling`); None (default): no traces.
         kernel_annotations: annotate each kernel the graphs record with the ``nn.Module``
             it ran in, where torch offers CUDA-graph kernel annotations
-            (:func:`cuda_graph_runner.profiling.kernel_annotations_available`) and the
+            (:func:`cuda_graph_runner.backend.profiling.kernel_annotations_available`) and the
             backend records one eager graph per shape (``backend.annotates_layers()``:
             ``full`` without ``torch_compile``); elsewhere logged once and ignored.
             Default False.
@@ -124,7 +124,7 @@ class BaseCudaGraphRunner(abc.ABC):
         cloned once, after slicing (logits ``[tokens, vocab]`` float32: one copy of that
         size per step). Eager-fallback outputs are the model's own fresh tensors either
         way. Outputs may be tensors or tensors nested in tuples, NamedTuples, lists, dicts
-        and dataclasses (:mod:`cuda_graph_runner.nested`); anything else is rejected at
+        and dataclasses (:mod:`cuda_graph_runner.backend.nested`); anything else is rejected at
         capture. Each output tensor leads with the padded token count (one row per token)
         or, in the decode runner, the padded batch size (one row per request: a
         TARGET_VERIFY output beside its per-token logits); a replay cuts each to the live
@@ -145,9 +145,9 @@ class BaseCudaGraphRunner(abc.ABC):
         ValueError: ``backend`` is an instance on which another live runner holds
             graphs (names both).
         ValueError: ``device`` is None and the model has no parameters or buffers.
-        cuda_graph_runner.profiling.CaptureTraceError: (a ``ValueError``)
+        cuda_graph_runner.backend.profiling.CaptureTraceError: (a ``ValueError``)
             ``capture_trace_dir`` is not a folder that can be made and written.
-        cuda_graph_runner.errors.UnknownBackendError and friends, from resolution.
+        cuda_graph_runner.backend.errors.UnknownBackendError and friends, from resolution.
     """
 
     phase: ClassVar[str]
@@ -182,11 +182,11 @@ class BaseCudaGraphRunner(abc.ABC):
         if owned_outputs is not None and not isinstance(owned_outputs, bool):
             raise TypeError(f"owned_outputs={owned_outputs!r}: must be True, False or None (the config's value)")
         self.model: GraphModel = model
-        #: The model's TP group (``model.tp_group``, :mod:`cuda_graph_runner.distributed`):
+        #: The model's TP group (``model.tp_group``, :mod:`cuda_graph_runner.runner.distributed`):
         #: ranks capture in step and agree on every batch's replay-or-eager decision.
         tp = getattr(model, "tp_group", None)
         self.tp_group: Optional[TPGroup] = tp if isinstance(tp, TPGroup) and not isinstance(tp, DPGroup) else None
-        #: The model's DP group (``model.dp_group``, :mod:`cuda_graph_runner.data_parallel`):
+        #: The model's DP group (``model.dp_group``, :mod:`cuda_graph_runner.runner.dp_group`):
         #: ranks capture in step, and every step pads every rank to the largest live size.
         dp = getattr(model, "dp_group", None)
         self.dp_group: Optional[DPGroup] = dp if isinstance(dp, DPGroup) else None
@@ -238,14 +238,14 @@ class BaseCudaGraphRunner(abc.ABC):
             claim_backend(self.backend, self)
         self.enable_cudagraph_gc = enable_cudagraph_gc
         self.show_progress = show_progress
-        from ..verify import Verifier, policy_from
         from .eager_through import eager_through_enabled
+        from .verify import Verifier, policy_from
 
         #: Eager-through mode (:mod:`.eager_through`): replays run the forward eagerly on
         #: the static batch instead of the graph.
         self.eager_through: bool = eager_through_enabled(self.phase_config)
         policy = policy_from(self.phase_config)
-        #: Verify mode's state (:mod:`cuda_graph_runner.verify`); None when off (no cost).
+        #: Verify mode's state (:mod:`cuda_graph_runner.runner.verify`); None when off (no cost).
         self.verifier: Optional[Verifier] = (
             Verifier(policy, self.phase, self._backend_label(), eager_through=self.eager_through) if policy else None
         )
@@ -474,7 +474,7 @@ class BaseCudaGraphRunner(abc.ABC):
 
         Largest first so each smaller graph reuses blocks the larger ones freed in the
         pool; the pool right after the largest size therefore estimates the graph
-        memory (:mod:`cuda_graph_runner.capture_report`: ``capture(sizes=[max_size])``,
+        memory (:mod:`cuda_graph_runner.runner.capture_report`: ``capture(sizes=[max_size])``,
         :meth:`graph_memory_bytes`, then ``capture()`` for the rest). Sizes that already
         hold a graph are skipped. Runs under ``torch.no_grad()``. A no-op for backend ``disabled``.
 
@@ -487,18 +487,18 @@ class BaseCudaGraphRunner(abc.ABC):
                 all of them.
 
         Returns:
-            A :class:`~cuda_graph_runner.capture_report.CaptureReport`.
+            A :class:`~cuda_graph_runner.runner.capture_report.CaptureReport`.
 
         Raises:
             ValueError: ``sizes`` names a size not in ``capture_sizes`` (lists both); another
                 live runner holds graphs on this runner's backend instance (names both).
             TypeError: ``sizes`` is not an int or a list of ints.
-            cuda_graph_runner.errors.CudaGraphHostValueError: the model read a host value of
+            cuda_graph_runner.backend.errors.CudaGraphHostValueError: the model read a host value of
                 the batch where the graph would freeze it (names the field and the fixes).
-            cuda_graph_runner.capture_report.CaptureOutOfMemoryError: the device ran out of
+            cuda_graph_runner.runner.capture_report.CaptureOutOfMemoryError: the device ran out of
                 memory (a ``torch.OutOfMemoryError``; names phase, backend, size, the sizes
                 done, the pool so far and the fixes). Captured sizes stay usable.
-            cuda_graph_runner.nested.UnsupportedStructureError: the forward returns a type
+            cuda_graph_runner.backend.nested.UnsupportedStructureError: the forward returns a type
                 the runner cannot slice or copy (named, with its place in the output).
             cuda_graph_runner.runner.sizes.OutputRowsError: (a ``ValueError``) an output
                 tensor leads with neither the padded token count nor the padded batch
@@ -532,7 +532,7 @@ class BaseCudaGraphRunner(abc.ABC):
             return self._capture_sizes(todo, report)
 
     def _capture_sizes(self, todo: List[int], report: CaptureReport) -> CaptureReport:
-        from .. import progress
+        from ..backend import progress
 
         device, module = self._graph_device()
         start = time.perf_counter()
@@ -681,7 +681,7 @@ class BaseCudaGraphRunner(abc.ABC):
         """Bytes of the graph memory pool now (shared: other runners' graphs in the same
         pool count too), or None where the device cannot tell. After
         ``capture(sizes=[max_size])`` it estimates the full capture's graph memory, with
-        the accuracy stated in :mod:`cuda_graph_runner.capture_report`."""
+        the accuracy stated in :mod:`cuda_graph_runner.runner.capture_report`."""
         return self.backend.graph_memory_bytes()
 
     def _captured_sizes(self) -> List[int]:
@@ -770,9 +770,9 @@ class BaseCudaGraphRunner(abc.ABC):
         Raises:
             ValueError: the batch is larger than the largest captured size.
             KeyError: no graph for its padded size (call ``can_run`` first).
-            cuda_graph_runner.errors.CudaGraphVerifyError: verify mode is on and this replay
+            cuda_graph_runner.backend.errors.CudaGraphVerifyError: verify mode is on and this replay
                 differs from the backend's reference on the same batch.
-            cuda_graph_runner.errors.CudaGraphHostValueError: the batch's ``extra`` holds a
+            cuda_graph_runner.backend.errors.CudaGraphHostValueError: the batch's ``extra`` holds a
                 key the captured forward looked up and did not find (named): the graph
                 would replay what the model did without it.
         """
@@ -851,7 +851,7 @@ class BaseCudaGraphRunner(abc.ABC):
     def host_value_guard_scope(self) -> str:
         """Where a host read during capture is an error: the backend's ``host_value_guard``
         scope, or ``"off"`` when the phase config says ``host_value_guard: false``
-        (:mod:`cuda_graph_runner.host_guard`)."""
+        (:mod:`cuda_graph_runner.backend.host_guard`)."""
         if not getattr(self.phase_config, "host_value_guard", True):
             return SCOPE_OFF
         return getattr(self.backend, "host_value_guard", "forward")
@@ -1057,10 +1057,10 @@ class BaseCudaGraphRunner(abc.ABC):
         if device.type != "cpu":
             synchronize(device, module)  # this device only, never the current one
 
-    # -- weights and sleep (cuda_graph_runner.weights, .sleep) ---------------------------
+    # -- weights and sleep (cuda_graph_runner.runner.weights, .sleep) ---------------------------
     def check_weights(self) -> int:
         """Check that every parameter and buffer of the model still lives where the
-        graphs read it (:mod:`cuda_graph_runner.weights`: data pointer, shape, stride,
+        graphs read it (:mod:`cuda_graph_runner.runner.weights`: data pointer, shape, stride,
         dtype, device; host-only, about 1 µs per tensor). In-place updates
         (``param.copy_``) pass; re-assigned tensors (``load_state_dict(assign=True)``, a
         new ``nn.Parameter``, ``param.data = ...``, a reloaded module) do not. The phase
@@ -1070,7 +1070,7 @@ class BaseCudaGraphRunner(abc.ABC):
             The number of tensors checked (0 when no graph is held).
 
         Raises:
-            cuda_graph_runner.weights.StaleWeightsError: some moved, vanished or appeared
+            cuda_graph_runner.runner.weights.StaleWeightsError: some moved, vanished or appeared
                 since capture (named), with the fixes: update in place, or recapture
                 (``cleanup()`` + ``capture()``, or ``sleep()`` + ``wake()``).
         """
@@ -1112,7 +1112,7 @@ class BaseCudaGraphRunner(abc.ABC):
         when awake). The new graphs read the weights the model has now.
 
         Returns:
-            The :class:`~cuda_graph_runner.capture_report.CaptureReport` of the recapture.
+            The :class:`~cuda_graph_runner.runner.capture_report.CaptureReport` of the recapture.
 
         Raises:
             What :meth:`capture` raises; the runner is then asleep as before (nothing half

@@ -1,7 +1,7 @@
-"""One step of a runner under data-parallel attention (:mod:`cuda_graph_runner.data_parallel`).
+"""One step of a runner under data-parallel attention (:mod:`cuda_graph_runner.runner.dp_group`).
 
 :func:`dp_forward` is what ``runner.forward(batch)`` runs when the model holds a
-:class:`~cuda_graph_runner.data_parallel.DPGroup`: the step's agreement (one host
+:class:`~cuda_graph_runner.runner.dp_group.DPGroup`: the step's agreement (one host
 all-reduce), the rank's batch padded to the largest live size over the group (a dummy
 batch of that size on a rank without requests), the same replay-or-eager decision and
 graph key on every rank, and the rank's own live rows of the output.
@@ -20,9 +20,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..data_parallel import DataParallelStepError, DPGroup
-from ..forward_batch import ForwardBatch, ForwardMode
-from ..profiling import eager_range_name, profiler_enabled
+from ..backend.forward_batch import ForwardBatch, ForwardMode
+from ..backend.profiling import eager_range_name, profiler_enabled
+from .dp_group import DataParallelStepError, DPGroup
 from .sleep import asleep_error
 from .stats import REASON_EMPTY, REASON_OTHER_RANK, fallback_reason
 
@@ -52,7 +52,7 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         ValueError: (this rank's own, the other ranks get DataParallelStepError) a live
             batch the replay would refuse (:func:`check_live_batch`), or a model with
             model-owned static inputs.
-        cuda_graph_runner.weights.StaleWeightsError: (this rank's own, as the ValueError)
+        cuda_graph_runner.runner.weights.StaleWeightsError: (this rank's own, as the ValueError)
             the phase config's ``check_weights_every`` check found moved weights.
         cuda_graph_runner.runner.sleep.RunnerAsleepError: (this rank's own, as the
             ValueError) the runner is asleep and ``forward_asleep`` is ``raise``.
@@ -127,9 +127,9 @@ def check_live_batch(runner: Any, batch: ForwardBatch) -> None:
     Raises:
         ValueError: a field's rows or dtype (names the field, its shape or dtype, and
             what is accepted); ``extend_seq_lens`` missing (request slots).
-        cuda_graph_runner.errors.CudaGraphHostValueError: the ``extra`` key (named).
+        cuda_graph_runner.backend.errors.CudaGraphHostValueError: the ``extra`` key (named).
     """
-    from ..host_guard import missing_extra_error
+    from ..backend.host_guard import missing_extra_error
 
     for name in ("input_ids", "positions", "out_cache_loc"):
         # Decode rows per request are the runner's slot width (a draft runner's

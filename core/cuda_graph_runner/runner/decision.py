@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..backend import ShapeKey
+from ..backend.base import ShapeKey
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,13 +8,13 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..backend import ShapeKey
-from ..buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
+from ..backend.base import ShapeKey
+from ..backend.buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
+from ..backend.context import forward_context
+from ..backend.forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
 from ..config import ConfigInput
-from ..forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch
-from ..forward_context import forward_context
-from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture, pad_list
+from .model_protocol import GraphModel
 from .static_inputs import ModelStaticInputs, declared_static_inputs
 from .variants import VariantSelector, compose_key_variant, model_variants, resolve_variants
 
@@ -213,7 +213,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         Per step: one ``_foreach_copy_`` per dtype group, pad fills only for rows a larger
         batch left behind, and the one static batch of that size refreshed (its
         ``seq_lens_cpu``, padded, and ``extra``); the plan of each live size is built once
-        (:class:`~cuda_graph_runner.buffers.FusedFill`). The returned static batch is
+        (:class:`~cuda_graph_runner.backend.buffers.FusedFill`). The returned static batch is
         reused by later replays of the same size.
 
         Guarantee to the model's ``init_forward_metadata_replay(static)`` (a plan-based

@@ -18,7 +18,7 @@ take the target's hidden states, are out of scope.
 The draft's catch-up of tokens the target accepted that the draft never wrote (the
 draft-extend step) is a plain one-token decode of the draft model, run by a
 :class:`~.decode.DecodeCudaGraphRunner` of the draft model (see
-:mod:`cuda_graph_runner.testing.speculative`).
+:mod:`cuda_graph_runner.reference.speculative`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 
-from ..backend import ShapeKey
+from ..backend.base import ShapeKey
+from ..backend.context import forward_context
+from ..backend.forward_batch import ForwardBatch, ForwardMode
+from ..backend.graph_break import refuse_breaks
 from ..config import ConfigInput
-from ..forward_batch import ForwardBatch, ForwardMode
-from ..forward_context import forward_context
-from ..graph_break import refuse_breaks
-from ..model_protocol import GraphModel
 from .decode import DecodeCudaGraphRunner
+from .model_protocol import GraphModel
 from .variants import compose_key_variant
 
 
@@ -52,7 +52,7 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
     Args (beyond :class:`BaseCudaGraphRunner`'s):
         num_steps: ``k``, the tokens proposed per request (an int >= 1).
 
-    Live batch (:func:`cuda_graph_runner.testing.speculative.make_draft_batch` builds one):
+    Live batch (:func:`cuda_graph_runner.reference.speculative.make_draft_batch` builds one):
     a DECODE batch of ``bs`` requests whose fields describe step 0, except
     ``out_cache_loc``:
 
@@ -72,7 +72,7 @@ class DraftDecodeCudaGraphRunner(DecodeCudaGraphRunner):
 
     A marked op that a backend would run eagerly between graph segments (``breakable``'s
     ops that are not capture-safe for decode) is refused in steps after the first, since
-    at replay it would see step 0's batch (:func:`~cuda_graph_runner.graph_break.refuse_breaks`).
+    at replay it would see step 0's batch (:func:`~cuda_graph_runner.backend.graph_break.refuse_breaks`).
     Attention that plans on the host per batch (``init_forward_metadata_replay``) plans
     step 0 only, so such a model is refused for ``k > 1``.
 

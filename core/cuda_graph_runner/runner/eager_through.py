@@ -9,7 +9,7 @@ forward run eagerly on the static batch (``runner.graph_forward(static_batch)`` 
 the forward context, what the graph recorded at capture). sglang's
 ``--debug-cuda-graph`` does the same: it runs the capture path eagerly.
 
-With verify mode (:mod:`cuda_graph_runner.verify`) on as well, each sampled replay is
+With verify mode (:mod:`cuda_graph_runner.runner.verify`) on as well, each sampled replay is
 compared with the eager forward of the *live* (unpadded) batch:
 
 * it fails in eager-through mode: the padding or static-buffer path changes the result
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import envs
+from ..backend import envs
 
 ENV_EAGER_THROUGH = envs.EAGER_THROUGH
 
@@ -52,7 +52,7 @@ def eager_through_enabled(phase_config: Any) -> bool:
     ``CUDA_GRAPH_RUNNER_EAGER_THROUGH`` when set.
 
     Raises:
-        cuda_graph_runner.envs.EnvVarError: (a ``ValueError``) the variable holds a value
+        cuda_graph_runner.backend.envs.EnvVarError: (a ``ValueError``) the variable holds a value
             that is not a boolean (named, with what is accepted).
     """
     env = envs.get(ENV_EAGER_THROUGH)

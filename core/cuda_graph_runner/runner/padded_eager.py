@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence
 
 import torch
 
-from ..forward_batch import ForwardBatch
-from ..forward_context import forward_context
+from ..backend.context import forward_context
+from ..backend.forward_batch import ForwardBatch
 from .static_inputs import StaticInput
 
 if TYPE_CHECKING:

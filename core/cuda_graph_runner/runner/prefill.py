@@ -8,7 +8,7 @@ token of each request) depends on per-request lengths (sglang stage C prefill ru
 Per-request metadata cannot be frozen into a prefill graph: the number of requests and
 their lengths change every batch while the token count stays on a bucket. So only the
 token axis is a graph input; the request axis reaches the model's marked eager ops
-(attention) through :func:`~cuda_graph_runner.forward_context.get_forward_batch`, and
+(attention) through :func:`~cuda_graph_runner.backend.context.get_forward_batch`, and
 a backend runs those ops eagerly at replay (``breakable``, ``tc_piecewise``), or records
 them with the rest (``full``: the backend's ``records_marked_ops``). Then the request
 axis is fixed per graph too: each token bucket is captured with ``request_slots``
@@ -28,14 +28,14 @@ from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 
-from ..backend import ShapeKey
-from ..buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
+from ..backend.base import ShapeKey
+from ..backend.buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
+from ..backend.context import forward_context
+from ..backend.forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch, _stored
 from ..config import ConfigInput, CudaGraphConfigError
-from ..forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch, _stored
-from ..forward_context import forward_context
-from ..model_protocol import GraphModel
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture
 from .decision import ReplayDecision
+from .model_protocol import GraphModel
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from ..backend.nested import iter_tensors, map_tensors
 from ..config import PhaseConfig
-from ..nested import iter_tensors, map_tensors
 
 #: What one output tensor's leading dimension counts (:func:`output_layout`): nothing to
 #: cut (a 0-d tensor), the padded tokens, or the padded requests.
@@ -40,7 +40,7 @@ class OutputRowsError(ValueError):
 
 def output_layout(output: Any, *, tokens: int, requests: "int | None" = None, where: str = "output") -> tuple:
     """What each tensor of a graph output counts along its leading dimension, in
-    :func:`~cuda_graph_runner.nested.iter_tensors` order: :data:`ROWS_TOKENS` when it is
+    :func:`~cuda_graph_runner.backend.nested.iter_tensors` order: :data:`ROWS_TOKENS` when it is
     ``tokens`` (the padded token count; checked first, so with one token per request a
     tensor counts tokens), :data:`ROWS_REQUESTS` when it is ``requests`` (the padded
     batch size; None where the graph has no request axis, prefill), :data:`ROWS_NONE`
@@ -65,7 +65,7 @@ def output_layout(output: Any, *, tokens: int, requests: "int | None" = None, wh
 def slice_output(output: Any, layout: tuple, tokens: int, requests: int) -> Any:
     """``output`` cut back to a live batch of ``tokens`` tokens and ``requests`` requests:
     each tensor to the rows its :func:`output_layout` entry counts (views, no copy), through
-    the structures :mod:`cuda_graph_runner.nested` walks; constants pass through."""
+    the structures :mod:`cuda_graph_runner.backend.nested` walks; constants pass through."""
     if isinstance(output, torch.Tensor):  # the common case (logits), without the walker
         kind = layout[0]
         return output if kind == ROWS_NONE else output[: tokens if kind == ROWS_TOKENS else requests]
@@ -114,7 +114,7 @@ def get_batch_sizes_to_capture(
 def slice_rows(output: Any, rows: int) -> Any:
     """``t[:rows]`` for every tensor of ``output`` with at least one dimension (views, no
     copy), through tuples, NamedTuples, lists, dicts and dataclasses, rebuilt with the
-    same types (:mod:`cuda_graph_runner.nested`); constants and 0-d tensors pass through."""
+    same types (:mod:`cuda_graph_runner.backend.nested`); constants and 0-d tensors pass through."""
     if isinstance(output, torch.Tensor):  # the common case (logits), without the walker
         return output[:rows] if output.dim() > 0 else output
     return map_tensors(lambda t: t[:rows] if t.dim() > 0 else t, output)

@@ -22,7 +22,7 @@ Tensor parallel: every rank sleeps and wakes. A wake goes through the capture's 
 agreement, also on a rank that is awake (it captures nothing), so a wake where only some
 ranks slept raises on every rank instead of leaving one waiting.
 
-The pool is shared by every runner on a device (:mod:`cuda_graph_runner.pool`): its
+The pool is shared by every runner on a device (:mod:`cuda_graph_runner.backend.pool`): its
 memory goes back only when every runner using it sleeps (or was cleaned up), and
 segments that an output a caller still holds points into stay until it is dropped.
 
@@ -38,9 +38,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, List, Optional
 
-from ..capture_report import CaptureReport
-from ..errors import CudaGraphRunnerError
-from ..weights import WeightsFingerprint
+from ..backend.errors import CudaGraphRunnerError
+from .capture_report import CaptureReport
+from .weights import WeightsFingerprint
 
 if TYPE_CHECKING:
     from .base import BaseCudaGraphRunner

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..buffers import BATCH_AXIS, TOKEN_AXIS, CudaGraphBufferRegistry, accepted_source_dtypes, dtype_mismatch
+from ..backend.buffers import BATCH_AXIS, TOKEN_AXIS, CudaGraphBufferRegistry, accepted_source_dtypes, dtype_mismatch
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -19,8 +19,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ..backend import BaseCudaGraphBackend
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..backend.base import BaseCudaGraphBackend
+from ..backend.forward_batch import ForwardBatch, ForwardMode
 from .fakes import FakeGraphDeviceModule
 
 __all__ = ["TinyDecodeModel", "tiny_decode_batch", "check_device_calls"]

@@ -17,10 +17,10 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
-from ..backend import BaseCudaGraphBackend, ForwardFn, ShapeKey
-from ..buffers import copy_into
-from ..forward_batch import ForwardBatch
-from ..nested import map_tensors
+from ..backend.base import BaseCudaGraphBackend, ForwardFn, ShapeKey
+from ..backend.buffers import copy_into
+from ..backend.forward_batch import ForwardBatch
+from ..backend.nested import map_tensors
 
 Event = Tuple[Any, ...]
 

@@ -12,11 +12,18 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..forward_batch import ForwardBatch
-from ..model_protocol import GraphModel
-from .batches import GreedySession, LogitsFn, eager_logits_fn, greedy_generate, make_decode_batch, make_dummy_prompts
-from .kv_cache import PagedKVCache
-from .model import ReferenceLlamaForCausalLM
+from ..backend.forward_batch import ForwardBatch
+from ..reference.batches import (
+    GreedySession,
+    LogitsFn,
+    eager_logits_fn,
+    greedy_generate,
+    make_decode_batch,
+    make_dummy_prompts,
+)
+from ..reference.kv_cache import PagedKVCache
+from ..reference.model import ReferenceLlamaForCausalLM
+from ..runner.model_protocol import GraphModel
 
 __all__ = [
     "assert_greedy_tokens_equal_eager",

@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..backend.forward_batch import ForwardBatch, ForwardMode
 
 __all__ = ["synthetic_extend_batch"]
 

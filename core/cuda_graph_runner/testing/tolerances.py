@@ -78,7 +78,7 @@ def model_tolerance(config: Any, dtype: Any, *, context_len: int = 0) -> Dict[st
     """:func:`tolerance` for a reference-model output (logits or hidden states).
 
     Args:
-        config: a :class:`~cuda_graph_runner.testing.model.ModelConfig` (or a model with a
+        config: a :class:`~cuda_graph_runner.reference.model.ModelConfig` (or a model with a
             ``config`` attribute): its hidden and intermediate sizes are the reductions,
             its layers (plus the LM head) the depth.
         dtype: the model's dtype.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
 
 
 class ToyModel(torch.nn.Module):

@@ -2,10 +2,10 @@
 
 :func:`run_ranks` spawns ``world_size`` processes with torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), so each calls
-:func:`cuda_graph_runner.distributed.init_tensor_parallel` exactly as under ``torchrun``;
+:func:`cuda_graph_runner.runner.distributed.init_tensor_parallel` exactly as under ``torchrun``;
 each rank returns a picklable value, and the parent gets them in rank order. Every rank
-ends through :func:`~cuda_graph_runner.distributed.shutdown` (bounded) and
-:func:`~cuda_graph_runner.distributed.exit_now` (no exit hook can hang), and the parent
+ends through :func:`~cuda_graph_runner.runner.distributed.shutdown` (bounded) and
+:func:`~cuda_graph_runner.runner.distributed.exit_now` (no exit hook can hang), and the parent
 kills whatever is still alive at the deadline: a hung collective or teardown fails the
 call, it never hangs it.
 """
@@ -46,7 +46,7 @@ def _child(
     )
     code = 0
     try:
-        from ..distributed import init_tensor_parallel, shutdown
+        from ..runner.distributed import init_tensor_parallel, shutdown
 
         tp = init_tensor_parallel(world_size, device_type=device_type, timeout_s=group_timeout_s)
         try:
@@ -61,7 +61,7 @@ def _child(
         code = 1
     results.close()
     results.join_thread()  # the value is in the pipe before the process ends
-    from ..distributed import exit_now
+    from ..runner.distributed import exit_now
 
     exit_now(code)
 

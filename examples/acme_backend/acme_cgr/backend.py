@@ -30,8 +30,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
-from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.nested import iter_tensors, map_pairs
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.nested import iter_tensors, map_pairs
 
 #: Static-batch fields whose addresses must not change between replays of one key, per
 #: phase: decode keys by batch size, so the per-request tensors live in static buffers
@@ -68,7 +68,7 @@ class AcmeDebugBackend(BaseCudaGraphBackend):
     """
 
     #: Every replay re-runs the forward's Python on the live batch: nothing is frozen, so
-    #: host reads (prefill's per-request lengths) are free (cuda_graph_runner.host_guard).
+    #: host reads (prefill's per-request lengths) are free (cuda_graph_runner.backend.host_guard).
     host_value_guard = "off"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -8,9 +8,9 @@ import torch
 from acme_cgr.backend import AcmeDebugBackend, GraphInvariantError
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 
 
 @pytest.fixture()
@@ -88,7 +88,7 @@ _KEEP = []
 
 
 def _static():
-    from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+    from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
 
     t = torch.zeros(1, dtype=torch.int64)
     batch = ForwardBatch(

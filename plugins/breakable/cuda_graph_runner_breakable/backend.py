@@ -2,7 +2,7 @@
 
 Idea from sglang's breakable CUDA graph (PR #19102; ``BreakableCUDAGraph``,
 ``eager_on_graph``) and vLLM's ``breakable_cudagraph.py``: one capture drives the whole
-forward; every op marked with :func:`cuda_graph_runner.graph_break.eager_op` ends the
+forward; every op marked with :func:`cuda_graph_runner.backend.graph_break.eager_op` ends the
 current graph segment, runs once eagerly, is recorded as a replay closure, and a new
 segment begins. Replay runs ``segment 0, op 0, segment 1, op 1, ..., segment N``, so the
 ops that must see live, variable-length metadata (prefill attention) run on the live
@@ -10,7 +10,7 @@ batch while everything between them replays from graphs. No torch.compile.
 
 Capture-safe ops stay inside the segments: an op that declares itself capture-safe for
 the captured batch's forward mode (``eager_op(..., capture_safe=("decode", ...))``, see
-:mod:`cuda_graph_runner.graph_break`) is recorded into the open segment like any other
+:mod:`cuda_graph_runner.backend.graph_break`) is recorded into the open segment like any other
 code, with the host-value guard armed inside it, instead of ending the segment. The
 reference attention declares the fixed-width decode modes, so a decode step replays as
 one graph (as ``full`` does, without one Python call and a few launches per layer from
@@ -47,13 +47,12 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
-from cuda_graph_runner.buffers import copy_into
-from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.graph_break import EagerOp, break_handler, breaks_refused, call_eagerly, capture_safe_now
-from cuda_graph_runner.nested import iter_tensors, map_tensors
-from cuda_graph_runner.weak_ref import weak_ref_tensor
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, envs
+from cuda_graph_runner.backend.buffers import copy_into
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.graph_break import EagerOp, break_handler, breaks_refused, call_eagerly, capture_safe_now
+from cuda_graph_runner.backend.nested import iter_tensors, map_tensors
+from cuda_graph_runner.backend.weak_ref import weak_ref_tensor
 
 from .leak_check import LeakCheck
 
@@ -194,10 +193,10 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     context.
 
     A marked op declared capture-safe for the captured batch's forward mode
-    (``capture_safe=`` of :func:`~cuda_graph_runner.graph_break.eager_op`) does not end the
+    (``capture_safe=`` of :func:`~cuda_graph_runner.backend.graph_break.eager_op`) does not end the
     segment: its body is recorded into it, like the model code around it, with the
     host-value guard armed (a host read there raises
-    :class:`~cuda_graph_runner.errors.CudaGraphHostValueError` at capture). With the
+    :class:`~cuda_graph_runner.backend.errors.CudaGraphHostValueError` at capture). With the
     reference model a decode shape is then one segment; prefill shapes keep one break per
     attention. ``BreakableGraph.inlined`` lists the ops so recorded.
 
@@ -234,7 +233,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
     """
 
     #: Marked ops run eagerly at replay on the live batch; the model body between them is
-    #: frozen into segments (cuda_graph_runner.host_guard).
+    #: frozen into segments (cuda_graph_runner.backend.host_guard).
     host_value_guard = "outside_marked_ops"
 
     def __init__(
@@ -341,7 +340,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
                     "the tensors of the capture, and a host tensor holds the values it had then "
                     "(stale metadata). Pass device tensors at stable addresses (static buffers, weights, "
                     "KV cache, tensors computed in the graph) and read host metadata inside the op "
-                    "from cuda_graph_runner.forward_context.get_forward_batch()"
+                    "from cuda_graph_runner.backend.context.get_forward_batch()"
                 )
 
     def freeze(self, value: Any) -> Any:
@@ -384,11 +383,11 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         of ``key``: the number of graph segments, the marked ops replayed eagerly between
         them (``ops_between[i]`` after segment ``i``), the marked ops recorded inside the
         segments, and node/kernel counts summed over the segments and per segment (None
-        where torch cannot tell: :mod:`cuda_graph_runner.graph_nodes`); ``{}`` for a key
+        where torch cannot tell: :mod:`cuda_graph_runner.backend.graph_nodes`); ``{}`` for a key
         not captured."""
         if key not in self.graph_table:
             return {}
-        from cuda_graph_runner.graph_nodes import graph_node_counts
+        from cuda_graph_runner.backend.graph_nodes import graph_node_counts
 
         graph = self.graph(key)
         counts = [graph_node_counts(segment) for segment in graph.segments]

@@ -37,9 +37,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cuda_graph_runner.graph_break import NAMESPACE, EagerOp, registered_eager_ops
-from cuda_graph_runner.host_guard import run_marked_op
-from cuda_graph_runner.nested import iter_tensors
+from cuda_graph_runner.backend.graph_break import NAMESPACE, EagerOp, registered_eager_ops
+from cuda_graph_runner.backend.host_guard import run_marked_op
+from cuda_graph_runner.backend.nested import iter_tensors
 
 __all__ = ["Leak", "LeakCheck"]
 

@@ -21,12 +21,12 @@ from breakable_mix_model import MixModel as SharedMixModel
 from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.forward_context import forward_context, get_forward_batch
-from cuda_graph_runner.graph_break import eager_op
+from cuda_graph_runner.backend.context import forward_context, get_forward_batch
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.reference.model import PRESETS
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
-from cuda_graph_runner.testing.model import PRESETS
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import decode_batch
@@ -291,7 +291,7 @@ REF_TOL = model_tolerance(PRESETS["tiny"], torch.float32, context_len=48)
 
 @pytest.fixture(scope="module")
 def reference():
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32)
     model.create_kv_cache(num_slots=4096, max_reqs=32, max_context_len=48)
@@ -299,7 +299,7 @@ def reference():
 
 
 def test_emulated_reference_prefill_matches_eager_with_prefixes(reference):
-    from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+    from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 
     cache = reference.kv_cache
     dm = EmulatedGraphDeviceModule()
@@ -327,7 +327,12 @@ def test_emulated_reference_prefill_matches_eager_with_prefixes(reference):
 
 
 def test_emulated_reference_decode_matches_eager(reference):
-    from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+    from cuda_graph_runner.reference.batches import (
+        GreedySession,
+        eager_logits_fn,
+        make_decode_batch,
+        make_dummy_prompts,
+    )
 
     cache = reference.kv_cache
     dm = EmulatedGraphDeviceModule()
@@ -536,7 +541,7 @@ def test_weak_ref_args_default_comes_from_the_environment(monkeypatch):
 
 
 def test_emulated_replay_is_a_named_range_in_a_cpu_profiler_trace(tmp_path):
-    from cuda_graph_runner.profiling import trace_ranges
+    from cuda_graph_runner.backend.profiling import trace_ranges
 
     backend = breakable(EmulatedGraphDeviceModule())
     runner = prefill_runner(MixModel(), backend, max_bs=8)

@@ -16,9 +16,9 @@ import torch
 from breakable_mix_model import MixModel as SharedMixModel
 from breakable_mix_model import request_lens
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.forward_context import get_forward_batch
-from cuda_graph_runner.graph_break import eager_op
+from cuda_graph_runner.backend import envs
+from cuda_graph_runner.backend.context import get_forward_batch
+from cuda_graph_runner.backend.graph_break import eager_op
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend, BreakableLeakedOutputError
@@ -168,8 +168,8 @@ def test_clean_models_pass_the_check_and_replay_as_eager(returning):
 
 
 def test_the_reference_model_passes_the_check():
-    from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32)
     model.create_kv_cache(num_slots=1024, max_reqs=8, max_context_len=32)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from breakable_mix_model import request_lens
 
-from cuda_graph_runner.forward_context import get_forward_batch
-from cuda_graph_runner.graph_break import eager_op
+from cuda_graph_runner.backend.context import get_forward_batch
+from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.reference_setup import reference_model
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 

@@ -17,9 +17,9 @@ from typing import Any, List
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
 
 pytestmark = pytest.mark.gpu

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.testing.reference_setup import assert_greedy_tokens_equal_eager, reference_model
 
 pytestmark = pytest.mark.gpu

@@ -20,20 +20,20 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.errors import CudaGraphHostValueError
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.forward_context import get_forward_batch
-from cuda_graph_runner.graph_break import eager_op
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.backend.context import get_forward_batch
+from cuda_graph_runner.backend.errors import CudaGraphHostValueError
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     make_decode_batch,
     make_dummy_prompts,
     make_extend_batch,
 )
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_breakable.backend import ENV_INLINE_SAFE_OPS, BreakableCudaGraphBackend

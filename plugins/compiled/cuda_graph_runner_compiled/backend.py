@@ -11,7 +11,7 @@ How it runs:
 
 ``prepare(plan)``
     Remembers the capture plan's model, its forward as written
-    (:func:`~cuda_graph_runner.model_forward.forward_as_written`: never another
+    (:func:`~cuda_graph_runner.backend.model_forward.forward_as_written`: never another
     backend's dispatcher) and the plan's ``forward`` (the runner's public "what one graph
     records" method).
 ``capture_one(key, forward_fn)``
@@ -25,7 +25,7 @@ How it runs:
 ``replay(key, static_batch)``
     ``plan.forward(static_batch)`` with ``key``'s compiled forward in place of
     ``model.forward`` (only for the call and only in the calling thread:
-    :func:`~cuda_graph_runner.model_forward.forward_replaced`; the runner's eager
+    :func:`~cuda_graph_runner.backend.model_forward.forward_replaced`; the runner's eager
     fallback, any other backend on the model and other threads see the forward as
     written) and with dispatch below the autograd and ADInplaceOrView keys
     (:func:`_below_autograd`). The output is fresh tensors per call, which the contract
@@ -39,7 +39,7 @@ captures only the compiled sizes.
 
 What pays on the CPU (``tiny`` preset, float32, batch 1, one thread, 2-core machine;
 eager / compiled per step, the median of 9 interleaved rounds,
-:func:`cuda_graph_runner.bench_measure.paired_ms`):
+:func:`cuda_graph_runner.cli.bench.measure.paired_ms`):
 
 * ``cpp_wrapper`` (kept, :data:`DEFAULT_INDUCTOR_OPTIONS`): the compiled graph's host
   code in C++ (numbers there).
@@ -56,7 +56,7 @@ eager / compiled per step, the median of 9 interleaved rounds,
 * Threads: with more intra-op threads than the CPUs other processes leave free, every
   OpenMP region waits for a descheduled thread (5-50x per step, eager alike); one thread
   suits a small model on a shared CPU (the bench runs half the CPUs,
-  :mod:`cuda_graph_runner.cpu_threads`). The generated kernels read the thread count at
+  :mod:`cuda_graph_runner.cli.bench.cpu_threads`). The generated kernels read the thread count at
   run time (the compile cache scope sets ``cpp.dynamic_threads``), so one cache entry
   serves every count.
 * Where it does not pay: a model whose decode step is its matmuls (SmolLM2-135M, 30
@@ -77,12 +77,11 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
-from cuda_graph_runner.capture_plan import CapturePlan
-from cuda_graph_runner.compile_cache import compile_cache_scope
-from cuda_graph_runner.forward_batch import ForwardBatch
-from cuda_graph_runner.model_forward import entry_function, forward_as_written, forward_replaced
+from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, envs
+from cuda_graph_runner.backend.capture_plan import CapturePlan
+from cuda_graph_runner.backend.compile_cache import compile_cache_scope
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.model_forward import entry_function, forward_as_written, forward_replaced
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class CompiledBackend(BaseCudaGraphBackend):
             by one size's compile time.
         inductor_options: inductor config patches (``torch.compile(options=...)``) for
             ``"inductor"``; None means :data:`DEFAULT_INDUCTOR_OPTIONS`.
-        cache: compile inside :func:`cuda_graph_runner.compile_cache.compile_cache_scope`
+        cache: compile inside :func:`cuda_graph_runner.backend.compile_cache.compile_cache_scope`
             (inductor's and AOTAutograd's caches under this project's cache root, so a
             second process compiles from them; Dynamo still traces, see ``capture_one``);
             False leaves torch's settings alone.

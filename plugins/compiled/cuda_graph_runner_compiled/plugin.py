@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from cuda_graph_runner.hookspecs import BackendSpec, backend_hooks
+from cuda_graph_runner.backend.hookspecs import BackendSpec, backend_hooks
 
 from .toolchain import probe  # torch loads lazily, when it is called
 
 # Never the runner's default (no default_for): compiling costs tens of seconds per size
-# on a small CPU. `cuda-graph-runner bench` picks it on the CPU by name (cuda_graph_runner.bench).
+# on a small CPU. `cuda-graph-runner bench` picks it on the CPU by name (cuda_graph_runner.cli.bench.command).
 cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
     BackendSpec(
         name="compiled",

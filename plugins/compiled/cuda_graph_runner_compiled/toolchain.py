@@ -16,7 +16,7 @@ import subprocess
 import sysconfig
 from typing import Optional
 
-from cuda_graph_runner import envs
+from cuda_graph_runner.backend import envs
 
 
 def probe(device_type: str) -> Optional[str]:

@@ -17,16 +17,16 @@ import torch
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     greedy_generate,
     make_decode_batch,
     make_dummy_prompts,
 )
+from cuda_graph_runner.reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import CountingCompiler
-from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_compiled import toolchain
 from cuda_graph_runner_compiled.backend import CompiledBackend
@@ -231,7 +231,7 @@ def test_listed_on_cpu_with_its_probe_and_never_the_runner_default():
 
 
 def test_bench_picks_it_on_the_cpu(monkeypatch):
-    from cuda_graph_runner.bench_backends import plan_phase
+    from cuda_graph_runner.cli.bench.backends import plan_phase
     from cuda_graph_runner.config import CudaGraphConfig
 
     def choose():
@@ -265,7 +265,7 @@ def test_inductor_equals_eager_and_a_second_start_compiles_from_the_cache(tmp_pa
     in-memory code gone) with the same cache folder: every inductor lookup hits and none
     misses, so it generates no code (lowering and C++ builds are what the cache saves).
     """
-    from cuda_graph_runner.compile_cache import cache_counters, compile_cache_dir
+    from cuda_graph_runner.backend.compile_cache import cache_counters, compile_cache_dir
 
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
     # The inductor caches alone here; Dynamo's cached code: test_compiled_cache.py.

@@ -23,8 +23,8 @@ import textwrap
 import pytest
 import torch
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.testing.model import ModelConfig
+from cuda_graph_runner.backend import envs
+from cuda_graph_runner.reference.model import ModelConfig
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_compiled import toolchain
 
@@ -39,10 +39,10 @@ START = textwrap.dedent(
     import json, sys
     import torch
     from torch._dynamo.utils import counters
-    from cuda_graph_runner.compile_cache import cache_counters
+    from cuda_graph_runner.backend.compile_cache import cache_counters
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-    from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
     from cuda_graph_runner.testing.tolerances import model_tolerance
     from cuda_graph_runner_compiled.backend import CompiledBackend
 

@@ -8,9 +8,9 @@ from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 import torch
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, compiled_verify_tolerance
-from cuda_graph_runner.capture_plan import CapturePlan
+from cuda_graph_runner.backend.capture_plan import CapturePlan
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
 from cuda_graph_runner.config import CudaGraphConfigError
-from cuda_graph_runner.forward_batch import ForwardBatch
 
 from .compiled import CompiledForward
 
@@ -33,7 +33,7 @@ class FullCudaGraphBackend(BaseCudaGraphBackend):
 
     Args (beyond ``BaseCudaGraphBackend``'s):
         weak_ref_outputs: keep non-owning aliases of each shape's outputs (CUDA only),
-            so the shapes share pool memory (:mod:`cuda_graph_runner.weak_ref`). An output
+            so the shapes share pool memory (:mod:`cuda_graph_runner.backend.weak_ref`). An output
             is valid until the next replay either way.
         compiler: ``"eager"`` (the forward as written) or ``"inductor"`` (compiled full:
             :mod:`cuda_graph_runner_full.compiled`); None reads ``phase_config.torch_compile``

@@ -29,7 +29,7 @@ How it runs (:class:`CompiledForward`):
     batch 32, the same kernels as reduce-overhead; a few seconds of compile per size).
     At a compile size the *bodies* of the marked ops get compiled too (next section).
     The pass runs inside
-    :func:`cuda_graph_runner.compile_cache.compile_cache_scope`, so a second process
+    :func:`cuda_graph_runner.backend.compile_cache.compile_cache_scope`, so a second process
     compiles from the disk cache.
 ``capture_one`` / verify
     While ``full`` warms up and records a size, and while verify mode computes its
@@ -59,12 +59,12 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
-from cuda_graph_runner import progress
-from cuda_graph_runner.compile_cache import cache_counters, compile_cache_scope, compile_key
+from cuda_graph_runner.backend import progress
+from cuda_graph_runner.backend.compile_cache import cache_counters, compile_cache_scope, compile_key
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.graph_break import marked_op_bodies
+from cuda_graph_runner.backend.model_forward import entry_function, forward_as_written, forward_replaced
 from cuda_graph_runner.config import CudaGraphConfigError
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.graph_break import marked_op_bodies
-from cuda_graph_runner.model_forward import entry_function, forward_as_written, forward_replaced
 
 from .op_bodies import compiled_op_bodies
 
@@ -104,7 +104,7 @@ class CompiledForward:
         dynamo_graphs: graphs of the forward Dynamo handed the compiler so far: 1 for
             the dynamic sizes >= 2, 1 for size 1 when captured, 1 per static size; more
             means a recompile; 0 when the compile cache had Dynamo's code
-            (:mod:`cuda_graph_runner.compile_cache_dynamo`).
+            (:mod:`cuda_graph_runner.backend.compile_cache_dynamo`).
         op_body_graphs: graphs of marked-op bodies compiled so far (compile sizes only;
             a body may take a few per size: it graph-breaks where it reads the forward
             context, and its first layer's call computes the step's metadata).
@@ -259,7 +259,7 @@ class CompiledForward:
         first) on the plan's capture batches; returns and records the seconds.
 
         Args:
-            plan: the runner's :class:`~cuda_graph_runner.capture_plan.CapturePlan`.
+            plan: the runner's :class:`~cuda_graph_runner.backend.capture_plan.CapturePlan`.
 
         Raises:
             CudaGraphConfigError: a static size is not among the plan's sizes (before

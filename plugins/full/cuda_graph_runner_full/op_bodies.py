@@ -4,7 +4,7 @@ A marked op (attention) is one opaque custom op to the compiled forward, so indu
 cannot fuse what runs inside it, and ``torch.compile(mode="reduce-overhead")`` runs it
 as written too. At each compile size compiled full runs every marked op's Python body
 through a ``torch.compile`` of its own (:func:`compiled_op_bodies`, installed with
-:func:`cuda_graph_runner.graph_break.marked_op_bodies`): the op stays opaque to the
+:func:`cuda_graph_runner.backend.graph_break.marked_op_bodies`): the op stays opaque to the
 forward's graph and to the capture, while the gathers, mask conversion and copies
 around its attention kernel become a few Triton kernels (H200, llama-3.2-1b, 16 layers,
 batch 32: the step 0.993x -> 0.924x reduce-overhead's; docs/benchmarks.md).
@@ -15,14 +15,14 @@ What each compiled body call keeps true:
   the config turned it off), also while Dynamo traces the body in the compile pass: the
   guard's checks are evaluated once at trace time and folded into the code, so a body
   that reads a host value raises
-  :class:`~cuda_graph_runner.errors.CudaGraphHostValueError` there rather than
+  :class:`~cuda_graph_runner.backend.errors.CudaGraphHostValueError` there rather than
   freezing the value into every replay;
 * Dynamo's recompile limit covers every size: a body usually graph-breaks early (the
   forward context is a ``ContextVar``, which Dynamo does not trace), so the functions it
   calls are compiled as frames of their own, shared by all sizes, a few entries per size;
 * nothing is recorded into Dynamo's package cache (torch cannot file a marked op's body
   under its module name, which holds the ``EagerOp``:
-  :func:`cuda_graph_runner.compile_cache_dynamo.precompile_paused`); inductor's caches
+  :func:`cuda_graph_runner.backend.compile_cache_dynamo.precompile_paused`); inductor's caches
   still serve the bodies' code.
 
 A body that must not be compiled opts out with ``torch.compiler.disable`` applied under
@@ -39,10 +39,10 @@ from typing import Any, Callable, Dict, Iterator, Sequence
 
 import torch
 
-from cuda_graph_runner.compile_cache_dynamo import precompile_paused
-from cuda_graph_runner.graph_break import registered_eager_ops
-from cuda_graph_runner.host_guard import SCOPE_FORWARD, host_value_guard
-from cuda_graph_runner.model_forward import entry_function
+from cuda_graph_runner.backend.compile_cache_dynamo import precompile_paused
+from cuda_graph_runner.backend.graph_break import registered_eager_ops
+from cuda_graph_runner.backend.host_guard import SCOPE_FORWARD, host_value_guard
+from cuda_graph_runner.backend.model_forward import entry_function
 
 #: Dynamo cache entries allowed per body frame and compile size (first, middle and last
 #: layer's call of the reference attention make 3).

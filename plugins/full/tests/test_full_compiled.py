@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.backend.context import forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch

@@ -15,13 +15,13 @@ import shutil
 import pytest
 import torch
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.compile_cache import cache_counters
-from cuda_graph_runner.forward_context import forward_context
+from cuda_graph_runner.backend import envs
+from cuda_graph_runner.backend.compile_cache import cache_counters
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+from cuda_graph_runner.reference.model import ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
-from cuda_graph_runner.testing.model import ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 

@@ -18,17 +18,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.forward_batch import as_static_batch
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import (
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.forward_batch import as_static_batch
+from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
     greedy_generate,
     make_decode_batch,
     make_dummy_prompts,
 )
-from cuda_graph_runner.testing.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,7 +127,7 @@ def test_greedy_tokens_match_eager_bf16():
 
 
 def test_second_start_compiles_from_the_disk_cache(tmp_path, monkeypatch):
-    from cuda_graph_runner.compile_cache import cache_counters
+    from cuda_graph_runner.backend.compile_cache import cache_counters
 
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
     model = _model(torch.float32)
@@ -144,7 +144,7 @@ def test_second_start_compiles_from_the_disk_cache(tmp_path, monkeypatch):
             runner.cleanup()
     first, second = counts
     assert first["fx_miss"] >= 1 and first["fx_hit"] == 0 and first["dynamo_miss"] == 1, first
-    # The second start loads Dynamo's traced code (cuda_graph_runner.compile_cache_dynamo):
+    # The second start loads Dynamo's traced code (cuda_graph_runner.backend.compile_cache_dynamo):
     # no trace, so no FX or AOTAutograd lookup either; nothing generated.
     assert second["dynamo_hit"] == 1 and second["fx_miss"] == 0 and second["aot_miss"] == 0, second
     assert runner.backend.compiled_forward.dynamo_graphs == 0, "Dynamo traced again in the second start"
@@ -192,7 +192,7 @@ def test_bench_full_inductor_on_the_default_model_is_within_its_tolerance(capsys
     """``cuda-graph-runner bench --decode-backends full,full+torch_compile`` with compile sizes on
     llama-3.2-1b in bfloat16 (the bench's default) once exited 1: compiled full was held to
     the near-exact bound of the eager forward (0.121 / 0.133 from eager at batch 1 / 4)."""
-    from cuda_graph_runner.cli import main
+    from cuda_graph_runner.cli.command import main
 
     torch._dynamo.reset()
     argv = ["bench", "--decode-backends", "full,full+torch_compile", "--cuda-graph-compile-sizes-decode", "1,4"]

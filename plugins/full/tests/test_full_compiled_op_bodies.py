@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.compile_cache import compile_cache_scope, compile_key
-from cuda_graph_runner.errors import CudaGraphHostValueError
-from cuda_graph_runner.forward_context import forward_context, get_forward_batch
-from cuda_graph_runner.graph_break import eager_op
+from cuda_graph_runner.backend.compile_cache import compile_cache_scope, compile_key
+from cuda_graph_runner.backend.context import forward_context, get_forward_batch
+from cuda_graph_runner.backend.errors import CudaGraphHostValueError
+from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.reference_setup import reference_model
 from cuda_graph_runner.testing.toy_model import ToyModel

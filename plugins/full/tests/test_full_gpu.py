@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts
 from cuda_graph_runner.testing.reference_setup import (
     assert_greedy_tokens_equal_eager,
     prefilled_decode_batch,

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
-from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphRunnerError
-from cuda_graph_runner.forward_batch import ForwardBatch
+from cuda_graph_runner.backend.errors import BackendUnavailableError, CudaGraphRunnerError
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
 
 from .torch_npu_api import DEFAULT_UPDATE_INPUT_NAME, graph_api_problems, load_torch_npu
 
@@ -149,7 +149,7 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
         """``"outside_marked_ops"`` with host-input updates on (a marked attention op may pass
         ``seq_lens_cpu`` to the fused attention op, whose host argument each replay's update
         rebinds), else ``"forward"``: the whole recorded forward is frozen
-        (:mod:`cuda_graph_runner.host_guard`)."""
+        (:mod:`cuda_graph_runner.backend.host_guard`)."""
         return "outside_marked_ops" if self.updates_host_inputs else "forward"
 
     @property

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
+from cuda_graph_runner.backend.errors import BackendUnavailableError
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.backend.pool import reset_global_graph_memory_pools
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.errors import BackendUnavailableError
-from cuda_graph_runner.forward_batch import ForwardMode
-from cuda_graph_runner.pool import reset_global_graph_memory_pools
 from cuda_graph_runner.registry import check_backend_class
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule

@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import pytest
 
-from cuda_graph_runner import envs
+from cuda_graph_runner.backend import envs
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule, RecordingNPUModule
 from cuda_graph_runner_npu.torch_npu_api import DEFAULT_UPDATE_INPUT_NAME, GRAPH_API, NPUGRAPH_API
 

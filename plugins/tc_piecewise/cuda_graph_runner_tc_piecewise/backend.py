@@ -4,7 +4,7 @@ The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
 ``compilation/``) and vLLM's piecewise mode, as a plugin. How it runs:
 
 ``prepare(plan)`` (once, before the capture session; the runner's
-:class:`~cuda_graph_runner.capture_plan.CapturePlan`)
+:class:`~cuda_graph_runner.backend.capture_plan.CapturePlan`)
     Wraps the model's forward through the contract (``plan.wrap_model_forward``; sglang
     ``install_torch_compiled``): while this backend is at work (an *activity* is set:
     compile pass, warm-up, capture, replay) the model's forward is
@@ -78,14 +78,21 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch._dynamo
 
-from cuda_graph_runner import envs, progress
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, compiled_verify_tolerance
-from cuda_graph_runner.capture_plan import CapturePlan
-from cuda_graph_runner.compile_cache import compile_cache_scope
-from cuda_graph_runner.errors import BackendUnavailableError, CudaGraphHostValueError
-from cuda_graph_runner.forward_batch import ForwardBatch, as_static_batch
-from cuda_graph_runner.forward_context import forward_context
-from cuda_graph_runner.model_forward import entry_function
+from cuda_graph_runner.backend import (
+    BaseCudaGraphBackend,
+    ForwardFn,
+    ShapeKey,
+    WarmupHook,
+    compiled_verify_tolerance,
+    envs,
+    progress,
+)
+from cuda_graph_runner.backend.capture_plan import CapturePlan
+from cuda_graph_runner.backend.compile_cache import compile_cache_scope
+from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend.errors import BackendUnavailableError, CudaGraphHostValueError
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, as_static_batch
+from cuda_graph_runner.backend.model_forward import entry_function
 
 from .compiler import PIECE_COMPILERS, CompiledGraph, PiecewiseDynamoBackend
 from .errors import TcPiecewiseCompileError, exception_chain
@@ -250,7 +257,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
 
     Raises:
         ValueError: unknown compiler.
-        cuda_graph_runner.errors.BackendUnavailableError: ``inductor`` on CUDA without Triton.
+        cuda_graph_runner.backend.errors.BackendUnavailableError: ``inductor`` on CUDA without Triton.
         TcPiecewiseCompileError: (from ``prepare``) torch.compile could not trace the
             model's forward as one graph, or a piece failed to compile; the message names
             the forward or the piece and the op.
@@ -260,7 +267,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
     #: Call 1 warms the pieces up, call 2 captures them (sglang's tc_piecewise capture_one).
     num_warmups = 1
     #: What Dynamo traces is frozen (direct replay skips its guards); the marked ops and the
-    #: decode LM head run eagerly at replay (cuda_graph_runner.host_guard).
+    #: decode LM head run eagerly at replay (cuda_graph_runner.backend.host_guard).
     host_value_guard = "trace"
 
     def __init__(
@@ -303,7 +310,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         self.compiled_graphs: List[CompiledGraph] = []
         self._plan: Optional[CapturePlan] = None
         self._model: Any = None
-        #: The contract's stand-in for the model's forward (cuda_graph_runner.model_forward).
+        #: The contract's stand-in for the model's forward (cuda_graph_runner.backend.model_forward).
         self._forward_wrapper: Any = None
         self._compiled: Optional[Callable[..., Any]] = None
         #: Per captured key: how a replay calls the split module directly (None: it cannot).
@@ -345,7 +352,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         start = time.perf_counter()
         self._bind(plan)
         self._plan = plan
-        # inductor's work is cached on disk across processes (cuda_graph_runner.compile_cache).
+        # inductor's work is cached on disk across processes (cuda_graph_runner.backend.compile_cache).
         cache = compile_cache_scope() if self.compiler == "inductor" else contextlib.nullcontext()
         keys = list(plan.keys)
         with cache:
@@ -501,7 +508,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
                 return TcPiecewiseCompileError(str(e))
             if isinstance(e, CudaGraphHostValueError):  # a copy: the original is in exc's chain
                 return CudaGraphHostValueError(str(e), field=e.field, backend=e.backend, phase=e.phase)
-        from cuda_graph_runner.graph_break import registered_eager_ops
+        from cuda_graph_runner.backend.graph_break import registered_eager_ops
 
         model = type(self._model).__name__
         marked = ", ".join(sorted(op.qualname for op in registered_eager_ops().values())) or "none registered"
@@ -511,7 +518,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         return TcPiecewiseCompileError(
             f"tc_piecewise: torch.compile could not turn {model}.forward into one graph to split at the marked ops "
             f"({marked}); the model code must be traceable by Dynamo with fullgraph=True (mark eager-only code "
-            f"with cuda_graph_runner.graph_break.eager_op). Dynamo says: {type(exc).__name__}: {detail}"
+            f"with cuda_graph_runner.backend.graph_break.eager_op). Dynamo says: {type(exc).__name__}: {detail}"
         )
 
     def verify_tolerance(self, dtype: torch.dtype) -> Tuple[float, float]:
@@ -610,10 +617,10 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         """``{"pieces", "piece_names", "nodes", "kernels"}`` of ``key``: how many compiled
         pieces hold a graph of ``key`` (the marked ops run eagerly between them), their
         names, and node/kernel counts summed over those graphs (None where torch cannot
-        tell: :mod:`cuda_graph_runner.graph_nodes`); ``{}`` for a key not captured."""
+        tell: :mod:`cuda_graph_runner.backend.graph_nodes`); ``{}`` for a key not captured."""
         if key not in self.graph_table:
             return {}
-        from cuda_graph_runner.graph_nodes import graph_node_counts
+        from cuda_graph_runner.backend.graph_nodes import graph_node_counts
 
         held = [p for g in self.compiled_graphs for p in g.pieces if key in p.entries]
         counts = [graph_node_counts(p.entries[key].graph) for p in held]

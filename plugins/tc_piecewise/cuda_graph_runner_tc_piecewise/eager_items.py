@@ -1,6 +1,6 @@
 """Marked ops between the pieces, called without torch's custom-op dispatcher.
 
-Dynamo records a marked op (:mod:`cuda_graph_runner.graph_break`) as a call of its
+Dynamo records a marked op (:mod:`cuda_graph_runner.backend.graph_break`) as a call of its
 ``torch.ops.cuda_graph_runner.<name>`` custom op, so the split module's eager items go
 through the dispatcher at every step: the autograd layer, ``ADInplaceOrView`` (a version
 bump of ``output``), the device-kernel lookup and a ``torch._dynamo.disable`` wrapper,
@@ -34,8 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from cuda_graph_runner.graph_break import EagerOp, eager_op_for_target
-from cuda_graph_runner.host_guard import run_marked_op
+from cuda_graph_runner.backend.graph_break import EagerOp, eager_op_for_target
+from cuda_graph_runner.backend.host_guard import run_marked_op
 
 logger = logging.getLogger(__name__)
 

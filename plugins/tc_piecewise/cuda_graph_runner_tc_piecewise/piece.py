@@ -15,7 +15,7 @@ worked on. Each piece reads it on every call (sglang ``CUDAPiecewiseBackend``, v
 Outputs keep their addresses: every replay returns the very tensors the capture call
 produced, so the eager op after a piece and the next piece read what they read when
 they were captured. On CUDA those tensors are kept as *weak references* (non-owning
-aliases, :func:`cuda_graph_runner.weak_ref.weak_ref_tensors`): the capture call returns the real tensors,
+aliases, :func:`cuda_graph_runner.backend.weak_ref.weak_ref_tensors`): the capture call returns the real tensors,
 whose blocks go back to the graph pool once the capture-time forward drops them, so
 later captures (other sizes) reuse them instead of every size pinning its activations.
 This is safe because the pool is shared only by graphs that never replay at the same
@@ -35,8 +35,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.graph_break import breaks_refused
-from cuda_graph_runner.weak_ref import weak_ref_tensors
+from cuda_graph_runner.backend.graph_break import breaks_refused
+from cuda_graph_runner.backend.weak_ref import weak_ref_tensors
 
 from .errors import TcPiecewiseRuntimeError, failing_line, one_line
 

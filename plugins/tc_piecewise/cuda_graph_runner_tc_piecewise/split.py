@@ -1,7 +1,7 @@
 """Split a Dynamo FX graph at the marked eager ops.
 
 Every ``call_function`` node whose target is a marked op
-(:func:`cuda_graph_runner.graph_break.is_eager_op_target`, the custom ops
+(:func:`cuda_graph_runner.backend.graph_break.is_eager_op_target`, the custom ops
 ``cuda_graph_runner::<name>``) becomes a submodule of its own; the nodes between two
 marked ops form one *piece*. The result is a module that calls, in the original order,
 piece, eager op, piece, ... (vLLM ``split_graph`` in ``vllm/compilation/backends.py``;
@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from cuda_graph_runner.graph_break import is_eager_op_target
+from cuda_graph_runner.backend.graph_break import is_eager_op_target
 
 __all__ = ["SplitItem", "SplitGraph", "is_split_node", "op_name", "split_graph"]
 

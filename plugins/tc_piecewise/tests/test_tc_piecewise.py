@@ -17,22 +17,21 @@ import torch
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 from torch._dynamo.utils import counters
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.forward_context import forward_context, get_forward_batch
-from cuda_graph_runner.graph_break import eager_op, is_eager_op_target
-from cuda_graph_runner.model_forward import forward_wrappers
+from cuda_graph_runner.backend import ShapeKey, envs
+from cuda_graph_runner.backend.capture_plan import build_capture_plan
+from cuda_graph_runner.backend.context import forward_context, get_forward_batch
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.backend.graph_break import eager_op, is_eager_op_target
+from cuda_graph_runner.backend.model_forward import forward_wrappers
+from cuda_graph_runner.backend.weak_ref import weak_ref_tensor
+from cuda_graph_runner.reference.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.runner.capture_plan import build_capture_plan
-from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
-from cuda_graph_runner.testing.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.reference_setup import prefilled_decode_batch, reference_model, staggered_lengths
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
-from cuda_graph_runner.weak_ref import weak_ref_tensor
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 from cuda_graph_runner_tc_piecewise.errors import TcPiecewiseCompileError, TcPiecewiseRuntimeError
@@ -660,7 +659,7 @@ def test_a_capture_inside_refused_breaks_names_the_reason_instead_of_a_duplicate
     """A forward that refuses breaks (a draft runner's steps after the first) cannot run on
     tc_piecewise, whose pieces end at every marked op: refused naming the reason (before,
     step 1's pieces reported 'already holds a graph')."""
-    from cuda_graph_runner.graph_break import refuse_breaks
+    from cuda_graph_runner.backend.graph_break import refuse_breaks
 
     model = reference_model("tiny", requests=8, device="cpu")
     decode = decode_runner(model, [2], backend=backend("decode", device_module=emulated, enable_capture=True))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.config import PhaseConfig
+from cuda_graph_runner.reference.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.reference_setup import (
     assert_greedy_tokens_equal_eager,
     free_requests,

@@ -1,4 +1,4 @@
-"""Backend ``tc_piecewise`` with a Hugging Face transformers model (cuda_graph_runner.models.hf;
+"""Backend ``tc_piecewise`` with a Hugging Face transformers model (cuda_graph_runner.reference.models.hf;
 CPU, emulated piece graphs): Dynamo traces transformers' own Mistral code, split at the
 adapter's marked attention op; 5 ragged prompts in one continuous batch, decoded through
 the piece graphs with verify mode on, give the greedy tokens of transformers' eager
@@ -16,8 +16,8 @@ pytest.importorskip(
 from hf_cases import hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler  # noqa: E402
 
+from cuda_graph_runner.reference.batches import eager_logits_fn  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.batches import eager_logits_fn  # noqa: E402
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler  # noqa: E402
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend  # noqa: E402
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 
-from cuda_graph_runner.forward_batch import ForwardMode
+from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.reference_setup import staggered_decode_case
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler

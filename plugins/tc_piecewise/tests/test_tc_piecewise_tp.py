@@ -22,8 +22,8 @@ import pytest
 import torch
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 
-from cuda_graph_runner import envs
-from cuda_graph_runner.testing.model import PRESETS, ReferenceLlamaForCausalLM
+from cuda_graph_runner.backend import envs
+from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.tp_launch import run_ranks
 
@@ -44,7 +44,7 @@ def _install_recording_compiler(dm: EmulatedGraphs, name: str) -> None:
 
 def _session(model, prefill_fn=None, decode_fn=None, chunk_size=None):
     """Prefill (optionally chunked) + STEPS decodes; float32 logits per step and the tokens."""
-    from cuda_graph_runner.testing.batches import GreedySession
+    from cuda_graph_runner.reference.batches import GreedySession
 
     session = GreedySession(model, model.kv_cache, prefill_fn=prefill_fn, decode_fn=decode_fn)
     with torch.no_grad():

@@ -23,7 +23,7 @@ or editable). What is checked:
   every device type without raising; a config string selects it, and an unusable
   backend or phase is refused with its reason;
 * **on a device where the backend is available** (``test_device_*``): the reference
-  model (:mod:`cuda_graph_runner.testing.model`, preset ``tiny``) captured with
+  model (:mod:`cuda_graph_runner.reference.model`, preset ``tiny``) captured with
   ``DecodeCudaGraphRunner`` (decode and target-verify) and, for prefill backends,
   ``PrefillCudaGraphRunner``, replays with outputs equal to eager, including padded
   batch sizes, eager fallback and recapture after ``cleanup()``, and on device index 1

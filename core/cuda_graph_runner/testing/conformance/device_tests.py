@@ -72,7 +72,7 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+        from ...reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         model, runner = self._decode_runner(device_type, self.decode_max_bs)
         cache = model.kv_cache
@@ -106,8 +106,13 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ...forward_batch import ForwardMode
-        from ..batches import eager_logits_fn, make_dummy_prompts, make_extend_batch, make_target_verify_batch
+        from ...backend.forward_batch import ForwardMode
+        from ...reference.batches import (
+            eager_logits_fn,
+            make_dummy_prompts,
+            make_extend_batch,
+            make_target_verify_batch,
+        )
 
         width = 3
         model, runner = self._decode_runner(device_type, 4, mode=ForwardMode.TARGET_VERIFY, num_tokens_per_req=width)
@@ -140,7 +145,7 @@ class DeviceConformanceTests:
         except ImportError as exc:  # an older core
             pytest.skip(f"this core has no PrefillCudaGraphRunner: {exc}")
         from ...config import CudaGraphConfigError
-        from ..batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+        from ...reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 
         # Request slots for backends that fix the request axis (full); the others ignore it.
         slots = max(len(lens) for lens in self.prefill_prompt_lens)
@@ -185,7 +190,7 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+        from ...reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         model, runner = self._decode_runner(device_type, 4)
         cache = model.kv_cache
@@ -211,7 +216,7 @@ class DeviceConformanceTests:
 
         import torch
 
-        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+        from ...reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         module = torch.get_device_module(device_type)
         count = module.device_count() if device_type != "cpu" and hasattr(module, "device_count") else 1
@@ -247,7 +252,7 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+        from ...reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         model, runner = self._decode_runner(device_type, self.decode_max_bs, owned_outputs=True)
         cache = model.kv_cache
@@ -275,8 +280,8 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
+        from ...reference.batches import GreedySession, make_dummy_prompts
         from ...runner import DecodeCudaGraphRunner
-        from ..batches import GreedySession, make_dummy_prompts
 
         model = self.make_model(device_type)
         config = {"decode": {"backend": self.backend_name, "max_bs": 4, "verify": True, "verify_every": 1}}
@@ -306,7 +311,7 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
-        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+        from ...reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         model, runner = self._decode_runner(device_type, 4)
         seen: list = []
@@ -351,8 +356,8 @@ class DeviceConformanceTests:
         device_type = self.device_or_skip()
         import torch
 
+        from ...reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
         from ...runner import DecodeCudaGraphRunner
-        from ..batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 
         max_bs = min(4, self.decode_max_bs)
         model = self.make_model(device_type, attention="planned_standin")

@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Dict, Iterable, Optional, Sequence, Tuple
 import pytest
 
 from ... import registry
-from ...errors import BackendUnavailableError, CudaGraphRunnerError
-from ...hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
+from ...backend.errors import BackendUnavailableError, CudaGraphRunnerError
+from ...backend.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
 from ...registry.discovery import ref_name
 from .device_tests import DEVICE_TESTS, DeviceConformanceTests
 from .packaging import run_python
@@ -135,7 +135,7 @@ class BackendConformanceTests(DeviceConformanceTests):
     ) -> Any:
         """The reference model with an attached KV cache on ``device_type`` (``attention``:
         its attention backend's name, None: ``torch``)."""
-        from ..model import ReferenceLlamaForCausalLM
+        from ...reference.model import ReferenceLlamaForCausalLM
 
         model = ReferenceLlamaForCausalLM.from_preset(
             self.model_preset, dtype=self.torch_dtype(), device=device_type, attention=attention
@@ -146,7 +146,7 @@ class BackendConformanceTests(DeviceConformanceTests):
     def tolerance(self) -> Dict[str, float]:
         """``{"atol", "rtol"}`` of :meth:`assert_close`: the class attributes where set, else
         derived from ``dtype`` and ``model_preset``."""
-        from ..model import PRESETS
+        from ...reference.model import PRESETS
         from ..tolerances import model_tolerance
 
         derived = model_tolerance(PRESETS[self.model_preset], self.dtype, context_len=64)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ... import registry
-from ...hookspecs import ENTRY_POINT_GROUP
+from ...backend.hookspecs import ENTRY_POINT_GROUP
 
 
 def registry_snapshot(device_type: Optional[str] = "cpu") -> List[Dict[str, str]]:

@@ -1,0 +1,464 @@
+"""A reference speculative-decoding loop (greedy) for the reference model, and its drafts.
+
+Per round, for the live requests: the draft proposes ``k`` tokens after each request's
+last committed token; the target verifies them in one TARGET_VERIFY forward of width
+``k + 1`` (``[last, d1 .. dk]``); the longest prefix of drafts equal to the target's own
+greedy tokens is accepted, plus the target's token after it (the bonus); the KV slots of
+the rejected drafts are rolled back (:meth:`PagedKVCache.truncate_request`). With greedy
+acceptance the committed tokens are exactly plain greedy decoding's (lossless), whatever
+the draft proposes: the draft only changes how many tokens a round commits.
+
+Drafts (:class:`Draft` protocol):
+
+* :class:`OracleDraft`: proposes the tokens plain greedy decoding produced, at no model
+  cost (every draft accepted: the mechanism's upper bound).
+* :class:`ModelDraft`: a standalone draft model with its own KV cache: the reference model
+  with fewer layers, or the target itself (a second copy of its weights), run eagerly or
+  through a :class:`~cuda_graph_runner.runner.draft.DraftDecodeCudaGraphRunner` (its ``k``
+  steps in one graph) and a one-token decode runner for the draft-extend step.
+
+EAGLE / MTP drafts, which take the target's hidden states, are out of scope.
+
+Idea: speculative decoding (Leviathan et al., 2023; Chen et al., 2023), greedy
+acceptance as in sglang's and vLLM's speculative workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+
+import torch
+
+from ..backend.forward_batch import ForwardBatch, ForwardMode
+from ..runner.draft import draft_steps
+from ..runner.model_protocol import GraphModel
+from .batches import LogitsFn, eager_logits_fn, make_extend_batch
+from .kv_cache import PagedKVCache
+
+__all__ = [
+    "Draft",
+    "ModelDraft",
+    "OracleDraft",
+    "SpeculativeStats",
+    "layer_skip_draft",
+    "make_draft_batch",
+    "speculative_generate",
+    "step_batch",
+]
+
+#: ``batch -> [bs, k]`` int64 proposed tokens (a draft runner's ``forward``).
+DraftFn = Callable[[ForwardBatch], torch.Tensor]
+
+
+def step_batch(
+    cache: PagedKVCache,
+    rows: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    *,
+    slots_per_req: Optional[int] = None,
+    mode: Optional[ForwardMode] = None,
+) -> ForwardBatch:
+    """A fixed-width batch of one speculative step, built with one host-to-device copy
+    (its index fields and the cache table's new entries together) and one write of the
+    cache's table, no device read: ``w = len(tokens[0])`` tokens per request at the
+    positions after each request's cached ones, ``slots_per_req`` (default ``w``) new KV
+    slots per request.
+
+    Args:
+        tokens: ``[bs][w]`` token ids (the same ``w`` for all).
+        mode: default DECODE for ``w == 1``, TARGET_VERIFY for ``w > 1``.
+
+    Returns:
+        ``input_ids``/``positions`` ``[bs * w]`` int64, ``out_cache_loc``
+        ``[bs * slots_per_req]`` int64 (request-major), ``req_pool_indices`` ``[bs]`` int64,
+        ``seq_lens`` ``[bs]`` int32 (cached + ``w``) with ``seq_lens_cpu``.
+
+    Raises:
+        ValueError: widths differ or are zero, or as many token lists as rows.
+        CacheFullError: out of slots or context.
+    """
+    return _upload_step(cache, rows, tokens, slots_per_req=slots_per_req, mode=mode)[0]
+
+
+def _pack_int32(values: List[int]) -> List[int]:
+    """``values`` (each ``0 <= v < 2**31``) two to an int64, so an int64 upload carries an
+    int32 field that a byte view reads back (no cast kernel on the device)."""
+    padded = values + [0] * (len(values) % 2)
+    if sys.byteorder == "little":
+        return [lo | (hi << 32) for lo, hi in zip(padded[0::2], padded[1::2])]
+    return [hi | (lo << 32) for lo, hi in zip(padded[0::2], padded[1::2])]
+
+
+def _upload_step(
+    cache: PagedKVCache,
+    rows: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    *,
+    slots_per_req: Optional[int] = None,
+    mode: Optional[ForwardMode] = None,
+    scratch: int = 0,
+) -> "tuple[ForwardBatch, torch.Tensor]":
+    """:func:`step_batch`, and the uploaded int64 tensor: ``[input_ids (bs * w) | scratch
+    zeros | ...]``, so a caller's ``scratch`` outputs (the verify's greedy tokens) land
+    right after ``input_ids`` and one read of ``packed[: bs * w + scratch]`` returns both."""
+    if len(tokens) != len(rows):
+        raise ValueError(f"step_batch: {len(rows)} rows but {len(tokens)} token lists")
+    widths = {len(t) for t in tokens}
+    if len(widths) != 1 or 0 in widths:
+        raise ValueError(f"step_batch: every request needs the same non-zero width, got {sorted(widths)}")
+    w = widths.pop()
+    per_req = w if slots_per_req is None else slots_per_req
+    before = [cache.request_len(r) for r in rows]
+    table_index, slots = cache.reserve_tokens(rows, per_req)
+    bs = len(rows)
+    after = [b + w for b in before]
+    flat_tokens = [int(t) for toks in tokens for t in toks]
+    positions = [b + j for b in before for j in range(w)]
+    host = flat_tokens + [0] * scratch + positions + slots + table_index + list(rows) + _pack_int32(after)
+    # Pinned host memory on CUDA: the copy is asynchronous and skips the driver's staging
+    # of pageable memory (the caching host allocator keeps the block until it finished).
+    pin = cache.device.type == "cuda"
+    packed = torch.tensor(host, dtype=torch.int64, pin_memory=pin).to(cache.device, non_blocking=pin)
+    n_ids, n_loc = bs * w + scratch, bs * per_req
+    ids, positions_t, loc, index, req, lens = torch.split(packed, [n_ids, bs * w, n_loc, n_loc, bs, (bs + 1) // 2])
+    if n_loc:
+        cache.write_table(index, loc)
+    batch = ForwardBatch(
+        forward_mode=mode if mode is not None else (ForwardMode.DECODE if w == 1 else ForwardMode.TARGET_VERIFY),
+        input_ids=ids[: bs * w],
+        positions=positions_t,
+        out_cache_loc=loc,
+        req_pool_indices=req,
+        seq_lens=lens.view(torch.int32)[:bs],
+        seq_lens_cpu=after,
+        num_tokens_per_req=w,
+    )
+    return batch, packed
+
+
+def make_draft_batch(cache: PagedKVCache, rows: Sequence[int], last_tokens: Sequence[int], k: int) -> ForwardBatch:
+    """The live batch of a draft runner (:class:`DraftDecodeCudaGraphRunner`): ``k`` KV
+    slots per request allocated and appended to its row, the step-0 fields of a DECODE
+    batch and ``out_cache_loc`` ``[bs * k]`` int64 (request-major); see :func:`step_batch`.
+
+    Raises:
+        ValueError: ``k < 1`` or as many tokens as rows.
+        CacheFullError: out of slots or context.
+    """
+    if k < 1:
+        raise ValueError(f"make_draft_batch: k={k} must be >= 1")
+    if len(last_tokens) != len(rows):
+        raise ValueError(f"make_draft_batch: {len(rows)} rows but {len(last_tokens)} tokens")
+    return step_batch(cache, rows, [[int(t)] for t in last_tokens], slots_per_req=k, mode=ForwardMode.DECODE)
+
+
+class Draft(Protocol):
+    """What the loop asks of a draft. Requests are indices into the prompts."""
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Start every request on its prompt (its first token comes from the target)."""
+
+    def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> "List[List[int]] | torch.Tensor":
+        """``k`` proposed tokens per live request: host lists, or a ``[len(live), k]`` int64
+        tensor on the target's device (the loop then feeds it to verification without
+        reading it first: one device read per round; it copies the tensor before the
+        verify forward, so graph memory of a draft runner's replay is fine); ``outputs[i]``: request
+        ``live[i]``'s committed generated tokens, the last of which is not yet in any KV
+        cache."""
+
+    def commit(self, live: Sequence[int], proposals: Sequence[List[int]], accepted: Sequence[int]) -> None:
+        """Each live request's proposals (as host lists) and how many the target accepted."""
+
+    def release(self, request: int) -> None:
+        """Request ``request`` finished: free what the draft holds for it."""
+
+
+class OracleDraft:
+    """Proposes the tokens plain greedy decoding produced (``expected[i]``), at no model
+    cost; past the known tokens it proposes token 0. The upper bound of the mechanism:
+    every proposal is accepted while the expected tokens last."""
+
+    def __init__(self, expected: Sequence[Sequence[int]]) -> None:
+        self.expected = [list(e) for e in expected]
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
+        if len(prompts) != len(self.expected):
+            raise ValueError(f"OracleDraft: {len(prompts)} prompts for {len(self.expected)} expected outputs")
+
+    def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> List[List[int]]:
+        out = []
+        for i, done in zip(live, outputs):
+            known = self.expected[i][len(done) : len(done) + k]
+            out.append(known + [0] * (k - len(known)))
+        return out
+
+    def commit(self, live: Sequence[int], proposals: Sequence[List[int]], accepted: Sequence[int]) -> None:
+        pass
+
+    def release(self, request: int) -> None:
+        pass
+
+
+class ModelDraft:
+    """A standalone draft model with its own KV cache (``model.kv_cache``), kept one token
+    behind the committed sequence: its KV holds every committed token but the last.
+
+    Per round: a draft-extend step first writes, for requests whose previous round accepted
+    every proposal, the one accepted token the draft never fed itself (a one-token DECODE
+    batch through ``extend_fn``); then ``k`` greedy steps from each request's last token
+    (``draft_fn``, one batch of :func:`make_draft_batch`'s layout); after verification its
+    KV is cut back to the accepted tokens (:meth:`PagedKVCache.truncate_request`).
+
+    Args:
+        model: the draft model with a KV cache attached, with room for every prompt plus
+            its budget and ``k`` tokens (for the reference model: :func:`layer_skip_draft`,
+            or a second model of the target's weights: the target as its own draft).
+        draft_fn: ``batch -> [bs, k]`` int64 tokens (a :class:`DraftDecodeCudaGraphRunner`'s
+            ``forward``); default: the same steps eagerly.
+        extend_fn: ``batch -> logits`` for the draft-extend DECODE batch (a decode
+            runner's ``forward``); default eager.
+        prefill_fn: ``batch -> logits`` for the prompts; default eager.
+
+    Attributes:
+        forwards: draft-model forwards run (``k`` per round plus draft-extend steps).
+    """
+
+    def __init__(
+        self,
+        model: GraphModel,
+        *,
+        draft_fn: Optional[DraftFn] = None,
+        extend_fn: Optional[LogitsFn] = None,
+        prefill_fn: Optional[LogitsFn] = None,
+    ) -> None:
+        self.model = model
+        self.cache: PagedKVCache = model.kv_cache  # type: ignore[attr-defined]
+        self.draft_fn = draft_fn
+        self.extend_fn = extend_fn or eager_logits_fn(model)
+        self.prefill_fn = prefill_fn or eager_logits_fn(model)
+        self.rows: Dict[int, int] = {}
+        self._lag: Dict[int, int] = {}  # request -> the accepted token its KV lacks
+        self.forwards = 0
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
+        batch = make_extend_batch(self.cache, prompts)
+        with torch.no_grad():
+            self.prefill_fn(batch)
+        self.rows = dict(enumerate(batch.req_pool_indices.tolist()))
+
+    def propose(self, live: Sequence[int], outputs: Sequence[List[int]], k: int) -> torch.Tensor:
+        lagging = [i for i in live if i in self._lag]
+        with torch.no_grad():
+            if lagging:
+                batch = step_batch(self.cache, [self.rows[i] for i in lagging], [[self._lag[i]] for i in lagging])
+                self.extend_fn(batch)
+                self.forwards += 1
+                for i in lagging:
+                    del self._lag[i]
+            batch = make_draft_batch(self.cache, [self.rows[i] for i in live], [o[-1] for o in outputs], k)
+            if self.draft_fn is None:
+                tokens = draft_steps(self.model, batch, k)
+            else:
+                tokens = self.draft_fn(batch)
+            # Not copied here: the loop copies it into its verify batch before the verify
+            # replay can reuse a runner's graph memory (see Draft.propose).
+            proposed = tokens[: len(live)]
+        self.forwards += k
+        return proposed
+
+    def commit(self, live: Sequence[int], proposals: Sequence[List[int]], accepted: Sequence[int]) -> None:
+        for i, proposed, a in zip(live, proposals, accepted):
+            row = self.rows[i]
+            k = len(proposed)
+            # The k steps wrote the last token and d1 .. d(k-1); keep the accepted ones.
+            length = self.cache.request_len(row)
+            # Dropped entries (at most k - 1) are not cleared: the next round's k-slot
+            # draft batch overwrites them.
+            self.cache.truncate_request(row, length - k + min(a, k - 1) + 1, clear=False)
+            if a == k:
+                self._lag[i] = proposed[k - 1]
+
+    def release(self, request: int) -> None:
+        self.cache.free_request(self.rows.pop(request))
+        self._lag.pop(request, None)
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counts of one :func:`speculative_generate` run.
+
+    Attributes:
+        rounds: verify forwards (each over the requests live then).
+        request_rounds: sum over rounds of live requests.
+        proposed, accepted: draft tokens proposed and accepted (before cutting at a
+            request's token budget).
+        generated: tokens committed (prefill's first tokens included).
+        first_tokens: of those, the prefill's (one per request).
+        prefill_seconds, decode_seconds: with a ``clock``, the time of the target's and the
+            draft's prefill, and of the rounds after it.
+    """
+
+    rounds: int = 0
+    request_rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    generated: int = 0
+    first_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """``accepted / proposed`` (0.0 when nothing was proposed)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens a request commits per verify round on average."""
+        return (self.generated - self.first_tokens) / self.request_rounds if self.request_rounds else 0.0
+
+
+def speculative_generate(
+    model: GraphModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: "int | Sequence[int]",
+    draft: Draft,
+    k: int,
+    *,
+    verify_fn: Optional[LogitsFn] = None,
+    prefill_fn: Optional[LogitsFn] = None,
+    stats: Optional[SpeculativeStats] = None,
+    clock: Optional[Callable[[], float]] = None,
+) -> List[List[int]]:
+    """Greedy speculative decoding of ``prompts`` with ``draft`` proposing ``k`` tokens a round.
+
+    Args:
+        model: the target, with its KV cache attached (``model.kv_cache``), room for every
+            prompt plus ``max_new_tokens + k`` tokens.
+        max_new_tokens: tokens to generate per request (one int for all, or one each):
+            requests finish at different rounds and leave the batch.
+        k: draft tokens per round (>= 1); verification is TARGET_VERIFY of width ``k + 1``.
+        verify_fn: ``batch -> [bs * (k + 1), vocab]`` float32 logits (a decode runner of
+            mode ``target_verify`` and ``num_tokens_per_req=k + 1``: its ``forward``);
+            default eager.
+        prefill_fn: the target's prompt forward; default eager.
+        stats: filled with the run's counts when given.
+        clock: seconds now, after the device finished its work (a synchronize, then
+            ``time.perf_counter()``): times the prefill and the rounds apart in ``stats``.
+
+    Returns:
+        ``[len(prompts)][max_new_tokens[i]]`` committed token ids: equal to plain greedy
+        decoding's for any draft (bit-equal logits assumed: fp32 and no TF32 on a GPU).
+
+    Raises:
+        ValueError: ``k < 1``, a budget < 1, or budgets of another length than prompts.
+        CacheFullError: the cache cannot hold the requests.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r}: the draft width must be an int >= 1")
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts) or any(b < 1 for b in budgets):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: one int >= 1, or one per prompt ({len(prompts)})")
+    stats = stats if stats is not None else SpeculativeStats()
+    cache: PagedKVCache = model.kv_cache  # type: ignore[attr-defined]
+    verify = verify_fn or eager_logits_fn(model)
+    start = clock() if clock is not None else 0.0
+    with torch.no_grad():
+        batch = make_extend_batch(cache, prompts)
+        first = (prefill_fn or eager_logits_fn(model))(batch)[: len(prompts)].argmax(dim=-1).tolist()
+    rows = batch.req_pool_indices.tolist()
+    outputs = [[t] for t in first]
+    stats.generated += len(prompts)
+    stats.first_tokens += len(prompts)
+    draft.prefill(prompts)
+    prefilled = clock() if clock is not None else 0.0
+    live = []
+    for i in range(len(prompts)):
+        if budgets[i] > 1:
+            live.append(i)
+        else:
+            _finish(cache, draft, rows, i)
+    while live:
+        n, w = len(live), k + 1
+        proposed = draft.propose(live, [outputs[i] for i in live], k)
+        on_device = isinstance(proposed, torch.Tensor)
+        with torch.no_grad():
+            # One upload (the verify batch, the table's new entries, room for the target's
+            # tokens right after input_ids), one write of the table, the verify, the argmax
+            # into that room and one read of [input_ids | target tokens]: the round's only
+            # device read. Drafts on the device go into input_ids unread.
+            rows_live = [rows[i] for i in live]
+            if on_device:
+                firsts = [[outputs[i][-1]] + [0] * k for i in live]
+            else:
+                firsts = [[outputs[i][-1]] + [int(t) for t in p] for i, p in zip(live, proposed)]
+            batch, packed = _upload_step(cache, rows_live, firsts, scratch=n * w)
+            if isinstance(proposed, torch.Tensor):
+                # A copy, read back below: the draft's tensor may be graph memory that
+                # the verify replay reuses.
+                batch.input_ids.view(n, w)[:, 1:].copy_(proposed[:n])
+            logits = verify(batch)[: n * w]
+            torch.argmax(logits, dim=-1, out=packed[n * w : 2 * n * w])
+            read = packed[: 2 * n * w].tolist()
+        stats.rounds += 1
+        stats.request_rounds += n
+        accepted = []
+        proposals = []
+        for j, i in enumerate(live):
+            p = read[j * w + 1 : (j + 1) * w]
+            t = read[(n + j) * w : (n + j + 1) * w]
+            a = 0
+            while a < k and p[a] == t[a]:
+                a += 1
+            accepted.append(a)
+            proposals.append(p)
+            new = (p[:a] + [t[a]])[: budgets[i] - len(outputs[i])]
+            outputs[i].extend(new)
+            stats.generated += len(new)
+            # The verify wrote [last, d1 .. dk]: keep last and the accepted drafts. The
+            # table past the new length is not cleared: the next round's append overwrites
+            # it (k + 1 > k - a entries) and _finish frees the row.
+            cache.truncate_request(rows[i], cache.request_len(rows[i]) - k + a, clear=False)
+        stats.proposed += k * n
+        stats.accepted += sum(accepted)
+        draft.commit(live, proposals, accepted)
+        still = []
+        for i in live:
+            if len(outputs[i]) < budgets[i]:
+                still.append(i)
+            else:
+                _finish(cache, draft, rows, i)
+        live = still
+    if clock is not None:
+        stats.prefill_seconds += prefilled - start
+        stats.decode_seconds += clock() - prefilled
+    return outputs
+
+
+def _finish(cache: PagedKVCache, draft: Draft, rows: List[int], i: int) -> None:
+    cache.free_request(rows[i])
+    draft.release(i)
+
+
+def layer_skip_draft(target: Any, num_layers: int, *, requests: int, context: int) -> Any:
+    """A draft of the reference model: ``target``'s first ``num_layers`` decoder layers, its
+    embedding, final norm and LM head (the same weights, copied), with its own KV cache of
+    ``requests`` rows and ``context`` tokens each.
+
+    Raises:
+        ValueError: ``num_layers`` not in ``1 .. target's layers``.
+    """
+    from .model import ReferenceLlamaForCausalLM
+
+    total = target.config.num_hidden_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers={num_layers!r}: a draft takes 1 .. {total} of the target's layers")
+    config = dataclasses.replace(target.config, num_hidden_layers=num_layers)
+    draft = ReferenceLlamaForCausalLM(config, dtype=target.dtype, device=target.device)
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    if missing:
+        raise ValueError(f"layer_skip_draft: the target lacks draft weights {missing}")
+    draft.create_kv_cache(num_slots=requests * context + 1, max_reqs=requests + 1, max_context_len=context)
+    return draft

@@ -1,0 +1,248 @@
+"""Data-parallel attention group over ``torch.distributed``: ranks that run different
+batches replay the same graph size, in step.
+
+With data-parallel attention each rank runs its own requests through attention, but
+the layers around it (expert parallelism, gathered MLPs) run collectives over all the
+ranks, which only pair up when every rank runs the same number of rows. So every step:
+
+1. the ranks exchange their live sizes (one host all-reduce of five int64s over gloo,
+   no device sync: :meth:`DPGroup.agree_batch`), together with whether each can replay
+   and the graph variant it would replay;
+2. every rank pads its batch to the largest live size (a rank without requests runs a
+   dummy batch of that size), so the ranks' forwards have the same rows;
+3. every rank takes the same replay-or-eager decision and the same graph key, derived
+   from the same agreed values (the ranks captured the same sizes: the capture-time
+   agreements of :mod:`cuda_graph_runner.runner.distributed` run over this group too);
+4. each rank keeps only its own live rows of the output.
+
+The runner side is :func:`cuda_graph_runner.runner.data_parallel.dp_forward`; a runner
+uses it when its model has a ``dp_group`` attribute holding a :class:`DPGroup`.
+
+Sources: sglang's DP attention (graph size = max over DP ranks, one replay-or-eager vote
+for all ranks, idle ranks run a dummy batch: ``can_run_dp_cuda_graph``, the
+``global_num_tokens`` gather) and vLLM's DP with synchronized graph mode (the ranks'
+token counts all-reduced per step, every rank padded to the maximum).
+
+Failures: a decision that raises on one rank (the model's ``graph_variant``, a
+backend's ``can_run``) still takes part in the step's all-reduce, so every rank raises
+at once (:class:`DataParallelStepError` naming the rank and its error; the failing
+rank raises its own). Ranks whose live batches would replay different graph variants
+raise :class:`DataParallelMismatchError` naming each rank's. Capture and ``prepare``
+failures end on every rank as under tensor parallelism
+(:class:`~cuda_graph_runner.runner.distributed.TensorParallelCaptureError`, "another DP
+rank"). Out of scope: a failure inside the model's forward between two of its own
+collectives, or inside a replayed graph: the other ranks then wait in that collective
+until the process group's timeout (:func:`init_data_parallel`'s ``timeout_s``) and get
+the communication library's error.
+
+Scope: data parallelism alone (every rank holds the whole attention); DP combined with
+tensor parallelism is not supported (a model holding both groups is refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .distributed import (
+    DEFAULT_TIMEOUT_S,
+    TPGroup,
+    all_reduce,
+    gather_rows,
+    init_tensor_parallel,
+    label_digest,
+)
+
+__all__ = [
+    "DPGroup",
+    "DataParallelMismatchError",
+    "DataParallelStepError",
+    "all_gather_rows",
+    "gathered_mlp",
+    "init_data_parallel",
+]
+
+#: What a rank without a variant to replay (no requests, or it cannot replay) sends in
+#: the variant slots: above every digest, so the MIN compares only the ranks that have one.
+_NONE = 1 << 62
+
+
+class DataParallelMismatchError(RuntimeError):
+    """Ranks of one DP group would replay different graph variants for one step (the
+    message names each rank's)."""
+
+
+class DataParallelStepError(RuntimeError):
+    """The step's decision failed on a rank of the DP group (the model's
+    ``graph_variant`` raised, say), so every rank stops at that step; the message names
+    that rank and its error."""
+
+
+@dataclasses.dataclass
+class DPGroup(TPGroup):
+    """A rank's view of its data-parallel group: the handle of
+    :class:`~cuda_graph_runner.runner.distributed.TPGroup` (rank, size, device, the device group
+    for the model's collectives, the gloo group for host decisions, ``barrier``,
+    ``all_true``, ``gather_objects``) plus the per-step agreement :meth:`agree_batch`.
+
+    Runners read it as ``model.dp_group``. Every rank holds the whole model except what
+    its collectives share (the reference model's DP layout: attention per rank, the MLP
+    split over the group between an all-gather and an all-reduce).
+    """
+
+    kind = "DP"
+    _variant_digests: Dict[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, group: TPGroup) -> "DPGroup":
+        """The DP group over the same ranks and process groups as ``group``."""
+        return cls(rank=group.rank, size=group.size, device=group.device, group=group.group, cpu_group=group.cpu_group)
+
+    def _variant_digest(self, variant: str) -> int:
+        digest = self._variant_digests.get(variant)
+        if digest is None:
+            if len(self._variant_digests) >= 4096:  # bounded: labels come from the model
+                self._variant_digests.clear()
+            digest = self._variant_digests[variant] = label_digest(variant)
+        return digest
+
+    def agree_batch(
+        self,
+        size: int,
+        ready: bool,
+        variant: Optional[str],
+        *,
+        variants: Sequence[str] = ("",),
+        failed: Optional[str] = None,
+    ) -> Tuple[int, bool, Optional[str]]:
+        """One step's agreement: the largest live size, whether every rank can replay, and
+        the graph variant.
+
+        One host all-reduce (gloo, MIN, no device sync) of five int64s: ``-size`` (the
+        maximum), the ready flag, the variant's digest as ``(digest, -digest)`` (equal
+        among the ranks that have one) and whether this rank's decision failed. Only a
+        failure or a variant disagreement costs a second collective (every rank sees the
+        same result, so all take it): a gather of each rank's values, to name them.
+
+        Args:
+            size: this rank's live size (0: no requests).
+            ready: whether this rank can replay (a rank without requests: True).
+            variant: the graph variant this rank's batch would replay; None without
+                requests, or when it cannot replay.
+            variants: the labels the runner captures (a rank without a variant learns
+                the agreed one among them).
+            failed: the one-line error of this rank's decision (it raised), or None.
+
+        Returns:
+            ``(max size, every rank ready, the agreed variant)``; the variant is None when
+            no rank has one (every rank idle, or none can replay).
+
+        Raises:
+            DataParallelStepError: the decision failed on some rank (names it and its
+                error; the failing rank gets this too, naming itself).
+            DataParallelMismatchError: ranks would replay different variants (names each).
+        """
+        if variant is not None:
+            lo_slot, hi_slot = self._variant_digest(variant), -self._variant_digest(variant)
+        else:
+            lo_slot = hi_slot = _NONE
+        if not self.is_parallel:
+            if failed is not None:
+                raise DataParallelStepError(f"the step's decision failed on DP rank {self.rank}: {failed}")
+            return size, bool(ready), variant
+        neg_max, all_ready, v_lo, neg_v_hi, ok = self.host_min(
+            [-size, 1 if ready else 0, lo_slot, hi_slot, 0 if failed else 1]
+        )
+        if ok and (v_lo == _NONE or v_lo == -neg_v_hi):
+            agreed = None
+            if v_lo != _NONE:
+                agreed = variant if variant is not None else self._label_of(v_lo, variants)
+            return -neg_max, bool(all_ready), agreed
+        ranks = self.gather_objects((size, variant, failed))
+        if not ok:
+            bad = "; ".join(f"rank {r}: {v[2]}" for r, v in enumerate(ranks) if v[2] is not None)
+            raise DataParallelStepError(
+                f"the step's decision failed on a DP rank ({bad}); this is rank {self.rank} of {self.size}"
+            )
+        seen = ", ".join(
+            f"rank {r}: {'no requests' if v[0] == 0 else repr(v[1]) if v[1] is not None else 'runs eagerly'}"
+            for r, v in enumerate(ranks)
+        )
+        raise DataParallelMismatchError(
+            f"DP ranks would replay different graph variants in one step ({seen}); this is rank {self.rank}; "
+            "every rank replays one graph per step, so model.graph_variant(batch) must answer the same on "
+            "every rank with requests"
+        )
+
+    def _label_of(self, digest: int, variants: Sequence[str]) -> str:
+        for label in variants:
+            if self._variant_digest(label) == digest:
+                return label
+        raise DataParallelMismatchError(
+            f"DP rank {self.rank} captured none of the variant the other ranks replay (its variants: "
+            f"{list(variants)}); every rank needs the same config"
+        )
+
+
+def all_gather_rows(x: torch.Tensor, dp: Optional[TPGroup]) -> torch.Tensor:
+    """Every rank's ``x`` ``[n, ...]`` stacked in rank order: ``[size * n, ...]`` (same
+    dtype and device; every rank must give the same ``n``, which the DP step's padding
+    ensures). ``x`` itself without a group or at size 1. Traced by Dynamo it is the
+    opaque custom op ``cuda_graph_runner::tp_all_gather_rows``
+    (:mod:`cuda_graph_runner.runner.tp_ops`)."""
+    if dp is None or not dp.is_parallel:
+        return x
+    if torch.compiler.is_compiling():
+        from .tp_ops import all_gather_rows_op
+
+        return all_gather_rows_op(x, dp.name, dp.size)
+    return gather_rows(x, dp)
+
+
+def gathered_mlp(x: torch.Tensor, mlp: Any, dp: Optional[TPGroup]) -> torch.Tensor:
+    """``mlp`` over every rank's rows, then this rank's rows: the DP stand-in for expert
+    parallelism (sglang's DP attention before a tensor-parallel MLP or MoE).
+
+    ``x`` ``[n, hidden]`` (the same ``n`` on every rank) is gathered to ``[size * n,
+    hidden]``, ``mlp`` (this rank's shard, giving a partial sum) runs on all of it, the
+    partial sums are all-reduced, and rows ``rank * n .. (rank + 1) * n`` are returned.
+    Two collectives per call: a rank out of step (another ``n``, another graph) hangs or
+    fails them, so the runner keeps the ranks in step.
+    """
+    if dp is None or not dp.is_parallel:
+        return mlp(x)
+    n = x.shape[0]
+    full = all_reduce(mlp(all_gather_rows(x, dp)), dp)
+    return full[dp.rank * n : (dp.rank + 1) * n]
+
+
+def init_data_parallel(
+    dp_size: Optional[int] = None,
+    *,
+    device_type: Optional[str] = None,
+    rank: Optional[int] = None,
+    init_method: Optional[str] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> DPGroup:
+    """Join (or start) the default process group and return this rank's :class:`DPGroup`;
+    the whole world is one DP group. Arguments as
+    :func:`~cuda_graph_runner.runner.distributed.init_tensor_parallel`'s (torchrun's environment,
+    NCCL on CUDA with a gloo group for host decisions, gloo on CPU, bounded timeouts).
+
+    Raises:
+        ValueError: the world size differs from ``dp_size`` (names both and the torchrun
+            line), a bad ``device_type``, or fewer CUDA devices than local ranks.
+    """
+    # The world size is checked here, with DP's words (an explicit init_method needs it).
+    world = dp_size if init_method is not None else None
+    group = init_tensor_parallel(
+        world, device_type=device_type, rank=rank, init_method=init_method, timeout_s=timeout_s
+    )
+    if dp_size is not None and group.size != dp_size:
+        raise ValueError(
+            f"--dp {dp_size} but the process group has {group.size} ranks; "
+            f"start it with torchrun --nproc-per-node {dp_size}"
+        )
+    return DPGroup.of(group)
