@@ -29,9 +29,15 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
-from cuda_graph_runner.backend.forward_batch import ForwardBatch
-from cuda_graph_runner.backend.nested import iter_tensors, map_pairs
+from cuda_graph_runner.backend import (
+    BaseCudaGraphBackend,
+    ForwardBatch,
+    ForwardFn,
+    ShapeKey,
+    WarmupHook,
+    iter_tensors,
+    map_pairs,
+)
 
 #: Static-batch fields whose addresses must not change between replays of one key, per
 #: phase: decode keys by batch size, so the per-request tensors live in static buffers

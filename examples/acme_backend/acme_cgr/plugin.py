@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cuda_graph_runner.backend.hookspecs import BackendSpec, backend_hooks
+from cuda_graph_runner.backend import BackendSpec, backend_hooks
 
 #: The plugin API version this plugin was written for, as a literal: importing the
 #: core's PLUGIN_API_VERSION here would always match and defeat the handshake.

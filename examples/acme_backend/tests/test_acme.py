@@ -88,7 +88,7 @@ _KEEP = []
 
 
 def _static():
-    from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+    from cuda_graph_runner.backend import ForwardBatch, ForwardMode
 
     t = torch.zeros(1, dtype=torch.int64)
     batch = ForwardBatch(

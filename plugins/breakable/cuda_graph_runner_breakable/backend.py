@@ -47,12 +47,23 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, envs
-from cuda_graph_runner.backend.buffers import copy_into
-from cuda_graph_runner.backend.forward_batch import ForwardBatch
-from cuda_graph_runner.backend.graph_break import EagerOp, break_handler, breaks_refused, call_eagerly, capture_safe_now
-from cuda_graph_runner.backend.nested import iter_tensors, map_tensors
-from cuda_graph_runner.backend.weak_ref import weak_ref_tensor
+from cuda_graph_runner.backend import (
+    BaseCudaGraphBackend,
+    EagerOp,
+    ForwardBatch,
+    ForwardFn,
+    ShapeKey,
+    WarmupHook,
+    break_handler,
+    breaks_refused,
+    call_eagerly,
+    capture_safe_now,
+    copy_into,
+    envs,
+    iter_tensors,
+    map_tensors,
+    weak_ref_tensor,
+)
 
 from .leak_check import LeakCheck
 
@@ -387,7 +398,7 @@ class BreakableCudaGraphBackend(BaseCudaGraphBackend):
         not captured."""
         if key not in self.graph_table:
             return {}
-        from cuda_graph_runner.backend.graph_nodes import graph_node_counts
+        from cuda_graph_runner.backend import graph_node_counts
 
         graph = self.graph(key)
         counts = [graph_node_counts(segment) for segment in graph.segments]

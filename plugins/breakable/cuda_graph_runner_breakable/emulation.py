@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cuda_graph_runner.backend.graph_break import NAMESPACE, registered_eager_ops
+from cuda_graph_runner.backend import NAMESPACE, registered_eager_ops
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 
 __all__ = ["EmulatedGraph", "EmulatedGraphDeviceModule", "HostSyncInCaptureError"]

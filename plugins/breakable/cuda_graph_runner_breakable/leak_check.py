@@ -37,9 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cuda_graph_runner.backend.graph_break import NAMESPACE, EagerOp, registered_eager_ops
-from cuda_graph_runner.backend.host_guard import run_marked_op
-from cuda_graph_runner.backend.nested import iter_tensors
+from cuda_graph_runner.backend import NAMESPACE, EagerOp, iter_tensors, registered_eager_ops, run_marked_op
 
 __all__ = ["Leak", "LeakCheck"]
 

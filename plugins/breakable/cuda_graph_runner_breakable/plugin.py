@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cuda_graph_runner.backend.hookspecs import BackendSpec, backend_hooks
-from cuda_graph_runner.backend.probes import cuda_graphs as probe  # torch loads lazily, when it is called
+from cuda_graph_runner.backend import BackendSpec, backend_hooks
+from cuda_graph_runner.backend import cuda_graphs as probe  # torch loads lazily, when it is called
 
 cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
     BackendSpec(

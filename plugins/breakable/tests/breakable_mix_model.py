@@ -10,7 +10,7 @@ from typing import Callable, List
 
 import torch
 
-from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.backend import ForwardBatch, ForwardMode
 
 MixOp = Callable[[torch.Tensor, torch.Tensor, float], None]
 ScaleOp = Callable[[torch.Tensor], torch.Tensor]

@@ -20,10 +20,7 @@ import torch
 from breakable_mix_model import MixModel as SharedMixModel
 from breakable_mix_model import request_lens
 
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.backend.context import forward_context, get_forward_batch
-from cuda_graph_runner.backend.forward_batch import ForwardBatch
-from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.backend import ForwardBatch, ShapeKey, eager_op, forward_context, get_forward_batch
 from cuda_graph_runner.reference.model import PRESETS
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
@@ -235,7 +232,7 @@ def test_emulated_full_prefill_of_a_model_without_a_replay_hook_is_refused():
     """The control: frozen into a whole-forward graph, the op would replay the capture's
     request layout, so prefill ``full`` refuses a model whose attention has no replay
     hook (with or without the host-value guard) before anything is captured."""
-    from cuda_graph_runner.config import CudaGraphConfigError
+    from cuda_graph_runner.backend import CudaGraphConfigError
 
     full = pytest.importorskip("cuda_graph_runner_full.backend")
     dm = EmulatedGraphDeviceModule()
@@ -541,7 +538,7 @@ def test_weak_ref_args_default_comes_from_the_environment(monkeypatch):
 
 
 def test_emulated_replay_is_a_named_range_in_a_cpu_profiler_trace(tmp_path):
-    from cuda_graph_runner.backend.profiling import trace_ranges
+    from cuda_graph_runner.backend import trace_ranges
 
     backend = breakable(EmulatedGraphDeviceModule())
     runner = prefill_runner(MixModel(), backend, max_bs=8)

@@ -20,11 +20,15 @@ import torch
 from breakable_mix_model import MixModel as SharedMixModel
 from breakable_mix_model import request_lens
 
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.backend.context import forward_context, get_forward_batch
-from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.backend.graph_break import eager_op
-from cuda_graph_runner.backend.pool import get_capture_stream
+from cuda_graph_runner.backend import (
+    ForwardBatch,
+    ForwardMode,
+    ShapeKey,
+    eager_op,
+    forward_context,
+    get_capture_stream,
+    get_forward_batch,
+)
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 

@@ -16,9 +16,7 @@ import torch
 from breakable_mix_model import MixModel as SharedMixModel
 from breakable_mix_model import request_lens
 
-from cuda_graph_runner.backend import envs
-from cuda_graph_runner.backend.context import get_forward_batch
-from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.backend import eager_op, envs, get_forward_batch
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend, BreakableLeakedOutputError

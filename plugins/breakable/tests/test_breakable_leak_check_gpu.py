@@ -16,8 +16,7 @@ import pytest
 import torch
 from breakable_mix_model import request_lens
 
-from cuda_graph_runner.backend.context import get_forward_batch
-from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.backend import eager_op, get_forward_batch
 from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import reference_model

@@ -9,7 +9,7 @@ from importlib import metadata
 import pytest
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.backend.errors import BackendUnavailableError
+from cuda_graph_runner.backend import BackendUnavailableError
 from cuda_graph_runner_breakable import plugin
 
 

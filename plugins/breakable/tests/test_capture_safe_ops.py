@@ -19,11 +19,14 @@ from typing import Any, List
 import pytest
 import torch
 
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.backend.context import get_forward_batch
-from cuda_graph_runner.backend.errors import CudaGraphHostValueError
-from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.backend import (
+    CudaGraphHostValueError,
+    ForwardBatch,
+    ForwardMode,
+    ShapeKey,
+    eager_op,
+    get_forward_batch,
+)
 from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,

@@ -77,11 +77,19 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, envs
-from cuda_graph_runner.backend.capture_plan import CapturePlan
-from cuda_graph_runner.backend.compile_cache import compile_cache_scope
-from cuda_graph_runner.backend.forward_batch import ForwardBatch
-from cuda_graph_runner.backend.model_forward import entry_function, forward_as_written, forward_replaced
+from cuda_graph_runner.backend import (
+    BaseCudaGraphBackend,
+    CapturePlan,
+    ForwardBatch,
+    ForwardFn,
+    ShapeKey,
+    WarmupHook,
+    compile_cache_scope,
+    entry_function,
+    envs,
+    forward_as_written,
+    forward_replaced,
+)
 
 logger = logging.getLogger(__name__)
 

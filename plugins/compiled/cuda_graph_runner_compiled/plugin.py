@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cuda_graph_runner.backend.hookspecs import BackendSpec, backend_hooks
+from cuda_graph_runner.backend import BackendSpec, backend_hooks
 
 from .toolchain import probe  # torch loads lazily, when it is called
 

@@ -265,7 +265,7 @@ def test_inductor_equals_eager_and_a_second_start_compiles_from_the_cache(tmp_pa
     in-memory code gone) with the same cache folder: every inductor lookup hits and none
     misses, so it generates no code (lowering and C++ builds are what the cache saves).
     """
-    from cuda_graph_runner.backend.compile_cache import cache_counters, compile_cache_dir
+    from cuda_graph_runner.backend import cache_counters, compile_cache_dir
 
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
     # The inductor caches alone here; Dynamo's cached code: test_compiled_cache.py.

@@ -14,8 +14,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from cuda_graph_runner.backend.context import forward_context, get_forward_batch
-from cuda_graph_runner.backend.graph_break import register_eager_op
+from cuda_graph_runner.backend import forward_context, get_forward_batch, register_eager_op
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner_compiled.backend import CompiledBackend

@@ -7,10 +7,16 @@ from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook, compiled_verify_tolerance
-from cuda_graph_runner.backend.capture_plan import CapturePlan
-from cuda_graph_runner.backend.forward_batch import ForwardBatch
-from cuda_graph_runner.config import CudaGraphConfigError
+from cuda_graph_runner.backend import (
+    BaseCudaGraphBackend,
+    CapturePlan,
+    CudaGraphConfigError,
+    ForwardBatch,
+    ForwardFn,
+    ShapeKey,
+    WarmupHook,
+    compiled_verify_tolerance,
+)
 
 from .compiled import CompiledForward
 

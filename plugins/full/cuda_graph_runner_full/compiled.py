@@ -59,12 +59,18 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
-from cuda_graph_runner.backend import progress
-from cuda_graph_runner.backend.compile_cache import cache_counters, compile_cache_scope, compile_key
-from cuda_graph_runner.backend.context import forward_context
-from cuda_graph_runner.backend.graph_break import marked_op_bodies
-from cuda_graph_runner.backend.model_forward import entry_function, forward_as_written, forward_replaced
-from cuda_graph_runner.config import CudaGraphConfigError
+from cuda_graph_runner.backend import (
+    CudaGraphConfigError,
+    cache_counters,
+    compile_cache_scope,
+    compile_key,
+    entry_function,
+    forward_as_written,
+    forward_context,
+    forward_replaced,
+    marked_op_bodies,
+    progress,
+)
 
 from .op_bodies import compiled_op_bodies
 

@@ -39,10 +39,13 @@ from typing import Any, Callable, Dict, Iterator, Sequence
 
 import torch
 
-from cuda_graph_runner.backend.compile_cache_dynamo import precompile_paused
-from cuda_graph_runner.backend.graph_break import registered_eager_ops
-from cuda_graph_runner.backend.host_guard import SCOPE_FORWARD, host_value_guard
-from cuda_graph_runner.backend.model_forward import entry_function
+from cuda_graph_runner.backend import (
+    SCOPE_FORWARD,
+    entry_function,
+    host_value_guard,
+    precompile_paused,
+    registered_eager_ops,
+)
 
 #: Dynamo cache entries allowed per body frame and compile size (first, middle and last
 #: layer's call of the reference attention make 3).

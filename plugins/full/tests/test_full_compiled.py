@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend import ShapeKey, forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
@@ -146,7 +145,7 @@ def test_compile_sizes_without_a_dynamic_size_compile_no_dynamic_graph():
 
 
 def test_a_compile_size_that_is_not_captured_is_refused_before_compiling():
-    from cuda_graph_runner.config import CudaGraphConfigError
+    from cuda_graph_runner.backend import CudaGraphConfigError
 
     _, runner, compiler = _static_runner([3, 4])
     try:

@@ -15,9 +15,7 @@ import shutil
 import pytest
 import torch
 
-from cuda_graph_runner.backend import envs
-from cuda_graph_runner.backend.compile_cache import cache_counters
-from cuda_graph_runner.backend.context import forward_context
+from cuda_graph_runner.backend import cache_counters, envs, forward_context
 from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.reference.model import ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner

@@ -18,8 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.backend.context import forward_context
-from cuda_graph_runner.backend.forward_batch import as_static_batch
+from cuda_graph_runner.backend import as_static_batch, forward_context
 from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
@@ -127,7 +126,7 @@ def test_greedy_tokens_match_eager_bf16():
 
 
 def test_second_start_compiles_from_the_disk_cache(tmp_path, monkeypatch):
-    from cuda_graph_runner.backend.compile_cache import cache_counters
+    from cuda_graph_runner.backend import cache_counters
 
     monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
     model = _model(torch.float32)

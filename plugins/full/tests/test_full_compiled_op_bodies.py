@@ -11,11 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.backend.compile_cache import compile_cache_scope, compile_key
-from cuda_graph_runner.backend.context import forward_context, get_forward_batch
-from cuda_graph_runner.backend.errors import CudaGraphHostValueError
-from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.backend import (
+    CudaGraphHostValueError,
+    ShapeKey,
+    compile_cache_scope,
+    compile_key,
+    eager_op,
+    forward_context,
+    get_forward_batch,
+)
 from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule

@@ -21,9 +21,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from cuda_graph_runner.backend import BaseCudaGraphBackend, ForwardFn, ShapeKey, WarmupHook
-from cuda_graph_runner.backend.errors import BackendUnavailableError, CudaGraphRunnerError
-from cuda_graph_runner.backend.forward_batch import ForwardBatch
+from cuda_graph_runner.backend import (
+    BackendUnavailableError,
+    BaseCudaGraphBackend,
+    CudaGraphRunnerError,
+    ForwardBatch,
+    ForwardFn,
+    ShapeKey,
+    WarmupHook,
+)
 
 from .torch_npu_api import DEFAULT_UPDATE_INPUT_NAME, graph_api_problems, load_torch_npu
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cuda_graph_runner.backend.hookspecs import BackendSpec, backend_hooks
+from cuda_graph_runner.backend import BackendSpec, backend_hooks
 
 BACKEND_NAME = "npu"
 DEVICE_TYPE = "npu"

@@ -27,7 +27,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner.backend.pool import graph_owned_cublas_workspace
+from cuda_graph_runner.backend import graph_owned_cublas_workspace
 from cuda_graph_runner.testing.fakes import recording_capture
 
 Event = Tuple[Any, ...]

@@ -13,9 +13,7 @@ import threading
 import pytest
 import torch
 
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.backend.errors import BackendUnavailableError
-from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.backend import BackendUnavailableError, ForwardMode, ShapeKey
 from cuda_graph_runner.backend.pool import reset_global_graph_memory_pools
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.registry import check_backend_class

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from cuda_graph_runner import registry
-from cuda_graph_runner.backend.errors import BackendUnavailableError
-from cuda_graph_runner.backend.hookspecs import ENTRY_POINT_GROUP
+from cuda_graph_runner.backend import ENTRY_POINT_GROUP, BackendUnavailableError
 from cuda_graph_runner_npu import plugin, torch_npu_api
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]

@@ -79,20 +79,22 @@ import torch
 import torch._dynamo
 
 from cuda_graph_runner.backend import (
+    BackendUnavailableError,
     BaseCudaGraphBackend,
+    CapturePlan,
+    CudaGraphHostValueError,
+    ForwardBatch,
     ForwardFn,
     ShapeKey,
     WarmupHook,
+    as_static_batch,
+    compile_cache_scope,
     compiled_verify_tolerance,
+    entry_function,
     envs,
+    forward_context,
     progress,
 )
-from cuda_graph_runner.backend.capture_plan import CapturePlan
-from cuda_graph_runner.backend.compile_cache import compile_cache_scope
-from cuda_graph_runner.backend.context import forward_context
-from cuda_graph_runner.backend.errors import BackendUnavailableError, CudaGraphHostValueError
-from cuda_graph_runner.backend.forward_batch import ForwardBatch, as_static_batch
-from cuda_graph_runner.backend.model_forward import entry_function
 
 from .compiler import PIECE_COMPILERS, CompiledGraph, PiecewiseDynamoBackend
 from .errors import TcPiecewiseCompileError, exception_chain
@@ -508,7 +510,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
                 return TcPiecewiseCompileError(str(e))
             if isinstance(e, CudaGraphHostValueError):  # a copy: the original is in exc's chain
                 return CudaGraphHostValueError(str(e), field=e.field, backend=e.backend, phase=e.phase)
-        from cuda_graph_runner.backend.graph_break import registered_eager_ops
+        from cuda_graph_runner.backend import registered_eager_ops
 
         model = type(self._model).__name__
         marked = ", ".join(sorted(op.qualname for op in registered_eager_ops().values())) or "none registered"
@@ -620,7 +622,7 @@ class TcPiecewiseCudaGraphBackend(BaseCudaGraphBackend):
         tell: :mod:`cuda_graph_runner.backend.graph_nodes`); ``{}`` for a key not captured."""
         if key not in self.graph_table:
             return {}
-        from cuda_graph_runner.backend.graph_nodes import graph_node_counts
+        from cuda_graph_runner.backend import graph_node_counts
 
         held = [p for g in self.compiled_graphs for p in g.pieces if key in p.entries]
         counts = [graph_node_counts(p.entries[key].graph) for p in held]

@@ -34,8 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from cuda_graph_runner.backend.graph_break import EagerOp, eager_op_for_target
-from cuda_graph_runner.backend.host_guard import run_marked_op
+from cuda_graph_runner.backend import EagerOp, eager_op_for_target, run_marked_op
 
 logger = logging.getLogger(__name__)
 

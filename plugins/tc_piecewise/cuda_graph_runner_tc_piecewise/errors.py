@@ -6,7 +6,7 @@ import re
 import traceback
 from typing import Iterator, Optional
 
-from cuda_graph_runner.backend.errors import CudaGraphRunnerError
+from cuda_graph_runner.backend import CudaGraphRunnerError
 
 
 class TcPiecewiseCompileError(CudaGraphRunnerError, RuntimeError):

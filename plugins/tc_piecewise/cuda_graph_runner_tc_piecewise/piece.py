@@ -34,9 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.backend.graph_break import breaks_refused
-from cuda_graph_runner.backend.weak_ref import weak_ref_tensors
+from cuda_graph_runner.backend import ShapeKey, breaks_refused, weak_ref_tensors
 
 from .errors import TcPiecewiseRuntimeError, failing_line, one_line
 

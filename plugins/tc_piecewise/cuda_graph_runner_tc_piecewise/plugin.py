@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cuda_graph_runner.backend.hookspecs import BackendSpec, backend_hooks
+from cuda_graph_runner.backend import BackendSpec, backend_hooks
 
 # Never the default (no default_for): compiling costs seconds to minutes; users opt in by name.
 cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
@@ -27,7 +27,7 @@ def probe(device_type: str) -> Optional[str]:
     Whether the ``inductor`` compiler has Triton is checked when a backend is built with
     it, since the probe does not see the config.
     """
-    from cuda_graph_runner.backend.probes import cuda_graphs
+    from cuda_graph_runner.backend import cuda_graphs
 
     reason = cuda_graphs(device_type)
     if reason is None:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from cuda_graph_runner.backend.graph_break import is_eager_op_target
+from cuda_graph_runner.backend import is_eager_op_target
 
 __all__ = ["SplitItem", "SplitGraph", "is_split_node", "op_name", "split_graph"]
 

@@ -17,13 +17,19 @@ import torch
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 from torch._dynamo.utils import counters
 
-from cuda_graph_runner.backend import ShapeKey, envs
+from cuda_graph_runner.backend import (
+    ForwardBatch,
+    ForwardMode,
+    ShapeKey,
+    eager_op,
+    envs,
+    forward_context,
+    forward_wrappers,
+    get_forward_batch,
+    is_eager_op_target,
+    weak_ref_tensor,
+)
 from cuda_graph_runner.backend.capture_plan import build_capture_plan
-from cuda_graph_runner.backend.context import forward_context, get_forward_batch
-from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.backend.graph_break import eager_op, is_eager_op_target
-from cuda_graph_runner.backend.model_forward import forward_wrappers
-from cuda_graph_runner.backend.weak_ref import weak_ref_tensor
 from cuda_graph_runner.reference.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
@@ -659,7 +665,7 @@ def test_a_capture_inside_refused_breaks_names_the_reason_instead_of_a_duplicate
     """A forward that refuses breaks (a draft runner's steps after the first) cannot run on
     tc_piecewise, whose pieces end at every marked op: refused naming the reason (before,
     step 1's pieces reported 'already holds a graph')."""
-    from cuda_graph_runner.backend.graph_break import refuse_breaks
+    from cuda_graph_runner.backend import refuse_breaks
 
     model = reference_model("tiny", requests=8, device="cpu")
     decode = decode_runner(model, [2], backend=backend("decode", device_module=emulated, enable_capture=True))

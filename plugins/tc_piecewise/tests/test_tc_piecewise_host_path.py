@@ -9,9 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cuda_graph_runner.backend.context import forward_context
-from cuda_graph_runner.backend.forward_batch import ForwardBatch
-from cuda_graph_runner.backend.graph_break import eager_op
+from cuda_graph_runner.backend import ForwardBatch, eager_op, forward_context
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import decode_batch

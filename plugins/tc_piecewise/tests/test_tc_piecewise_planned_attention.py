@@ -11,7 +11,7 @@ import pytest
 import torch
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 
-from cuda_graph_runner.backend.forward_batch import ForwardMode
+from cuda_graph_runner.backend import ForwardMode
 from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner

@@ -1,0 +1,285 @@
+"""The package layout: layers, import cycles, the old module paths (docs/architecture.md).
+
+Layers, lowest first: ``config`` < ``backend`` < ``registry`` < ``runner`` < ``reference``; above
+them ``cli`` (the command) and ``testing`` (fakes, conformance kit), which never import each
+other. A module imports its own layer or a lower one. The package's ``__init__`` / ``__main__``
+(the facade: lazy names, the old-path finder) sit outside the layers; any module may import the
+package itself (``__version__``).
+
+How imports are counted:
+
+* the layer rule counts every import a module states: at module level, under
+  ``if TYPE_CHECKING:`` and inside functions (a lazy upward import is still an upward
+  dependency, only hidden until it runs);
+* the cycle rule counts the imports a module runs when it is loaded (module level, outside
+  ``if TYPE_CHECKING:``): those decide whether the package imports at all, in every order. An
+  import inside a function runs after both modules are loaded, so it cannot fail on a cycle;
+  it is still bound by the layer rule.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterator, List, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "core"
+PACKAGE = CORE / "cuda_graph_runner"
+NAME = "cuda_graph_runner"
+
+#: layer -> the layers it may import (its own included)
+ALLOWED = {
+    "config": {"config"},
+    "backend": {"config", "backend"},
+    "registry": {"config", "backend", "registry"},
+    "runner": {"config", "backend", "registry", "runner"},
+    "reference": {"config", "backend", "registry", "runner", "reference"},
+    "testing": {"config", "backend", "registry", "runner", "reference", "testing"},
+    "cli": {"config", "backend", "registry", "runner", "reference", "cli"},
+}
+
+
+def _modules() -> Dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(CORE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else ""
+
+
+def _imports(module: str, path: Path) -> Iterator[Tuple[str, int, bool]]:
+    """(imported module, line, runs at load time) for each core module ``module`` imports."""
+    is_package = path.name == "__init__.py"
+
+    def targets(node: ast.AST) -> List[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names if a.name.split(".")[0] == NAME]
+        assert isinstance(node, ast.ImportFrom)
+        if node.level:
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            name = ".".join(base + ([node.module] if node.module else []))
+        else:
+            name = node.module or ""
+        if name.split(".")[0] != NAME:
+            return []
+        return [f"{name}.{a.name}" if f"{name}.{a.name}" in MODULES else name for a in node.names]
+
+    def visit(body: List[ast.stmt], eager: bool) -> Iterator[Tuple[str, int, bool]]:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in targets(node):
+                    yield target, node.lineno, eager
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from visit(node.body, False)
+            elif isinstance(node, ast.If):
+                type_checking = "TYPE_CHECKING" in ast.dump(node.test)
+                yield from visit(node.body, eager and not type_checking)
+                yield from visit(node.orelse, eager)
+            else:  # class bodies, with, for, while, try: the same time as their block
+                for field in ("body", "orelse", "finalbody"):
+                    yield from visit(getattr(node, field, None) or [], eager)
+                for handler in getattr(node, "handlers", None) or []:
+                    yield from visit(handler.body, eager)
+
+    yield from visit(ast.parse(path.read_text()).body, True)
+
+
+def test_every_import_stays_in_its_layer_or_goes_lower():
+    upward = []
+    for module, path in MODULES.items():
+        layer = _layer(module)
+        if not layer:
+            continue
+        for target, line, _ in _imports(module, path):
+            target_layer = _layer(target)
+            if target == NAME or target_layer in ALLOWED[layer]:
+                continue
+            upward.append(f"{path.relative_to(ROOT)}:{line}: {layer} imports {target} ({target_layer or 'facade'})")
+    assert not upward, "imports above their layer:\n" + "\n".join(upward)
+
+
+def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def _load_time_edges() -> Dict[str, Set[str]]:
+    edges: Dict[str, Set[str]] = {}
+    for module, path in MODULES.items():
+        # A package's own __init__ importing its submodules is not a cycle: a submodule finds
+        # its package already in sys.modules. So packages count only through what they import.
+        edges[module] = {t for t, _, eager in _imports(module, path) if eager and t in MODULES and t != module}
+    return edges
+
+
+def test_no_import_cycle_at_load_time():
+    cycles = _cycles(_load_time_edges())
+    assert not cycles, f"modules importing each other when loaded: {cycles}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+
+
+def test_the_package_has_at_most_25_entries():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 25, entries
+
+
+def _moved() -> Dict[str, str]:
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "MOVED_MODULES":
+            return ast.literal_eval(node.value)
+    raise AssertionError("MOVED_MODULES not found")
+
+
+MOVED = _moved()
+
+
+def test_each_old_path_is_the_new_module_with_one_deprecation_warning():
+    code = f"""
+import importlib, json, sys, warnings
+moved = {MOVED!r}
+out = {{}}
+for old, new in moved.items():
+    try:
+        target = importlib.import_module("{NAME}." + new)
+    except ImportError as exc:  # an optional dependency (triton, flashinfer) is missing
+        target = exc.name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            module = importlib.import_module("{NAME}." + old)
+            same = module is importlib.import_module("{NAME}." + old) is target
+        except ImportError as exc:  # the same missing dependency as the new path
+            same = exc.name == target
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+                and "is deprecated" in str(w.message)]
+    out[old] = [same, messages]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    for old, (same, messages) in result.items():
+        assert same, f"{NAME}.{old} is not the module {NAME}.{MOVED[old]}"
+        expected = f"{NAME}.{old} is deprecated: import {NAME}.{MOVED[old]} instead"
+        assert len(messages) == 1 and messages[0].startswith(expected), (old, messages)
+
+
+def test_old_paths_of_names_and_the_entry_point_keep_working():
+    code = f"""
+import warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from {NAME}.backend import ShapeKey, BaseCudaGraphBackend, DisabledBackend
+from {NAME} import envs, hookspecs, forward_batch
+from {NAME}.hookspecs import BackendSpec
+from {NAME}.testing.model import ReferenceLlamaForCausalLM
+from {NAME}.testing.batches import GreedySession
+from {NAME}.reference.batches import GreedySession as New
+assert New is GreedySession and hookspecs.BackendSpec is BackendSpec
+from importlib.metadata import entry_points
+(ep,) = [e for e in entry_points(group="console_scripts") if e.name == "cuda-graph-runner"]
+assert ep.value == "{NAME}.cli:main", ep.value
+from {NAME}.cli.command import main
+assert ep.load() is main
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 0, proc.stderr
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CORE), env.get("PYTHONPATH")]))
+    return env
+
+
+# -- nothing in the repository uses an old path -------------------------------------------------
+
+_OLD = re.compile(
+    r"\b" + re.escape(NAME) + r"\.(" + "|".join(sorted(map(re.escape, MOVED), key=len, reverse=True)) + r")(?![\w])"
+)
+_OLD_TOP = {old for old in MOVED if "." not in old}
+
+
+def _repo_files() -> Iterator[Path]:
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    for name in listed.stdout.split():
+        path = ROOT / name
+        if (
+            path.suffix in (".py", ".md", ".toml", ".sh")
+            and path.is_file()
+            and name not in ("CHANGELOG.md", "tests/test_layout.py")
+        ):
+            yield path
+
+
+def test_the_repository_names_no_old_module_path():
+    found = []
+    for path in _repo_files():
+        text = path.read_text()
+        for match in _OLD.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)}")
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            # `from cuda_graph_runner import envs` names an old module without its dotted path
+            if isinstance(node, ast.ImportFrom) and node.module == NAME and node.level == 0:
+                for alias in node.names:
+                    if alias.name in _OLD_TOP:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {NAME} import {alias.name}")
+    assert not found, "old module paths (use the new ones):\n" + "\n".join(found)
