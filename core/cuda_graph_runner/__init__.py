@@ -100,6 +100,7 @@ MOVED_MODULES = {
     "profiling": "backend.profiling",
     "progress": "backend.progress",
     "real_model": "reference.real_model",
+    "registry.loading": "registry.manager",
     "results_schema": "cli.results_schema",
     "runner.capture_plan": "backend.capture_plan",
     "tables": "cli.tables",

@@ -19,7 +19,7 @@ One concept per module, as in pluggy's ``_manager.py`` / ``_hooks.py`` and conda
 * :mod:`.conflicts`: contested names and defaults, preferences;
 * :mod:`.contract`: the backend contract checker (``check_backend_class``);
 * :mod:`.versions`: the plugin API version handshake;
-* :mod:`.manager`: ``BackendRegistry``, which ties them together;
+* :mod:`.manager`: ``BackendRegistry``, which loads the plugins and ties the rest together;
 * :mod:`.process`: the process-wide registry, fork handling, module-level functions.
 
 What this package does not do: hold backend code (the ``disabled`` backend lives in
@@ -110,8 +110,7 @@ from .entries import (
     default_device_type,
 )
 from .entries import spec_problem as _spec_problem  # noqa: F401
-from .loading import ENV_PREFER
-from .manager import ENV_STRICT, BackendRegistry
+from .manager import ENV_PREFER, ENV_STRICT, BackendRegistry
 from .process import (
     backend_phases,
     backend_problems,
