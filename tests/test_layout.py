@@ -283,3 +283,31 @@ def test_the_repository_names_no_old_module_path():
                     if alias.name in _OLD_TOP:
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {NAME} import {alias.name}")
     assert not found, "old module paths (use the new ones):\n" + "\n".join(found)
+
+
+def test_names_the_registry_no_longer_exports_warn_once_and_are_the_same_objects():
+    code = f"""
+import importlib, json, warnings
+import {NAME}.registry as registry
+out = {{}}
+for name, (module, attribute) in registry._MOVED_NAMES.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = getattr(registry, name)
+        second = getattr(registry, name)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    out[name] = [first is second is getattr(importlib.import_module(module), attribute), messages]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    for name, (same, messages) in json.loads(proc.stdout.splitlines()[-1]).items():
+        assert same, name
+        assert len(messages) == 1 and messages[0].startswith(f"{NAME}.registry.{name} is deprecated"), (name, messages)
+
+
+def test_the_registry_exports_only_its_own_names():
+    import cuda_graph_runner.registry as registry
+
+    assert len(registry.__all__) <= 26 and all(hasattr(registry, name) for name in registry.__all__)
+    assert not set(registry.__all__) & set(registry._MOVED_NAMES)

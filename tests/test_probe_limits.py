@@ -11,6 +11,7 @@ import pytest
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import envs
+from cuda_graph_runner.backend.errors import BackendUnavailableError
 from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.cli.command import main
 from cuda_graph_runner.registry import BackendRegistry
@@ -56,7 +57,7 @@ def test_a_slow_probe_is_listed_timed_out_and_the_others_still_listed(release):
     assert rows["fast"].status == "available" and rows["disabled"].status == "available"
     assert rows["missing_sdk"].reason == "acme_sdk is not installed"
     # The timed-out answer is kept: resolving does not wait again, and says why.
-    with pytest.raises(registry.BackendUnavailableError, match="timed out"):
+    with pytest.raises(BackendUnavailableError, match="timed out"):
         reg.resolve("decode", "slow", device="cpu")
 
 
@@ -115,7 +116,7 @@ def test_a_raising_probe_is_failed_once_and_strict_mode_raises_each_time():
     strict = BackendRegistry(autoload=False, strict=True, probe_timeout_s=0)  # 0: no limit, this thread
     strict.register(_spec("broken", broken_probe))
     for _ in range(2):
-        with pytest.raises(registry.BackendUnavailableError, match="driver exploded"):
+        with pytest.raises(BackendUnavailableError, match="driver exploded"):
             strict.get("broken", device_type="cpu")
     assert calls == ["cpu", "cpu"]
 

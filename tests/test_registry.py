@@ -20,6 +20,7 @@ from cuda_graph_runner.backend.errors import (
     UnknownBackendError,
 )
 from cuda_graph_runner.backend.hookspecs import ENTRY_POINT_GROUP, BackendSpec
+from cuda_graph_runner.config import WELL_KNOWN_DISTRIBUTIONS
 from cuda_graph_runner.testing.conformance import install_plugin_distributions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def test_default_on_cpu_is_disabled():
 
 
 def test_unknown_name_lists_installed_and_suggests_distribution(monkeypatch):
-    monkeypatch.setitem(registry.WELL_KNOWN_DISTRIBUTIONS, "hexagon", "cuda-graph-runner-hexagon")
+    monkeypatch.setitem(WELL_KNOWN_DISTRIBUTIONS, "hexagon", "cuda-graph-runner-hexagon")
     with pytest.raises(UnknownBackendError) as info:
         registry.resolve_decode_backend({"backend": "hexagon"}, device="cpu")
     msg = str(info.value)

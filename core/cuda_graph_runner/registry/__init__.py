@@ -81,23 +81,12 @@ not the parent's ``register()`` calls.
 
 from __future__ import annotations
 
-from ..backend.errors import (
-    BackendConflictError,
-    BackendContractError,
-    BackendLoadError,
-    BackendUnavailableError,
-    RegistryReentryError,
-    UnknownBackendError,
-)
-from ..backend.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
-from ..config import WELL_KNOWN_DISTRIBUTIONS
-from . import conflicts
-from .contract import RUNNER_CALLS, check_backend_class
-from .discovery import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
+import importlib
+import warnings
+from typing import Any
 
-# Private helpers the conformance kit and plugin tests call under these names.
-from .discovery import load_ref as _load_ref  # noqa: F401
-from .discovery import normalize_dist as _normalize_dist  # noqa: F401
+from .contract import check_backend_class
+from .discovery import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
 from .entries import (
     AVAILABLE,
     CONFLICT,
@@ -109,7 +98,6 @@ from .entries import (
     EntryStatus,
     default_device_type,
 )
-from .entries import spec_problem as _spec_problem  # noqa: F401
 from .manager import ENV_PREFER, ENV_STRICT, BackendRegistry
 from .process import (
     backend_phases,
@@ -124,13 +112,10 @@ from .process import (
     verify,
     verify_all,
 )
-from .versions import CORE_DISTRIBUTION, api_version_problem
 
 __all__ = [
     "AVAILABLE",
     "CONFLICT",
-    "CORE_DISTRIBUTION",
-    "ENTRY_POINT_GROUP",
     "ENV_DISABLE_AUTOLOAD",
     "ENV_PLUGINS",
     "ENV_PREFER",
@@ -138,25 +123,13 @@ __all__ = [
     "FAILED",
     "IN_PROCESS",
     "PHASES",
-    "PLUGIN_API_VERSION",
-    "RUNNER_CALLS",
     "UNAVAILABLE",
-    "WELL_KNOWN_DISTRIBUTIONS",
-    "BackendConflictError",
-    "BackendContractError",
     "BackendEntry",
-    "BackendLoadError",
     "BackendRegistry",
-    "BackendSpec",
-    "BackendUnavailableError",
     "EntryStatus",
-    "RegistryReentryError",
-    "UnknownBackendError",
-    "api_version_problem",
     "backend_phases",
     "backend_problems",
     "check_backend_class",
-    "conflicts",
     "default_device_type",
     "get_registry",
     "list_backends",
@@ -168,3 +141,40 @@ __all__ = [
     "verify",
     "verify_all",
 ]
+
+#: Names this package re-exported before its ``__init__`` was narrowed -> (module, name) that
+#: holds each now; reading one warns once per name (``DeprecationWarning``).
+_MOVED_NAMES = {
+    "BackendConflictError": ("cuda_graph_runner.backend.errors", "BackendConflictError"),
+    "BackendContractError": ("cuda_graph_runner.backend.errors", "BackendContractError"),
+    "BackendLoadError": ("cuda_graph_runner.backend.errors", "BackendLoadError"),
+    "BackendUnavailableError": ("cuda_graph_runner.backend.errors", "BackendUnavailableError"),
+    "RegistryReentryError": ("cuda_graph_runner.backend.errors", "RegistryReentryError"),
+    "UnknownBackendError": ("cuda_graph_runner.backend.errors", "UnknownBackendError"),
+    "BackendSpec": ("cuda_graph_runner.backend.hookspecs", "BackendSpec"),
+    "ENTRY_POINT_GROUP": ("cuda_graph_runner.backend.hookspecs", "ENTRY_POINT_GROUP"),
+    "PLUGIN_API_VERSION": ("cuda_graph_runner.backend.hookspecs", "PLUGIN_API_VERSION"),
+    "WELL_KNOWN_DISTRIBUTIONS": ("cuda_graph_runner.config", "WELL_KNOWN_DISTRIBUTIONS"),
+    "CORE_DISTRIBUTION": ("cuda_graph_runner.registry.versions", "CORE_DISTRIBUTION"),
+    "api_version_problem": ("cuda_graph_runner.registry.versions", "api_version_problem"),
+    "RUNNER_CALLS": ("cuda_graph_runner.registry.contract", "RUNNER_CALLS"),
+    "_load_ref": ("cuda_graph_runner.registry.discovery", "load_ref"),
+    "_normalize_dist": ("cuda_graph_runner.registry.discovery", "normalize_dist"),
+    "_spec_problem": ("cuda_graph_runner.registry.entries", "spec_problem"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    moved = _MOVED_NAMES.get(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = moved
+    warnings.warn(
+        f"{__name__}.{name} is deprecated: import {attribute} from {module} instead "
+        "(the old name is removed in the next release)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value

@@ -10,6 +10,7 @@ import pytest
 
 from cuda_graph_runner import registry
 from cuda_graph_runner.backend import BackendUnavailableError
+from cuda_graph_runner.registry.discovery import load_ref
 from cuda_graph_runner_breakable import plugin
 
 
@@ -23,7 +24,7 @@ def test_spec_declares_both_phases_on_cuda():
     (spec,) = plugin.cuda_graph_runner_backend_specs()
     assert spec.name == "breakable" and spec.phases == ("decode", "prefill") and spec.devices == ("cuda",)
     assert spec.backend_class == "cuda_graph_runner_breakable.backend:BreakableCudaGraphBackend"
-    cls = registry._load_ref(spec.backend_class)
+    cls = load_ref(spec.backend_class)
     registry.check_backend_class(cls, "breakable")
 
 

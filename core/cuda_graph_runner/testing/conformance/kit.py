@@ -14,7 +14,9 @@ import pytest
 from ... import registry
 from ...backend.errors import BackendUnavailableError, CudaGraphRunnerError
 from ...backend.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, BackendSpec
-from ...registry.discovery import ref_name
+from ...registry.discovery import load_ref, normalize_dist, ref_name
+from ...registry.entries import spec_problem
+from ...registry.versions import api_version_problem
 from .device_tests import DEVICE_TESTS, DeviceConformanceTests
 from .packaging import run_python
 
@@ -177,7 +179,7 @@ class BackendConformanceTests(DeviceConformanceTests):
         dists = sorted({ep.dist.name if ep.dist is not None else "?" for ep in eps})
         assert len(dists) == 1, f"backend name {self.backend_name!r} is registered by several distributions: {dists}"
         if self.distribution is not None:
-            assert registry._normalize_dist(dists[0]) == registry._normalize_dist(self.distribution), (
+            assert normalize_dist(dists[0]) == normalize_dist(self.distribution), (
                 f"entry point {self.backend_name!r} comes from {dists[0]}, expected {self.distribution}"
             )
 
@@ -219,12 +221,12 @@ class BackendConformanceTests(DeviceConformanceTests):
     def test_spec_is_well_formed_and_declares_api_version(self) -> None:
         spec = self.spec()
         assert spec.name == self.backend_name, f"spec name {spec.name!r} differs from the entry-point name"
-        assert registry._spec_problem(spec) is None, registry._spec_problem(spec)
+        assert spec_problem(spec) is None, spec_problem(spec)
         assert spec.api_version is not None, (
             f"backend {self.backend_name!r} does not declare api_version; write the plugin API version it was "
             f"written for as a literal, e.g. BackendSpec(..., api_version={PLUGIN_API_VERSION!r})"
         )
-        problem = registry.api_version_problem(spec.api_version)
+        problem = api_version_problem(spec.api_version)
         assert problem is None, f"backend {self.backend_name!r} {problem}"
         assert spec.description, "give the spec a one-line description (cuda-graph-runner backends shows it)"
 
@@ -242,7 +244,7 @@ class BackendConformanceTests(DeviceConformanceTests):
         spec = self.spec()
         if spec.probe is None:
             return
-        probe = registry._load_ref(spec.probe)
+        probe = load_ref(spec.probe)
         for device_type in sorted({d for d in spec.devices if d != "*"} | {"cpu", "cuda", "npu", "xpu"}):
             answer = probe(device_type)  # must not raise
             assert answer is None or answer is True or (isinstance(answer, str) and answer.strip()), (
