@@ -88,7 +88,7 @@ def test_merge_keeps_each_ratio_from_the_method_s_own_process():
 
     import make_docs
 
-    from cuda_graph_runner.results_schema import from_json, from_run_models, nested_view
+    from cuda_graph_runner.cli.results_schema import from_json, from_run_models, nested_view
 
     doc = from_json(from_run_models(models, {"device": "cuda"}))
     assert nested_view(doc)["models"]["m"]["ratios"]["1"]["tc_piecewise:inductor"] == tc_ratio
@@ -102,7 +102,7 @@ def test_run_py_isolate_merges_its_processes_on_cpu(tmp_path):
     argv += ["--iters", "1", "--rounds", "1", "--warmup-min", "0", "--warmup-max", "1", "--warmup-min-s", "0"]
     argv += ["--backends", "full,tc_piecewise", "--isolate", "--out", str(tmp_path)]
     assert run.main(argv) == 0
-    from cuda_graph_runner.results_schema import nested_view, read
+    from cuda_graph_runner.cli.results_schema import nested_view, read
 
     view = nested_view(read(str(tmp_path / "benchmarks.json")))
     assert view["env"]["isolated_processes"] == {"base": ["full"], "tc_piecewise": ["tc_piecewise"]}

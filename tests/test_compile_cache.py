@@ -191,7 +191,7 @@ def test_a_model_holding_an_unpicklable_object_compiles_and_is_not_kept(tmp_path
     monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
     torch._dynamo.reset()
     model, x = _HoldsAnUnpicklableObject(), torch.randn(2, 4)
-    with caplog.at_level("INFO", logger="cuda_graph_runner.compile_cache_dynamo"):
+    with caplog.at_level("INFO", logger="cuda_graph_runner.backend.compile_cache_dynamo"):
         with compile_cache_scope("k3"):
             got = torch.compile(model, backend="eager")(x)
     torch.testing.assert_close(got, model(x))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict
 import pytest
 import torch
 
-from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode
+from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, DraftDecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
 
