@@ -48,10 +48,10 @@ TARGET_US = 100
 
 def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
     from cuda_graph_runner.cli.bench.measure import block_means_s
-    from cuda_graph_runner.runner.dp_group import DPGroup
-    from cuda_graph_runner.runner import DecodeCudaGraphRunner
     from cuda_graph_runner.reference.batches import make_decode_batch
     from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+    from cuda_graph_runner.runner.dp_group import DPGroup
     from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
     from cuda_graph_runner_full.backend import FullCudaGraphBackend
 

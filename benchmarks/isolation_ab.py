@@ -150,8 +150,8 @@ def child(args: argparse.Namespace) -> int:
     from bench_summary import ratio_stats
     from run import HandWrittenGraph, decode_batches, fresh_backend, phase_options, pin_inductor, reduce_overhead_fn
 
-    from cuda_graph_runner.runner import DecodeCudaGraphRunner
     from cuda_graph_runner.reference.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
 
     others, reset, _fresh, limit = VARIANTS[args.child]
     out: Dict[str, Any] = {"variant": args.child, "torch": torch.__version__, "notes": [], "phases": {}}

@@ -94,25 +94,25 @@ from isolated import child_argv, dir_name, groups, merge  # noqa: E402
 from make_docs import render  # noqa: E402
 from portable import portable_argv, portable_path  # noqa: E402
 
-from cuda_graph_runner.backend.options import option_readers  # noqa: E402
-from cuda_graph_runner.cli.bench.args import attention_arg  # noqa: E402
-from cuda_graph_runner.cli.bench.backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
-from cuda_graph_runner.config import CudaGraphConfigError  # noqa: E402
-from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
+from cuda_graph_runner.backend.context import forward_context  # noqa: E402
 from cuda_graph_runner.backend.errors import CudaGraphRunnerError  # noqa: E402
 from cuda_graph_runner.backend.forward_batch import ForwardBatch, as_static_batch  # noqa: E402
-from cuda_graph_runner.backend.context import forward_context  # noqa: E402
-from cuda_graph_runner.config.integers import count_arg  # noqa: E402
+from cuda_graph_runner.backend.options import option_readers  # noqa: E402
 from cuda_graph_runner.backend.pool import graph_owned_cublas_workspace  # noqa: E402
-from cuda_graph_runner.registry import get_registry  # noqa: E402
+from cuda_graph_runner.cli.bench.args import attention_arg  # noqa: E402
+from cuda_graph_runner.cli.bench.backends import label_of, label_options, parse_label, takes_compile_sizes  # noqa: E402
 from cuda_graph_runner.cli.results_schema import ResultsSchemaError, from_run_models, nested_view, read  # noqa: E402
-from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.config import CudaGraphConfigError  # noqa: E402
+from cuda_graph_runner.config.flags import FlattenSizes, sizes_arg  # noqa: E402
+from cuda_graph_runner.config.integers import count_arg  # noqa: E402
 from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch  # noqa: E402
 from cuda_graph_runner.reference.model import (  # noqa: E402
     DEFAULT_ATTENTION,
     ReferenceLlamaForCausalLM,
     make_attention_backend,
 )
+from cuda_graph_runner.registry import get_registry  # noqa: E402
+from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
 
 DECODE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL_TOKENS = [128, 512, 2048]

@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
 from cuda_graph_runner.reference.batches import (
     GreedySession,
     eager_logits_fn,
@@ -23,7 +21,6 @@ from cuda_graph_runner.reference.batches import (
     make_dummy_prompts,
     make_extend_batch,
 )
-from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
 from cuda_graph_runner.reference.speculative import (
     ModelDraft,
     OracleDraft,
@@ -32,6 +29,9 @@ from cuda_graph_runner.reference.speculative import (
     make_draft_batch,
     speculative_generate,
 )
+from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
+from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
 
 pytestmark = [
     pytest.mark.gpu,
