@@ -77,7 +77,7 @@ def _installed_backend_phases() -> Optional[Mapping[str, Collection[str]]]:
 
 def _effective(config: CudaGraphConfig, checked: bool) -> Dict[str, Dict[str, Any]]:
     defaults: Dict[str, Any] = {}
-    registry: Any = sys.modules.get(__package__ + ".registry") if checked else None
+    registry: Any = sys.modules.get(__package__.rpartition(".")[0] + ".registry") if checked else None
     if hasattr(registry, "get_registry"):
         device_type = registry.default_device_type()
         defaults = {phase: registry.get_registry().default_backend(phase, device_type) for phase in Phase.ALL}
@@ -102,7 +102,7 @@ def run_config(args: argparse.Namespace) -> int:
     try:
         config = CudaGraphConfig.from_args(args)
         installed = _installed_backend_phases()
-        registry: Any = sys.modules.get(__package__ + ".registry") if installed is not None else None
+        registry: Any = sys.modules.get(__package__.rpartition(".")[0] + ".registry") if installed is not None else None
         problems = getattr(registry, "backend_problems", None)
         config.validate(installed, problems() if problems else None)
         if hasattr(registry, "get_registry"):
