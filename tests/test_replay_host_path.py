@@ -25,14 +25,15 @@ REPLAYS = 6
 
 #: Where a feature's per-replay machinery lives: no call may land here while it is off.
 _FEATURE_FILES = {
-    "profiling": os.path.join("cuda_graph_runner", "profiling.py"),
+    "profiling": os.path.join("backend", "profiling.py"),
     "eager_through": os.path.join("runner", "eager_through.py"),
     "sleep": os.path.join("runner", "sleep.py"),
-    "weights": os.path.join("cuda_graph_runner", "weights.py"),
-    "verify": os.path.join("cuda_graph_runner", "verify.py"),
+    "weights": os.path.join("runner", "weights.py"),
+    "verify": os.path.join("runner", "verify.py"),
     "padded_eager": os.path.join("runner", "padded_eager.py"),
     "data_parallel": "data_parallel.py",
-    "envs": os.path.join("cuda_graph_runner", "envs.py"),
+    "dp_group": os.path.join("runner", "dp_group.py"),
+    "envs": os.path.join("backend", "envs.py"),
     "torch profiler": os.path.join("torch", "autograd", "profiler.py"),
     "torch.profiler": os.path.join("torch", "profiler", ""),
     "environment": os.sep + "os.py",
