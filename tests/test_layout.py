@@ -103,6 +103,11 @@ def _imports(module: str, path: Path) -> Iterator[Tuple[str, int, bool]]:
     yield from visit(ast.parse(path.read_text()).body, True)
 
 
+def test_every_module_is_in_a_layer_or_the_facade():
+    outside = [m for m in MODULES if not _layer(m) and m not in (NAME, f"{NAME}.__main__")]
+    assert not outside, f"modules in no layer: {outside}"
+
+
 def test_every_import_stays_in_its_layer_or_goes_lower():
     upward = []
     for module, path in MODULES.items():
