@@ -43,11 +43,17 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
-from cuda_graph_runner.cli.bench.measure import block_means_s
-from cuda_graph_runner.config.integers import count_arg
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import RecordingBackend
+
+try:
+    from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+    from cuda_graph_runner.cli.bench.measure import block_means_s
+    from cuda_graph_runner.config.integers import count_arg
+except ImportError:  # --against a checkout with the modules at the package's top level
+    from cuda_graph_runner.bench_measure import block_means_s  # type: ignore[no-redef]
+    from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode  # type: ignore[no-redef]
+    from cuda_graph_runner.integers import count_arg  # type: ignore[no-redef]
 
 
 class _StoredOutputBackend(RecordingBackend):

@@ -60,13 +60,34 @@ def _modules() -> Dict[str, Path]:
 MODULES = _modules()
 
 
+def _facade_exports() -> Dict[str, str]:
+    """The package root's lazy names -> the module (relative) each is read from."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
+        if getattr(target, "id", "") == "_EXPORTS":
+            return ast.literal_eval(node.value)
+    raise AssertionError("_EXPORTS not found in the package's __init__")
+
+
+EXPORTS = _facade_exports()
+
+
 def _layer(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else ""
 
 
-def _imports(module: str, path: Path) -> Iterator[Tuple[str, int, bool]]:
-    """(imported module, line, runs at load time) for each core module ``module`` imports."""
+def _imports(
+    module: str, path: Path, modules: Dict[str, Path] = MODULES, exports: Dict[str, str] = EXPORTS
+) -> Iterator[Tuple[str, int, bool]]:
+    """(imported module, line, runs at load time) for each core module ``module`` imports; a
+    name read from the package root (``from cuda_graph_runner import X``) counts as an import
+    of the module the root reads it from."""
     is_package = path.name == "__init__.py"
 
     def targets(node: ast.AST) -> List[str]:
@@ -81,7 +102,15 @@ def _imports(module: str, path: Path) -> Iterator[Tuple[str, int, bool]]:
             name = node.module or ""
         if name.split(".")[0] != NAME:
             return []
-        return [f"{name}.{a.name}" if f"{name}.{a.name}" in MODULES else name for a in node.names]
+        found = []
+        for a in node.names:
+            if f"{name}.{a.name}" in modules:
+                found.append(f"{name}.{a.name}")
+            elif name == NAME and a.name in exports:
+                found.append(f"{NAME}.{exports[a.name]}")
+            else:
+                found.append(name)
+        return found
 
     def visit(body: List[ast.stmt], eager: bool) -> Iterator[Tuple[str, int, bool]]:
         for node in body:
@@ -157,12 +186,22 @@ def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
-def _load_time_edges() -> Dict[str, Set[str]]:
+def _load_time_edges(modules: Dict[str, Path] = MODULES) -> Dict[str, Set[str]]:
     edges: Dict[str, Set[str]] = {}
-    for module, path in MODULES.items():
+    for module, path in modules.items():
         # A package's own __init__ importing its submodules is not a cycle: a submodule finds
-        # its package already in sys.modules. So packages count only through what they import.
-        edges[module] = {t for t, _, eager in _imports(module, path) if eager and t in MODULES and t != module}
+        # its package already in sys.modules. Importing ``a.b.c`` from outside ``a.b`` runs
+        # ``a.b``'s __init__ first, so that is an edge to the package too.
+        own = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)}
+        edges[module] = set()
+        for t, _, eager in _imports(module, path, modules):
+            if not eager:
+                continue
+            parts = t.split(".")
+            for i in range(2, len(parts) + 1):
+                target = ".".join(parts[:i])
+                if target in modules and target not in own:
+                    edges[module].add(target)
     return edges
 
 
@@ -174,6 +213,48 @@ def test_no_import_cycle_at_load_time():
 def test_the_cycle_check_finds_a_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(edges) == [["a", "b", "c"]]
+
+
+def _scratch_package(tmp_path: Path, files: Dict[str, str]) -> Dict[str, Path]:
+    modules = {}
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        parts = list(Path(rel).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def test_a_cycle_through_a_package_init_is_found(tmp_path):
+    # zz_a -> sub.b runs sub/__init__ first, which imports sub.c, which imports zz_a.
+    modules = _scratch_package(
+        tmp_path,
+        {
+            f"{NAME}/runner/zz_a.py": f"from {NAME}.runner.sub import b\n",
+            f"{NAME}/runner/sub/__init__.py": "from . import c\n",
+            f"{NAME}/runner/sub/b.py": "",
+            f"{NAME}/runner/sub/c.py": f"from {NAME}.runner import zz_a\n",
+        },
+    )
+    cycles = _cycles(_load_time_edges(modules))
+    assert [f"{NAME}.runner.sub", f"{NAME}.runner.sub.c", f"{NAME}.runner.zz_a"] in cycles, cycles
+
+
+def test_a_name_read_from_the_package_root_counts_as_its_module():
+    found = _imports_of_source(
+        f"from {NAME} import DecodeCudaGraphRunner, __version__", {"DecodeCudaGraphRunner": "runner"}
+    )
+    assert found == [f"{NAME}.runner", NAME], found
+
+
+def _imports_of_source(source: str, exports: Dict[str, str]) -> List[str]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "m.py"
+        path.write_text(source)
+        return [t for t, _, _ in _imports(f"{NAME}.config.m", path, exports=exports)]
 
 
 def test_the_package_has_at_most_25_entries():
@@ -207,6 +288,7 @@ for old, new in moved.items():
         try:
             module = importlib.import_module("{NAME}." + old)
             same = module is importlib.import_module("{NAME}." + old) is target
+            same = same and module.__spec__.name == "{NAME}." + new  # its own spec, not the old path's
         except ImportError as exc:  # the same missing dependency as the new path
             same = exc.name == target
     messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
@@ -316,3 +398,27 @@ def test_the_registry_exports_only_its_own_names():
 
     assert len(registry.__all__) <= 26 and all(hasattr(registry, name) for name in registry.__all__)
     assert not set(registry.__all__) & set(registry._MOVED_NAMES)
+
+
+def _plugin_sources() -> List[Path]:
+    roots = [p for p in (ROOT / "plugins").glob("*/cuda_graph_runner_*") if p.is_dir()]
+    roots += [p for p in (ROOT / "examples" / "acme_backend").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    return sorted(f for r in roots for f in r.rglob("*.py"))
+
+
+def test_plugin_sources_import_the_core_through_backend_only():
+    # A plugin's code (not its tests) reads the core through the plugin API, and a
+    # testing helper it ships through cuda_graph_runner.testing.
+    sources = _plugin_sources()
+    assert len(sources) > 10, sources
+    outside = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == NAME and (len(parts) < 2 or parts[1] not in ("backend", "testing")):
+                    outside.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    assert not outside, "plugin code importing the core beside cuda_graph_runner.backend:\n" + "\n".join(outside)

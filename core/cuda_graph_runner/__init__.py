@@ -54,10 +54,10 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-# -- module paths before the package was split by layer ----------------------------------------
-#: Old module path (relative to this package) -> the module that holds it now. Importing an old
-#: path imports the new module, binds it under the old name too and warns once
-#: (``DeprecationWarning``); no file is left at the old path. See docs/architecture.md.
+# -- deprecated module paths ------------------------------------------------------------------
+#: Deprecated module path (relative to this package) -> the module it names. Importing one
+#: imports that module, binds it under the deprecated name too and warns once
+#: (``DeprecationWarning``); no file exists at a deprecated path. See docs/architecture.md.
 MOVED_MODULES = {
     "backend_options": "backend.options",
     "bench": "cli.bench.command",
@@ -133,6 +133,7 @@ MOVED_MODULES = {
 class _MovedModuleLoader(importlib.abc.Loader):
     def __init__(self, old: str, new: str) -> None:
         self.old, self.new = old, new
+        self.spec: Optional[importlib.machinery.ModuleSpec] = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         warnings.warn(
@@ -140,11 +141,15 @@ class _MovedModuleLoader(importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        # The new module is already executed; the import system binds it under the old name.
-        pass
+        # The module is already executed; the import system bound it under the deprecated
+        # name and set its __spec__ to the deprecated path's: give it its own back (reload,
+        # importlib.resources and submodule search read it).
+        module.__spec__ = self.spec
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):

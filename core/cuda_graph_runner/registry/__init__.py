@@ -142,8 +142,8 @@ __all__ = [
     "verify_all",
 ]
 
-#: Names this package re-exported before its ``__init__`` was narrowed -> (module, name) that
-#: holds each now; reading one warns once per name (``DeprecationWarning``).
+#: Deprecated names of this package -> the (module, name) each reads; reading one warns once
+#: per name (``DeprecationWarning``).
 _MOVED_NAMES = {
     "BackendConflictError": ("cuda_graph_runner.backend.errors", "BackendConflictError"),
     "BackendContractError": ("cuda_graph_runner.backend.errors", "BackendContractError"),
