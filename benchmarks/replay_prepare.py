@@ -51,9 +51,9 @@ try:
     from cuda_graph_runner.cli.bench.measure import block_means_s
     from cuda_graph_runner.config.integers import count_arg
 except ImportError:  # --against a checkout with the modules at the package's top level
-    from cuda_graph_runner.bench_measure import block_means_s  # type: ignore[no-redef]
-    from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode  # type: ignore[no-redef]
-    from cuda_graph_runner.integers import count_arg  # type: ignore[no-redef]
+    from cuda_graph_runner.bench_measure import block_means_s  # type: ignore[no-redef]  # flat layout
+    from cuda_graph_runner.forward_batch import ForwardBatch, ForwardMode  # type: ignore[no-redef]  # flat layout
+    from cuda_graph_runner.integers import count_arg  # type: ignore[no-redef]  # flat layout
 
 
 class _StoredOutputBackend(RecordingBackend):

@@ -358,8 +358,11 @@ def test_the_repository_names_no_old_module_path():
     found = []
     for path in _repo_files():
         text = path.read_text()
+        lines = text.splitlines()
         for match in _OLD.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
+            if lines[line - 1].rstrip().endswith("# flat layout"):  # code reading an older checkout
+                continue
             found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)}")
         if path.suffix != ".py":
             continue
