@@ -1,4 +1,4 @@
-"""``cuda-graph-runner inspect``: capture as ``bench`` would and list what was captured.
+"""cuda-graph-runner inspect: capture as bench would and list what was captured.
 
 It takes the bench's model, size, backend and config flags
 (:func:`cuda_graph_runner.cli.bench.args.add_model_arguments` and the config flags), loads
