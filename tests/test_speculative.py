@@ -368,7 +368,7 @@ def test_a_round_reads_the_device_once_and_runs_no_per_request_device_op(target,
     seen = {}
     for n in (1, 4):
         if draft_name == "oracle":
-            # Every proposal right: all requests live until the last round.
+            # The oracle proposes the target's own tokens: each is accepted, no request ends early.
             expected = greedy_generate(target, target.kv_cache, prompts[:n], budget)
 
             def draft(spy, expected=expected):

@@ -118,7 +118,7 @@ class AttentionBackend(abc.ABC):
         return None  # nothing to plan (torch)
 
     def attach_kv_cache(self, cache: Optional[PagedKVCache]) -> None:
-        """The model's KV cache is now ``cache`` (a
+        """``cache`` becomes the model's KV cache (a
         :class:`~cuda_graph_runner.reference.kv_cache.PagedKVCache`, or None: detached);
         called by the model at every assignment of its ``kv_cache``
         (:func:`attached_kv_cache`), so a backend whose hooks index ``req_to_token`` before
