@@ -76,6 +76,7 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
         "full_prefill_max_req": None,
         "check_weights_every": 0,
         "forward_asleep": "eager",
+        "capture": "blocking",
     }
     assert report["config"] == {
         "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", **checks},

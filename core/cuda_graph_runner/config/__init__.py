@@ -123,6 +123,12 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     given back): ``eager`` (default) runs the batch eagerly, counted in
     ``run_stats()`` under the reason ``"asleep"``; ``raise`` raises
     ``RunnerAsleepError``.
+``capture``
+    When the graphs are captured: ``blocking`` (default) captures every size inside
+    ``runner.capture()``; ``eager_first`` makes ``capture()`` return at once, serves every
+    batch whose size holds no graph yet eagerly (counted in ``run_stats()`` under
+    ``"not captured yet"``) and captures in ``runner.capture_step(budget_ms)`` calls, the
+    sizes live traffic used first (``cuda_graph_runner.runner.lazy_capture``).
 
 Every error is a :class:`CudaGraphConfigError` (a ``ValueError``) whose message
 names the phase, the key, the bad value, what is accepted and, where known,
@@ -214,6 +220,7 @@ from .flags import add_cuda_graph_args, source_phases  # noqa: F401 - source_pha
 from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all__
     _BACKEND_NAME,  # the one backend-name pattern; the registry may share it
     BACKEND_OPTION_KEYS,
+    CAPTURE_POLICIES,
     DEFAULT_MAX_BS,
     FORWARD_ASLEEP,
     MAX_CAPTURE_SIZE,
@@ -243,6 +250,7 @@ __all__ = [
     "TORCH_COMPILE_MAX_BS",
     "WARMUP_POLICIES",
     "FORWARD_ASLEEP",
+    "CAPTURE_POLICIES",
     "DEFAULT_MAX_BS",
     "MAX_CAPTURE_SIZE",
     "PHASE_KEYS",

@@ -64,6 +64,11 @@ TORCH_COMPILE_MAX_BS = 32
 #: Values of the ``warmup`` key (see the module docstring).
 WARMUP_POLICIES = ("auto", "every_size", "first_size")
 
+#: Values of the ``capture`` key: ``blocking`` captures every size inside ``capture()``;
+#: ``eager_first`` serves eagerly and captures in ``capture_step(budget_ms)`` calls
+#: (:mod:`cuda_graph_runner.runner.lazy_capture`).
+CAPTURE_POLICIES = ("blocking", "eager_first")
+
 #: Values of the ``forward_asleep`` key: what ``forward`` does while the runner sleeps.
 FORWARD_ASLEEP = ("eager", "raise")
 
@@ -96,6 +101,7 @@ PHASE_KEYS = (
     "full_prefill_max_req",
     "check_weights_every",
     "forward_asleep",
+    "capture",
 )
 
 #: Keys of one phase only: ``{key: the phase that reads it}`` (set on the other phase, an error).
@@ -199,6 +205,7 @@ class PhaseConfig:
     full_prefill_max_req: Optional[int] = None
     check_weights_every: int = 0
     forward_asleep: str = "eager"
+    capture: str = "blocking"
 
     def __post_init__(self) -> None:
         self._check()
@@ -286,6 +293,10 @@ class PhaseConfig:
                 key="forward_asleep",
                 value=self.forward_asleep,
                 accepted=", ".join(FORWARD_ASLEEP),
+            )
+        if not isinstance(self.capture, str) or self.capture not in CAPTURE_POLICIES:
+            raise CudaGraphConfigError(
+                "unknown capture policy", key="capture", value=self.capture, accepted=", ".join(CAPTURE_POLICIES)
             )
         if self.verify and self.verify_first_n == 0 and self.verify_every == 0:
             raise CudaGraphConfigError(

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import weakref
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -40,6 +40,7 @@ from .data_parallel import dp_forward
 from .decision import ReplayDecision
 from .distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from .dp_group import DPGroup
+from .lazy_capture import BLOCKING, EAGER_FIRST, CaptureStep, LazyCapture, empty_step
 from .model_protocol import GraphModel
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
@@ -291,6 +292,10 @@ class BaseCudaGraphRunner(abc.ABC):
         #: Set while asleep (:meth:`sleep`): the sizes :meth:`wake` recaptures.
         self.sleep_state: Optional[sleep_mode.SleepState] = None
         self._asleep_raises: bool = getattr(self.phase_config, "forward_asleep", "eager") == "raise"
+        #: The ``eager_first`` capture state (:mod:`.lazy_capture`); None under ``blocking``.
+        self.lazy_capture: Optional[LazyCapture] = (
+            LazyCapture(self) if getattr(self.phase_config, "capture", BLOCKING) == EAGER_FIRST else None
+        )
 
     # -- subclass policy --------------------------------------------------------------
     @abc.abstractmethod
@@ -528,10 +533,17 @@ class BaseCudaGraphRunner(abc.ABC):
             report.pool_bytes = self.backend.graph_memory_bytes()
             return report
         self.sleep_state = None  # a capture while asleep ends the sleep (wake() is this for every size)
+        if self.lazy_capture is not None:  # eager_first: capture_step() captures them
+            self.lazy_capture.queue(todo)
+            return report
         with torch.no_grad():  # a capture-time grad_fn would ride on every replayed output
             return self._capture_sizes(todo, report)
 
-    def _capture_sizes(self, todo: List[int], report: CaptureReport) -> CaptureReport:
+    def _capture_sizes(
+        self, todo: List[int], report: CaptureReport, keep_going: Optional[Callable[[int], bool]] = None
+    ) -> CaptureReport:
+        """Capture ``todo`` in order into ``report``; with ``keep_going`` (a capture step of
+        :mod:`.lazy_capture`), each size after the first only if ``keep_going(size)``."""
         from ..backend import progress
 
         device, module = self._graph_device()
@@ -575,8 +587,10 @@ class BaseCudaGraphRunner(abc.ABC):
                     todo,
                     desc=f"capture {self.phase} ({self.backend.name})",
                     done=f"captured {len(todo)} {self.phase} graphs ({self.backend.name})",
-                    show=self.show_progress,
+                    show=self.show_progress if keep_going is None else False,
                 ):
+                    if keep_going is not None and report.sizes and not keep_going(size):
+                        break
                     tp_step = tp_capture_step(self.rank_group, f"{self.phase} size {size}")
                     had = set(self.captured_keys)
                     try:
@@ -607,7 +621,7 @@ class BaseCudaGraphRunner(abc.ABC):
         memory = self.capture_memory_bytes
         logger.info(
             "captured %d %s graphs with %s in %.2f s (%d graphs held, graph memory %s)%s",
-            len(todo),
+            len(report.sizes),
             self.phase,
             self._backend_label(),
             self.capture_seconds,
@@ -616,6 +630,38 @@ class BaseCudaGraphRunner(abc.ABC):
             ", eager-through mode: replays run the forward eagerly" if self.eager_through else "",
         )
         return report
+
+    def capture_step(self, budget_ms: Optional[float] = None) -> CaptureStep:
+        """Capture queued sizes for about ``budget_ms`` milliseconds (``capture:
+        eager_first``; :mod:`.lazy_capture`): the sizes live traffic ran eagerly first
+        (most batches first), then the others largest first; each size replays from the
+        next ``forward`` on, once every variant of it is captured. At least one size per
+        call, the next only while the last size's time still fits, so a call may overrun
+        the budget by one size; the first call also runs the backend's ``prepare``
+        (compile). Under ``blocking``, for backend ``disabled`` or with nothing queued: a
+        no-op. Tensor/data parallel: call it on every rank at the same point; every rank
+        captures the same sizes.
+
+        Args:
+            budget_ms: milliseconds (> 0) to spend; None: every queued size.
+
+        Returns:
+            A :class:`~.lazy_capture.CaptureStep`: the sizes captured and their ms, how
+            many sizes replay now and how many remain.
+
+        Raises:
+            TypeError, ValueError: ``budget_ms`` is not a number > 0 or None (names it).
+            TensorParallelMismatchError: the ranks would capture different sizes.
+            What :meth:`capture` raises for a size (out of memory, a host read, another
+            rank's failure): that size is rolled back and stays queued (eager serves it);
+            the sizes captured before it in the same call are kept.
+        """
+        if self.lazy_capture is None or self.is_disabled:
+            from .lazy_capture import check_budget
+
+            check_budget(budget_ms)
+            return empty_step(self)
+        return self.lazy_capture.step(budget_ms)
 
     def _capture_tracing(self, size: int) -> Any:
         """The capture trace of ``size`` (when ``capture_trace_dir`` is set) and the layer
@@ -1022,6 +1068,8 @@ class BaseCudaGraphRunner(abc.ABC):
         summary = self.stats.summary(self.capture_sizes)
         mem = self.capture_memory_bytes
         summary["pool_mib"] = None if mem is None else mem / 2**20
+        if self.lazy_capture is not None:  # eager_first: how many sizes replay so far
+            summary["capture"] = self.lazy_capture.progress()
         return summary
 
     __call__ = forward
@@ -1038,6 +1086,8 @@ class BaseCudaGraphRunner(abc.ABC):
                 release_unused_graph_memory_pool(device, module)
         self.captured_keys.clear()
         self.key_capture_seconds.clear()
+        if self.lazy_capture is not None:  # nothing stays queued: capture() queues afresh
+            self.lazy_capture.clear()
         self._weights = None
         self.sleep_state = None
         self._missing_extra.clear()
@@ -1105,11 +1155,19 @@ class BaseCudaGraphRunner(abc.ABC):
             Whatever the backend's or the model's cleanup raised; the runner is asleep
             then anyway (its sizes remembered for :meth:`wake`).
         """
-        return sleep_mode.sleep(self)
+        queued = sorted(self.lazy_capture.pending()) if self.lazy_capture is not None else []
+        try:
+            return sleep_mode.sleep(self)
+        finally:  # eager_first: sizes queued, not captured yet, come back at wake() too
+            state = self.sleep_state
+            if queued and state is not None:
+                state.sizes = sorted(set(state.sizes) | set(queued), reverse=True)
 
     def wake(self) -> CaptureReport:
         """Capture again every size and variant held before :meth:`sleep` (a no-op report
-        when awake). The new graphs read the weights the model has now.
+        when awake). The new graphs read the weights the model has now. Under ``capture:
+        eager_first`` those sizes, and the ones still queued at sleep, are queued again
+        for :meth:`capture_step` and the report lists none.
 
         Returns:
             The :class:`~cuda_graph_runner.runner.capture_report.CaptureReport` of the recapture.

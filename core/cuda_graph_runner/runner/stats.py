@@ -29,6 +29,7 @@ REASON_PADDING = "padding too large"  # prefill: the padded size exceeds its rat
 REASON_OTHER_RANK = "another rank cannot replay"  # tensor parallel: every rank takes the same path
 REASON_SLOTS = "more requests than slots"  # prefill full: the batch has more requests than its graphs' slots
 REASON_ASLEEP = "asleep"  # runner.sleep() gave the graphs back; runner.wake() recaptures them
+REASON_NOT_CAPTURED_YET = "not captured yet"  # capture eager_first: its size is queued for capture_step()
 REASONS = (
     REASON_DISABLED,
     REASON_NOT_CAPTURED,
@@ -39,6 +40,7 @@ REASONS = (
     REASON_OTHER_RANK,
     REASON_SLOTS,
     REASON_ASLEEP,
+    REASON_NOT_CAPTURED_YET,
 )
 
 
@@ -143,6 +145,9 @@ def fallback_reason(runner: Any, batch: Any) -> str:
         return REASON_DISABLED
     if getattr(runner, "asleep", False):
         return REASON_ASLEEP
+    lazy = getattr(runner, "lazy_capture", None)
+    if lazy is not None and lazy.note_eager(batch):  # counts the size as observed traffic
+        return REASON_NOT_CAPTURED_YET
     if not runner.captured_keys:
         return REASON_NOT_CAPTURED
     if not runner.batch_matches(batch):
@@ -178,4 +183,9 @@ def format_summary(label: str, summary: Dict[str, Any]) -> str:
         + f", padding waste {waste}"
         + slot_waste
         + (f", graph pool {summary['pool_mib']:.1f} MiB" if summary.get("pool_mib") is not None else "")
+        + (_capture_progress(summary["capture"]) if summary.get("capture") else "")
     )
+
+
+def _capture_progress(capture: Dict[str, Any]) -> str:
+    return f", {capture['ready']} of {capture['total']} sizes ready ({capture['pending']} queued)"
