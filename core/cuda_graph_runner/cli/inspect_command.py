@@ -156,6 +156,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         documents: List[Dict[str, Any]] = []
         for runner in runners:
             runner.capture()
+            runner.capture_step(None)  # capture eager_first: describe every graph
             documents.append(runner.describe())
     finally:
         for runner in runners:

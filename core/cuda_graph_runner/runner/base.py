@@ -582,7 +582,10 @@ class BaseCudaGraphRunner(abc.ABC):
             # The first size of this session warms up fully and empties the caches; later
             # sizes follow the ``warmup`` policy and keep the cache (BaseCudaGraphBackend).
             self.backend.new_capture_session(getattr(self.phase_config, "warmup", None))
-            with freeze_gc(self.enable_cudagraph_gc), self.backend.capture_session(stream):
+            with (
+                freeze_gc(self.enable_cudagraph_gc, collect=keep_going is None),
+                self.backend.capture_session(stream),
+            ):
                 for size in progress.bar(
                     todo,
                     desc=f"capture {self.phase} ({self.backend.name})",
@@ -607,7 +610,8 @@ class BaseCudaGraphRunner(abc.ABC):
             self._synchronize()
             # Only the session's first graph emptied the cache: give back what the later
             # sizes' warm-ups left cached (outside the graph pool), once.
-            empty_cache = getattr(module, "empty_cache", None) if module is not None else None
+            # Not after a capture step: the eager steps between steps reuse what is cached.
+            empty_cache = getattr(module, "empty_cache", None) if module is not None and keep_going is None else None
             if empty_cache is not None:
                 empty_cache()
         self.capture_seconds = report.seconds = time.perf_counter() - start

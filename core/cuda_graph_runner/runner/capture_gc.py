@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def freeze_gc(enable_cudagraph_gc: bool = False) -> Iterator[None]:
+def freeze_gc(enable_cudagraph_gc: bool = False, *, collect: bool = True) -> Iterator[None]:
     """Collect once, then keep the collector off the heap for the capture (sglang's ``freeze_gc``).
 
     A collection during capture walks every live object between kernel launches and
@@ -21,8 +21,13 @@ def freeze_gc(enable_cudagraph_gc: bool = False) -> Iterator[None]:
     automatic collection is switched off for the block instead (``gc.disable()``, then
     the previous ``gc.isenabled()`` state is restored) and nothing is frozen or thawed:
     ``gc.get_freeze_count()`` never grows and falls only as frozen objects are freed.
+
+    ``collect=False`` skips the full collections on entry and exit (a capture step between
+    serving steps, :mod:`.lazy_capture`: a full collection of a server's heap costs
+    tens to hundreds of ms each time); the heap is frozen all the same.
     """
-    gc.collect()
+    if collect:
+        gc.collect()
     if enable_cudagraph_gc:
         yield
         return
@@ -40,4 +45,5 @@ def freeze_gc(enable_cudagraph_gc: bool = False) -> Iterator[None]:
                 gc.enable()
         else:
             gc.unfreeze()  # only what this block froze: nothing was frozen before it
-        gc.collect()
+        if collect:
+            gc.collect()

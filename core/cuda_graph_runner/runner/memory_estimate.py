@@ -242,6 +242,7 @@ def estimate_graph_memory(
             pool_before = pool_so_far if pool_before is None else pool_before
             start = time.perf_counter()
             runner.capture()
+            runner.capture_step(None)  # capture eager_first: the estimate needs every graph
             seconds = time.perf_counter() - start
             pool_after = runner.backend.graph_memory_bytes()
             pool = None if pool_after is None else pool_after - pool_before

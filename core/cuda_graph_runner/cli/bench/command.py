@@ -175,6 +175,7 @@ def _make_runner(kind: str, model: Any, config: CudaGraphConfig, device: torch.d
 
 def _capture(runner: Any) -> RunnerStats:
     runner.capture()
+    runner.capture_step(None)  # capture eager_first: the bench measures replays, so every size
     mem = runner.capture_memory_bytes
     return RunnerStats(
         runner.phase,
