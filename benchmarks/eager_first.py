@@ -296,7 +296,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "one"}, "starts": starts, "summary": result}, f)
+            json.dump(
+                {"args": {k: v for k, v in vars(args).items() if k != "one"}, "starts": starts, "summary": result}, f
+            )
     if args.plot:
         print("plot:", plot(starts, args.plot, args.steps, f"{args.model} decode, {args.backend}: capture policies"))
     return 0

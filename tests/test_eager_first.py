@@ -237,7 +237,12 @@ def _tp_rank(tp: TPGroup) -> Dict[str, Any]:
         steps.append(runner.capture_step(budget).sizes)
         replays = sum(runner.stats.replays_by_size.values())
         got = runner.forward(decode_batch(3)).clone()
-        steps.append((sum(runner.stats.replays_by_size.values()) - replays, torch.allclose(got, runner.eager_forward(decode_batch(3)))))
+        steps.append(
+            (
+                sum(runner.stats.replays_by_size.values()) - replays,
+                torch.allclose(got, runner.eager_forward(decode_batch(3))),
+            )
+        )
     out["steps"] = steps
     # A failure on rank 1 only: both ranks raise, both keep the same sizes.
     backend.fail_key = (8, "b") if tp.rank == 1 else None

@@ -256,9 +256,7 @@ def check_budget(budget_ms: Any) -> Optional[float]:
         )
     value = float(budget_ms)
     if math.isnan(value) or value <= 0:
-        raise ValueError(
-            f"budget_ms={budget_ms!r}: expected milliseconds > 0, or None to capture every queued size"
-        )
+        raise ValueError(f"budget_ms={budget_ms!r}: expected milliseconds > 0, or None to capture every queued size")
     return None if math.isinf(value) else value / 1e3
 
 
