@@ -149,6 +149,10 @@ class LazyCapture:
         padded = runner.padded_size(size)
         if padded not in self._queued or any(k.size == padded for k in runner.captured_keys):
             return False
+        # Only a batch its graph would take once captured (prefill: the padding cap, request slots).
+        ratio = getattr(runner, "max_padding_ratio", None)
+        if (ratio is not None and padded > ratio * size) or not runner.fits_graphs(batch):
+            return False
         self.observed[padded] += 1
         return True
 
