@@ -119,6 +119,27 @@ def test_budget_fits_several_sizes_and_none_captures_all():
     assert runner.capture_step(None).sizes == [8, 4, 2, 1]  # nothing observed: largest first
 
 
+def test_backend_prepares_once_per_capture_not_per_step():
+    class CountingPrepare(RecordingBackend):
+        prepares = 0
+
+        def prepare(self, plan):
+            self.prepares += 1
+
+    backend = CountingPrepare("cpu", phase="decode")
+    runner = make_runner(backend=backend)
+    runner.capture()
+    assert backend.prepares == 0  # capture() only queues
+    for _ in range(4):
+        runner.capture_step(ONE_SIZE)
+    assert backend.prepares == 1 and len(runner.captured_keys) == 4
+    runner.cleanup()
+    runner.capture()
+    runner.capture_step(ONE_SIZE)
+    runner.capture_step(ONE_SIZE)
+    assert backend.prepares == 2  # a new capture after cleanup() prepares again
+
+
 def test_switch_over_equals_eager_with_verify_on():
     runner = make_runner(verify=True, verify_first_n=1000)
     runner.capture()

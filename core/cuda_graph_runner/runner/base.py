@@ -292,6 +292,8 @@ class BaseCudaGraphRunner(abc.ABC):
         #: Set while asleep (:meth:`sleep`): the sizes :meth:`wake` recaptures.
         self.sleep_state: Optional[sleep_mode.SleepState] = None
         self._asleep_raises: bool = getattr(self.phase_config, "forward_asleep", "eager") == "raise"
+        # Whether the backend's prepare ran for the graphs held (capture steps run it once).
+        self._plan_prepared = False
         #: The ``eager_first`` capture state (:mod:`.lazy_capture`); None under ``blocking``.
         self.lazy_capture: Optional[LazyCapture] = (
             LazyCapture(self) if getattr(self.phase_config, "capture", BLOCKING) == EAGER_FIRST else None
@@ -571,9 +573,13 @@ class BaseCudaGraphRunner(abc.ABC):
                     self._weights = WeightsFingerprint.take(self.model)
                 elif self._weights is not None:  # no new graph beside ones that read moved weights
                     self.check_weights()
-                plan = build_capture_plan(self)
-                self.backend.set_capture_plan(plan)
-                self.backend.prepare(plan)
+                # A capture step prepares once per capture: the plan covers every size, and
+                # a compile pass over all of them per step would cost more than the step.
+                if keep_going is None or not self._plan_prepared:
+                    plan = build_capture_plan(self)
+                    self.backend.set_capture_plan(plan)
+                    self.backend.prepare(plan)
+                    self._plan_prepared = True
             stream = get_capture_stream(device, module) if device.type != "cpu" else None
             self._synchronize()
             before = (
@@ -1083,6 +1089,7 @@ class BaseCudaGraphRunner(abc.ABC):
         ``cleanup_cuda_graph_state(mode)`` hook (when present and not None) then drops its
         per-size state of this runner's forward mode (attention plan buffers), so a
         recapture builds it afresh."""
+        self._plan_prepared = False  # first: a cleanup that raises midway prepares again
         device, module = self._graph_device()
         with device_guard(device, module):
             self.backend.cleanup()

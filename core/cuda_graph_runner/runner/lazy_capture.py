@@ -18,7 +18,8 @@ budget, whenever the caller has time for it (between engine steps, while idle):
 * a call captures at least one size (a size is never split across calls), then starts
   the next only while the time left fits the last size's capture time, so a call may
   overrun ``budget_ms`` by up to one size; the first call also pays the backend's
-  ``prepare`` (a trace or compile pass);
+  ``prepare``, once per capture (tc_piecewise's and compiled full's compile pass over
+  every size, in one piece: the backend contract has no per-size prepare);
 * ``cleanup()`` between calls drops the graphs and the queue (``capture()`` queues
   again); ``sleep()`` remembers captured and queued sizes alike and ``wake()`` queues
   them again, so nothing is left half-done;
