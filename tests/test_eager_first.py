@@ -286,3 +286,15 @@ def test_tensor_parallel_ranks_switch_a_size_at_the_same_step():
         assert out["failure"] == ("RuntimeError" if rank == 1 else "TensorParallelCaptureError"), (rank, out)
         assert out["after_failure"] == [1, 4], (rank, out)
         assert out["rest"] == [8, 2], (rank, out)
+
+
+def test_graph_memory_estimate_finishes_an_eager_first_capture():
+    from cuda_graph_runner.memory_estimate import estimate_graph_memory
+    from cuda_graph_runner.testing.reference_setup import reference_model
+
+    model = reference_model("tiny", requests=4, context=32, device="cpu")
+    config = {"decode": {"bs": [1, 2, 4], "capture": "eager_first"}, "prefill": {"backend": "disabled"}}
+    backend = RecordingBackend("cpu", phase="decode")
+    estimate = estimate_graph_memory(model, config, max_reqs=5, max_context_len=32, backends={"decode": backend})
+    assert estimate.phases["decode"].sizes == [4, 2, 1]
+    assert len(backend.captured()) == 3

@@ -484,6 +484,8 @@ class BaseCudaGraphRunner(abc.ABC):
         memory (:mod:`cuda_graph_runner.runner.capture_report`: ``capture(sizes=[max_size])``,
         :meth:`graph_memory_bytes`, then ``capture()`` for the rest). Sizes that already
         hold a graph are skipped. Runs under ``torch.no_grad()``. A no-op for backend ``disabled``.
+        Under the phase config's ``capture: eager_first`` it only queues the sizes and
+        returns a report listing none: :meth:`capture_step` captures them (:mod:`.lazy_capture`).
 
         Everything happens on the runner's device (its backend's ``device``) whatever
         device is current: the capture stream is made on it, every synchronize names it,
