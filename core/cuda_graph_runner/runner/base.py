@@ -40,7 +40,7 @@ from .data_parallel import dp_forward
 from .decision import ReplayDecision
 from .distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from .dp_group import DPGroup
-from .lazy_capture import BLOCKING, EAGER_FIRST, CaptureStep, LazyCapture, empty_step
+from .lazy_capture import BLOCKING, EAGER_FIRST, CaptureStep, LazyCapture, check_budget, empty_step
 from .model_protocol import GraphModel
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
 from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
@@ -669,8 +669,6 @@ class BaseCudaGraphRunner(abc.ABC):
             the sizes captured before it in the same call are kept.
         """
         if self.lazy_capture is None or self.is_disabled:
-            from .lazy_capture import check_budget
-
             check_budget(budget_ms)
             return empty_step(self)
         return self.lazy_capture.step(budget_ms)
