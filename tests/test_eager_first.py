@@ -6,6 +6,7 @@ touches a live request's KV, and tensor-parallel ranks switch a size at the same
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Optional
 
 import pytest
@@ -97,14 +98,16 @@ def test_capture_returns_at_once_and_forward_runs_eagerly_counted():
     assert "0 of 4 sizes ready" in format_summary("decode", stats)
 
 
-def test_steps_capture_observed_sizes_first_then_largest_first():
+def test_steps_capture_observed_sizes_first_then_largest_first(caplog):
     runner = make_runner()
     runner.capture()
     for bs in (3, 3, 4, 1, 2):  # capture size 4 three times, 2 once, 1 once
         runner.forward(decode_batch(bs))
     assert runner.lazy_capture.observed == {4: 3, 1: 1, 2: 1}
-    order = [runner.capture_step(ONE_SIZE).sizes for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="cuda_graph_runner"):
+        order = [runner.capture_step(ONE_SIZE).sizes for _ in range(4)]
     assert order == [[4], [2], [1], [8]]  # most observed, ties larger first, then the rest
+    assert "decode capture step: 1 sizes (4)" in caplog.text and "1 of 4 ready, 3 to go" in caplog.text  # -v
     last = runner.capture_step(ONE_SIZE)
     assert last.sizes == [] and last.done and last.ready == 4
 
