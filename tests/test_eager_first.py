@@ -301,3 +301,33 @@ def test_graph_memory_estimate_finishes_an_eager_first_capture():
     estimate = estimate_graph_memory(model, config, max_reqs=5, max_context_len=32, backends={"decode": backend})
     assert estimate.phases["decode"].sizes == [4, 2, 1]
     assert len(backend.captured()) == 3
+
+
+def test_prefill_eager_first_orders_by_observed_token_counts_and_replays_equal_eager():
+    from cuda_graph_runner.runner import PrefillCudaGraphRunner
+    from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+    from cuda_graph_runner.testing.reference_setup import reference_model
+
+    model = reference_model("tiny", requests=6, context=32, device="cpu")
+    # Emulated graphs re-run the whole forward: the reference prefill reads host lengths in it.
+    config = {"prefill": {"bs": [16, 32, 64], "capture": "eager_first", "host_value_guard": False}}
+    backend = RecordingBackend("cpu", phase="prefill")
+    runner = PrefillCudaGraphRunner(model, config, device="cpu", backend=backend, show_progress=False)
+    eager = eager_logits_fn(model)
+    runner.capture()
+
+    def serve(lens, seed):
+        batch = make_extend_batch(
+            model.kv_cache, make_dummy_prompts(len(lens), lens, model.config.vocab_size, seed=seed)
+        )
+        expected = eager(batch).clone()
+        torch.testing.assert_close(runner.forward(batch), expected)
+        for row in batch.req_pool_indices.tolist():
+            model.kv_cache.free_request(row)
+
+    serve([9, 12], 0)  # 21 tokens: capture size 32
+    assert runner.run_stats()["eager_fallbacks"] == {REASON_NOT_CAPTURED_YET: 1}
+    assert runner.capture_step(ONE_SIZE).sizes == [32]  # observed first, before the larger 64
+    serve([10, 11], 1)
+    assert runner.run_stats()["replays"] == 1
+    assert runner.capture_step(None).sizes == [64, 16]
