@@ -6,8 +6,9 @@ Each start builds the preset with a KV cache, then from t = 0 (just before
 from ``--live-sizes``), one token per request per step:
 
 * ``blocking``: ``capture()`` captures every size, then the steps replay;
-* ``eager_first``: ``capture()`` returns at once; after every step the engine loop gives
-  the runner ``--budget-ms`` of capture (``runner.capture_step``);
+* ``eager_first``: ``capture()`` returns at once; after a step the engine loop gives the
+  runner ``--budget-ms`` of capture (``runner.capture_step``) while capture has had less
+  than ``--capture-share`` of the time so far (the rest serves);
 * ``eager``: backend ``disabled``, every step eager.
 
 A start runs ``--steps`` steps and at least until the blocking start's capture time x
@@ -118,6 +119,7 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     full_speed_ms: Optional[float] = None if mode == "eager_first" else capture_call_ms
     first_replay_ms: Optional[float] = None
     until_s = args.until_s
+    capture_s = 0.0
     for i, bs in enumerate(sizes):
         start = time.perf_counter()
         replays = sum(runner.stats.replays_by_size.values())
@@ -127,10 +129,13 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
         if first_replay_ms is None and sum(runner.stats.replays_by_size.values()) > replays:
             first_replay_ms = 1e3 * (end - t0)
         capture_ms = 0.0
-        if lazy is not None and full_speed_ms is None:
+        # The engine's schedule: capture only while capture has had less than its share
+        # of the time so far, so serving keeps the rest.
+        if lazy is not None and full_speed_ms is None and capture_s <= args.capture_share * (end - t0):
             step = runner.capture_step(args.budget_ms)
             sync()
             capture_ms = 1e3 * (time.perf_counter() - end)
+            capture_s += capture_ms / 1e3
             if step.done:
                 full_speed_ms = 1e3 * (time.perf_counter() - t0)
         ready = lazy.ready() if lazy is not None else (0 if mode == "eager" else total)
@@ -228,7 +233,19 @@ def plot(starts: Dict[str, Dict[str, Any]], path: str, steps: int, title: str) -
 def _child_args(args: argparse.Namespace) -> List[str]:
     """The command line of one start: this script with the run's options."""
     out = [sys.executable, os.path.abspath(__file__)]
-    for flag in ("model", "backend", "device", "dtype", "max_bs", "prompt_len", "steps", "budget_ms", "seed"):
+    flags = (
+        "model",
+        "backend",
+        "device",
+        "dtype",
+        "max_bs",
+        "prompt_len",
+        "steps",
+        "budget_ms",
+        "capture_share",
+        "seed",
+    )
+    for flag in flags:
         out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return out + ["--live-sizes"] + [str(s) for s in args.live_sizes]
 
@@ -250,7 +267,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--live-sizes", type=int, nargs="+", default=[1, 2, 3, 5, 8, 13, 24, 40, 64])
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=300, help="steps at least (the timeline's length)")
-    p.add_argument("--budget-ms", type=float, default=20.0, help="capture budget after each step (eager_first)")
+    p.add_argument("--budget-ms", type=float, default=20.0, help="budget of one capture_step call (eager_first)")
+    p.add_argument(
+        "--capture-share",
+        type=float,
+        default=0.6,
+        help="eager_first: call capture_step after a step only while capture has had less than\n"
+        "this share of the time so far (default 0.6; 1: after every step)",
+    )
     p.add_argument("--until", type=float, default=1.6, help="run each start until this x the blocking capture")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the starts and the summary here")
@@ -267,6 +291,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.budget_ms <= 0:
         print(f"error: --budget-ms {args.budget_ms}: must be > 0", file=sys.stderr)
+        return 2
+    if not 0 < args.capture_share <= 1:
+        print(f"error: --capture-share {args.capture_share}: must be in (0, 1]", file=sys.stderr)
         return 2
     # Enough sizes drawn for any run length; a start stops by its own rule.
     args.steps_cap = max(args.steps, 1) * 1000

@@ -143,6 +143,18 @@ def test_backend_prepares_once_per_capture_not_per_step():
     assert backend.prepares == 2  # a new capture after cleanup() prepares again
 
 
+def test_later_steps_continue_the_capture_session():
+    # The session's first size warms up fully (num_warmups), later sizes by the warm-up
+    # policy (auto: one), across capture steps as within one blocking capture.
+    runner = make_runner()
+    runner.capture()
+    for _ in range(4):
+        runner.capture_step(ONE_SIZE)
+    warmups = [sum(1 for e in runner.backend.events if e == ("warmup", k)) for k in runner.captured_keys]
+    assert warmups == [runner.backend.num_warmups, 1, 1, 1]
+    assert runner.backend.continue_capture_session is False
+
+
 def test_switch_over_equals_eager_with_verify_on():
     runner = make_runner(verify=True, verify_first_n=1000)
     runner.capture()

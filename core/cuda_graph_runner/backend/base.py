@@ -179,13 +179,20 @@ class BaseCudaGraphBackend(abc.ABC):
     _session_sizes: int = 0
     _session_graphs: int = 0
 
+    #: Set by the runner while a capture step continues the capture session an earlier
+    #: step of the same capture began (``capture: eager_first``): :meth:`bind_capture_stream`
+    #: then keeps the session's warm-up and cache-emptying state.
+    continue_capture_session: bool = False
+
     @contextlib.contextmanager
     def bind_capture_stream(self, stream: Any) -> Iterator[None]:
         """What most ``capture_session`` implementations need: remember ``stream`` for
         the session (``self.capture_stream``); the session's warm-up and cache-emptying
-        state starts afresh (:meth:`new_capture_session`)."""
+        state starts afresh (:meth:`new_capture_session`), unless the runner continues a
+        session (:attr:`continue_capture_session`)."""
         self.capture_stream = stream
-        self.new_capture_session()
+        if not self.continue_capture_session:
+            self.new_capture_session()
         try:
             yield
         finally:

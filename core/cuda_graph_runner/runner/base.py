@@ -81,6 +81,16 @@ def _runners_of(model: Any) -> "weakref.WeakSet[Any]":
         return weakref.WeakSet()
 
 
+@contextlib.contextmanager
+def _continued_session(backend: BaseCudaGraphBackend, continuing: bool) -> Any:
+    """``backend.continue_capture_session`` set to ``continuing`` for the block."""
+    backend.continue_capture_session = continuing
+    try:
+        yield
+    finally:
+        backend.continue_capture_session = False
+
+
 class BaseCudaGraphRunner(abc.ABC):
     """Captures a model per size with one backend and replays it per batch.
 
@@ -589,8 +599,13 @@ class BaseCudaGraphRunner(abc.ABC):
             )
             # The first size of this session warms up fully and empties the caches; later
             # sizes follow the ``warmup`` policy and keep the cache (BaseCudaGraphBackend).
-            self.backend.new_capture_session(getattr(self.phase_config, "warmup", None))
+            # A capture step after the first continues the first one's session: the
+            # kernels ran already, and emptying the cache would cost the eager steps.
+            continuing = keep_going is not None and bool(self.captured_keys)
+            if not continuing:
+                self.backend.new_capture_session(getattr(self.phase_config, "warmup", None))
             with (
+                _continued_session(self.backend, continuing),
                 freeze_gc(self.enable_cudagraph_gc, collect=keep_going is None),
                 self.backend.capture_session(stream),
             ):
@@ -613,7 +628,7 @@ class BaseCudaGraphRunner(abc.ABC):
                         self._raise_if_out_of_memory(exc, size, todo, device, module)
                         raise
                     report.sizes.append(size)
-                    if len(report.sizes) == 1:
+                    if len(report.sizes) == 1 and keep_going is None:  # a snapshot: not per step
                         report.first_size_pool_bytes = self.backend.graph_memory_bytes()
             self._synchronize()
             # Only the session's first graph emptied the cache: give back what the later
