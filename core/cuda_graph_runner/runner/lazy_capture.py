@@ -29,7 +29,8 @@ budget, whenever the caller has time for it (between engine steps, while idle):
   size whether every rank still has time (one host all-reduce), so every rank captures
   the same sizes in the same call and a size switches to replay at the same step on all
   of them; a failure on one rank rolls the size back on all (the capture's per-size
-  agreement).
+  agreement). The gather runs on every call, even with nothing left: stop calling once
+  a step says ``done``.
 
 The capture's warm-up and recording forwards run on the runner's dummy batch: every
 padded request reads request row 0 and writes KV slot 0, the cache's reserved dummies
@@ -106,7 +107,7 @@ class LazyCapture:
         self._queued: Set[int] = set()
         #: capture size -> eager batches it would have served (counted while queued).
         self.observed: Dict[int, int] = collections.Counter()
-        #: Every step's :class:`CaptureStep`, in order (since the last ``cleanup()``).
+        #: Each step that captured something, in order (since the last ``cleanup()``).
         self.steps: List[CaptureStep] = []
         self.seconds: float = 0.0
 
@@ -231,8 +232,8 @@ class LazyCapture:
             remaining=len(self.pending()),
             total=len(runner.capture_sizes),
         )
-        self.steps.append(step)
-        if sizes:
+        if sizes:  # bounded: an engine may keep calling after the last size
+            self.steps.append(step)
             logger.info(
                 "%s capture step: %d sizes (%s) in %.1f ms, %d of %d ready, %d to go",
                 runner.phase,
