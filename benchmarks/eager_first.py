@@ -63,7 +63,7 @@ def _backend(args: argparse.Namespace, name: str, compiler: Optional[str]) -> An
     if name == "full" and torch.device(args.device).type == "cpu":
         # full's own code path on the CPU: the recording fake graph module stands in
         # for CUDA graphs (what is measured is the policy, not the device).
-        from cuda_graph_runner.bench_backends import TORCH_COMPILE
+        from cuda_graph_runner.cli.bench.backends import TORCH_COMPILE
         from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
         from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
@@ -81,9 +81,9 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     """One start of ``args.one`` (a mode); its timeline as a JSON-able dict."""
     import torch
 
-    from cuda_graph_runner.bench_backends import label_options, parse_label
+    from cuda_graph_runner.cli.bench.backends import label_options, parse_label
+    from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.testing.batches import GreedySession, make_decode_batch, make_dummy_prompts
     from cuda_graph_runner.testing.reference_setup import reference_model
 
     mode = args.one
@@ -198,7 +198,7 @@ def summary(starts: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
 def plot(starts: Dict[str, Dict[str, Any]], path: str, steps: int, title: str) -> str:
     """Two panels: ms per step (forward + capture step) over the first ``steps`` steps
     against time, and capture sizes ready against time."""
-    from cuda_graph_runner.plot import check_plot_available
+    from cuda_graph_runner.cli.plot import check_plot_available
 
     check_plot_available()
     import matplotlib
@@ -301,7 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(_start(args)))
         return 0
     if args.plot:
-        from cuda_graph_runner.plot import PlotUnavailableError, check_plot_available
+        from cuda_graph_runner.cli.plot import PlotUnavailableError, check_plot_available
 
         try:
             check_plot_available()

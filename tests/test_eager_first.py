@@ -13,10 +13,10 @@ import pytest
 import torch
 from toy_model import ToyModel, decode_batch
 
+from cuda_graph_runner.backend.forward_batch import ForwardBatch
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.distributed import TPGroup, all_reduce
-from cuda_graph_runner.forward_batch import ForwardBatch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.distributed import TPGroup, all_reduce
 from cuda_graph_runner.runner.stats import REASON_ASLEEP, REASON_NOT_CAPTURED, REASON_NOT_CAPTURED_YET, format_summary
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.tp_launch import run_ranks
@@ -304,7 +304,7 @@ def test_tensor_parallel_ranks_switch_a_size_at_the_same_step():
 
 
 def test_graph_memory_estimate_finishes_an_eager_first_capture():
-    from cuda_graph_runner.memory_estimate import estimate_graph_memory
+    from cuda_graph_runner.runner.memory_estimate import estimate_graph_memory
     from cuda_graph_runner.testing.reference_setup import reference_model
 
     model = reference_model("tiny", requests=4, context=32, device="cpu")
@@ -316,8 +316,8 @@ def test_graph_memory_estimate_finishes_an_eager_first_capture():
 
 
 def test_prefill_eager_first_orders_by_observed_token_counts_and_replays_equal_eager():
+    from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
     from cuda_graph_runner.runner import PrefillCudaGraphRunner
-    from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
     from cuda_graph_runner.testing.reference_setup import reference_model
 
     model = reference_model("tiny", requests=6, context=32, device="cpu")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner.stats import REASON_NOT_CAPTURED_YET
-from cuda_graph_runner.testing.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_decode_case
 from cuda_graph_runner.testing.tolerances import model_tolerance
 

@@ -34,7 +34,7 @@ budget, whenever the caller has time for it (between engine steps, while idle):
 
 The capture's warm-up and recording forwards run on the runner's dummy batch: every
 padded request reads request row 0 and writes KV slot 0, the cache's reserved dummies
-(:class:`cuda_graph_runner.testing.kv_cache.PagedKVCache` reserves both, as sglang's
+(:class:`cuda_graph_runner.reference.kv_cache.PagedKVCache` reserves both, as sglang's
 pools do). An engine capturing while it serves must keep row 0 and slot 0 out of its
 allocators; then no capture step touches a live request's KV.
 
@@ -59,10 +59,10 @@ import numbers
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
 
-from ..capture_report import CaptureReport
+from .capture_report import CaptureReport
 
 if TYPE_CHECKING:
-    from ..forward_batch import ForwardBatch
+    from ..backend.forward_batch import ForwardBatch
     from .base import BaseCudaGraphRunner
 
 logger = logging.getLogger(__name__)
