@@ -195,7 +195,31 @@ def test_a_model_holding_an_unpicklable_object_compiles_and_is_not_kept(tmp_path
         with compile_cache_scope("k3"):
             got = torch.compile(model, backend="eager")(x)
     torch.testing.assert_close(got, model(x))
-    assert "pickle cannot save (TypeError" in caplog.text
+    assert "guard state cannot be saved (TypeError" in caplog.text
     from torch._dynamo.guards import CheckFunctionManager
 
     assert CheckFunctionManager.serialize_guards.__name__ == "serialize_guards"  # torch's own again
+
+
+def test_a_guard_kind_torch_does_not_serialize_compiles_and_is_not_kept(tmp_path, monkeypatch, caplog):
+    # torch raises PackageError for a guard kind it cannot serialize (MODULE_MATCH, seen on
+    # the H200 under eager_first with verify), bypasses the package and then asserts on the
+    # missing guard state in the same compile; the compile must go on without the package.
+    import torch._dynamo
+    from torch._dynamo.guards import CheckFunctionManager
+
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(envs.COMPILE_CACHE_DYNAMO, raising=False)
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    # every compile of a module with tensors has this guard kind
+    monkeypatch.setattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", (*unsupported, "TENSOR_MATCH"))
+    from cuda_graph_runner.backend import compile_cache_dynamo
+
+    monkeypatch.setattr(compile_cache_dynamo, "_said", set())  # said once per process
+    torch._dynamo.reset()
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with caplog.at_level("INFO", logger="cuda_graph_runner.backend.compile_cache_dynamo"):
+        with compile_cache_scope("k4"):
+            got = torch.compile(model, backend="eager")(x)
+    torch.testing.assert_close(got, model(x))
+    assert "guard state cannot be saved (PackageError: TENSOR_MATCH" in caplog.text

@@ -26,8 +26,9 @@ its inputs dynamic before the first call must not mark them once the package loa
 (compiled ``full`` checks :func:`counters`' ``dynamo_hit`` around ``torch.compile``);
 unmarked inputs pass the guard in either case.
 
-A compile whose guards read an object pickle cannot save (FlashInfer's TVM-FFI functions
-hanging off the attention backend) is left out of the package and traces again at the next
+A compile whose guard state cannot be saved (guards that read an object pickle refuses, as
+FlashInfer's TVM-FFI functions hanging off the attention backend, or a guard kind torch does
+not serialize, as ``MODULE_MATCH``) is left out of the package and traces again at the next
 start instead of failing the compile.
 
 Torch without these internals (an older or newer release that moved them): the scope
@@ -240,10 +241,13 @@ def _path_prefix(cache: Any, path: str) -> Iterator[None]:
 def _unpicklable_guard_state_bypasses() -> Iterator[None]:
     # torch pickles what a compile's guards read (the model and the objects hanging off it)
     # into the package. An object whose pickling raises (FlashInfer's TVM-FFI functions
-    # raise TypeError) failed the compile itself, and torch's own bypass for a PackageError
-    # then trips an assertion (torch 2.13). Here such a compile's package entry is bypassed
+    # raise TypeError) fails the compile itself, and torch's own bypass for a guard it
+    # cannot serialize (a PackageError, e.g. "MODULE_MATCH guard cannot be serialized")
+    # leaves the guard state None, which then trips an assertion in the same compile
+    # (torch 2.11 and 2.13). Here either failure bypasses that compile's package entry
     # (torch's ``bypass_package``: nothing of it is saved, it traces again at the next
-    # start) and the compile goes on with an empty guard state, which only the package reads.
+    # start) and the compile goes on with an empty guard state, which only the package
+    # reads. ``strict_precompile`` (torch's switch for failing instead) still raises.
     try:
         from torch._dynamo.guards import CheckFunctionManager
     except ImportError:
@@ -259,16 +263,16 @@ def _unpicklable_guard_state_bypasses() -> Iterator[None]:
             return original(self, builder, sorted_guards, output_graph)
         except Exception as exc:
             bypass = getattr(output_graph, "bypass_package", None)
-            if bypass is None or type(exc).__name__ == "PackageError":
+            if bypass is None or _strict_precompile():
                 raise
             _say_once(
                 logging.INFO,
-                "compile cache: a compile's guards read an object pickle cannot save (%s: %s); "
+                "compile cache: a compile's guard state cannot be saved (%s: %s); "
                 "that compile's Dynamo code is not kept and traces again at the next start",
                 type(exc).__name__,
                 exc,
             )
-            bypass(f"guard state not picklable: {type(exc).__name__}: {exc}")
+            bypass(f"guard state not saved: {type(exc).__name__}: {exc}")
             return b""
 
     # torch warns of the bypass too; the line above already said it
@@ -282,9 +286,15 @@ def _unpicklable_guard_state_bypasses() -> Iterator[None]:
         bypass_logger.removeFilter(quiet)
 
 
+def _strict_precompile() -> bool:
+    import torch._dynamo.config
+
+    return bool(getattr(torch._dynamo.config, "strict_precompile", False))
+
+
 class _OurBypassFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return "guard state not picklable" not in record.getMessage()
+        return "guard state not saved" not in record.getMessage()
 
 
 class _DroppedGuardFilter(logging.Filter):
