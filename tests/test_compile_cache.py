@@ -196,9 +196,6 @@ def test_a_model_holding_an_unpicklable_object_compiles_and_is_not_kept(tmp_path
             got = torch.compile(model, backend="eager")(x)
     torch.testing.assert_close(got, model(x))
     assert "guard state cannot be saved (TypeError" in caplog.text
-    from torch._dynamo.guards import CheckFunctionManager
-
-    assert CheckFunctionManager.serialize_guards.__name__ == "serialize_guards"  # torch's own again
 
 
 def test_a_guard_kind_torch_does_not_serialize_compiles_and_is_not_kept(tmp_path, monkeypatch, caplog):
@@ -220,6 +217,11 @@ def test_a_guard_kind_torch_does_not_serialize_compiles_and_is_not_kept(tmp_path
     model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     with caplog.at_level("INFO", logger="cuda_graph_runner.backend.compile_cache_dynamo"):
         with compile_cache_scope("k4"):
-            got = torch.compile(model, backend="eager")(x)
-    torch.testing.assert_close(got, model(x))
-    assert "guard state cannot be saved (PackageError: TENSOR_MATCH" in caplog.text
+            compiled = torch.compile(model, backend="eager", dynamic=False)
+            got = compiled(x)
+        torch.testing.assert_close(got, model(x))
+        assert "guard state cannot be saved (PackageError: TENSOR_MATCH" in caplog.text
+        # The compiled function keeps its package after the scope: a later compile (a new
+        # shape, as a verify reference or an eager step at a size not compiled yet) too.
+        y = torch.randn(3, 4)
+        torch.testing.assert_close(compiled(y), model(y))

@@ -176,12 +176,12 @@ def dynamo_cache_scope(folder: str, key: str) -> Iterator[Optional[str]]:
     # be written under this key: torch saves everything the context holds.
     PrecompileContext.clear()
     _skip_loaded_global_names()
+    _install_guard_state_bypass()
     try:
         with (
             dynamo_config.patch(caching_precompile=True),
             _path_prefix(DynamoCache, path),
             _quiet_dropped_guards(),
-            _unpicklable_guard_state_bypasses(),
         ):
             yield path
             try:
@@ -237,8 +237,7 @@ def _path_prefix(cache: Any, path: str) -> Iterator[None]:
             del cache.path_prefix
 
 
-@contextlib.contextmanager
-def _unpicklable_guard_state_bypasses() -> Iterator[None]:
+def _install_guard_state_bypass() -> None:
     # torch pickles what a compile's guards read (the model and the objects hanging off it)
     # into the package. An object whose pickling raises (FlashInfer's TVM-FFI functions
     # raise TypeError) fails the compile itself, and torch's own bypass for a guard it
@@ -248,14 +247,18 @@ def _unpicklable_guard_state_bypasses() -> Iterator[None]:
     # (torch's ``bypass_package``: nothing of it is saved, it traces again at the next
     # start) and the compile goes on with an empty guard state, which only the package
     # reads. ``strict_precompile`` (torch's switch for failing instead) still raises.
+    # Installed for the process at the first scope, not for the block: a function compiled
+    # in a scope keeps its package, and its later compiles (a verify reference, an eager
+    # step at a size not compiled yet) run outside any scope.
+    global _bypass_installed
+    if _bypass_installed:
+        return
     try:
         from torch._dynamo.guards import CheckFunctionManager
     except ImportError:
-        yield
         return
     original = vars(CheckFunctionManager).get("serialize_guards")
     if original is None:
-        yield
         return
 
     def serialize_or_bypass(self: Any, builder: Any, sorted_guards: Any, output_graph: Any) -> Any:
@@ -275,15 +278,14 @@ def _unpicklable_guard_state_bypasses() -> Iterator[None]:
             bypass(f"guard state not saved: {type(exc).__name__}: {exc}")
             return b""
 
-    # torch warns of the bypass too; the line above already said it
-    bypass_logger, quiet = logging.getLogger("torch._dynamo.output_graph"), _OurBypassFilter()
+    serialize_or_bypass.__wrapped__ = original  # type: ignore[attr-defined]
     CheckFunctionManager.serialize_guards = serialize_or_bypass  # type: ignore[method-assign]
-    bypass_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        CheckFunctionManager.serialize_guards = original  # type: ignore[method-assign]
-        bypass_logger.removeFilter(quiet)
+    # torch warns of the bypass too; the line above already said it
+    logging.getLogger("torch._dynamo.output_graph").addFilter(_OurBypassFilter())
+    _bypass_installed = True
+
+
+_bypass_installed = False
 
 
 def _strict_precompile() -> bool:
