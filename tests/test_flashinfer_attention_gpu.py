@@ -41,7 +41,7 @@ from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.reference.model.flashinfer_attention import flashinfer_available
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import free_requests, prefilled_decode_batch
-from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.tolerances import assert_kernels_close, model_depth, model_tolerance
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,7 +54,10 @@ CONTEXT = 256
 CONFIG = dataclasses.replace(
     PRESETS["tiny"], hidden_size=512, head_dim=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024
 )
+#: Replay against eager of the same attention (the same kernels at padded shapes).
 TOL = model_tolerance(CONFIG, torch.bfloat16, context_len=CONTEXT)
+#: FlashInfer's kernels against the ``torch`` attention: two different bf16 kernels.
+DEPTH = model_depth(CONFIG)
 
 
 def _model(attention: str) -> ReferenceLlamaForCausalLM:
@@ -83,13 +86,16 @@ def test_eager_decode_and_extend_equal_torch_attention(pair, attention):
     prompts = make_dummy_prompts(3, [37, 5, 120], CONFIG.vocab_size, seed=1)
     first = make_extend_batch(cache, [p[:20] for p in prompts[:1]] + [p for p in prompts[1:]])
     with torch.no_grad():
-        torch.testing.assert_close(eager_logits_fn(model)(first), eager_logits_fn(ref)(first), **TOL)
+        what = f"{attention} EXTEND"
+        assert_kernels_close(eager_logits_fn(model)(first), eager_logits_fn(ref)(first), depth=DEPTH, msg=what)
         rows = [int(r) for r in first.req_pool_indices.tolist()]
         second = make_extend_batch(cache, [prompts[0][20:], [7, 8, 9]], rows=rows[:2])  # cached prefixes
-        torch.testing.assert_close(eager_logits_fn(model)(second), eager_logits_fn(ref)(second), **TOL)
+        what = f"{attention} EXTEND over cached prefixes"
+        assert_kernels_close(eager_logits_fn(model)(second), eager_logits_fn(ref)(second), depth=DEPTH, msg=what)
     session, batch = prefilled_decode_batch(ref, make_dummy_prompts(5, [3, 64, 17, 200, 9], CONFIG.vocab_size, seed=2))
     with torch.no_grad():
-        torch.testing.assert_close(eager_logits_fn(model)(batch), eager_logits_fn(ref)(batch), **TOL)
+        what = f"{attention} DECODE"
+        assert_kernels_close(eager_logits_fn(model)(batch), eager_logits_fn(ref)(batch), depth=DEPTH, msg=what)
     session.close()
     free_requests(cache, first)  # second continued two of its rows
 

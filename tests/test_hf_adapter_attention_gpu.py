@@ -4,8 +4,10 @@
 bfloat16, head_dim 64. Ordered so that ``-x`` stops at the first layer that breaks:
 
 * eager, no graphs: prefill and one decode step of Llama with each attention give the
-  logits of the same weights with ``torch`` attention on the same cache, within the model
-  tolerance (:func:`~cuda_graph_runner.testing.tolerances.model_tolerance`);
+  logits of the same weights with ``torch`` attention on the same cache, within the
+  tolerance of two different bf16 kernels
+  (:func:`~cuda_graph_runner.testing.tolerances.assert_kernels_close`, scaled by the
+  logits' largest magnitude and the model's depth);
 * teacher-forced through decode graphs with verify mode and the host-value guard on, the
   replayed graphs' logits at every step within that tolerance of the ``torch`` attention
   run eagerly on the same cache, and every step replayed a graph: ``full`` per
@@ -36,7 +38,7 @@ from cuda_graph_runner.reference.model.flashinfer_attention import flashinfer_av
 from cuda_graph_runner.reference.model.triton_attention import triton_available  # noqa: E402
 from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
-from cuda_graph_runner.testing.tolerances import model_tolerance  # noqa: E402
+from cuda_graph_runner.testing.tolerances import assert_kernels_close, model_depth  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,7 +84,6 @@ CASES = [(arch, "triton", "full") for arch in hf.SUPPORTED_ARCHITECTURES] + [
 @pytest.mark.parametrize("attention", ["triton", "flashinfer"])
 def test_eager_prefill_and_decode_within_tolerance_of_torch_attention(attention):
     adapter, twin = _pair("llama", attention)
-    tol = model_tolerance(adapter.config, torch.bfloat16, context_len=CONTEXT)
     prompts = ragged_prompts(adapter.config.vocab_size)
     steps = []
 
@@ -90,8 +91,8 @@ def test_eager_prefill_and_decode_within_tolerance_of_torch_attention(attention)
         got = eager_logits_fn(adapter)(batch).clone()  # ours first: the twin then rewrites the same KV slots
         want = eager_logits_fn(twin)(batch)
         n = batch.batch_size
-        torch.testing.assert_close(
-            got[:n], want[:n], **tol, msg=lambda m: f"{attention} {batch.forward_mode.name}, tolerance {tol}: {m}"
+        assert_kernels_close(
+            got[:n], want[:n], depth=model_depth(adapter.config), msg=f"{attention} {batch.forward_mode.name}"
         )
         steps.append(batch.forward_mode.name)
         return want
@@ -114,7 +115,6 @@ def test_bf16_teacher_forced_logits_within_tolerance_of_torch_attention(arch, at
     )
     assert runner.backend.name == backend and runner.config.decode.host_value_guard
     assert adapter.attn_backend.name == attention
-    tol = model_tolerance(adapter.config, torch.bfloat16, context_len=CONTEXT)
     prompts = ragged_prompts(adapter.config.vocab_size)
 
     def both(batch):
@@ -122,8 +122,8 @@ def test_bf16_teacher_forced_logits_within_tolerance_of_torch_attention(arch, at
         with forward_context(batch):
             eager = twin.compute_logits(twin(batch), batch)
         n = batch.batch_size
-        torch.testing.assert_close(
-            graph[:n], eager[:n], **tol, msg=lambda m: f"{arch} / {attention} / {backend}, tolerance {tol}: {m}"
+        assert_kernels_close(
+            graph[:n], eager[:n], depth=model_depth(adapter.config), msg=f"{arch} / {attention} / {backend}"
         )
         return eager
 

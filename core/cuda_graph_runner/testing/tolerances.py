@@ -23,6 +23,13 @@ The bound used here (the usual floating-point summation analysis, as in Higham,
 The same value is used for ``atol`` and ``rtol`` (logits of the reference models are of
 order one). Results computed the same way on the same shapes (a copy, the same kernel
 called twice) are still compared exactly, and are not what this module is for.
+
+Two *different kernels* in a 16-bit dtype (the ``triton`` or ``flashinfer`` attention
+against the ``torch`` one) differ by more: each rounds its intermediates to the dtype at
+other points, so an element's difference is a few units of rounding of the *largest*
+values it was computed from, not of its own value, and a fixed ``atol`` fails on the
+element that happens to be small. :func:`kernel_tolerance` and
+:func:`assert_kernels_close` scale ``atol`` with ``max |expected|`` instead.
 """
 
 from __future__ import annotations
@@ -74,6 +81,17 @@ def tolerance(dtype: Any, reduction_size: int = 1, *, depth: int = 1) -> Dict[st
     return {"atol": tol, "rtol": tol}
 
 
+def model_depth(config: Any) -> int:
+    """The reductions a model output passes through: its layers plus the LM head.
+
+    Args:
+        config: a model config (or a model with a ``config`` attribute) with
+            ``num_hidden_layers``.
+    """
+    config = getattr(config, "config", config)
+    return int(config.num_hidden_layers) + 1
+
+
 def model_tolerance(config: Any, dtype: Any, *, context_len: int = 0) -> Dict[str, float]:
     """:func:`tolerance` for a reference-model output (logits or hidden states).
 
@@ -89,7 +107,7 @@ def model_tolerance(config: Any, dtype: Any, *, context_len: int = 0) -> Dict[st
     """
     config = getattr(config, "config", config)
     size = max(int(config.hidden_size), int(config.intermediate_size), int(context_len), 1)
-    return tolerance(dtype, size, depth=int(config.num_hidden_layers) + 1)
+    return tolerance(dtype, size, depth=model_depth(config))
 
 
 def assert_close(
@@ -104,3 +122,103 @@ def assert_close(
 
     kwargs: dict[str, Any] = tolerance(dtype if dtype is not None else expected.dtype, reduction_size, depth=depth)
     torch.testing.assert_close(actual, expected, msg=msg, **kwargs)
+
+
+#: Unit roundoff (half of ``torch.finfo(dtype).eps``) of the 16-bit dtypes: the largest
+#: relative error of one rounding (bfloat16 2^-8, float16 2^-11).
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+#: ``(rtol, atol)`` of ``torch.testing.assert_close``'s defaults for these dtypes
+#: (``torch/testing/_comparison.py``, ``_DTYPE_PRECISIONS``): rtol is a few units of
+#: rounding (bfloat16 0.016 ~ 4 * 2^-8, float16 1e-3 ~ 2 * 2^-11).
+TORCH_DEFAULTS = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5)}
+#: Units of rounding of ``max |expected|`` allowed per reduction a difference passes
+#: through. Measured: one attention (bf16 SDPA against fp32 math rounded once, contexts
+#: 3-4096) differs by at most 1.4 units of ``max |expected|``; the Hugging Face adapter
+#: (2 layers) with ``triton`` against ``torch`` attention on an H200 by 2.1 (0.052 at
+#: ``max |expected|`` 6.5); the same adapter in bf16 against float32 by 6-9.5: all below
+#: ``KERNEL_ULPS * depth`` (4, and 12 for depth 3), which stays a few percent of
+#: ``max |expected|`` while a wrong result (a lost KV token, a stale graph, another
+#: request's row) moves the values by a sizable fraction of it.
+KERNEL_ULPS = 4.0
+
+
+def kernel_tolerance(expected: Any, *, depth: int = 1) -> Dict[str, float]:
+    """``{"atol", "rtol"}`` for the outputs of two different kernels in float16 or bfloat16.
+
+    ``atol = KERNEL_ULPS * depth * unit_roundoff(dtype) * max |expected|`` (at least
+    torch's default atol), ``rtol`` torch's default for the dtype (:data:`TORCH_DEFAULTS`).
+
+    Args:
+        expected: the reference output, a float16 or bfloat16 tensor of any shape.
+        depth: how many reductions the two computations differ through (1 for one kernel's
+            output; :func:`model_depth` for a model's logits).
+
+    Returns:
+        Keyword arguments for ``torch.testing.assert_close`` (or ``torch.allclose``).
+
+    Raises:
+        ValueError: another dtype (float32 and float64 kernels compare with
+            :func:`tolerance`), or a depth below 1.
+    """
+    import torch
+
+    name = str(expected.dtype).replace("torch.", "")
+    if name not in UNIT_ROUNDOFF:
+        raise ValueError(
+            f"kernel_tolerance compares float16 or bfloat16 outputs, got {expected.dtype}; "
+            "use tolerance(dtype, reduction_size) for wider dtypes"
+        )
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    rtol, atol_floor = TORCH_DEFAULTS[name]
+    scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
+    if not math.isfinite(scale):
+        raise ValueError(f"the reference output has a non-finite value ({scale}); it cannot set a tolerance")
+    return {"atol": max(KERNEL_ULPS * depth * UNIT_ROUNDOFF[name] * scale, atol_floor), "rtol": rtol}
+
+
+def assert_kernels_close(actual: Any, expected: Any, *, depth: int = 1, msg: str = "") -> None:
+    """Assert two different kernels' float16/bfloat16 outputs agree within :func:`kernel_tolerance`.
+
+    Elementwise ``|actual - expected| <= atol + rtol * |expected|`` (as
+    ``torch.testing.assert_close``); a NaN or infinity in ``actual`` where ``expected`` is
+    finite fails.
+
+    Args:
+        actual: the output under test, same shape and dtype as ``expected``.
+        expected: the reference output (float16 or bfloat16; it sets the scale).
+        depth: see :func:`kernel_tolerance`.
+        msg: prefixed to the failure message (what was compared).
+
+    Raises:
+        AssertionError: shapes or dtypes differ, or elements lie outside the tolerance; the
+            message names how many, the tolerance and its terms, and the worst element (the
+            largest ratio of difference to allowance): its index and both values.
+        ValueError: see :func:`kernel_tolerance`.
+    """
+    import torch
+
+    prefix = f"{msg}: " if msg else ""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(
+            f"{prefix}actual {tuple(actual.shape)} {actual.dtype} against expected "
+            f"{tuple(expected.shape)} {expected.dtype}"
+        )
+    tol = kernel_tolerance(expected, depth=depth)
+    got, want = actual.detach().float(), expected.detach().float()
+    diff = (got - want).abs()
+    allowed = tol["atol"] + tol["rtol"] * want.abs()
+    ratio = (diff / allowed).nan_to_num(nan=float("inf"))  # a NaN in actual: the worst there is
+    bad = int((ratio > 1).sum())
+    if bad == 0:
+        return
+    flat = int(ratio.flatten().argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape))
+    name = str(expected.dtype).replace("torch.", "")
+    raise AssertionError(
+        f"{prefix}{bad} of {actual.numel()} elements differ by more than atol {tol['atol']:.4g} + "
+        f"rtol {tol['rtol']:.4g} * |expected| (atol = {KERNEL_ULPS:g} * depth {depth} * "
+        f"{UNIT_ROUNDOFF[name]:.4g} * max |expected| {float(want.abs().max()):.4g}); worst at index {index}: "
+        f"actual {float(got.flatten()[flat]):.6g}, expected {float(want.flatten()[flat]):.6g}, "
+        f"|difference| {float(diff.flatten()[flat]):.4g} > allowed {float(allowed.flatten()[flat]):.4g}"
+    )
