@@ -160,8 +160,6 @@ def kernel_tolerance(expected: Any, *, depth: int = 1) -> Dict[str, float]:
         ValueError: another dtype (float32 and float64 kernels compare with
             :func:`tolerance`), or a depth below 1.
     """
-    import torch
-
     name = str(expected.dtype).replace("torch.", "")
     if name not in UNIT_ROUNDOFF:
         raise ValueError(
