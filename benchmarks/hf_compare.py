@@ -68,7 +68,7 @@ from cuda_graph_runner.cli.results_schema import document
 from cuda_graph_runner.reference.batches import make_decode_batch, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.reference.models import hf
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
-from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.tolerances import kernel_tolerance, model_depth, model_tolerance
 
 TOOL = "benchmarks/hf_compare.py"
 #: ``--shapes`` names: (transformers architecture, :data:`cuda_graph_runner.reference.models.hf.SIZES` name).
@@ -212,21 +212,27 @@ def ours_forward(
     adapter: hf.HFCausalLM, runner: Any, prompt: List[int], args: Any, sync: Any, reference: Any
 ) -> Dict[str, Any]:
     """Forward-only decode at batch 1, and its logits against transformers' own forward
-    (``reference``) of the same tokens: ``max_abs_diff`` and ``within_tolerance``
-    (:func:`~cuda_graph_runner.testing.tolerances.model_tolerance`), so a fast wrong
-    forward shows in the results."""
+    (``reference``) of the same tokens: ``max_abs_diff`` and ``within_tolerance``, so a fast
+    wrong forward shows in the results. Two different kernels (our paged attention against
+    ``sdpa``): in bf16 :func:`~cuda_graph_runner.testing.tolerances.kernel_tolerance`
+    (scaled by the logits' largest magnitude), in float32
+    :func:`~cuda_graph_runner.testing.tolerances.model_tolerance`."""
     rows, first = _prefill(adapter, [prompt])
     batch = make_decode_batch(adapter.kv_cache, rows, None, first)
     try:
         with torch.no_grad():
             cell = timed(lambda: runner.forward(batch), iters=args.steps, repeats=args.repeats, sync=sync)
-            got = runner.forward(batch)[0].float()
+            got = runner.forward(batch)[0]
             ids = torch.tensor([[*prompt, first[0]]], device=adapter.device)
-            want = reference(input_ids=ids).logits[0, -1].float()
+            want = reference(input_ids=ids).logits[0, -1].to(got.dtype)
     finally:
         for r in rows:
             adapter.kv_cache.free_request(r)
-    tol = model_tolerance(adapter.config, adapter.dtype, context_len=len(prompt) + 1)
+    if got.dtype in (torch.bfloat16, torch.float16):
+        tol = kernel_tolerance(want, depth=model_depth(adapter.config))
+    else:
+        tol = model_tolerance(adapter.config, adapter.dtype, context_len=len(prompt) + 1)
+    got, want = got.float(), want.float()
     cell["max_abs_diff"] = float((got - want).abs().max())
     cell["within_tolerance"] = bool(torch.allclose(got, want, atol=tol["atol"], rtol=tol["rtol"]))
     return cell

@@ -92,3 +92,25 @@ def test_the_target_column_reads_the_ratio_of_compiled_full_to_static_reduce_ove
     rows = {line.split(" | ")[0]: line for line in make_docs_extra.hf_compare_tables(doc)[2].splitlines()[2:]}
     assert "| 0.500" in rows["| a"] and "| met |" in rows["| a"]
     assert "| 1.500" in rows["| b"] and "| **missed** |" in rows["| b"]
+
+
+def test_the_bf16_forward_check_takes_two_kernels_rounding_and_flags_a_wrong_forward():
+    import argparse
+    import types
+
+    import torch
+
+    from cuda_graph_runner.reference.batches import eager_logits_fn
+    from cuda_graph_runner.reference.models import hf
+
+    adapter = hf.HFCausalLM.from_config(hf.builtin_config("llama"), dtype=torch.bfloat16, seed=0, std=0.15)
+    adapter.create_kv_cache(num_slots=256, max_reqs=4, max_context_len=32)
+    reference = hf_compare.hf_twin(adapter)  # sdpa: another attention kernel than our paged one
+    args = argparse.Namespace(steps=1, repeats=1)
+    eager = eager_logits_fn(adapter)
+    prompt = list(range(3, 15))
+    for runner, within in ((eager, True), (lambda batch: eager(batch).roll(1, -1), False)):
+        cell = hf_compare.ours_forward(
+            adapter, types.SimpleNamespace(forward=runner), prompt, args, lambda: None, reference
+        )
+        assert cell["within_tolerance"] is within, cell["max_abs_diff"]
