@@ -56,8 +56,8 @@ CONFIG = dataclasses.replace(
 )
 #: Replay against eager of the same attention (the same kernels at padded shapes).
 TOL = model_tolerance(CONFIG, torch.bfloat16, context_len=CONTEXT)
-#: FlashInfer's kernels against the ``torch`` attention: two different bf16 kernels.
-DEPTH = model_depth(CONFIG)
+#: FlashInfer's kernels against the ``torch`` attention: two different bf16 kernels (float32 logits).
+KERNELS = {"dtype": torch.bfloat16, "depth": model_depth(CONFIG)}
 
 
 def _model(attention: str) -> ReferenceLlamaForCausalLM:
@@ -87,15 +87,15 @@ def test_eager_decode_and_extend_equal_torch_attention(pair, attention):
     first = make_extend_batch(cache, [p[:20] for p in prompts[:1]] + [p for p in prompts[1:]])
     with torch.no_grad():
         what = f"{attention} EXTEND"
-        assert_kernels_close(eager_logits_fn(model)(first), eager_logits_fn(ref)(first), depth=DEPTH, msg=what)
+        assert_kernels_close(eager_logits_fn(model)(first), eager_logits_fn(ref)(first), **KERNELS, msg=what)
         rows = [int(r) for r in first.req_pool_indices.tolist()]
         second = make_extend_batch(cache, [prompts[0][20:], [7, 8, 9]], rows=rows[:2])  # cached prefixes
         what = f"{attention} EXTEND over cached prefixes"
-        assert_kernels_close(eager_logits_fn(model)(second), eager_logits_fn(ref)(second), depth=DEPTH, msg=what)
+        assert_kernels_close(eager_logits_fn(model)(second), eager_logits_fn(ref)(second), **KERNELS, msg=what)
     session, batch = prefilled_decode_batch(ref, make_dummy_prompts(5, [3, 64, 17, 200, 9], CONFIG.vocab_size, seed=2))
     with torch.no_grad():
         what = f"{attention} DECODE"
-        assert_kernels_close(eager_logits_fn(model)(batch), eager_logits_fn(ref)(batch), depth=DEPTH, msg=what)
+        assert_kernels_close(eager_logits_fn(model)(batch), eager_logits_fn(ref)(batch), **KERNELS, msg=what)
     session.close()
     free_requests(cache, first)  # second continued two of its rows
 

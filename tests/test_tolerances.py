@@ -114,6 +114,11 @@ def test_kernel_tolerance_scales_with_the_reference_and_the_depth():
     assert kernel_tolerance(ref, depth=3)["atol"] == pytest.approx(3 * kernel_tolerance(ref)["atol"])
     assert kernel_tolerance(ref.half())["rtol"] == 1e-3
     assert kernel_tolerance(torch.zeros(3).bfloat16())["atol"] == 1e-5  # torch's floor: exact zeros stay tight
+    # A bf16 model's logits returned in float32: the computing dtype sets the tolerance.
+    assert kernel_tolerance(ref.float(), dtype=torch.bfloat16) == kernel_tolerance(ref)
+    assert_kernels_close(ref.float() * (1 + 2**-8), ref.float(), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="got float32"):
+        kernel_tolerance(ref.float())
 
 
 @pytest.mark.parametrize(
@@ -121,7 +126,7 @@ def test_kernel_tolerance_scales_with_the_reference_and_the_depth():
     [
         (torch.ones(2).bfloat16(), torch.ones(3).bfloat16(), AssertionError, r"actual \(2,\) torch.bfloat16"),
         (torch.ones(2), torch.ones(2).bfloat16(), AssertionError, "against expected"),
-        (torch.ones(2), torch.ones(2), ValueError, "float16 or bfloat16 outputs, got torch.float32"),
+        (torch.ones(2), torch.ones(2), ValueError, "computed in float16 or bfloat16, got float32"),
         (torch.ones(2).bfloat16(), torch.tensor([1.0, float("nan")]).bfloat16(), ValueError, "non-finite"),
     ],
 )

@@ -142,14 +142,16 @@ TORCH_DEFAULTS = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5)}
 KERNEL_ULPS = 4.0
 
 
-def kernel_tolerance(expected: Any, *, depth: int = 1) -> Dict[str, float]:
-    """``{"atol", "rtol"}`` for the outputs of two different kernels in float16 or bfloat16.
+def kernel_tolerance(expected: Any, *, dtype: Optional[Any] = None, depth: int = 1) -> Dict[str, float]:
+    """``{"atol", "rtol"}`` for the outputs of two different kernels computed in float16 or bfloat16.
 
     ``atol = KERNEL_ULPS * depth * unit_roundoff(dtype) * max |expected|`` (at least
     torch's default atol), ``rtol`` torch's default for the dtype (:data:`TORCH_DEFAULTS`).
 
     Args:
-        expected: the reference output, a float16 or bfloat16 tensor of any shape.
+        expected: the reference output, a float tensor of any shape.
+        dtype: the dtype the outputs were computed in (float16 or bfloat16); defaults to
+            ``expected.dtype``. Give it for a 16-bit model's logits returned in float32.
         depth: how many reductions the two computations differ through (1 for one kernel's
             output; :func:`model_depth` for a model's logits).
 
@@ -157,13 +159,13 @@ def kernel_tolerance(expected: Any, *, depth: int = 1) -> Dict[str, float]:
         Keyword arguments for ``torch.testing.assert_close`` (or ``torch.allclose``).
 
     Raises:
-        ValueError: another dtype (float32 and float64 kernels compare with
-            :func:`tolerance`), or a depth below 1.
+        ValueError: another computing dtype (float32 and float64 kernels compare with
+            :func:`tolerance`), a depth below 1, or a non-finite reference.
     """
-    name = str(expected.dtype).replace("torch.", "")
+    name = str(dtype if dtype is not None else expected.dtype).replace("torch.", "")
     if name not in UNIT_ROUNDOFF:
         raise ValueError(
-            f"kernel_tolerance compares float16 or bfloat16 outputs, got {expected.dtype}; "
+            f"kernel_tolerance compares outputs computed in float16 or bfloat16, got {name}; "
             "use tolerance(dtype, reduction_size) for wider dtypes"
         )
     if depth < 1:
@@ -175,7 +177,9 @@ def kernel_tolerance(expected: Any, *, depth: int = 1) -> Dict[str, float]:
     return {"atol": max(KERNEL_ULPS * depth * UNIT_ROUNDOFF[name] * scale, atol_floor), "rtol": rtol}
 
 
-def assert_kernels_close(actual: Any, expected: Any, *, depth: int = 1, msg: str = "") -> None:
+def assert_kernels_close(
+    actual: Any, expected: Any, *, dtype: Optional[Any] = None, depth: int = 1, msg: str = ""
+) -> None:
     """Assert two different kernels' float16/bfloat16 outputs agree within :func:`kernel_tolerance`.
 
     Elementwise ``|actual - expected| <= atol + rtol * |expected|`` (as
@@ -184,7 +188,9 @@ def assert_kernels_close(actual: Any, expected: Any, *, depth: int = 1, msg: str
 
     Args:
         actual: the output under test, same shape and dtype as ``expected``.
-        expected: the reference output (float16 or bfloat16; it sets the scale).
+        expected: the reference output (it sets the scale).
+        dtype: the dtype both were computed in; defaults to ``expected.dtype`` (see
+            :func:`kernel_tolerance`).
         depth: see :func:`kernel_tolerance`.
         msg: prefixed to the failure message (what was compared).
 
@@ -202,7 +208,7 @@ def assert_kernels_close(actual: Any, expected: Any, *, depth: int = 1, msg: str
             f"{prefix}actual {tuple(actual.shape)} {actual.dtype} against expected "
             f"{tuple(expected.shape)} {expected.dtype}"
         )
-    tol = kernel_tolerance(expected, depth=depth)
+    tol = kernel_tolerance(expected, dtype=dtype, depth=depth)
     got, want = actual.detach().float(), expected.detach().float()
     diff = (got - want).abs()
     allowed = tol["atol"] + tol["rtol"] * want.abs()
@@ -212,11 +218,12 @@ def assert_kernels_close(actual: Any, expected: Any, *, depth: int = 1, msg: str
         return
     flat = int(ratio.flatten().argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape))
-    name = str(expected.dtype).replace("torch.", "")
+    name = str(dtype if dtype is not None else expected.dtype).replace("torch.", "")
     raise AssertionError(
         f"{prefix}{bad} of {actual.numel()} elements differ by more than atol {tol['atol']:.4g} + "
         f"rtol {tol['rtol']:.4g} * |expected| (atol = {KERNEL_ULPS:g} * depth {depth} * "
-        f"{UNIT_ROUNDOFF[name]:.4g} * max |expected| {float(want.abs().max()):.4g}); worst at index {index}: "
-        f"actual {float(got.flatten()[flat]):.6g}, expected {float(want.flatten()[flat]):.6g}, "
+        f"{UNIT_ROUNDOFF[name]:.4g} (unit roundoff of {name}) * max |expected| {float(want.abs().max()):.4g}); "
+        f"worst at index {index}: actual {float(got.flatten()[flat]):.6g}, "
+        f"expected {float(want.flatten()[flat]):.6g}, "
         f"|difference| {float(diff.flatten()[flat]):.4g} > allowed {float(allowed.flatten()[flat]):.4g}"
     )
