@@ -197,7 +197,9 @@ def test_flashinfer_eager_and_replayed_decode_within_tolerance_of_torch_attentio
             batch = make_decode_batch(twin.kv_cache, sessions[1][0], None, tokens)
             with forward_context(batch):
                 ref = twin.compute_logits(twin(batch), batch)
-            assert_kernels_close(ours[: len(prompts)], ref, dtype=torch.bfloat16, depth=depth, msg=f"{arch}: decode step {step}")
+            assert_kernels_close(
+                ours[: len(prompts)], ref, dtype=torch.bfloat16, depth=depth, msg=f"{arch}: decode step {step}"
+            )
             tokens = ref.argmax(-1).tolist()
     assert sum(decode.stats.replays_by_size.values()) == 12 and not decode.stats.fallbacks
     assert sum(p["kind"] == "decode" and p["graph"] for p in fake.log) == 12  # one re-plan per replay

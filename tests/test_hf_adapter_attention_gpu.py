@@ -92,7 +92,11 @@ def test_eager_prefill_and_decode_within_tolerance_of_torch_attention(attention)
         want = eager_logits_fn(twin)(batch)
         n = batch.batch_size
         assert_kernels_close(
-            got[:n], want[:n], dtype=torch.bfloat16, depth=model_depth(adapter.config), msg=f"{attention} {batch.forward_mode.name}"
+            got[:n],
+            want[:n],
+            dtype=torch.bfloat16,
+            depth=model_depth(adapter.config),
+            msg=f"{attention} {batch.forward_mode.name}",
         )
         steps.append(batch.forward_mode.name)
         return want
@@ -123,7 +127,11 @@ def test_bf16_teacher_forced_logits_within_tolerance_of_torch_attention(arch, at
             eager = twin.compute_logits(twin(batch), batch)
         n = batch.batch_size
         assert_kernels_close(
-            graph[:n], eager[:n], dtype=torch.bfloat16, depth=model_depth(adapter.config), msg=f"{arch} / {attention} / {backend}"
+            graph[:n],
+            eager[:n],
+            dtype=torch.bfloat16,
+            depth=model_depth(adapter.config),
+            msg=f"{arch} / {attention} / {backend}",
         )
         return eager
 
