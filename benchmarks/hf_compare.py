@@ -34,6 +34,12 @@ Writes one results document (:mod:`cuda_graph_runner.cli.results_schema`, tool
 full to HF static + reduce-overhead (forward, batch 1), and ``extra.batch_semantics``.
 ``benchmarks/make_docs_extra.py`` renders it (a ``hf-compare`` results folder).
 
+``--measures forward`` times the forward-only cells alone (HF's reduce-overhead compiles
+once instead of once per ``generate()`` shape, ``generate_batch`` is left out): the
+batch-1 target in less time. Inductor's and HF's compiles dominate a run: each
+``hf_compare*.json`` in a folder is rendered on its own, so shapes and measures can be
+split over several files.
+
 GPU (H200), one file per attention backend of ours in one ``hf-compare`` folder::
 
     python benchmarks/hf_compare.py --out benchmarks/results/DATE-h200-hf-compare/hf_compare.json
@@ -108,6 +114,15 @@ def progress(message: str) -> None:
 def method_label(name: str, measure: str) -> str:
     """The timing record's method: ``NAME/MEASURE`` (``full+torch_compile/forward``)."""
     return f"{name}/{measure}"
+
+
+def parse_measures(spec: str) -> List[str]:
+    """``--measures`` as a list; raises ValueError naming an unknown one and the accepted."""
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in names if m not in MEASURES]
+    if bad or not names:
+        raise ValueError(f"--measures {spec!r}: unknown {bad or '(empty)'}; accepted: {', '.join(MEASURES)}")
+    return names
 
 
 def parse_methods(spec: str) -> List[str]:
@@ -371,9 +386,11 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
         # capture_s: the whole capture() (compiled full: its inductor compile included).
         runners.append({"model": shape, "phase": "decode", "backend": label, "num_sizes": 2,
                         "sizes": sorted({1, args.ragged}), "capture_s": round(runner.capture_wall_s, 3)})  # fmt: skip
-        record(label, "forward", 1, ours_forward(adapter, runner, prompt, args, sync, reference))
-        record(label, "e2e", 1, ours_e2e(adapter, runner, [prompt], args, sync))
-        record(label, "e2e", args.ragged, ours_e2e(adapter, runner, ragged, args, sync))
+        if "forward" in args.measures:
+            record(label, "forward", 1, ours_forward(adapter, runner, prompt, args, sync, reference))
+        if "e2e" in args.measures:
+            record(label, "e2e", 1, ours_e2e(adapter, runner, [prompt], args, sync))
+            record(label, "e2e", args.ragged, ours_e2e(adapter, runner, ragged, args, sync))
         runner.cleanup()
         del runner
     del reference
@@ -382,10 +399,11 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
         progress(f"{shape}: building the transformers twin (sdpa) for {', '.join(wanted)}")
         model = hf_twin(adapter)
         margin = args.new_tokens + args.steps + 8
-        if "hf_eager" in wanted:
+        if "hf_eager" in wanted and "forward" in args.measures:
             record("hf_eager", "forward", 1,
                    timed(hf_forward_fn(model, model.forward, prompt, margin), iters=args.steps,
                          repeats=args.repeats, sync=sync))  # fmt: skip
+        if "hf_eager" in wanted and "e2e" in args.measures:
             record("hf_eager", "e2e", 1, per_step(hf_generate_fn(model, [prompt], False), args.new_tokens,
                                                    args.repeats, sync))  # fmt: skip
             record("hf_eager", "e2e", args.ragged, per_step(hf_generate_fn(model, ragged, False), args.new_tokens,
@@ -398,23 +416,26 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
                 original = forward = model.forward
             step = hf_forward_fn(model, forward, prompt, margin)
             first = wall_s(lambda: [step() for _ in range(3)], sync)  # compile + graph recording
-            record(name, "forward", 1, timed(step, iters=args.steps, repeats=args.repeats, sync=sync))
-            gen1 = hf_generate_fn(model, [prompt], True)
-            gen_first = wall_s(lambda: gen1(args.new_tokens + 1), sync)
-            record(name, "e2e", 1, per_step(gen1, args.new_tokens, args.repeats, sync))
-            gen32 = hf_generate_fn(model, ragged, True)
-            gen32_first = wall_s(lambda: gen32(args.new_tokens + 1), sync)
-            record(name, "e2e", args.ragged, per_step(gen32, args.new_tokens, args.repeats, sync))
+            note = f"{shape} {name}: first 3 forward calls (compile + graph recording) {first:.2f} s"
+            if "forward" in args.measures:
+                record(name, "forward", 1, timed(step, iters=args.steps, repeats=args.repeats, sync=sync))
+            if "e2e" in args.measures:
+                gen1 = hf_generate_fn(model, [prompt], True)
+                gen_first = wall_s(lambda: gen1(args.new_tokens + 1), sync)
+                record(name, "e2e", 1, per_step(gen1, args.new_tokens, args.repeats, sync))
+                gen32 = hf_generate_fn(model, ragged, True)
+                gen32_first = wall_s(lambda: gen32(args.new_tokens + 1), sync)
+                record(name, "e2e", args.ragged, per_step(gen32, args.new_tokens, args.repeats, sync))
+                note += (
+                    f"; first generate() at batch 1 {gen_first:.2f} s and at batch {args.ragged} "
+                    f"{gen32_first:.2f} s (each new shape compiles again)"
+                )
             runners.append({"model": shape, "phase": "decode", "backend": name, "num_sizes": 1, "sizes": [1],
                             "compile_s": round(first, 3)})  # fmt: skip
-            notes.append(
-                f"{shape} {name}: first 3 forward calls (compile + graph recording) {first:.2f} s; first "
-                f"generate() at batch 1 {gen_first:.2f} s and at batch {args.ragged} {gen32_first:.2f} s "
-                "(each new shape compiles again)"
-            )
+            notes.append(note)
             model.forward = original
         del model
-    if "hf_generate_batch" in args.methods:
+    if "hf_generate_batch" in args.methods and "e2e" in args.measures:  # end to end only
         progress(f"{shape}: hf_generate_batch: two calls of generate_batch() at batch {args.ragged}")
         model = hf_twin(adapter)
         try:
@@ -464,6 +485,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama-3.2-1b,qwen2.5-0.5b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--methods", default=",".join((*OURS, *HF_METHODS)), help=f"of {', '.join(METHODS)}")
+    parser.add_argument(
+        "--measures", default=",".join(MEASURES), help=f"of {', '.join(MEASURES)} (forward: batch 1 only)"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--attention", default=None, help="our adapter's attention backend (default: torch)")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -476,6 +500,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.methods = parse_methods(args.methods)
+        args.measures = parse_measures(args.measures)
         shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
         bad = [s for s in shapes if s not in SHAPES]
         if bad or not shapes:
@@ -498,7 +523,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.steps = args.repeats = max(1, args.iters)
     env = environment(device)
     progress(f"torch {env['torch']}, transformers {env['transformers']}, device {env.get('device_name', device)}; "
-             f"shapes {','.join(shapes)}, methods {','.join(args.methods)}")  # fmt: skip
+             f"shapes {','.join(shapes)}, methods {','.join(args.methods)}, "
+             f"measures {','.join(args.measures)}")  # fmt: skip
     timings: List[Dict[str, Any]] = []
     runners: List[Dict[str, Any]] = []
     notes: List[str] = []
@@ -511,7 +537,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         lens[shape] = got["ragged_lens"]
         progress(f"{shape} done")
     settings = {k: getattr(args, k) for k in ("prompt_len", "ragged", "new_tokens", "steps", "repeats", "attention")}
-    settings.update(shapes=shapes, methods=args.methods, dtype="bfloat16" if device.type == "cuda" else "float32")
+    settings.update(
+        shapes=shapes,
+        methods=args.methods,
+        measures=args.measures,
+        dtype="bfloat16" if device.type == "cuda" else "float32",
+    )
     doc = document(TOOL, env, timings=timings, ratios=ratios(timings), runners=runners, notes=notes,
                    settings=settings, extra={"batch_semantics": {m: BATCH_SEMANTICS[m] for m in args.methods},
                                              "ragged_prompt_lens": lens})  # fmt: skip

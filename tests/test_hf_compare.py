@@ -64,6 +64,7 @@ def test_smoke_run_writes_the_results_document_and_its_table(tmp_path, capsys):
         (["--shapes", "llama-3-8b"], "--shapes 'llama-3-8b': unknown ['llama-3-8b']; accepted: llama-3.2-1b, "),
         (["--device", "cpu", "--methods", "hf_static_ro"], "--device cpu: full+torch_compile, hf_static_ro"),
         (["--new-tokens", "0"], "--new-tokens 0: must be >= 1"),
+        (["--measures", "forward,ttft"], "--measures 'forward,ttft': unknown ['ttft']; accepted: forward, e2e"),
     ],
 )
 def test_bad_flags_are_named(capsys, argv, message):
@@ -114,3 +115,14 @@ def test_the_bf16_forward_check_takes_two_kernels_rounding_and_flags_a_wrong_for
             adapter, types.SimpleNamespace(forward=runner), prompt, args, lambda: None, reference
         )
         assert cell["within_tolerance"] is within, cell["max_abs_diff"]
+
+
+def test_forward_only_measures_time_no_loop(tmp_path):
+    out = tmp_path / "hf_compare.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--methods", "full,hf_eager,hf_static", "--measures", "forward"]
+    assert hf_compare.main(argv + ["--prompt-len", "4", "--ragged", "2", "--iters", "1", "--out", str(out)]) == 0
+    doc = read(str(out))
+    assert {(t["method"], t["batch_size"]) for t in doc["timings"]} == {
+        ("full/forward", 1), ("hf_eager/forward", 1), ("hf_static/forward", 1)
+    }  # fmt: skip
+    assert doc["settings"]["measures"] == ["forward"] and "generate()" not in " ".join(doc["notes"])
