@@ -34,9 +34,9 @@ Writes one results document (:mod:`cuda_graph_runner.cli.results_schema`, tool
 full to HF static + reduce-overhead (forward, batch 1), and ``extra.batch_semantics``.
 ``benchmarks/make_docs_extra.py`` renders it (a ``hf-compare`` results folder).
 
-``--measures forward`` times the forward-only cells alone (HF's reduce-overhead compiles
-once instead of once per ``generate()`` shape, ``generate_batch`` is left out): the
-batch-1 target in less time. Inductor's and HF's compiles dominate a run: each
+``--measures forward`` times the forward-only cells alone (our runners capture batch 1
+only, HF's reduce-overhead compiles once instead of once per ``generate()`` shape,
+``generate_batch`` is left out): the batch-1 target in less time. Inductor's and HF's compiles dominate a run: each
 ``hf_compare*.json`` in a folder is rendered on its own, so shapes and measures can be
 split over several files.
 
@@ -380,12 +380,13 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
 
     reference = hf_twin(adapter) if any(m in OURS for m in args.methods) else None
     for label in [m for m in args.methods if m in OURS]:
-        progress(f"{shape}: {label}: capturing batch sizes {sorted({1, args.ragged})}")
-        runner = our_runner(adapter, label, sorted({1, args.ragged}), device)
+        sizes = sorted({1, args.ragged}) if "e2e" in args.measures else [1]  # forward: batch 1 only
+        progress(f"{shape}: {label}: capturing batch sizes {sizes}")
+        runner = our_runner(adapter, label, sizes, device)
         progress(f"{shape}: {label}: captured in {runner.capture_wall_s:.1f} s")
         # capture_s: the whole capture() (compiled full: its inductor compile included).
-        runners.append({"model": shape, "phase": "decode", "backend": label, "num_sizes": 2,
-                        "sizes": sorted({1, args.ragged}), "capture_s": round(runner.capture_wall_s, 3)})  # fmt: skip
+        runners.append({"model": shape, "phase": "decode", "backend": label, "num_sizes": len(sizes),
+                        "sizes": sizes, "capture_s": round(runner.capture_wall_s, 3)})  # fmt: skip
         if "forward" in args.measures:
             record(label, "forward", 1, ours_forward(adapter, runner, prompt, args, sync, reference))
         if "e2e" in args.measures:

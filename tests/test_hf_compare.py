@@ -126,3 +126,4 @@ def test_forward_only_measures_time_no_loop(tmp_path):
         ("full/forward", 1), ("hf_eager/forward", 1), ("hf_static/forward", 1)
     }  # fmt: skip
     assert doc["settings"]["measures"] == ["forward"] and "generate()" not in " ".join(doc["notes"])
+    assert [r["sizes"] for r in doc["runners"] if r["backend"] == "full"] == [[1]]
