@@ -13,16 +13,64 @@ import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # what type checkers see; at run time each name is loaded on first use
+    from .backend import (
+        BackendSpec,
+        BaseCudaGraphBackend,
+        DefaultClaim,
+        ForwardBatch,
+        ForwardMode,
+        ShapeKey,
+        eager_op,
+        forward_context,
+        get_forward_batch,
+        hookimpl,
+    )
+    from .backend.envs import EnvVarError
+    from .backend.errors import (
+        BackendConflictError,
+        BackendContractError,
+        BackendLoadError,
+        BackendUnavailableError,
+        CompileCacheError,
+        CudaGraphHostValueError,
+        CudaGraphVerifyError,
+        RegistryReentryError,
+        UnknownBackendError,
+    )
+    from .backend.nested import UnsupportedStructureError
+    from .backend.profiling import CaptureTraceError
+    from .cli.bench.backends import BenchRequestError
+    from .cli.plot import PlotUnavailableError
+    from .cli.results_schema import ResultsSchemaError
+    from .config import Backend, CudaGraphConfig, CudaGraphConfigError, Phase, PhaseConfig
+    from .config.exceptions import CudaGraphRunnerError
+    from .reference.kv_cache import CacheFullError
+    from .reference.model.flashinfer_attention import FlashInferPlanError
+    from .reference.model.planned_standin import StalePlanError, UnplannedForwardError
+    from .reference.models.hf import TransformersUnavailableError, UnsupportedHFModelError
+    from .reference.real_model import RealModelUnavailableError
+    from .registry import list_backends, register, resolve_decode_backend, resolve_prefill_backend
+    from .runner import BaseCudaGraphRunner, DecodeCudaGraphRunner, PrefillCudaGraphRunner
+    from .runner.capture_report import CaptureOutOfMemoryError
+    from .runner.distributed import TensorParallelCaptureError, TensorParallelMismatchError, TensorParallelStepError
+    from .runner.dp_group import DataParallelMismatchError, DataParallelStepError
+    from .runner.memory_estimate import estimate_graph_memory
+    from .runner.sizes import OutputRowsError
+    from .runner.sleep import RunnerAsleepError
+    from .runner.weights import StaleWeightsError
+    from .testing.tp_launch import RankFailure
+
+#: public name -> the module (relative to this package) it is read from on first use
 _EXPORTS = {
     "CudaGraphConfig": "config",
     "PhaseConfig": "config",
     "Phase": "config",
     "Backend": "config",
-    "CudaGraphConfigError": "config",
     "BaseCudaGraphBackend": "backend",
     "ShapeKey": "backend",
     "ForwardBatch": "backend",
@@ -41,17 +89,115 @@ _EXPORTS = {
     "DecodeCudaGraphRunner": "runner",
     "PrefillCudaGraphRunner": "runner",
     "estimate_graph_memory": "runner.memory_estimate",
+    # every error of the package, each a CudaGraphRunnerError (docs/architecture.md, "Errors")
+    "CudaGraphRunnerError": "config.exceptions",
+    "CudaGraphConfigError": "config",
+    "BackendConflictError": "backend.errors",
+    "BackendContractError": "backend.errors",
+    "BackendLoadError": "backend.errors",
+    "BackendUnavailableError": "backend.errors",
+    "CompileCacheError": "backend.errors",
+    "CudaGraphHostValueError": "backend.errors",
+    "CudaGraphVerifyError": "backend.errors",
+    "RegistryReentryError": "backend.errors",
+    "UnknownBackendError": "backend.errors",
+    "EnvVarError": "backend.envs",
+    "UnsupportedStructureError": "backend.nested",
+    "CaptureTraceError": "backend.profiling",
+    "CaptureOutOfMemoryError": "runner.capture_report",
+    "OutputRowsError": "runner.sizes",
+    "RunnerAsleepError": "runner.sleep",
     "StaleWeightsError": "runner.weights",
+    "TensorParallelCaptureError": "runner.distributed",
+    "TensorParallelMismatchError": "runner.distributed",
+    "TensorParallelStepError": "runner.distributed",
+    "DataParallelMismatchError": "runner.dp_group",
+    "DataParallelStepError": "runner.dp_group",
+    "CacheFullError": "reference.kv_cache",
+    "FlashInferPlanError": "reference.model.flashinfer_attention",
+    "StalePlanError": "reference.model.planned_standin",
+    "UnplannedForwardError": "reference.model.planned_standin",
+    "RealModelUnavailableError": "reference.real_model",
+    "TransformersUnavailableError": "reference.models.hf",
+    "UnsupportedHFModelError": "reference.models.hf",
+    "RankFailure": "testing.tp_launch",
+    "BenchRequestError": "cli.bench.backends",
+    "PlotUnavailableError": "cli.plot",
+    "ResultsSchemaError": "cli.results_schema",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "Backend",
+    "BackendConflictError",
+    "BackendContractError",
+    "BackendLoadError",
+    "BackendSpec",
+    "BackendUnavailableError",
+    "BaseCudaGraphBackend",
+    "BaseCudaGraphRunner",
+    "BenchRequestError",
+    "CacheFullError",
+    "CaptureOutOfMemoryError",
+    "CaptureTraceError",
+    "CompileCacheError",
+    "CudaGraphConfig",
+    "CudaGraphConfigError",
+    "CudaGraphHostValueError",
+    "CudaGraphRunnerError",
+    "CudaGraphVerifyError",
+    "DataParallelMismatchError",
+    "DataParallelStepError",
+    "DecodeCudaGraphRunner",
+    "DefaultClaim",
+    "EnvVarError",
+    "FlashInferPlanError",
+    "ForwardBatch",
+    "ForwardMode",
+    "OutputRowsError",
+    "Phase",
+    "PhaseConfig",
+    "PlotUnavailableError",
+    "PrefillCudaGraphRunner",
+    "RankFailure",
+    "RealModelUnavailableError",
+    "RegistryReentryError",
+    "ResultsSchemaError",
+    "RunnerAsleepError",
+    "ShapeKey",
+    "StalePlanError",
+    "StaleWeightsError",
+    "TensorParallelCaptureError",
+    "TensorParallelMismatchError",
+    "TensorParallelStepError",
+    "TransformersUnavailableError",
+    "UnknownBackendError",
+    "UnplannedForwardError",
+    "UnsupportedHFModelError",
+    "UnsupportedStructureError",
+    "__version__",
+    "eager_op",
+    "estimate_graph_memory",
+    "forward_context",
+    "get_forward_batch",
+    "hookimpl",
+    "list_backends",
+    "register",
+    "resolve_decode_backend",
+    "resolve_prefill_backend",
+]
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'cuda_graph_runner' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 # -- deprecated module paths ------------------------------------------------------------------

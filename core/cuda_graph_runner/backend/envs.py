@@ -39,6 +39,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from ..config.exceptions import CudaGraphRunnerError
 from ..config.integers import parse_digits
 
 PREFIX = "CUDA_GRAPH_RUNNER_"
@@ -48,7 +49,7 @@ _FALSE = ("0", "false", "no", "off")
 ACCEPTED_BOOLEANS = "1/0, true/false, yes/no, on/off (any case)"
 
 
-class EnvVarError(ValueError):
+class EnvVarError(CudaGraphRunnerError, ValueError):
     """An environment variable whose text its parser rejects; names variable, value and
     the accepted values. A ``ValueError``, so callers that report bad user input catch it."""
 

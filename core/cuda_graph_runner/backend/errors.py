@@ -1,10 +1,23 @@
-"""Exceptions of the registry and the runners (the config has its own, in ``config``)."""
+"""Exceptions of the registry and the backends. Their base, :class:`CudaGraphRunnerError`, is
+defined with the config's error in :mod:`cuda_graph_runner.config.exceptions` (the lowest layer)
+and importable from here."""
 
 from __future__ import annotations
 
+from ..config.exceptions import CudaGraphRunnerError
 
-class CudaGraphRunnerError(Exception):
-    """Base class of this package's runtime errors."""
+__all__ = [
+    "BackendConflictError",
+    "BackendContractError",
+    "BackendLoadError",
+    "BackendUnavailableError",
+    "CompileCacheError",
+    "CudaGraphHostValueError",
+    "CudaGraphRunnerError",
+    "CudaGraphVerifyError",
+    "RegistryReentryError",
+    "UnknownBackendError",
+]
 
 
 class UnknownBackendError(CudaGraphRunnerError, KeyError):

@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 
+from ..config.exceptions import CudaGraphRunnerError
+
 __all__ = [
     "UnsupportedStructureError",
     "SUPPORTED_STRUCTURES",
@@ -58,7 +60,7 @@ SUPPORTED_STRUCTURES = (
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, enum.Enum)
 
 
-class UnsupportedStructureError(TypeError):
+class UnsupportedStructureError(CudaGraphRunnerError, TypeError):
     """A model output holds a type the walker cannot look inside (or rebuild).
 
     Attributes:

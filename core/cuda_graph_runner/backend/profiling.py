@@ -38,6 +38,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..config.exceptions import CudaGraphRunnerError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -94,7 +96,7 @@ def capture_range_name(phase: str, backend: str, size: int) -> str:
     return f"{RANGE_PREFIX}.capture {phase}/{backend}/bs={size}"
 
 
-class CaptureTraceError(ValueError):
+class CaptureTraceError(CudaGraphRunnerError, ValueError):
     """The capture-trace folder cannot be used (names the path and why)."""
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..config.exceptions import CudaGraphRunnerError
+
 #: ``{phase: {label: [(x, ms), ...]}}``; x is the batch size (decode) or tokens (prefill).
 Series = Dict[str, Dict[str, List[Tuple[int, float]]]]
 
@@ -21,7 +23,7 @@ MARKERS = ("s", "^", "v", "D", "x", "P", "*", "<", ">")
 PLOT_INSTALL_HINT = "bench --plot needs matplotlib: pip install 'cuda-graph-runner[plot]'"
 
 
-class PlotUnavailableError(RuntimeError):
+class PlotUnavailableError(CudaGraphRunnerError, RuntimeError):
     """matplotlib is not installed (the message says what to install)."""
 
 

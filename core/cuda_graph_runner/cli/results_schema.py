@@ -43,6 +43,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
+from ..config.exceptions import CudaGraphRunnerError
+
 SCHEMA_VERSION = 3
 SCHEMA = f"cuda-graph-runner.results/{SCHEMA_VERSION}"
 #: The schemas :func:`upgrade` reads: bench's before version 3, and benchmarks/run.py's.
@@ -120,7 +122,7 @@ RUNNER_FIELDS: Dict[str, Tuple[str, bool]] = {
 RECORDS = {"timings": TIMING_FIELDS, "ratios": RATIO_FIELDS, "runners": RUNNER_FIELDS}
 
 
-class ResultsSchemaError(ValueError):
+class ResultsSchemaError(CudaGraphRunnerError, ValueError):
     """A results document that does not follow :data:`SCHEMA`; the message names the
     source, the field (``timings[3].median_ms``), what it holds and what is accepted."""
 

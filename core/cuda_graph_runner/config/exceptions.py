@@ -1,5 +1,8 @@
-"""The config's one error type, :class:`CudaGraphConfigError`, and the value printer its
-messages use. Standard library only."""
+"""The base class of every error this package and its plugins raise,
+:class:`CudaGraphRunnerError`, the config's one error type, :class:`CudaGraphConfigError`, and
+the value printer its messages use. Standard library only: the config is the lowest layer, and
+every layer above it (and every plugin, through :mod:`cuda_graph_runner.backend`) derives its
+errors from the base defined here."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import functools
 import numbers
 from typing import Any, Dict, Optional
 
-__all__ = ["CudaGraphConfigError"]
+__all__ = ["CudaGraphConfigError", "CudaGraphRunnerError"]
 
 _NOT_GIVEN = object()
 
@@ -25,8 +28,19 @@ def _short_repr(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class CudaGraphConfigError(ValueError):
-    """The one error type for every invalid config, flag or JSON input.
+class CudaGraphRunnerError(Exception):
+    """Base class of every error cuda-graph-runner and its plugins raise.
+
+    ``except CudaGraphRunnerError`` catches them all. Each subclass also keeps the standard
+    base its kind has (a config error is a ``ValueError``, an unknown backend a ``KeyError``,
+    a capture out of memory a ``torch.OutOfMemoryError``, ...), so code that catches those
+    catches these too. Every one is importable from :mod:`cuda_graph_runner`; plugins import
+    the base from :mod:`cuda_graph_runner.backend`.
+    """
+
+
+class CudaGraphConfigError(CudaGraphRunnerError, ValueError):
+    """The one error type for every invalid config, flag or JSON input (a ``ValueError``).
 
     Attributes:
         phase: the phase concerned, or None (unknown phase, whole-document error).

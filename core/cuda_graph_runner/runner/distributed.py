@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional,
 import torch
 
 from ..backend import envs
+from ..config.exceptions import CudaGraphRunnerError
 
 if TYPE_CHECKING:
     from ..backend.base import ShapeKey
@@ -87,16 +88,16 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 
 
-class TensorParallelMismatchError(RuntimeError):
+class TensorParallelMismatchError(CudaGraphRunnerError, RuntimeError):
     """Ranks of one TP group disagree on something they must share (e.g. a batch's size)."""
 
 
-class TensorParallelCaptureError(RuntimeError):
+class TensorParallelCaptureError(CudaGraphRunnerError, RuntimeError):
     """Capture (or the backend's ``prepare``) failed on another rank of the TP group, so it
     fails here too; the message names that rank and its error."""
 
 
-class TensorParallelStepError(RuntimeError):
+class TensorParallelStepError(CudaGraphRunnerError, RuntimeError):
     """The replay-or-eager decision of one batch failed on a rank of the TP group (the
     model's ``graph_variant`` raised, say), so every rank stops at that batch; the message
     names that rank and its error."""

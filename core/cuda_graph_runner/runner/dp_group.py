@@ -46,6 +46,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..config.exceptions import CudaGraphRunnerError
 from .distributed import (
     DEFAULT_TIMEOUT_S,
     TPGroup,
@@ -69,12 +70,12 @@ __all__ = [
 _NONE = 1 << 62
 
 
-class DataParallelMismatchError(RuntimeError):
+class DataParallelMismatchError(CudaGraphRunnerError, RuntimeError):
     """Ranks of one DP group would replay different graph variants for one step (the
     message names each rank's)."""
 
 
-class DataParallelStepError(RuntimeError):
+class DataParallelStepError(CudaGraphRunnerError, RuntimeError):
     """The step's decision failed on a rank of the DP group (the model's
     ``graph_variant`` raised, say), so every rank stops at that step; the message names
     that rank and its error."""

@@ -11,13 +11,14 @@ import torch
 
 from ..backend.nested import iter_tensors, map_tensors
 from ..config import PhaseConfig
+from ..config.exceptions import CudaGraphRunnerError
 
 #: What one output tensor's leading dimension counts (:func:`output_layout`): nothing to
 #: cut (a 0-d tensor), the padded tokens, or the padded requests.
 ROWS_NONE, ROWS_TOKENS, ROWS_REQUESTS = 0, 1, 2
 
 
-class OutputRowsError(ValueError):
+class OutputRowsError(CudaGraphRunnerError, ValueError):
     """A graph output tensor whose leading dimension is neither the padded token count nor
     the padded batch size: the runner could not cut it back to the live batch.
 

@@ -20,8 +20,10 @@ import time
 import traceback
 from typing import Any, Callable, List, Sequence
 
+from ..config.exceptions import CudaGraphRunnerError
 
-class RankFailure(RuntimeError):
+
+class RankFailure(CudaGraphRunnerError, RuntimeError):
     """A rank raised, died or ran past the deadline (the message holds each rank's story)."""
 
 

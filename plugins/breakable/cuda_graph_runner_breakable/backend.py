@@ -49,6 +49,7 @@ import torch
 
 from cuda_graph_runner.backend import (
     BaseCudaGraphBackend,
+    CudaGraphRunnerError,
     EagerOp,
     ForwardBatch,
     ForwardFn,
@@ -92,7 +93,7 @@ ENV_INLINE_SAFE_OPS = envs.BREAKABLE_INLINE_SAFE_OPS
 ENV_CHECK_LEAKED_OUTPUTS = envs.BREAKABLE_CHECK_LEAKED_OUTPUTS
 
 
-class BreakableCaptureError(RuntimeError):
+class BreakableCaptureError(CudaGraphRunnerError, RuntimeError):
     """A breakable capture cannot proceed (nested capture, an unusable op argument, a
     segment that failed to end); the message says what to change."""
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cuda_graph_runner.backend import NAMESPACE, registered_eager_ops
+from cuda_graph_runner.backend import NAMESPACE, CudaGraphRunnerError, registered_eager_ops
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 
 __all__ = ["EmulatedGraph", "EmulatedGraphDeviceModule", "HostSyncInCaptureError"]
@@ -34,7 +34,7 @@ __all__ = ["EmulatedGraph", "EmulatedGraphDeviceModule", "HostSyncInCaptureError
 _ids = itertools.count(10_000)
 
 
-class HostSyncInCaptureError(RuntimeError):
+class HostSyncInCaptureError(CudaGraphRunnerError, RuntimeError):
     """An op that needs the host to read device values ran inside an emulated capture."""
 
 

@@ -62,7 +62,7 @@ def parse_backends(arg: Optional[str], configured: Optional[str]) -> List[Tuple[
     return [(configured, None)]
 
 
-class BenchRequestError(Exception):
+class BenchRequestError(CudaGraphRunnerError):
     """A backend named explicitly cannot be benched; ``exit_code`` 2 (usage) or 1 (runtime)."""
 
     def __init__(self, message: str, exit_code: int) -> None:

@@ -208,6 +208,8 @@ def _bench_phase(
         if choice.backend is not None:
             try:
                 runner = _make_runner(phase, model, choice.config, device, choice.backend)
+            except CudaGraphConfigError:  # the user's config, whoever picked the backend: never skipped
+                raise
             except CudaGraphRunnerError as exc:
                 if choice.explicit:
                     raise

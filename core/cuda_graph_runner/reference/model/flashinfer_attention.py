@@ -69,6 +69,7 @@ import torch
 from ...backend.context import get_forward_batch
 from ...backend.forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch, _stored
 from ...backend.graph_break import eager_op
+from ...config.exceptions import CudaGraphRunnerError
 from .attention import AttentionCall
 from .attention_backend import AttentionBackend, graph_key
 
@@ -98,7 +99,7 @@ def _flashinfer() -> Any:
     return flashinfer
 
 
-class FlashInferPlanError(RuntimeError):
+class FlashInferPlanError(CudaGraphRunnerError, RuntimeError):
     """A FlashInfer forward without a plan made for it (see the module docstring)."""
 
 

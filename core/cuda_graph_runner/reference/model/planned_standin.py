@@ -43,6 +43,7 @@ import torch
 from ...backend.context import forward_scratch, get_forward_batch
 from ...backend.forward_batch import ForwardBatch, ForwardMode, StaticForwardBatch, _stored
 from ...backend.graph_break import eager_op
+from ...config.exceptions import CudaGraphRunnerError
 from .attention import AttentionCall
 from .attention_backend import AttentionBackend, graph_key
 from .extend_plan import host_to_device, token_table_extend, token_tables
@@ -51,11 +52,11 @@ from .extend_plan import host_to_device, token_table_extend, token_tables
 MAX_RECORDS = 4096
 
 
-class UnplannedForwardError(RuntimeError):
+class UnplannedForwardError(CudaGraphRunnerError, RuntimeError):
     """A forward of the stand-in ran with no plan made for it."""
 
 
-class StalePlanError(RuntimeError):
+class StalePlanError(CudaGraphRunnerError, RuntimeError):
     """A forward of the stand-in ran with a plan made for another batch or an earlier forward."""
 
 

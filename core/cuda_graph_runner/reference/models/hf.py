@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ...backend.forward_batch import ForwardBatch, ForwardMode, last_token_rows
+from ...config.exceptions import CudaGraphRunnerError
 from ..kv_cache import PagedKVCache
 from ..model.attention_backend import AttentionBackend, attached_kv_cache, make_attention_backend
 from ..model.config import PRESETS, ModelConfig
@@ -108,12 +109,12 @@ _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "M
 _CPU_SLIDING_WINDOW = 8  # short enough that the tests' and CPU bench's contexts cross it
 
 
-class UnsupportedHFModelError(ValueError):
+class UnsupportedHFModelError(CudaGraphRunnerError, ValueError):
     """An HF model uses a feature the adapter does not serve; the message names the
     feature, the architecture and what is accepted."""
 
 
-class TransformersUnavailableError(RuntimeError):
+class TransformersUnavailableError(CudaGraphRunnerError, RuntimeError):
     """transformers is not installed (the message gives the install line)."""
 
 
