@@ -13,7 +13,8 @@ from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError, Phas
 from cuda_graph_runner.registry import manager
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.runner import base as runner_base
-from cuda_graph_runner.runner.decision import ReplayDecision
+from cuda_graph_runner.runner.decision import EagerDecision, ReplayDecision
+from cuda_graph_runner.runner.stats import REASON_NOT_CAPTURED, REASON_PADDING, REASON_TOO_LARGE
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
@@ -149,18 +150,18 @@ def test_prefill_forward_computes_padded_size_once_per_batch(monkeypatch):
     assert runner.backend.events[-1] == ("replay", ShapeKey(16, "extend"))
     assert counts == {"padded_size": 1, "make_key": 1}  # before: 3 (the 2x rule asked again) and 2
     # The padding rule reads the same decision: 3 tokens pad to 8 > 2 * 3, eager.
-    assert runner.decide(_extend_batch([3])) is None and not runner.can_run(_extend_batch([3]))
+    assert runner.decide(_extend_batch([3])) == EagerDecision(REASON_PADDING) and not runner.can_run(_extend_batch([3]))
 
 
 def test_decide_says_what_replay_uses():
     runner = DecodeCudaGraphRunner(
         ToyModel(), {"decode": {"bs": [2, 4]}}, device="cpu", backend=RecordingBackend("cpu"), show_progress=False
     )
-    assert runner.decide(decode_batch(1)) is None  # nothing captured yet
+    assert runner.decide(decode_batch(1)) == EagerDecision(REASON_NOT_CAPTURED)
     runner.capture()
     decision = runner.decide(decode_batch(3))
     assert decision == ReplayDecision(size=3, padded=4, key=ShapeKey(4, "decode"))
-    assert runner.decide(decode_batch(5)) is None
+    assert runner.decide(decode_batch(5)) == EagerDecision(REASON_TOO_LARGE)
     key, static = runner.replay_prepare(decode_batch(3))  # the same target as the decision
     assert key == decision.key and static.batch_size == decision.padded
     assert runner.replay_target(1) == (2, ShapeKey(2, "decode"))

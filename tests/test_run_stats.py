@@ -8,9 +8,12 @@ from toy_model import ToyModel, decode_batch
 
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner.decision import EagerDecision
 from cuda_graph_runner.runner.stats import (
     REASON_DISABLED,
     REASON_NOT_CAPTURED,
+    REASON_OTHER_RANK,
+    REASON_SLOTS,
     REASON_TOO_LARGE,
     REASON_VARIANT,
     RunStats,
@@ -45,6 +48,52 @@ def test_replays_and_each_fallback_reason_are_counted():
         {"captured_size": 1, "replays": 1, "real_rows": 1, "padded_rows": 0, "waste": 0.0},
         {"captured_size": 4, "replays": 2, "real_rows": 6, "padded_rows": 2, "waste": 2 / 6},
     ]
+
+
+class CountingRunner(DecodeCudaGraphRunner):
+    """A decode runner whose decisions are counted; a batch of 3 requests gets a reason only
+    this decision gives (a decode runner has no request slots), so a recount would differ."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decided = []
+
+    def decide(self, batch):
+        self.decided.append(batch.batch_size)
+        if batch.batch_size == 3:
+            return EagerDecision(REASON_SLOTS)
+        return super().decide(batch)
+
+
+def test_the_recorded_reason_is_the_one_decide_returned_and_each_batch_is_decided_once():
+    cfg = CudaGraphConfig.from_dict({"decode": {"max_bs": 4, "bs": [1, 2, 4]}})
+    runner = CountingRunner(ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu"), show_progress=False)
+    runner.forward(decode_batch(2))  # before capture
+    runner.capture()
+    for bs in (3, 6, 2):
+        runner.forward(decode_batch(bs))
+    assert runner.decided == [2, 3, 6, 2]  # one decision per forward: the statistics never ask again
+    stats = runner.run_stats()
+    assert stats["eager_fallbacks"] == {REASON_NOT_CAPTURED: 1, REASON_SLOTS: 1, REASON_TOO_LARGE: 1}
+    assert stats["replays"] == 1
+
+
+class _AnotherRankCannot:
+    """A tensor-parallel group whose other rank cannot replay: every step runs eagerly."""
+
+    def agree_step(self, size, replay, key=None, *, failed=None):
+        return False
+
+
+def test_under_tensor_parallel_a_rank_that_could_replay_says_another_rank_cannot():
+    cfg = CudaGraphConfig.from_dict({"decode": {"max_bs": 4, "bs": [1, 2, 4]}})
+    runner = CountingRunner(ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu"), show_progress=False)
+    runner.capture()
+    runner.tp_group = _AnotherRankCannot()
+    for bs in (2, 3, 6):
+        runner.forward(decode_batch(bs))
+    assert runner.decided == [2, 3, 6]
+    assert runner.run_stats()["eager_fallbacks"] == {REASON_OTHER_RANK: 1, REASON_SLOTS: 1, REASON_TOO_LARGE: 1}
 
 
 def test_disabled_backend_fallbacks_say_disabled_and_reset_starts_over():

@@ -37,13 +37,22 @@ from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
 from .data_parallel import dp_forward
-from .decision import ReplayDecision
+from .decision import Decision, EagerDecision, ReplayDecision
 from .distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from .dp_group import DPGroup
 from .lazy_capture import BLOCKING, EAGER_FIRST, CaptureStep, LazyCapture, check_budget, empty_step
 from .model_protocol import GraphModel
 from .sizes import get_batch_sizes_to_capture, output_layout, pad_list, slice_output, slice_rows
-from .stats import REASON_OTHER_RANK, RunStats, fallback_reason
+from .stats import (
+    REASON_ASLEEP,
+    REASON_DISABLED,
+    REASON_EMPTY,
+    REASON_NOT_CAPTURED,
+    REASON_OTHER_RANK,
+    REASON_TOO_LARGE,
+    REASON_VARIANT,
+    RunStats,
+)
 from .weights import WeightsFingerprint, check_fingerprint
 
 
@@ -412,21 +421,41 @@ class BaseCudaGraphRunner(abc.ABC):
             raise ValueError(f"size {size} exceeds the largest captured size {self.max_size}")
         return self.capture_sizes[bisect.bisect_left(self.capture_sizes, size)]
 
-    def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
-        """How ``batch`` replays (its size, padded size and graph key), or None when it
-        runs eagerly; ``forward`` decides once per batch. The padded size and key come
-        from :meth:`replay_target`, which ``replay_prepare`` reads too."""
-        if not self.captured_keys or not self.batch_matches(batch):
-            return None
+    def decide(self, batch: ForwardBatch) -> Decision:
+        """How ``batch`` runs, decided once per batch (``forward`` and ``can_run`` ask it).
+
+        Returns:
+            A :class:`~.decision.ReplayDecision` (its size, padded size and graph key; the
+            padded size and key come from :meth:`replay_target`, which ``replay_prepare``
+            reads too), or an :class:`~.decision.EagerDecision` whose ``reason`` (one of
+            :data:`.stats.REASONS`) ``forward`` records in :meth:`run_stats`.
+
+        Raises:
+            Whatever the model's ``graph_variant`` or the backend's ``can_run`` raised.
+        """
+        if not self.captured_keys:
+            return EagerDecision(self._uncaptured_reason())
+        if not self.batch_matches(batch):
+            return EagerDecision(REASON_VARIANT)
         size = self.size_of(batch)
-        if size <= 0 or size > self.max_size:
-            return None
+        if size <= 0:
+            return EagerDecision(REASON_EMPTY)
+        if size > self.max_size:
+            return EagerDecision(REASON_TOO_LARGE)
         padded, _ = self.replay_target(size)
         variant = self.variant_of(batch)
         key = self.variant_key(padded, variant)
         if not self.backend.can_run(batch, key):
-            return None
+            return EagerDecision(REASON_VARIANT)  # the backend holds no graph for this variant
         return ReplayDecision(size, padded, key, variant)
+
+    def _uncaptured_reason(self) -> str:
+        """Why a runner without graphs has none (off the replay path: asked only then)."""
+        if self.is_disabled:
+            return REASON_DISABLED
+        if self.asleep:
+            return REASON_ASLEEP
+        return REASON_NOT_CAPTURED
 
     def replay_target(self, size: int) -> Tuple[int, ShapeKey]:
         """``(padded size, key)`` of live size ``size``: computed on its first batch, then
@@ -462,7 +491,7 @@ class BaseCudaGraphRunner(abc.ABC):
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` can replay a captured graph (else ``forward`` runs it eagerly)."""
-        return self.decide(batch) is not None
+        return isinstance(self.decide(batch), ReplayDecision)
 
     # -- graph variants (runner/variants.py): one graph per size unless a subclass has more
     def capture_variants(self) -> Sequence[str]:
@@ -954,13 +983,12 @@ class BaseCudaGraphRunner(abc.ABC):
         with torch.no_grad():
             if self.tp_group is None:
                 decision = self.decide(batch)
-                run = local = decision is not None
+                run = isinstance(decision, ReplayDecision)
                 if run and self._weights_every:
                     self._weights_tick()
             else:  # one rank replaying while another runs eagerly (or another graph) deadlocks
                 decision, run = self._agreed_decision(self.tp_group, batch)
-                local = decision is not None
-            if run and decision is not None:  # all ranks replay only if every rank can
+            if run and isinstance(decision, ReplayDecision):  # all ranks replay only if every rank can
                 self.stats.record_replay(decision.size)
                 # The variant decided for this batch, read by replay_prepare during this
                 # call only: nothing can refresh the batch in between, and no batch is
@@ -972,7 +1000,9 @@ class BaseCudaGraphRunner(abc.ABC):
                     self._decided = None
             if self.sleep_state is not None and self._asleep_raises:
                 raise sleep_mode.asleep_error(self)
-            reason = REASON_OTHER_RANK if local else fallback_reason(self, batch)
+            # The reason of this batch's one decision; a rank that could replay runs
+            # eagerly only because another rank of its group cannot.
+            reason = decision.reason if isinstance(decision, EagerDecision) else REASON_OTHER_RANK
             self.stats.record_fallback(reason)
             if profiler_enabled():  # the eager step is named in a trace, as a replay is
                 with torch.profiler.record_function(eager_range_name(self.phase, reason)):
@@ -1008,7 +1038,7 @@ class BaseCudaGraphRunner(abc.ABC):
             init(batch)
         return self.eager_forward(batch)
 
-    def _agreed_decision(self, tp: TPGroup, batch: ForwardBatch) -> Tuple[Optional[ReplayDecision], bool]:
+    def _agreed_decision(self, tp: TPGroup, batch: ForwardBatch) -> Tuple[Decision, bool]:
         """This rank's decision for ``batch`` and whether every rank replays (``agree_step``:
         the same size and graph, replay only if all can). A decision that raised here still
         takes part in the agreement, so the other ranks stop too instead of waiting; this
@@ -1017,11 +1047,11 @@ class BaseCudaGraphRunner(abc.ABC):
             decision = self.decide(batch)
             # Checked before the agreement: a rank whose weights moved, or that is asleep
             # and raises, stops every rank instead of leaving them in a collective.
-            if decision is not None and self._weights_every:
+            if isinstance(decision, ReplayDecision) and self._weights_every:
                 self._weights_tick()
             if self.sleep_state is not None and self._asleep_raises:
                 raise sleep_mode.asleep_error(self)
-            size = decision.size if decision else self.size_of(batch)
+            size = decision.size if isinstance(decision, ReplayDecision) else self.size_of(batch)
         except Exception as exc:
             try:
                 size = self.size_of(batch)
@@ -1030,8 +1060,9 @@ class BaseCudaGraphRunner(abc.ABC):
             with contextlib.suppress(TensorParallelStepError):
                 tp.agree_step(size, False, failed=f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}")
             raise
-        run = tp.agree_step(size, decision is not None, decision.key if decision else None)
-        return decision, run and decision is not None
+        key = decision.key if isinstance(decision, ReplayDecision) else None
+        run = tp.agree_step(size, key is not None, key)
+        return decision, run and key is not None
 
     def describe(self) -> Dict[str, Any]:
         """What this runner captured and how it ran, as plain JSON (``cuda-graph-runner

@@ -22,9 +22,10 @@ import torch
 
 from ..backend.forward_batch import ForwardBatch, ForwardMode
 from ..backend.profiling import eager_range_name, profiler_enabled
+from .decision import EagerDecision
 from .dp_group import DataParallelStepError, DPGroup
 from .sleep import asleep_error
-from .stats import REASON_EMPTY, REASON_OTHER_RANK, fallback_reason
+from .stats import REASON_EMPTY, REASON_OTHER_RANK
 
 __all__ = ["dp_forward", "padded_batch"]
 
@@ -106,8 +107,9 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
             reason = REASON_EMPTY
         elif ready and live <= runner.max_size:
             reason = REASON_OTHER_RANK
-        else:
-            reason = fallback_reason(runner, work)
+        else:  # this rank's own reason: the decision on the step's padded batch
+            decision = runner.decide(work)
+            reason = decision.reason if isinstance(decision, EagerDecision) else REASON_OTHER_RANK
         runner.stats.record_fallback(reason)
         if profiler_enabled():  # the eager step is named in a trace, as a replay is
             with torch.profiler.record_function(eager_range_name(runner.phase, reason)):

@@ -1,11 +1,16 @@
-"""``ReplayDecision``: how one live batch replays (or None: it runs eagerly), decided once
-per batch by :meth:`BaseCudaGraphRunner.decide` (``can_run`` and ``forward`` read it)."""
+"""How one live batch runs, decided once per batch by :meth:`BaseCudaGraphRunner.decide`:
+a :class:`ReplayDecision` (the graph it replays) or an :class:`EagerDecision` (why it runs
+eagerly). ``can_run`` and ``forward`` read it; ``forward`` records an eager decision's reason
+in the run statistics (:mod:`.stats`) as it is, without deciding again."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
 from ..backend.base import ShapeKey
+
+__all__ = ["Decision", "EagerDecision", "ReplayDecision"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,3 +33,19 @@ class ReplayDecision:
     padded: int
     key: ShapeKey
     variant: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerDecision:
+    """A live batch runs eagerly, for ``reason``.
+
+    Attributes:
+        reason: why no graph takes the batch, one of :data:`.stats.REASONS` (``"too large"``,
+            ``"not captured"``, ...): the key ``run_stats()["eager_fallbacks"]`` counts it under.
+    """
+
+    reason: str
+
+
+#: What :meth:`BaseCudaGraphRunner.decide` returns.
+Decision = Union[ReplayDecision, EagerDecision]

@@ -34,8 +34,9 @@ from ..backend.context import forward_context
 from ..backend.forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch, _stored
 from ..config import ConfigInput, CudaGraphConfigError
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture
-from .decision import ReplayDecision
+from .decision import Decision, EagerDecision, ReplayDecision
 from .model_protocol import GraphModel
+from .stats import REASON_PADDING, REASON_SLOTS
 
 #: Token-axis buffers copied from the live batch at every replay: (field, dtype).
 #: All are index-like and pad with 0: padded tokens read token 0 at position 0 and
@@ -231,14 +232,19 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def batch_matches(self, batch: ForwardBatch) -> bool:
         return batch.forward_mode is ForwardMode.EXTEND
 
-    def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
-        """How ``batch`` replays, or None: EXTEND, captured, within the maximum, padded
-        to at most ``MAX_PADDING_RATIO`` times its token count, and (with request slots)
-        of at most ``request_slots`` requests."""
+    def decide(self, batch: ForwardBatch) -> Decision:
+        """How ``batch`` runs: it replays when it is EXTEND, captured, within the maximum,
+        of at most ``request_slots`` requests (with request slots; else reason ``"more
+        requests than slots"``) and padded to at most ``MAX_PADDING_RATIO`` times its token
+        count (else ``"padding too large"``); see :meth:`BaseCudaGraphRunner.decide`."""
         decision = super().decide(batch)
-        if decision is None or decision.padded > self.max_padding_ratio * decision.size:
-            return None
-        return decision if self.fits_graphs(batch) else None
+        if not isinstance(decision, ReplayDecision):
+            return decision
+        if not self.fits_graphs(batch):
+            return EagerDecision(REASON_SLOTS)
+        if decision.padded > self.max_padding_ratio * decision.size:
+            return EagerDecision(REASON_PADDING)
+        return decision
 
     def fits_graphs(self, batch: ForwardBatch) -> bool:
         """False for a batch of more requests than :attr:`request_slots` (graphs with

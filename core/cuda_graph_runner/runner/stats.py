@@ -1,7 +1,9 @@
 """Run statistics of a runner: replays, eager fallbacks with their reason, padding waste.
 
 ``BaseCudaGraphRunner.forward`` counts every call here: a replay under the batch's
-live size, an eager fallback under its reason. :meth:`RunStats.summary` turns the
+live size, an eager fallback under the reason of the batch's one decision
+(``runner.decide(batch)``, :class:`~.decision.EagerDecision`); nothing here asks the
+runner again. :meth:`RunStats.summary` turns the
 counts into the per-captured-size padding waste (padded rows / real rows) that shows
 whether the capture sizes fit the traffic (the same question sglang's and vLLM's
 ``cuda_graph_bs`` lists answer by hand). Counting costs one dict update per call.
@@ -136,36 +138,6 @@ class RunStats:
                 "waste": pad / real if real else 0.0,
             }
         return result
-
-
-def fallback_reason(runner: Any, batch: Any) -> str:
-    """Why ``runner.can_run(batch)`` is False, as one of :data:`REASONS` (called on the
-    eager path only, so the replay path pays nothing for it)."""
-    if runner.is_disabled:
-        return REASON_DISABLED
-    if getattr(runner, "asleep", False):
-        return REASON_ASLEEP
-    lazy = getattr(runner, "lazy_capture", None)
-    if lazy is not None and lazy.note_eager(batch):  # counts the size as observed traffic
-        return REASON_NOT_CAPTURED_YET
-    if not runner.captured_keys:
-        return REASON_NOT_CAPTURED
-    if not runner.batch_matches(batch):
-        return REASON_VARIANT
-    size = runner.size_of(batch)
-    if size <= 0:
-        return REASON_EMPTY
-    if size > runner.max_size:
-        return REASON_TOO_LARGE
-    slots = getattr(runner, "request_slots", None)
-    if slots is not None and batch.req_pool_indices.shape[0] > slots:
-        return REASON_SLOTS
-    try:
-        if not runner.backend.can_run(batch, runner.key_for_batch(batch, runner.padded_size(size))):
-            return REASON_VARIANT
-    except Exception:  # a backend's can_run that raises is reported as not runnable
-        return REASON_VARIANT
-    return REASON_PADDING  # the runner's own cap (prefill's MAX_PADDING_RATIO)
 
 
 def format_summary(label: str, summary: Dict[str, Any]) -> str:
