@@ -12,6 +12,7 @@ from cuda_graph_runner.runner.decision import EagerDecision
 from cuda_graph_runner.runner.stats import (
     REASON_DISABLED,
     REASON_NOT_CAPTURED,
+    REASON_NOT_CAPTURED_YET,
     REASON_OTHER_RANK,
     REASON_SLOTS,
     REASON_TOO_LARGE,
@@ -151,3 +152,18 @@ def test_bench_json_and_log_carry_the_run_stats(tmp_path, capsys, caplog, monkey
     assert stats["replays"] > 0 and stats["eager_total"] == 0
     assert {p["captured_size"] for p in stats["padding"]} <= set(runner["sizes"])
     assert any("decode runner" in r.getMessage() and "replays" in r.getMessage() for r in caplog.records)
+
+
+def test_eager_first_a_queued_size_is_decided_once_and_counted_once_as_its_traffic():
+    cfg = CudaGraphConfig.from_dict({"decode": {"bs": [1, 2, 4, 8], "capture": "eager_first"}})
+    runner = CountingRunner(ToyModel(), cfg, device="cpu", backend=RecordingBackend("cpu"), show_progress=False)
+    runner.capture()  # queues the sizes
+    assert runner.decide(decode_batch(5)) == EagerDecision(REASON_NOT_CAPTURED_YET, queued=8)
+    assert not runner.can_run(decode_batch(5))  # a question: no traffic counted
+    assert runner.lazy_capture.observed == {}
+    runner.decided.clear()
+    runner.forward(decode_batch(5))
+    runner.forward(decode_batch(9))
+    assert runner.decided == [5, 9]
+    assert runner.lazy_capture.observed == {8: 1}
+    assert runner.run_stats()["eager_fallbacks"] == {REASON_NOT_CAPTURED_YET: 1, REASON_TOO_LARGE: 1}

@@ -48,6 +48,7 @@ from .stats import (
     REASON_DISABLED,
     REASON_EMPTY,
     REASON_NOT_CAPTURED,
+    REASON_NOT_CAPTURED_YET,
     REASON_OTHER_RANK,
     REASON_TOO_LARGE,
     REASON_VARIANT,
@@ -428,13 +429,21 @@ class BaseCudaGraphRunner(abc.ABC):
             A :class:`~.decision.ReplayDecision` (its size, padded size and graph key; the
             padded size and key come from :meth:`replay_target`, which ``replay_prepare``
             reads too), or an :class:`~.decision.EagerDecision` whose ``reason`` (one of
-            :data:`.stats.REASONS`) ``forward`` records in :meth:`run_stats`.
+            :data:`.stats.REASONS`) ``forward`` records in :meth:`run_stats`. The checks,
+            in order: graphs held (else ``"disabled"``, ``"asleep"`` or ``"not captured"``;
+            under ``capture: eager_first`` a batch whose size is queued goes on), the
+            runner's mode, the size (``"empty batch"``, ``"too large"``), the runner's own
+            limits (:meth:`batch_limit`), then the backend's ``can_run`` for the key
+            (``"not captured yet"`` for a queued size, else ``"variant not captured"``).
 
         Raises:
             Whatever the model's ``graph_variant`` or the backend's ``can_run`` raised.
         """
         if not self.captured_keys:
-            return EagerDecision(self._uncaptured_reason())
+            reason = self._uncaptured_reason()
+            if reason != REASON_NOT_CAPTURED or self.lazy_capture is None or not self.lazy_capture.pending():
+                return EagerDecision(reason)
+            # capture eager_first: the batch's size may be queued, decided below
         if not self.batch_matches(batch):
             return EagerDecision(REASON_VARIANT)
         size = self.size_of(batch)
@@ -443,11 +452,28 @@ class BaseCudaGraphRunner(abc.ABC):
         if size > self.max_size:
             return EagerDecision(REASON_TOO_LARGE)
         padded, _ = self.replay_target(size)
+        if self.has_batch_limits:
+            refused = self.batch_limit(batch, size, padded)
+            if refused is not None:
+                return EagerDecision(refused)
         variant = self.variant_of(batch)
         key = self.variant_key(padded, variant)
         if not self.backend.can_run(batch, key):
-            return EagerDecision(REASON_VARIANT)  # the backend holds no graph for this variant
+            if self.lazy_capture is not None and self.lazy_capture.is_queued(padded):
+                return EagerDecision(REASON_NOT_CAPTURED_YET, padded)
+            # the backend holds no graph for this variant (or none at all yet)
+            return EagerDecision(REASON_VARIANT if self.captured_keys else REASON_NOT_CAPTURED)
         return ReplayDecision(size, padded, key, variant)
+
+    #: Whether :meth:`batch_limit` can refuse a batch (prefill's request slots and padding
+    #: cap); False keeps the call off the replay path of runners without such limits.
+    has_batch_limits: ClassVar[bool] = False
+
+    def batch_limit(self, batch: ForwardBatch, size: int, padded: int) -> Optional[str]:
+        """The reason (one of :data:`.stats.REASONS`) this runner's own limits refuse
+        ``batch`` of ``size`` rows padded to ``padded``, or None; asked by :meth:`decide`
+        before the backend, only when :attr:`has_batch_limits` is True."""
+        return None
 
     def _uncaptured_reason(self) -> str:
         """Why a runner without graphs has none (off the replay path: asked only then)."""
@@ -456,6 +482,16 @@ class BaseCudaGraphRunner(abc.ABC):
         if self.asleep:
             return REASON_ASLEEP
         return REASON_NOT_CAPTURED
+
+    def _eager_reason(self, decision: Decision) -> str:
+        """The reason ``forward`` records for a batch run eagerly after ``decision``: its
+        own, or, for a batch this rank could replay, that another rank cannot. A batch its
+        queued size will serve (``capture: eager_first``) counts as that size's traffic."""
+        if not isinstance(decision, EagerDecision):
+            return REASON_OTHER_RANK
+        if decision.queued and self.lazy_capture is not None:
+            self.lazy_capture.observe(decision.queued)
+        return decision.reason
 
     def replay_target(self, size: int) -> Tuple[int, ShapeKey]:
         """``(padded size, key)`` of live size ``size``: computed on its first batch, then
@@ -1000,9 +1036,7 @@ class BaseCudaGraphRunner(abc.ABC):
                     self._decided = None
             if self.sleep_state is not None and self._asleep_raises:
                 raise sleep_mode.asleep_error(self)
-            # The reason of this batch's one decision; a rank that could replay runs
-            # eagerly only because another rank of its group cannot.
-            reason = decision.reason if isinstance(decision, EagerDecision) else REASON_OTHER_RANK
+            reason = self._eager_reason(decision)  # the reason of this batch's one decision
             self.stats.record_fallback(reason)
             if profiler_enabled():  # the eager step is named in a trace, as a replay is
                 with torch.profiler.record_function(eager_range_name(self.phase, reason)):

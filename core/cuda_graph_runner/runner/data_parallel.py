@@ -22,7 +22,6 @@ import torch
 
 from ..backend.forward_batch import ForwardBatch, ForwardMode
 from ..backend.profiling import eager_range_name, profiler_enabled
-from .decision import EagerDecision
 from .dp_group import DataParallelStepError, DPGroup
 from .sleep import asleep_error
 from .stats import REASON_EMPTY, REASON_OTHER_RANK
@@ -108,8 +107,7 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         elif ready and live <= runner.max_size:
             reason = REASON_OTHER_RANK
         else:  # this rank's own reason: the decision on the step's padded batch
-            decision = runner.decide(work)
-            reason = decision.reason if isinstance(decision, EagerDecision) else REASON_OTHER_RANK
+            reason = runner._eager_reason(runner.decide(work))
         runner.stats.record_fallback(reason)
         if profiler_enabled():  # the eager step is named in a trace, as a replay is
             with torch.profiler.record_function(eager_range_name(runner.phase, reason)):

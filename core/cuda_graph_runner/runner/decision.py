@@ -42,9 +42,13 @@ class EagerDecision:
     Attributes:
         reason: why no graph takes the batch, one of :data:`.stats.REASONS` (``"too large"``,
             ``"not captured"``, ...): the key ``run_stats()["eager_fallbacks"]`` counts it under.
+        queued: with reason ``"not captured yet"`` (``capture: eager_first``), the queued
+            capture size whose graph will take the batch (``forward`` counts the batch as
+            that size's traffic, :mod:`.lazy_capture`); 0 otherwise.
     """
 
     reason: str
+    queued: int = 0
 
 
 #: What :meth:`BaseCudaGraphRunner.decide` returns.

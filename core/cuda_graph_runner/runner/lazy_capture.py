@@ -62,7 +62,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
 from .capture_report import CaptureReport
 
 if TYPE_CHECKING:
-    from ..backend.forward_batch import ForwardBatch
     from .base import BaseCudaGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -138,25 +137,16 @@ class LazyCapture:
         self.steps.clear()
         self.seconds = 0.0
 
-    def note_eager(self, batch: "ForwardBatch") -> bool:
-        """Whether ``batch`` runs eagerly because its capture size is queued and not
-        captured yet; if so, that size's observed count goes up by one (the eager path
-        only: one dict update per eager step)."""
-        runner = self.runner
-        if not self._queued or not runner.batch_matches(batch):
-            return False
-        size = runner.size_of(batch)
-        if size <= 0 or size > runner.max_size:
-            return False
-        padded = runner.padded_size(size)
-        if padded not in self._queued or any(k.size == padded for k in runner.captured_keys):
-            return False
-        # Only a batch its graph would take once captured (prefill: the padding cap, request slots).
-        ratio = getattr(runner, "max_padding_ratio", None)
-        if (ratio is not None and padded > ratio * size) or not runner.fits_graphs(batch):
-            return False
+    def is_queued(self, padded: int) -> bool:
+        """Whether capture size ``padded`` is queued and holds no graph yet: a batch that
+        :meth:`BaseCudaGraphRunner.decide` pads to it (within the runner's limits) runs
+        eagerly, reason ``"not captured yet"``. Asked on the eager path only."""
+        return padded in self._queued and not any(k.size == padded for k in self.runner.captured_keys)
+
+    def observe(self, padded: int) -> None:
+        """One eager batch that queued capture size ``padded`` will serve (``forward``
+        counts it; the capture order reads the counts): one dict update per eager step."""
         self.observed[padded] += 1
-        return True
 
     def order(self, observed: Optional[Dict[int, int]] = None) -> List[int]:
         """The pending sizes in capture order: observed ones, most observed first (ties:

@@ -34,7 +34,6 @@ from ..backend.context import forward_context
 from ..backend.forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch, _stored
 from ..config import ConfigInput, CudaGraphConfigError
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner, get_batch_sizes_to_capture
-from .decision import Decision, EagerDecision, ReplayDecision
 from .model_protocol import GraphModel
 from .stats import REASON_PADDING, REASON_SLOTS
 
@@ -232,19 +231,18 @@ class PrefillCudaGraphRunner(BaseCudaGraphRunner):
     def batch_matches(self, batch: ForwardBatch) -> bool:
         return batch.forward_mode is ForwardMode.EXTEND
 
-    def decide(self, batch: ForwardBatch) -> Decision:
-        """How ``batch`` runs: it replays when it is EXTEND, captured, within the maximum,
-        of at most ``request_slots`` requests (with request slots; else reason ``"more
-        requests than slots"``) and padded to at most ``MAX_PADDING_RATIO`` times its token
-        count (else ``"padding too large"``); see :meth:`BaseCudaGraphRunner.decide`."""
-        decision = super().decide(batch)
-        if not isinstance(decision, ReplayDecision):
-            return decision
+    has_batch_limits: ClassVar[bool] = True
+
+    def batch_limit(self, batch: ForwardBatch, size: int, padded: int) -> Optional[str]:
+        """``"more requests than slots"`` for a batch of more than :attr:`request_slots`
+        requests (with request slots), ``"padding too large"`` for one padded to more than
+        ``MAX_PADDING_RATIO`` times its token count, else None (see
+        :meth:`BaseCudaGraphRunner.decide`)."""
         if not self.fits_graphs(batch):
-            return EagerDecision(REASON_SLOTS)
-        if decision.padded > self.max_padding_ratio * decision.size:
-            return EagerDecision(REASON_PADDING)
-        return decision
+            return REASON_SLOTS
+        if padded > self.max_padding_ratio * size:
+            return REASON_PADDING
+        return None
 
     def fits_graphs(self, batch: ForwardBatch) -> bool:
         """False for a batch of more requests than :attr:`request_slots` (graphs with
