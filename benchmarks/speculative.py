@@ -14,6 +14,12 @@ layers) and each ``k``, in one run:
   synchronize after each runner forward (so a runner's device time is not charged to the
   loop), with its microseconds per round; tokens per second come from separate runs
   without those synchronizations;
+* with ``--host-only``, the loop alone: every runner forward replaced by a replay of the
+  outputs it gave in a recorded run (no device work, no runner host work; the loop's own
+  upload, table write, argmax and read stay), its microseconds per round, split into the
+  draft's ``propose``, building the verify batch, and the read and acceptance after the
+  verify, and its share of a round whose runner time is the instrumented runs' (``loop
+  alone / (loop alone + runners)``);
 * for model drafts, the draft graph's replay against k plain decode replays of the same
   draft model, bare and with each step's argmax (the token pick a plain greedy step runs
   after its replay, which the draft graph records inside: the like-for-like cost), and
@@ -28,6 +34,7 @@ Examples::
 
     python benchmarks/speculative.py --device cuda --preset llama-3.2-1b --dtype float32 --k 4 --batch-sizes 1
     python benchmarks/speculative.py --device cpu --preset tiny --k 2 4 --new-tokens 24
+    python benchmarks/speculative.py --device cuda --dtype bfloat16 --drafts oracle --host-only
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from cuda_graph_runner.reference.speculative import (
     ModelDraft,
     OracleDraft,
     SpeculativeStats,
+    StepBuffers,
     layer_skip_draft,
     make_draft_batch,
     speculative_generate,
@@ -105,8 +113,10 @@ def plain_greedy(
     """Plain greedy tokens, every step's logits when ``keep_logits`` (for a divergence's
     top-2 gap; else empty) and ``(prefill seconds, decode seconds)``: prefill eager, then
     ``steps - 1`` decode replays, each batch built as the speculative loop builds its own
-    (:func:`step_batch`), so both pay the same host work per forward."""
+    (:func:`step_batch` into reused :class:`StepBuffers`), so both pay the same host work
+    per forward."""
     cache = model.kv_cache
+    buffers = StepBuffers(cache.device)
     kept: List[torch.Tensor] = []
     with torch.no_grad():
         start = time.perf_counter()
@@ -119,7 +129,7 @@ def plain_greedy(
         _sync(device)
         prefilled = time.perf_counter()
         for _ in range(steps - 1):
-            out = runner.forward(step_batch(cache, rows, [[t[-1]] for t in tokens]))[: len(rows)]
+            out = runner.forward(step_batch(cache, rows, [[t[-1]] for t in tokens], buffers=buffers))[: len(rows)]
             if keep_logits:
                 kept.append(out.clone())
             for seq, t in zip(tokens, out.argmax(dim=-1).tolist()):
@@ -272,7 +282,14 @@ def _speculative_row(
         )
         loop_s = max(0.0, timed_stats.decode_seconds - in_runners[0])
         if host is None or loop_s / timed_stats.decode_seconds < host[0]:
-            host = (loop_s / max(timed_stats.decode_seconds, 1e-9), loop_s / max(timed_stats.rounds, 1))
+            rounds = max(timed_stats.rounds, 1)
+            host = (loop_s / max(timed_stats.decode_seconds, 1e-9), loop_s / rounds, in_runners[0] / rounds)
+    instrumented[0] = False
+    if args.host_only:
+        fns = {"verify_fn": verify.forward}
+        if name != "oracle":
+            fns.update(draft_fn=draft_runner.forward, extend_fn=extend_runner.forward)
+        row.update(_host_only(args, target, prompts, draft, k, fns, host[2]))
     row.update(
         spec_tokens_per_s=bs * (args.new_tokens - 1) / max(stats.decode_seconds, 1e-9),
         accept_rate=stats.accept_rate,
@@ -284,6 +301,111 @@ def _speculative_row(
         divergence="" if got == expected else first_divergence(got, expected, logits()),
     )
     return row
+
+
+def _host_only(args, target, prompts, draft, k, fns, runners_s_per_round) -> Dict[str, Any]:
+    """The loop alone: a recorded run keeps every runner output (a copy), then the timed
+    runs get them back in order from stand-ins that do nothing else (the same tokens, so
+    the same rounds and acceptance). Best of ``--repeats`` runs by seconds per round."""
+    recorded: Dict[str, List[Any]] = {key: [] for key in fns}
+    cursor = dict.fromkeys(fns, 0)
+
+    def recording(key):
+        def run(batch):
+            out = fns[key](batch)
+            recorded[key].append(out.clone())
+            return out
+
+        return run
+
+    def replaying(key):
+        outputs = recorded[key]
+
+        def run(batch):
+            i = cursor[key]
+            cursor[key] = i + 1
+            return outputs[i]
+
+        return run
+
+    def run_loop(stand_ins, stats, clock=None):
+        saved = (draft.draft_fn, draft.extend_fn) if isinstance(draft, ModelDraft) else None
+        if saved is not None:
+            draft.draft_fn, draft.extend_fn = stand_ins["draft_fn"], stand_ins["extend_fn"]
+        try:
+            return speculative_generate(
+                target,
+                prompts,
+                args.new_tokens,
+                timed_draft,
+                k,
+                verify_fn=stand_ins["verify_fn"],
+                stats=stats,
+                clock=clock,
+            )
+        finally:
+            if saved is not None:
+                draft.draft_fn, draft.extend_fn = saved
+
+    device = target.kv_cache.device
+    phases = {"propose": 0.0, "batch": 0.0}
+    marks = [0.0]
+    timed_draft = _PhaseDraft(draft, phases, marks)
+    expected = run_loop({key: recording(key) for key in fns}, SpeculativeStats())
+    verify_replay = replaying("verify_fn")
+
+    def verify_marked(batch):  # the end of building the verify batch
+        phases["batch"] += time.perf_counter() - marks[0]
+        return verify_replay(batch)
+
+    def clock() -> float:
+        _sync(device)
+        return time.perf_counter()
+
+    best: Any = None
+    for _ in range(args.repeats):
+        cursor.update(dict.fromkeys(fns, 0))
+        phases.update(propose=0.0, batch=0.0)
+        stats = SpeculativeStats()
+        stand_ins = {key: replaying(key) for key in fns}
+        stand_ins["verify_fn"] = verify_marked
+        got = run_loop(stand_ins, stats, clock)
+        if got != expected or any(cursor[key] != len(recorded[key]) for key in fns):
+            raise SystemExit("--host-only: the replayed run took another path than the recorded one")
+        per_round = stats.decode_seconds / max(stats.rounds, 1)
+        if best is None or per_round < best[0]:
+            best = (per_round, {key: value / max(stats.rounds, 1) for key, value in phases.items()})
+    per_round, split = best
+    split["read_accept"] = max(0.0, per_round - split["propose"] - split["batch"])
+    return {
+        "host_only_us_per_round": 1e6 * per_round,
+        "host_only_phase_us": {key: 1e6 * value for key, value in split.items()},
+        "host_only_share": per_round / (per_round + runners_s_per_round),
+    }
+
+
+class _PhaseDraft:
+    """A draft whose ``propose`` time is summed into ``phases["propose"]``; ``marks[0]``:
+    when the last ``propose`` returned (the verify batch is built from then on)."""
+
+    def __init__(self, draft: Any, phases: Dict[str, float], marks: List[float]) -> None:
+        self.draft, self.phases, self.marks = draft, phases, marks
+
+    def prefill(self, prompts):
+        return self.draft.prefill(prompts)
+
+    def propose(self, live, outputs, k):
+        start = time.perf_counter()
+        out = self.draft.propose(live, outputs, k)
+        self.marks[0] = end = time.perf_counter()
+        self.phases["propose"] += end - start
+        return out
+
+    def commit(self, live, proposals, accepted):
+        return self.draft.commit(live, proposals, accepted)
+
+    def release(self, request):
+        return self.draft.release(request)
 
 
 def _timing(
@@ -337,6 +459,12 @@ def _line(row: Dict[str, Any]) -> str:
         f"{row['tokens_per_round']:.2f} tok/round",
         f"loop host {100 * row['loop_host_share']:.1f}% of a round ({row['loop_host_us_per_round']:.0f} us)",
     ]
+    if "host_only_share" in row:
+        split = ", ".join(f"{key} {value:.0f}" for key, value in row["host_only_phase_us"].items())
+        parts.append(
+            f"loop alone {row['host_only_us_per_round']:.0f} us/round ({split}), "
+            f"{100 * row['host_only_share']:.1f}% of a round"
+        )
     if "draft_graph_vs_k_plain" in row:
         parts.append(
             f"draft graph / k plain {row['draft_graph_vs_k_plain']:.3f} "
@@ -364,6 +492,11 @@ def main(argv: "List[str] | None" = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each loop; the best is reported")
     parser.add_argument("--iters", type=int, default=20, help="replays per draft-graph cost measurement")
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (off: the lossless check is exact)")
+    parser.add_argument(
+        "--host-only",
+        action="store_true",
+        help="also time the loop alone (runner forwards replayed from a recorded run): host us per round and share",
+    )
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
     if any(k < 1 for k in args.k) or any(b < 1 for b in args.batch_sizes) or args.new_tokens < 2:

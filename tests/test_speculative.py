@@ -395,3 +395,68 @@ def test_a_round_reads_the_device_once_and_runs_no_per_request_device_op(target,
         # Every request is live in every round: a per-request device op (a table clear, a
         # per-request copy) would make a round of 4 requests run more ops than one of 1.
         assert {len(r) for r in seen[1]} == {len(r) for r in seen[4]} and len({len(r) for r in seen[1]}) == 1
+
+
+@pytest.mark.parametrize("draft_name", ["oracle", "target-as-draft"])
+def test_a_steady_round_allocates_no_tensor_and_makes_no_view(target, case, draft_name, monkeypatch):
+    # Every request live in every round and every draft accepted: after the first rounds
+    # (the buffers' views are made once per step shape), a round's own device ops are its
+    # table writes, the drafts' copy and the argmax, and its one read; no tensor built
+    # from host lists, no split or slice of a fresh upload, no cast.
+    prompts, _ = case
+    k, budget = 3, 17
+    expected = greedy_generate(target, target.kv_cache, prompts, budget)
+    if draft_name == "oracle":
+        steady = ["aten.argmax", "read:tolist", "aten.index_copy_"]
+
+        def draft(spy):
+            return OracleDraft(expected)
+    else:
+        draft_model = reference_model("tiny", requests=REQUESTS, context=CONTEXT, device="cpu")  # same weights
+        # The draft-extend batch's and the k-step batch's table writes, then the drafts
+        # copied into the verify batch after its table write.
+        steady = ["aten.argmax", "read:tolist", "aten.index_copy_", "aten.index_copy_", "aten.index_copy_", "aten.copy_"]
+
+        def draft(spy):
+            return ModelDraft(
+                draft_model,
+                draft_fn=spy.runner(lambda b: draft_steps(draft_model, b, k)),
+                extend_fn=spy.runner(eager_logits_fn(draft_model)),
+            )
+
+    rounds = _spied_rounds(target, prompts, budget, draft, k, monkeypatch)
+    assert len(rounds) == -(-(budget - 1) // (k + 1)) - 1 >= 3
+    for events in rounds[1:]:
+        assert events == steady, events
+    _assert_cache_empty(target)
+
+
+def test_step_buffers_are_reused_across_shapes_and_give_step_batch_fields():
+    from cuda_graph_runner.reference.batches import make_target_verify_batch
+    from cuda_graph_runner.reference.kv_cache import PagedKVCache
+    from cuda_graph_runner.reference.speculative import StepBuffers, step_batch
+
+    caches = [PagedKVCache(1, 1, 2, num_slots=200, max_reqs=8, max_context_len=40) for _ in range(2)]
+    rows = []
+    for cache in caches:
+        rows = [cache.alloc_request() for _ in range(6)]
+        for r, n in zip(rows, (2, 5, 3, 1, 4, 6)):
+            cache.assign_slots(r, cache.alloc_slots(n))
+    buffers = StepBuffers("cpu")
+    memory = None
+    # Growing then shrinking shapes: the memory grows once for the largest and is kept.
+    for bs, w in ((2, 3), (6, 5), (3, 1), (6, 5), (1, 4)):
+        tokens = [[10 * i + j for j in range(w)] for i in range(bs)]
+        fast = step_batch(caches[0], rows[:bs], tokens, buffers=buffers)
+        slow = make_target_verify_batch(caches[1], rows[:bs], tokens) if w > 1 else None
+        if slow is None:
+            slow = step_batch(caches[1], rows[:bs], tokens)
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
+            a, b = getattr(fast, name), getattr(slow, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (bs, w, name)
+        assert fast.seq_lens_cpu == slow.seq_lens_cpu and torch.equal(caches[0].req_to_token, caches[1].req_to_token)
+        if (bs, w) == (6, 5):
+            memory = memory or fast.input_ids.untyped_storage().data_ptr()
+        assert memory is None or fast.input_ids.untyped_storage().data_ptr() == memory
+    with pytest.raises(ValueError, match=r"same non-zero width, got \[1, 2\]"):
+        step_batch(caches[0], rows[:2], [[1], [1, 2]], buffers=buffers)

@@ -25,9 +25,10 @@ acceptance as in sglang's and vLLM's speculative workers.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
-import sys
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from array import array
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -42,6 +43,7 @@ __all__ = [
     "ModelDraft",
     "OracleDraft",
     "SpeculativeStats",
+    "StepBuffers",
     "layer_skip_draft",
     "make_draft_batch",
     "speculative_generate",
@@ -59,6 +61,7 @@ def step_batch(
     *,
     slots_per_req: Optional[int] = None,
     mode: Optional[ForwardMode] = None,
+    buffers: Optional["StepBuffers"] = None,
 ) -> ForwardBatch:
     """A fixed-width batch of one speculative step, built with one host-to-device copy
     (its index fields and the cache table's new entries together) and one write of the
@@ -69,76 +72,176 @@ def step_batch(
     Args:
         tokens: ``[bs][w]`` token ids (the same ``w`` for all).
         mode: default DECODE for ``w == 1``, TARGET_VERIFY for ``w > 1``.
+        buffers: memory the batch's tensors are views of, reused across steps (a loop
+            that builds a batch every step allocates nothing then); default: new memory.
 
     Returns:
         ``input_ids``/``positions`` ``[bs * w]`` int64, ``out_cache_loc``
         ``[bs * slots_per_req]`` int64 (request-major), ``req_pool_indices`` ``[bs]`` int64,
-        ``seq_lens`` ``[bs]`` int32 (cached + ``w``) with ``seq_lens_cpu``.
+        ``seq_lens`` ``[bs]`` int32 (cached + ``w``) with ``seq_lens_cpu``. With ``buffers``
+        they are valid until that ``buffers``' next step.
 
     Raises:
         ValueError: widths differ or are zero, or as many token lists as rows.
         CacheFullError: out of slots or context.
     """
-    return _upload_step(cache, rows, tokens, slots_per_req=slots_per_req, mode=mode)[0]
+    if buffers is None:
+        buffers = StepBuffers(cache.device)
+    return buffers.upload(cache, rows, tokens, slots_per_req=slots_per_req, mode=mode)[0]
 
 
-def _pack_int32(values: List[int]) -> List[int]:
-    """``values`` (each ``0 <= v < 2**31``) two to an int64, so an int64 upload carries an
-    int32 field that a byte view reads back (no cast kernel on the device)."""
-    padded = values + [0] * (len(values) % 2)
-    if sys.byteorder == "little":
-        return [lo | (hi << 32) for lo, hi in zip(padded[0::2], padded[1::2])]
-    return [hi | (lo << 32) for lo, hi in zip(padded[0::2], padded[1::2])]
+class _Layout:
+    """One step shape's place in a :class:`StepBuffers`' memory (in int64 words):
+    ``[seq_lens as int32 | positions | out_cache_loc | table index | req_pool_indices |
+    input_ids | scratch]``; the upload covers all but the scratch, and ``input_ids`` and
+    the scratch are adjacent so one read returns both. Its device views are made once."""
+
+    __slots__ = (
+        "lens_words",
+        "upload",
+        "host_upload",
+        "device_upload",
+        "ids",
+        "ids_tail",
+        "scratch",
+        "read",
+        "positions",
+        "loc",
+        "index",
+        "req",
+        "lens",
+    )
+
+    def __init__(self, host: torch.Tensor, device: torch.Tensor, bs: int, w: int, per_req: int, scratch: int) -> None:
+        n_ids, n_loc = bs * w, bs * per_req
+        self.lens_words = pos = (bs + 1) // 2
+        loc = pos + n_ids
+        index = loc + n_loc
+        req = index + n_loc
+        ids = req + bs
+        self.upload = ids + n_ids  # words the host writes and the copy carries
+        end = self.upload + scratch
+        self.host_upload, self.device_upload = host[: self.upload], device[: self.upload]
+        self.lens = device[: self.lens_words].view(torch.int32)[:bs]
+        self.positions = device[pos:loc]
+        self.loc = device[loc:index]
+        self.index = device[index:req]
+        self.req = device[req:ids]
+        self.ids = device[ids : self.upload]
+        self.ids_tail = self.ids.view(bs, w)[:, 1:]  # where device drafts go (verify: [last, d1 .. dk])
+        self.scratch = device[self.upload : end]
+        self.read = device[ids:end]
 
 
-def _upload_step(
+class StepBuffers:
+    """Reused memory for the step batches of one stream of steps (the verify batches of a
+    loop, a draft's batches): a host staging area (pinned on CUDA) and a device area, and
+    per step shape the device views of its fields, made on the first step of that shape.
+    A step then writes the host area (no tensor built from Python lists), copies it to the
+    device in one asynchronous copy and allocates no tensor.
+
+    Reuse is safe: before the host area is written again, the previous step's copy has
+    finished (a CUDA event; a loop that reads the device once a round never waits on it).
+    A step's batch is valid until the next step of the same ``StepBuffers``.
+    """
+
+    def __init__(self, device: Union[str, torch.device]) -> None:
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._layouts: Dict[Tuple[int, int, int, int], _Layout] = {}
+        self._words = 0
+        self._event: Any = None
+        self._allocate(64)
+
+    def _allocate(self, words: int) -> None:
+        # Device first: on the CPU the staging area is the device area itself.
+        self._device = torch.zeros(words, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(words, dtype=torch.int64, pin_memory=True) if self._cuda else self._device
+        raw = memoryview((ctypes.c_char * (8 * words)).from_address(self._host.data_ptr())).cast("B")
+        self._host64, self._host32 = raw.cast("q"), raw.cast("i")
+        self._words = words
+        self._layouts.clear()
+        if self._cuda and self._event is None:
+            self._event = torch.cuda.Event()
+
+    def layout(self, bs: int, w: int, per_req: int, scratch: int) -> _Layout:
+        """The views of a step of ``bs`` requests, ``w`` tokens and ``per_req`` new slots
+        each and ``scratch`` words after ``input_ids`` (made once per shape)."""
+        key = (bs, w, per_req, scratch)
+        layout = self._layouts.get(key)
+        if layout is None:
+            need = (bs + 1) // 2 + bs * (2 * w + 2 * per_req + 1) + scratch
+            if need > self._words:
+                self._sync()
+                self._allocate(max(need, 2 * self._words))
+            layout = self._layouts[key] = _Layout(self._host, self._device, bs, w, per_req, scratch)
+        return layout
+
+    def _sync(self) -> None:
+        event = self._event
+        if event is not None and not event.query():
+            event.synchronize()
+
+    def upload(
+        self,
+        cache: PagedKVCache,
+        rows: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        *,
+        slots_per_req: Optional[int] = None,
+        mode: Optional[ForwardMode] = None,
+        scratch: int = 0,
+    ) -> Tuple[ForwardBatch, _Layout]:
+        """:func:`step_batch` into this memory, and its layout (``layout.scratch``: ``scratch``
+        int64 words on the device right after ``input_ids``, for a caller's outputs, which
+        ``layout.read`` returns with ``input_ids`` in one read)."""
+        bs = len(rows)
+        if len(tokens) != bs:
+            raise ValueError(f"step_batch: {bs} rows but {len(tokens)} token lists")
+        w = len(tokens[0]) if bs else 0
+        if w == 0 or any(len(t) != w for t in tokens):
+            raise ValueError(
+                f"step_batch: every request needs the same non-zero width, got {sorted({len(t) for t in tokens})}"
+            )
+        per_req = w if slots_per_req is None else slots_per_req
+        layout = self.layout(bs, w, per_req, scratch)
+        request_len = cache.request_len
+        before = [request_len(r) for r in rows]
+        table_index, slots = cache.reserve_tokens(rows, per_req)
+        after = [b + w for b in before]
+        positions = [b + j for b in before for j in range(w)] if w > 1 else before
+        self._sync()
+        host32, host64 = self._host32, self._host64
+        host32[:bs] = array("i", after)
+        words = positions + slots + table_index + list(rows)
+        words += [t for toks in tokens for t in toks]
+        host64[layout.lens_words : layout.upload] = array("q", words)
+        if self._cuda:
+            layout.device_upload.copy_(layout.host_upload, non_blocking=True)
+            self._event.record()
+        if per_req:
+            cache.write_table(layout.index, layout.loc)
+        batch = ForwardBatch(
+            forward_mode=mode if mode is not None else (ForwardMode.DECODE if w == 1 else ForwardMode.TARGET_VERIFY),
+            input_ids=layout.ids,
+            positions=layout.positions,
+            out_cache_loc=layout.loc,
+            req_pool_indices=layout.req,
+            seq_lens=layout.lens,
+            seq_lens_cpu=after,
+            num_tokens_per_req=w,
+        )
+        return batch, layout
+
+
+def make_draft_batch(
     cache: PagedKVCache,
     rows: Sequence[int],
-    tokens: Sequence[Sequence[int]],
+    last_tokens: Sequence[int],
+    k: int,
     *,
-    slots_per_req: Optional[int] = None,
-    mode: Optional[ForwardMode] = None,
-    scratch: int = 0,
-) -> "tuple[ForwardBatch, torch.Tensor]":
-    """:func:`step_batch`, and the uploaded int64 tensor: ``[input_ids (bs * w) | scratch
-    zeros | ...]``, so a caller's ``scratch`` outputs (the verify's greedy tokens) land
-    right after ``input_ids`` and one read of ``packed[: bs * w + scratch]`` returns both."""
-    if len(tokens) != len(rows):
-        raise ValueError(f"step_batch: {len(rows)} rows but {len(tokens)} token lists")
-    widths = {len(t) for t in tokens}
-    if len(widths) != 1 or 0 in widths:
-        raise ValueError(f"step_batch: every request needs the same non-zero width, got {sorted(widths)}")
-    w = widths.pop()
-    per_req = w if slots_per_req is None else slots_per_req
-    before = [cache.request_len(r) for r in rows]
-    table_index, slots = cache.reserve_tokens(rows, per_req)
-    bs = len(rows)
-    after = [b + w for b in before]
-    flat_tokens = [int(t) for toks in tokens for t in toks]
-    positions = [b + j for b in before for j in range(w)]
-    host = flat_tokens + [0] * scratch + positions + slots + table_index + list(rows) + _pack_int32(after)
-    # Pinned host memory on CUDA: the copy is asynchronous and skips the driver's staging
-    # of pageable memory (the caching host allocator keeps the block until it finished).
-    pin = cache.device.type == "cuda"
-    packed = torch.tensor(host, dtype=torch.int64, pin_memory=pin).to(cache.device, non_blocking=pin)
-    n_ids, n_loc = bs * w + scratch, bs * per_req
-    ids, positions_t, loc, index, req, lens = torch.split(packed, [n_ids, bs * w, n_loc, n_loc, bs, (bs + 1) // 2])
-    if n_loc:
-        cache.write_table(index, loc)
-    batch = ForwardBatch(
-        forward_mode=mode if mode is not None else (ForwardMode.DECODE if w == 1 else ForwardMode.TARGET_VERIFY),
-        input_ids=ids[: bs * w],
-        positions=positions_t,
-        out_cache_loc=loc,
-        req_pool_indices=req,
-        seq_lens=lens.view(torch.int32)[:bs],
-        seq_lens_cpu=after,
-        num_tokens_per_req=w,
-    )
-    return batch, packed
-
-
-def make_draft_batch(cache: PagedKVCache, rows: Sequence[int], last_tokens: Sequence[int], k: int) -> ForwardBatch:
+    buffers: Optional[StepBuffers] = None,
+) -> ForwardBatch:
     """The live batch of a draft runner (:class:`DraftDecodeCudaGraphRunner`): ``k`` KV
     slots per request allocated and appended to its row, the step-0 fields of a DECODE
     batch and ``out_cache_loc`` ``[bs * k]`` int64 (request-major); see :func:`step_batch`.
@@ -151,7 +254,9 @@ def make_draft_batch(cache: PagedKVCache, rows: Sequence[int], last_tokens: Sequ
         raise ValueError(f"make_draft_batch: k={k} must be >= 1")
     if len(last_tokens) != len(rows):
         raise ValueError(f"make_draft_batch: {len(rows)} rows but {len(last_tokens)} tokens")
-    return step_batch(cache, rows, [[int(t)] for t in last_tokens], slots_per_req=k, mode=ForwardMode.DECODE)
+    return step_batch(
+        cache, rows, [[int(t)] for t in last_tokens], slots_per_req=k, mode=ForwardMode.DECODE, buffers=buffers
+    )
 
 
 class Draft(Protocol):
@@ -241,6 +346,10 @@ class ModelDraft:
         self.rows: Dict[int, int] = {}
         self._lag: Dict[int, int] = {}  # request -> the accepted token its KV lacks
         self.forwards = 0
+        # Two streams of steps, each valid until its own next step: the draft-extend
+        # batch and the k-step batch of one round are both in flight before the verify.
+        self._extend_buffers = StepBuffers(self.cache.device)
+        self._draft_buffers = StepBuffers(self.cache.device)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
         batch = make_extend_batch(self.cache, prompts)
@@ -252,21 +361,27 @@ class ModelDraft:
         lagging = [i for i in live if i in self._lag]
         with torch.no_grad():
             if lagging:
-                batch = step_batch(self.cache, [self.rows[i] for i in lagging], [[self._lag[i]] for i in lagging])
+                batch = step_batch(
+                    self.cache,
+                    [self.rows[i] for i in lagging],
+                    [[self._lag[i]] for i in lagging],
+                    buffers=self._extend_buffers,
+                )
                 self.extend_fn(batch)
                 self.forwards += 1
                 for i in lagging:
                     del self._lag[i]
-            batch = make_draft_batch(self.cache, [self.rows[i] for i in live], [o[-1] for o in outputs], k)
+            batch = make_draft_batch(
+                self.cache, [self.rows[i] for i in live], [o[-1] for o in outputs], k, buffers=self._draft_buffers
+            )
             if self.draft_fn is None:
                 tokens = draft_steps(self.model, batch, k)
             else:
                 tokens = self.draft_fn(batch)
             # Not copied here: the loop copies it into its verify batch before the verify
             # replay can reuse a runner's graph memory (see Draft.propose).
-            proposed = tokens[: len(live)]
         self.forwards += k
-        return proposed
+        return tokens if tokens.shape[0] == len(live) else tokens[: len(live)]
 
     def commit(self, live: Sequence[int], proposals: Sequence[List[int]], accepted: Sequence[int]) -> None:
         for i, proposed, a in zip(live, proposals, accepted):
@@ -380,57 +495,64 @@ def speculative_generate(
             live.append(i)
         else:
             _finish(cache, draft, rows, i)
-    while live:
-        n, w = len(live), k + 1
-        proposed = draft.propose(live, [outputs[i] for i in live], k)
-        on_device = isinstance(proposed, torch.Tensor)
-        with torch.no_grad():
-            # One upload (the verify batch, the table's new entries, room for the target's
-            # tokens right after input_ids), one write of the table, the verify, the argmax
-            # into that room and one read of [input_ids | target tokens]: the round's only
-            # device read. Drafts on the device go into input_ids unread.
-            rows_live = [rows[i] for i in live]
+    w = k + 1
+    buffers = StepBuffers(cache.device)  # the verify batches: no tensor allocated per round
+    truncate = cache.truncate_request
+    no_drafts = [0] * k
+    with torch.no_grad():
+        while live:
+            n = len(live)
+            proposed = draft.propose(live, [outputs[i] for i in live], k)
+            on_device = isinstance(proposed, torch.Tensor)
+            # One upload (the verify batch, the table's new entries), one write of the
+            # table, the verify, the argmax into the room after input_ids and one read of
+            # [input_ids | target tokens]: the round's only device read. Drafts on the
+            # device go into input_ids unread.
             if on_device:
-                firsts = [[outputs[i][-1]] + [0] * k for i in live]
+                firsts = [[outputs[i][-1], *no_drafts] for i in live]
             else:
-                firsts = [[outputs[i][-1]] + [int(t) for t in p] for i, p in zip(live, proposed)]
-            batch, packed = _upload_step(cache, rows_live, firsts, scratch=n * w)
+                firsts = [[outputs[i][-1], *p] for i, p in zip(live, proposed)]
+            batch, layout = buffers.upload(cache, [rows[i] for i in live], firsts, scratch=n * w)
             if isinstance(proposed, torch.Tensor):
                 # A copy, read back below: the draft's tensor may be graph memory that
                 # the verify replay reuses.
-                batch.input_ids.view(n, w)[:, 1:].copy_(proposed[:n])
-            logits = verify(batch)[: n * w]
-            torch.argmax(logits, dim=-1, out=packed[n * w : 2 * n * w])
-            read = packed[: 2 * n * w].tolist()
-        stats.rounds += 1
-        stats.request_rounds += n
-        accepted = []
-        proposals = []
-        for j, i in enumerate(live):
-            p = read[j * w + 1 : (j + 1) * w]
-            t = read[(n + j) * w : (n + j + 1) * w]
-            a = 0
-            while a < k and p[a] == t[a]:
-                a += 1
-            accepted.append(a)
-            proposals.append(p)
-            new = (p[:a] + [t[a]])[: budgets[i] - len(outputs[i])]
-            outputs[i].extend(new)
-            stats.generated += len(new)
-            # The verify wrote [last, d1 .. dk]: keep last and the accepted drafts. The
-            # table past the new length is not cleared: the next round's append overwrites
-            # it (k + 1 > k - a entries) and _finish frees the row.
-            cache.truncate_request(rows[i], cache.request_len(rows[i]) - k + a, clear=False)
-        stats.proposed += k * n
-        stats.accepted += sum(accepted)
-        draft.commit(live, proposals, accepted)
-        still = []
-        for i in live:
-            if len(outputs[i]) < budgets[i]:
-                still.append(i)
-            else:
-                _finish(cache, draft, rows, i)
-        live = still
+                layout.ids_tail.copy_(proposed if proposed.shape[0] == n else proposed[:n])
+            logits = verify(batch)
+            torch.argmax(logits if logits.shape[0] == n * w else logits[: n * w], dim=-1, out=layout.scratch)
+            read = layout.read.tolist()
+            lengths = cast(List[int], batch.seq_lens_cpu)  # each request's KV length after the verify
+            stats.rounds += 1
+            stats.request_rounds += n
+            accepted = []
+            proposals = []
+            generated = 0
+            for j, i in enumerate(live):
+                p = read[j * w + 1 : (j + 1) * w]
+                t = read[(n + j) * w : (n + j + 1) * w]
+                a = 0
+                while a < k and p[a] == t[a]:
+                    a += 1
+                accepted.append(a)
+                proposals.append(p)
+                done = outputs[i]
+                new = (p[:a] + [t[a]])[: budgets[i] - len(done)]
+                done.extend(new)
+                generated += len(new)
+                # The verify wrote [last, d1 .. dk]: keep last and the accepted drafts. The
+                # table past the new length is not cleared: the next round's append
+                # overwrites it (k + 1 > k - a entries) and _finish frees the row.
+                truncate(rows[i], lengths[j] - k + a, clear=False)
+            stats.generated += generated
+            stats.proposed += k * n
+            stats.accepted += sum(accepted)
+            draft.commit(live, proposals, accepted)
+            still = []
+            for i in live:
+                if len(outputs[i]) < budgets[i]:
+                    still.append(i)
+                else:
+                    _finish(cache, draft, rows, i)
+            live = still
     if clock is not None:
         stats.prefill_seconds += prefilled - start
         stats.decode_seconds += clock() - prefilled
