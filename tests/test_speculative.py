@@ -415,7 +415,14 @@ def test_a_steady_round_allocates_no_tensor_and_makes_no_view(target, case, draf
         draft_model = reference_model("tiny", requests=REQUESTS, context=CONTEXT, device="cpu")  # same weights
         # The draft-extend batch's and the k-step batch's table writes, then the drafts
         # copied into the verify batch after its table write.
-        steady = ["aten.argmax", "read:tolist", "aten.index_copy_", "aten.index_copy_", "aten.index_copy_", "aten.copy_"]
+        steady = [
+            "aten.argmax",
+            "read:tolist",
+            "aten.index_copy_",
+            "aten.index_copy_",
+            "aten.index_copy_",
+            "aten.copy_",
+        ]
 
         def draft(spy):
             return ModelDraft(

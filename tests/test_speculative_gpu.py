@@ -163,40 +163,80 @@ def test_draft_graph_equals_eager_steps(target, phase):
         cache.free_request(r)
 
 
-def test_a_round_synchronizes_the_host_with_the_device_once(target):
+@pytest.mark.parametrize("draft_name", ["oracle", "layer-skip"])
+def test_a_round_synchronizes_the_host_with_the_device_once(target, draft_name):
     # torch's sync debug mode warns at every host-device synchronization (a read, a
-    # pageable copy): with the runners' forwards left out, two runs whose round counts
-    # differ must differ by exactly that many synchronizations (prefill's are the same).
+    # pageable copy); each one is charged to the part of the loop it happened in, the
+    # runners' forwards left out. A round's part from the draft's propose to the verify
+    # (the draft's and the verify's uploads: pinned and asynchronous) synchronizes never,
+    # its part from the verify's return to the next propose or the loop's end (the read
+    # of the verify's tokens, acceptance, rollback, finished requests freed) exactly once.
+    # The prefill's synchronizations, before the first propose, are not counted.
     import warnings
 
+    k, budgets = 3, [9, 41, 17, 30]  # requests finish at different rounds
     prompts = make_dummy_prompts(4, staggered_lengths(4), target.config.vocab_size, seed=5)
-    eager = eager_logits_fn(target)
+    plain = greedy_generate(target, target.kv_cache, prompts, max(budgets))
+    caught: list = []
+    marks = []  # (event, synchronizations seen before it)
 
-    def unwatched(fn):
+    def syncs():
+        return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+    def unwatched(fn, before=None, after=None):
         def run(batch):
+            if before:
+                marks.append((before, syncs()))
             torch.cuda.set_sync_debug_mode(0)
             try:
                 return fn(batch)
             finally:
                 torch.cuda.set_sync_debug_mode(1)
+                if after:
+                    marks.append((after, syncs()))
 
         return run
 
-    counts = []
-    for budget in (9, 41):
-        plain = greedy_generate(target, target.kv_cache, prompts, budget)
-        stats = SpeculativeStats()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(1)
-            try:
-                got = speculative_generate(
-                    target, prompts, budget, OracleDraft(plain), 3, verify_fn=unwatched(eager), stats=stats
-                )
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        assert len(got) == len(prompts)
-        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-        counts.append((stats.rounds, len(syncs)))
-    (rounds_a, syncs_a), (rounds_b, syncs_b) = counts
-    assert rounds_b > rounds_a and syncs_b - syncs_a == rounds_b - rounds_a, counts
+    if draft_name == "oracle":
+        inner = OracleDraft([p[:b] for p, b in zip(plain, budgets)])
+    else:
+        draft_model = layer_skip_draft(target, 1, requests=4, context=CONTEXT)
+        inner = ModelDraft(
+            draft_model,
+            draft_fn=unwatched(lambda b: draft_steps(draft_model, b, k)),
+            extend_fn=unwatched(eager_logits_fn(draft_model)),
+        )
+
+    class Marked:
+        def prefill(self, prompts):
+            inner.prefill(prompts)
+
+        def propose(self, live, outputs, k):
+            marks.append(("propose", syncs()))
+            return inner.propose(live, outputs, k)
+
+        def commit(self, live, proposals, accepted):
+            inner.commit(live, proposals, accepted)
+
+        def release(self, request):
+            inner.release(request)
+
+    verify = unwatched(eager_logits_fn(target), before="verify", after="verified")
+    stats = SpeculativeStats()
+    with warnings.catch_warnings(record=True) as recorded:
+        warnings.simplefilter("always")
+        caught = recorded
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            got = speculative_generate(target, prompts, budgets, Marked(), k, verify_fn=verify, stats=stats)
+            marks.append(("end", syncs()))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert got == [p[:b] for p, b in zip(plain, budgets)]
+    names = [name for name, _ in marks]
+    assert names == ["propose", "verify", "verified"] * stats.rounds + ["end"] and stats.rounds >= 10, names
+    counts = [n for _, n in marks]
+    per_round = [
+        (counts[3 * r + 1] - counts[3 * r], counts[3 * r + 3] - counts[3 * r + 2]) for r in range(stats.rounds)
+    ]
+    assert per_round == [(0, 1)] * stats.rounds, per_round

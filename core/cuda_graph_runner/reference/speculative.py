@@ -174,6 +174,8 @@ class StepBuffers:
             if need > self._words:
                 self._sync()
                 self._allocate(max(need, 2 * self._words))
+            if len(self._layouts) >= 256:  # bounded: a caller may step through many shapes
+                self._layouts.clear()
             layout = self._layouts[key] = _Layout(self._host, self._device, bs, w, per_req, scratch)
         return layout
 
@@ -497,6 +499,7 @@ def speculative_generate(
             _finish(cache, draft, rows, i)
     w = k + 1
     buffers = StepBuffers(cache.device)  # the verify batches: no tensor allocated per round
+    buffers.layout(len(live), w, w, len(live) * w)  # the first round's, the largest: made before it
     truncate = cache.truncate_request
     no_drafts = [0] * k
     with torch.no_grad():

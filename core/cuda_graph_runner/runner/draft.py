@@ -134,7 +134,7 @@ def check_draft_slots(batch: ForwardBatch, num_steps: int) -> int:
         raise ValueError(
             f"draft batch: out_cache_loc has {batch.out_cache_loc.shape[0]} slots for {bs} requests; "
             f"num_steps={num_steps} takes {bs * num_steps} (one KV slot per request and step, "
-            "request-major: testing.speculative.make_draft_batch)"
+            "request-major: reference.speculative.make_draft_batch)"
         )
     return bs
 
