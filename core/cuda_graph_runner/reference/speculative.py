@@ -148,15 +148,18 @@ class StepBuffers:
     def __init__(self, device: Union[str, torch.device]) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        self._on_host = self.device.type == "cpu"  # the staging area is the device area
         self._layouts: Dict[Tuple[int, int, int, int], _Layout] = {}
         self._words = 0
         self._event: Any = None
         self._allocate(64)
 
     def _allocate(self, words: int) -> None:
-        # Device first: on the CPU the staging area is the device area itself.
         self._device = torch.zeros(words, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros(words, dtype=torch.int64, pin_memory=True) if self._cuda else self._device
+        if self._on_host:
+            self._host = self._device
+        else:  # pinned on CUDA: an asynchronous copy; pageable (a blocking copy) elsewhere
+            self._host = torch.zeros(words, dtype=torch.int64, pin_memory=self._cuda)
         raw = memoryview((ctypes.c_char * (8 * words)).from_address(self._host.data_ptr())).cast("B")
         self._host64, self._host32 = raw.cast("q"), raw.cast("i")
         self._words = words
@@ -221,6 +224,8 @@ class StepBuffers:
         if self._cuda:
             layout.device_upload.copy_(layout.host_upload, non_blocking=True)
             self._event.record()
+        elif not self._on_host:
+            layout.device_upload.copy_(layout.host_upload)
         if per_req:
             cache.write_table(layout.index, layout.loc)
         batch = ForwardBatch(
