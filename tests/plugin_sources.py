@@ -49,7 +49,7 @@ def spec_module(
     *,
     backend_class: str = RECORDING_BACKEND,
     phases: str = '("decode",)',
-    api_version: str = "1.0",
+    api_version: str = "1.1",
     extra_spec: str = "",
     before: str = "",
     in_hook: str = "",

@@ -28,7 +28,7 @@ class PlainBackend(DisabledBackend):
 def plain():
     registry.register(
         BackendSpec(
-            name="plain", backend_class=PlainBackend, phases=("decode", "prefill"), devices=("*",), api_version="1.0"
+            name="plain", backend_class=PlainBackend, phases=("decode", "prefill"), devices=("*",), api_version="1.1"
         )
     )
 

@@ -22,7 +22,7 @@ class ReaderBackend(DisabledBackend):
 
 def _spec(name, backend_class=ReaderBackend, options=(), phases=("decode", "prefill")):
     return BackendSpec(
-        name=name, backend_class=backend_class, phases=phases, devices=("*",), api_version="1.0", options=options
+        name=name, backend_class=backend_class, phases=phases, devices=("*",), api_version="1.1", options=options
     )
 
 

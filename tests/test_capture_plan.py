@@ -1,11 +1,12 @@
 """Plugin API 1.1: the base backend's shared mechanics, the capture plan a runner hands its
-backend, the contract's model-forward wrapper, and the 1.0 contract still working."""
+backend, the contract's model-forward wrapper, and a plugin declaring API 1.0 listed
+unavailable with what it must add."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import warnings
+import json
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ from cuda_graph_runner import registry
 from cuda_graph_runner.backend import BaseCudaGraphBackend, ShapeKey
 from cuda_graph_runner.backend.buffers import copy_into
 from cuda_graph_runner.backend.capture_plan import CapturePlan
+from cuda_graph_runner.backend.errors import BackendUnavailableError
 from cuda_graph_runner.backend.graph_table import CapturedGraphs
 from cuda_graph_runner.backend.hookspecs import BackendSpec
 from cuda_graph_runner.backend.model_forward import forward_wrappers, wrap_model_forward
+from cuda_graph_runner.cli.command import main
 from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.conformance import BackendConformanceTests
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
@@ -62,7 +65,7 @@ class TrapEagerBackend(PlanEagerBackend):
         return output
 
 
-class LegacyBackend(BaseCudaGraphBackend):
+class RunnerReadingBackend(BaseCudaGraphBackend):
     """A plugin API 1.0 backend: all six methods, and a prepare(runner) that reads the runner."""
 
     def prepare(self, runner):
@@ -151,27 +154,41 @@ def test_runner_hands_the_plan_before_prepare_and_replay_runs_the_plans_forward(
     with pytest.raises(KeyError, match=r"not in this capture plan; planned: \[ShapeKey\(size=4"):
         plan.static_batch(ShapeKey(3, "decode"))
     assert plan.run(ShapeKey(1, "decode")).shape[0] == 1
-    with pytest.raises(AttributeError, match="CapturePlan has no attribute 'buffers'"):
-        plan.buffers  # noqa: B018 - only the 1.0 attributes answer
+    with pytest.raises(AttributeError, match="'CapturePlan' object has no attribute 'buffers'"):
+        plan.buffers  # noqa: B018 - the plan answers its own names only
     for bs in (1, 3, 4):
         batch = decode_batch(bs, offset=bs)
         torch.testing.assert_close(runner.forward(batch), runner.eager_forward(batch))
     assert runner.stats.summary(runner.capture_sizes)["replays"] == 3
 
 
-def test_a_1_0_backend_reading_the_runner_in_prepare_still_works_with_a_warning():
-    backend = LegacyBackend("cpu")
-    runner = _runner(backend)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+def test_a_backend_reading_the_runner_in_prepare_fails_on_the_plan():
+    runner = _runner(RunnerReadingBackend("cpu"))
+    with pytest.raises(AttributeError, match="'CapturePlan' object has no attribute 'capture_sizes'"):
         runner.capture()
-    assert backend.seen["model"] is runner.model and backend.seen["sizes"] == [1, 2, 4]
-    assert backend.seen["key"] == ShapeKey(2, "decode") and backend.seen["batch"].batch_size == 2
-    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(messages) == 4 and all("received a CapturePlan (plugin API 1.1)" in m for m in messages), messages
-    assert any("use plan.static_batch(key)" in m for m in messages)
-    batch = decode_batch(3, offset=5)
-    torch.testing.assert_close(runner.forward(batch), runner.eager_forward(batch))
+
+
+def test_a_plugin_declaring_api_1_0_is_unavailable_naming_what_it_must_add(capsys):
+    registry.register(
+        BackendSpec(
+            name="reads_runner",
+            backend_class=RunnerReadingBackend,
+            phases=("decode",),
+            devices=("*",),
+            api_version="1.0",
+        )
+    )
+    to_add = "to be 1.1, take the capture plan in prepare(plan)"
+    row = {e.name: e for e in registry.list_backends("cpu")}["reads_runner"]
+    assert row.status == "unavailable", row
+    assert "implements plugin API 1.0, older than the 1.1" in row.reason and to_add in row.reason
+    assert "declare api_version='1.1'" in row.reason
+    with pytest.raises(BackendUnavailableError, match="backend 'reads_runner'.*is unavailable") as info:
+        registry.resolve_decode_backend("reads_runner", device="cpu")
+    assert to_add in str(info.value)
+    assert main(["backends", "--json"]) == 0
+    listed = {r["name"]: r for r in json.loads(capsys.readouterr().out)}["reads_runner"]
+    assert listed["status"] == "unavailable" and to_add in listed["reason"]
 
 
 # ------------------------------------------------------------------------- the model-forward wrapper

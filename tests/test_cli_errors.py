@@ -55,7 +55,7 @@ def broken_contract(tmp_path, monkeypatch):
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    registry.register(BackendSpec("broken_contract", "brokenmod:Broken", ("decode",), ("*",), api_version="1.0"))
+    registry.register(BackendSpec("broken_contract", "brokenmod:Broken", ("decode",), ("*",), api_version="1.1"))
     yield
     registry.get_registry().unregister("broken_contract")
 
@@ -73,7 +73,7 @@ def test_bench_with_an_option_the_named_backend_does_not_read_exits_2(capsys):
         pass
 
     registry.register(
-        BackendSpec(name="plain_cli", backend_class=PlainBackend, phases=("decode",), devices=("*",), api_version="1.0")
+        BackendSpec(name="plain_cli", backend_class=PlainBackend, phases=("decode",), devices=("*",), api_version="1.1")
     )
     try:
         assert main(["bench", "--decode-backends", "plain_cli:inductor", *TINY]) == 2

@@ -37,7 +37,7 @@ class CudaOnly(DisabledBackend):
 def test_backends_output_shows_the_plain_strings(capsys):
     registry.register(
         BackendSpec(
-            name="cuda_only_x", backend_class=CudaOnly, phases=("decode",), devices=("cuda",), api_version="1.0"
+            name="cuda_only_x", backend_class=CudaOnly, phases=("decode",), devices=("cuda",), api_version="1.1"
         )
     )
     assert main(["backends", "--device-type", "cpu", "--json"]) == 0

@@ -35,6 +35,10 @@ def test_core_exports_its_version():
         ("2.0", "implements plugin API 2.0, but this core provides plugin API 1.2"),
         ("1.7", "implements plugin API 1.7, newer than the 1.2 this core provides; upgrade cuda-graph-runner"),
         ("one", "declares plugin API version 'one', which is not of the form 'major.minor'"),
+        (
+            "1.0",
+            "implements plugin API 1.0, older than the 1.1 to 1.2 this core runs; to be 1.1, take the capture plan",
+        ),
     ],
 )
 def test_mismatch_is_unavailable_with_both_versions(declared, expected):
@@ -49,7 +53,7 @@ def test_mismatch_is_unavailable_with_both_versions(declared, expected):
     assert {e.name: e for e in registry.list_backends("cuda")}["vendor"].status == "unavailable"
 
 
-@pytest.mark.parametrize("declared", ["1.0", "1.00", "1.1", "1.2", None])
+@pytest.mark.parametrize("declared", ["1.1", "1.01", "1.2", None])
 def test_compatible_or_undeclared_is_available(declared):
     _register("vendor", declared)
     assert {e.name: e for e in registry.list_backends("cpu")}["vendor"].status == "available"
@@ -60,3 +64,9 @@ def test_older_minor_is_compatible(monkeypatch):
     monkeypatch.setattr(versions, "PLUGIN_API_VERSION", "1.3")
     assert versions.api_version_problem("1.1") is None
     assert "newer than the 1.3" in versions.api_version_problem("1.4")
+
+
+def test_an_older_minor_without_a_note_points_to_the_guide(monkeypatch):
+    monkeypatch.setattr(versions, "OLDEST_PLUGIN_API_VERSION", "1.2")
+    problem = versions.api_version_problem("1.1")
+    assert "older than the 1.2 to 1.2 this core runs; see docs/plugin-authors.md" in problem

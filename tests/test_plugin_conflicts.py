@@ -22,7 +22,7 @@ def _dup_module(cls_name: str) -> str:
         @hookimpl
         def cuda_graph_runner_backend_specs():
             return [BackendSpec(name="dup", backend_class="{module}:{cls_name}", phases=("decode",), devices=("*",),
-                                api_version="1.0")]
+                                api_version="1.1")]
     """
 
 

@@ -163,7 +163,7 @@ CONTRACT_MODULES = {
         from cuda_graph_runner.backend.hookspecs import BackendSpec, hookimpl
 
         def _spec(name, cls):
-            return BackendSpec(name=name, backend_class=cls, phases=("decode",), devices=("*",), api_version="1.0")
+            return BackendSpec(name=name, backend_class=cls, phases=("decode",), devices=("*",), api_version="1.1")
 
         @hookimpl
         def cuda_graph_runner_backend_specs():
@@ -178,7 +178,7 @@ CONTRACT_MODULES = {
         def cuda_graph_runner_backend_specs():
             # A class object: it is already imported, so it is checked at registration.
             return [BackendSpec(name="c_eager", backend_class=NoHook, phases=("decode",), devices=("*",),
-                                api_version="1.0")]
+                                api_version="1.1")]
     """,
 }
 CONTRACT_EPS = {name: "czoo_plugin" for name in ("c_fine", "c_nohook", "c_extra", "c_notsub")} | {

@@ -43,7 +43,7 @@ def _claiming_module(name: str, *, probe: str = "None", claim: str = "") -> str:
         def cuda_graph_runner_backend_specs():
             return [BackendSpec(name="{name}", backend_class="{name}_plugin:{name.title()}Backend",
                                 phases=("decode",), devices=("*",), probe="{name}_plugin:probe",
-                                api_version="1.0")]
+                                api_version="1.1")]
 
         @hookimpl
         def cuda_graph_runner_default_backend(phase, device_type):
@@ -63,7 +63,7 @@ GAMMA = """
     @hookimpl
     def cuda_graph_runner_backend_specs():
         return [BackendSpec(name="gamma", backend_class="gamma_plugin:GammaBackend", phases=("decode",),
-                            devices=("*",), api_version="1.0")]
+                            devices=("*",), api_version="1.1")]
 """
 
 

@@ -72,5 +72,5 @@ def test_api_version_minors_compare_as_numbers(monkeypatch):
         "implements plugin API 1.10, newer than the 1.9 this core provides; upgrade cuda-graph-runner"
     )
     assert versions.api_version_problem("1.09") is None
-    assert versions.api_version_problem("1.0") is None
+    assert "older than the 1.1" in versions.api_version_problem("1.0")
     assert "but this core provides plugin API 1.9" in versions.api_version_problem("0.9")

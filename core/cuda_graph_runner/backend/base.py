@@ -344,9 +344,7 @@ class BaseCudaGraphBackend(abc.ABC):
         (keys, static batches, the forward; :mod:`cuda_graph_runner.backend.capture_plan`).
         Default: nothing. A backend that must run the forward over every size before
         capture (a compile pass) or replace the model's forward
-        (``plan.wrap_model_forward``) does it here; it never patches the model itself.
-        Plugin API 1.0 passed the runner: the plan still answers the runner attributes
-        those backends read, with a ``DeprecationWarning``."""
+        (``plan.wrap_model_forward``) does it here; it never patches the model itself."""
 
     def graph_memory_bytes(self) -> Optional[int]:
         """Bytes of the graph memory pool this backend captures into (shared with every

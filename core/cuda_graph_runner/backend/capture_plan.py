@@ -2,9 +2,9 @@
 
 A backend needs more than ``capture_one``'s ``forward_fn`` when it works on the model
 as a whole (tc_piecewise compiles the forward once for every size before any capture,
-and runs that compiled forward at replay). Through 1.0 such a backend read the runner's
-attributes; since 1.1 the runner gives it a :class:`CapturePlan`, so any backend, ours
-or a vendor's, gets the same information through the contract:
+and runs that compiled forward at replay). The runner gives it a :class:`CapturePlan`,
+so any backend, ours or a vendor's, gets the same information through the contract,
+never by reading runner attributes:
 
 * ``plan.keys``: every ``ShapeKey`` the runner captures, largest first;
 * ``plan.static_batch(key)``: the static dummy batch of ``key`` that capture runs on
@@ -21,27 +21,15 @@ or a vendor's, gets the same information through the contract:
 
 The runner calls ``backend.set_capture_plan(plan)`` and then ``backend.prepare(plan)``
 once per capture session; the plan stays on ``backend.capture_plan`` for replays.
-A 1.0 backend whose ``prepare(runner)`` reads ``runner.model``, ``runner.capture_sizes``,
-``runner.capture_prepare``, ``runner.make_key`` or ``runner.graph_forward`` keeps working:
-the plan answers those names too, with a ``DeprecationWarning`` naming the replacement.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, List, Sequence, Tuple
 
 from .base import ShapeKey
 from .context import forward_context
 from .forward_batch import ForwardBatch, as_static_batch
-
-#: Runner attributes a 1.0 ``prepare(runner)`` read, and what replaces each on the plan.
-LEGACY_RUNNER_ATTRIBUTES = {
-    "capture_sizes": "plan.keys (key.size)",
-    "capture_prepare": "plan.static_batch(key)",
-    "make_key": "plan.keys",
-    "graph_forward": "plan.forward(batch)",
-}
 
 
 class CapturePlan:
@@ -55,7 +43,6 @@ class CapturePlan:
         static_batch: ``key -> ForwardBatch``, the capture batch of ``key``.
         forward: ``batch -> output``, the forward one graph records (no forward context
             entered: the caller enters it, the runner does at capture and replay).
-        legacy: the object answering the 1.0 runner attributes (the runner), or None.
         host_value_guard: the host-value guard scope the runner captures under
             (:mod:`cuda_graph_runner.backend.host_guard`; ``"off"`` when the config turned it
             off; default ``"forward"``, the base backend's): a backend that traces or runs
@@ -73,7 +60,6 @@ class CapturePlan:
         keys: Sequence[ShapeKey],
         static_batch: Callable[[ShapeKey], ForwardBatch],
         forward: Callable[[ForwardBatch], Any],
-        legacy: Any = None,
         host_value_guard: str = "forward",
     ) -> None:
         bad = [k for k in keys if not isinstance(k, ShapeKey)]
@@ -84,7 +70,6 @@ class CapturePlan:
         self.keys: Tuple[ShapeKey, ...] = tuple(sorted(set(keys), reverse=True))
         self._static_batch = static_batch
         self._forward = forward
-        self._legacy = legacy
         self.host_value_guard = host_value_guard
 
     @property
@@ -126,19 +111,6 @@ class CapturePlan:
 
         return wrap_model_forward(self.model, forward, active=active)
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names the plan lacks: a 1.0 backend's ``prepare(runner)``.
-        legacy = self.__dict__.get("_legacy")
-        if name in LEGACY_RUNNER_ATTRIBUTES and legacy is not None:
-            warnings.warn(
-                f"backend.prepare() received a CapturePlan (plugin API 1.1), not the runner: "
-                f"'{name}' still answers, but use {LEGACY_RUNNER_ATTRIBUTES[name]}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(legacy, name)
-        raise AttributeError(f"CapturePlan has no attribute {name!r}")
-
     def __repr__(self) -> str:
         return f"CapturePlan(phase={self.phase!r}, keys={list(self.keys)})"
 
@@ -160,7 +132,7 @@ def capture_static_batch(runner: Any, size: int, variant: str = "") -> ForwardBa
 
 def build_capture_plan(runner: Any) -> CapturePlan:
     """The plan of ``runner``: every capture size's key, its capture batch, the runner's
-    graph forward; the runner itself answers the 1.0 attributes (deprecated)."""
+    graph forward."""
 
     # Every size in every variant the runner captures (runner/variants.py), largest first.
     variant_of = {
@@ -178,6 +150,5 @@ def build_capture_plan(runner: Any) -> CapturePlan:
         keys=list(variant_of),
         static_batch=static_batch,
         forward=runner.graph_forward,
-        legacy=runner,
         host_value_guard=runner.host_value_guard_scope(),
     )

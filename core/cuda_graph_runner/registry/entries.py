@@ -146,7 +146,7 @@ def spec_problem(spec: BackendSpec) -> Optional[str]:
     if not isinstance(options, (tuple, list)) or not all(isinstance(o, str) for o in options):
         return f"options {options!r} must be a tuple of config keys such as ('tc_compiler',)"
     if spec.api_version is not None and not isinstance(spec.api_version, str):
-        return f"api_version {spec.api_version!r} must be a string such as '1.0'"
+        return f"api_version {spec.api_version!r} must be a string such as '1.1'"
     return None
 
 
