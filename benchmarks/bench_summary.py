@@ -10,8 +10,8 @@ Because ``bench_rounds.run_rounds`` times every method once per round, each roun
 paired ratio in which a drift of the machine cancels; the reported spread is the min and
 max of those per-round ratios.
 
-run.py builds its results as these per-model tables (``SCHEMA``, also the file format
-before the shared results schema) and writes them in the shared schema
+run.py builds its results as these per-model tables (``SCHEMA`` names their layout) and
+writes them in the shared schema
 (:mod:`cuda_graph_runner.cli.results_schema`: ``from_run_models``); readers get the tables
 back with ``results_schema.nested_view``::
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-#: The tables' layout (files of this schema are converted on read).
+#: The tables' layout (in memory; files are written in the shared results schema).
 SCHEMA = "cuda-graph-runner-benchmarks/2"
 REFERENCES = ("hand_graph", "reduce_overhead")
 NOT_COMPARED = ("eager",) + REFERENCES

@@ -99,8 +99,7 @@ def judge(base: Dict[str, float], new: Dict[str, float], threshold: float) -> st
 
 
 def load(path: str, role: str) -> Dict[str, Any]:
-    """Read a run's JSON (:mod:`cuda_graph_runner.cli.results_schema`, validated; stored files
-    of the older run.py schema are converted) as per-model tables
+    """Read a run's JSON (:mod:`cuda_graph_runner.cli.results_schema`, validated) as per-model tables
     (:func:`~cuda_graph_runner.cli.results_schema.nested_view`); :class:`CompareError` naming
     the file when it is missing, not JSON, a placeholder, not a results document (the
     bad field named), or without ratios."""
@@ -119,7 +118,7 @@ def load(path: str, role: str) -> Dict[str, Any]:
             f"{role} {path} is a placeholder without device numbers; create it on the H200 with:\n  {CREATE_BASELINE}"
         )
     try:
-        # The shared results schema (older run.py files are converted), as per-model tables.
+        # The shared results schema, as per-model tables.
         data = nested_view(from_json(data, f"{role} {path}"))
     except ResultsSchemaError as exc:
         raise CompareError(f"{exc}; rerun the benchmark (benchmarks/run.py) to write a results file") from None

@@ -21,6 +21,8 @@ import compare  # noqa: E402
 import make_docs  # noqa: E402
 from bench_summary import SCHEMA, ratio_stats, ratios_for  # noqa: E402
 
+from cuda_graph_runner.cli.results_schema import from_run_models  # noqa: E402
+
 ROUNDS = 10
 
 
@@ -309,6 +311,9 @@ def test_other_gpu_refused_unless_allowed():
 
 
 def _write(tmp_path, name, data):
+    """Write ``data``; run.py's tables (``_run()``) in the results schema, as run.py writes them."""
+    if data.get("schema") == SCHEMA and "models" in data and not data.get("placeholder"):
+        data = from_run_models(data["models"], data["env"], settings=data.get("settings"), notes=data["notes"])
     p = tmp_path / name
     p.write_text(json.dumps(data))
     return str(p)
@@ -333,10 +338,16 @@ def test_placeholder_and_bad_baselines_are_refused_clearly(tmp_path, capsys):
     assert "placeholder" in err and "benchmarks/run.py" in err
     assert compare.main([new, "--baseline", str(tmp_path / "absent.json")]) == 2
     assert "no such file" in capsys.readouterr().err
-    # The oldest run.py layout (bare floats, no schema) is converted on read; it has no ratios.
-    old = _write(tmp_path, "old.json", {"env": {}, "models": {"x": {"decode": {"1": {"full": 2.0}}}}})
-    assert compare.main([new, "--baseline", old]) == 2
+    no_ratios = _write(
+        tmp_path, "no_ratios.json", from_run_models({"x": {"decode": {"1": {"full": 2.0}}}}, {"device": "cuda"})
+    )
+    assert compare.main([new, "--baseline", no_ratios]) == 2
     assert "no ratios" in capsys.readouterr().err
+    tables = tmp_path / "tables.json"  # run.py's tables as they are, not in the results schema
+    tables.write_text(json.dumps(_run()))
+    tables = str(tables)
+    assert compare.main([new, "--baseline", tables]) == 2
+    assert f"schema {SCHEMA!r} is not accepted; accepted: 'cuda-graph-runner.results/3'" in capsys.readouterr().err
     other = _write(tmp_path, "other.json", {"schema": "something/9", "models": {}})
     assert compare.main([new, "--baseline", other]) == 2
     assert "schema 'something/9'" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import pytest
 from cuda_graph_runner.cli import logging_setup as cli_logging
 from cuda_graph_runner.cli.bench.command import CSV_COLUMNS, results_csv
 from cuda_graph_runner.cli.command import build_parser, main
-from cuda_graph_runner.cli.results_schema import LEGACY_BENCH, LEGACY_RUN, SCHEMA, from_json
+from cuda_graph_runner.cli.results_schema import SCHEMA, from_bench_rows, from_json, from_run_models
 
 SMALL_BENCH = (
     "bench --batch-sizes 1 2 --prefill-tokens 8 --prefill-requests 2 --iters 1 --warmup 0 --steps 1 --prompt-len 4"
@@ -81,30 +81,31 @@ def test_bad_format_is_a_usage_error(capsys):
     assert "xml" in capsys.readouterr().err
 
 
-def test_plot_series_of_both_schemas():
+def test_plot_series_of_both_tools():
     from cuda_graph_runner.cli.plot import series_from_results
 
-    bench = {
-        "schema": LEGACY_BENCH,
-        "env": {"device": "cuda", "model": "tiny"},
-        "decode": [
-            {"batch_size": 2, "backend": "full", "eager_ms": 3.0, "graph_ms": 1.0},
-            {"batch_size": 1, "backend": "full", "eager_ms": 2.0, "graph_ms": 0.5},
-        ],
-        "prefill": [
-            {"num_tokens": 8, "requests": 4, "backend": "full", "eager_ms": 9.0, "graph_ms": 8.0},
-            {"num_tokens": 8, "requests": 1, "backend": "full", "eager_ms": 7.0, "graph_ms": 6.0},
-        ],
-    }
+    bench = from_bench_rows(
+        {
+            "env": {"device": "cuda", "model": "tiny"},
+            "decode": [
+                {"batch_size": 2, "backend": "full", "eager_ms": 3.0, "graph_ms": 1.0},
+                {"batch_size": 1, "backend": "full", "eager_ms": 2.0, "graph_ms": 0.5},
+            ],
+            "prefill": [
+                {"num_tokens": 8, "requests": 4, "backend": "full", "eager_ms": 9.0, "graph_ms": 8.0},
+                {"num_tokens": 8, "requests": 1, "backend": "full", "eager_ms": 7.0, "graph_ms": 6.0},
+            ],
+        }
+    )
     series = series_from_results(bench)
     assert series["decode"] == {"full": [(1, 0.5), (2, 1.0)], "eager": [(1, 2.0), (2, 3.0)]}
     assert series["prefill"] == {"full": [(8, 6.0)], "eager": [(8, 7.0)]}
-    suite = {
-        "schema": LEGACY_RUN,
-        "models": {"tiny": {"decode": {"4": {"eager": {"median_ms": 2.0}, "full": {"median_ms": 1.0}}}, "prefill": {}}},
-    }
+    suite = from_run_models(
+        {"tiny": {"decode": {"4": {"eager": {"median_ms": 2.0}, "full": {"median_ms": 1.0}}}, "prefill": {}}},
+        {"device": "cuda"},
+    )
     assert series_from_results(suite) == {"decode": {"eager": [(4, 2.0)], "full": [(4, 1.0)]}}
-    with pytest.raises(ValueError, match="not a results schema"):
+    with pytest.raises(ValueError, match="schema None is not accepted"):
         series_from_results({"other": 1})
 
 

@@ -1,5 +1,5 @@
 """The one results schema of ``bench`` and ``benchmarks/run.py``: validation names the bad
-field, older documents stay readable, the stored files read losslessly."""
+field, a document of another schema is refused naming both schemas, the stored files read."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from cuda_graph_runner.cli.results_schema import (
-    LEGACY_BENCH,
     SCHEMA,
     ResultsSchemaError,
     document,
@@ -21,7 +20,6 @@ from cuda_graph_runner.cli.results_schema import (
     from_run_models,
     nested_view,
     read,
-    upgrade,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +28,7 @@ STORED = sorted(
     p
     for p in glob.glob(os.path.join(ROOT, "benchmarks", "baseline", "*.json"))
     + glob.glob(os.path.join(ROOT, "benchmarks", "results", "*", "*.json"))
-    if "models" in json.load(open(p))  # run.py's files (the others are other scripts' tables)
+    if "schema" in json.load(open(p))  # results documents (the others are other scripts' tables)
 )
 
 
@@ -46,20 +44,27 @@ def _doc():
     )
 
 
+def test_results_documents_are_stored():
+    assert len(STORED) >= 8 and any("baseline" in p for p in STORED)
+
+
 @pytest.mark.parametrize("path", STORED, ids=os.path.basename)
-def test_stored_run_files_read_and_convert_losslessly(path):
-    """Every stored run.py file (older schema) reads, validates, and its per-model tables
-    come back unchanged through the new records."""
-    with open(path) as f:
-        old = json.load(f)
+def test_stored_results_files_are_of_the_schema_and_read(path):
     doc = read(path)
-    assert doc["schema"] == SCHEMA and doc["tool"] == "benchmarks/run.py"
-    assert doc["timings"] and doc["ratios"] and doc["runners"]
+    assert doc["schema"] == SCHEMA and doc["timings"]
     view = nested_view(doc)
-    for model, tables in old["models"].items():
-        for key, value in tables.items():
-            assert view["models"][model].get(key, {}) == value, (model, key)
-    assert view["host_probe_us"] == old["host_probe_us"] and view["env"]["gpu"] == old["env"]["gpu"]
+    assert view["models"] and all(tables.get("decode") or tables.get("prefill") for tables in view["models"].values())
+
+
+@pytest.mark.parametrize("schema", ["cuda-graph-runner-benchmarks/2", "cuda-graph-runner.bench/1", None])
+def test_a_document_of_another_schema_is_refused_naming_both(tmp_path, schema):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": schema, "env": {}, "models": {"m": {"decode": {"1": {"full": 2.0}}}}}))
+    with pytest.raises(ResultsSchemaError) as info:
+        read(str(path))
+    message = str(info.value)
+    assert message.startswith(str(path)) and f"schema {schema!r} is not accepted" in message
+    assert f"accepted: {SCHEMA!r}" in message
 
 
 def test_compare_reads_the_stored_baseline_and_finds_no_change():
@@ -105,9 +110,8 @@ def test_validation_names_the_bad_field(edit, named):
     assert str(info.value).startswith("my.json") and named in str(info.value)
 
 
-def test_bench_v1_documents_are_converted():
+def test_bench_rows_become_timings_and_runners():
     old = {
-        "schema": LEGACY_BENCH,
         "env": {"device": "cpu", "model": "tiny"},
         "runners": [{"phase": "decode", "backend": "full", "sizes": [1, 2], "capture_s": 0.1, "graph_memory_mb": 3.0}],
         "decode": [
@@ -116,7 +120,7 @@ def test_bench_v1_documents_are_converted():
         "prefill": [{"num_tokens": 8, "requests": 2, "backend": "disabled", "eager_ms": 3.0}],
         "notes": ["n"],
     }
-    doc = upgrade(old)
+    doc = from_bench_rows(old)
     full, eager = doc["timings"]
     assert full["method"] == "full" and full["median_ms"] == 0.5 and full["eager_ms"] == 2.0 and full["tokens_match"]
     assert eager == {

@@ -54,7 +54,7 @@ def _add(series: Series, phase: str, label: str, x: int, ms: Optional[float]) ->
 
 
 def series_from_results(results: Dict[str, Any], model: Optional[str] = None) -> Series:
-    """The points to draw from a results document (either tool, any schema version).
+    """The points to draw from a results document (either tool).
 
     Each timing's ``median_ms`` is a point of its method. Eager appears once per x: an
     ``eager`` timing, else the ``eager_ms`` measured next to the first backend at that x.

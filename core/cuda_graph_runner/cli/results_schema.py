@@ -30,10 +30,9 @@ MiB = 2**20 bytes)::
 
 :func:`read` / :func:`from_json` validate a document and raise :class:`ResultsSchemaError`
 naming the bad field (``timings[3].median_ms: expected a number or null, got 'fast'``).
-Older documents stay readable: :func:`upgrade` converts ``cuda-graph-runner.bench/1``
-(bench rows ``decode[]``/``prefill[]``) and ``cuda-graph-runner-benchmarks/2`` (run.py's
-nested ``models[MODEL].decode[BS][METHOD]``) into this schema. :func:`nested_view` gives
-the per-model tables the docs generators and ``compare.py`` print from.
+A document of another schema is refused, naming its schema and the accepted one.
+:func:`nested_view` gives the per-model tables the docs generators and ``compare.py``
+print from.
 
 Standard library only (the benchmark scripts that read results import no torch).
 """
@@ -47,9 +46,6 @@ from ..config.exceptions import CudaGraphRunnerError
 
 SCHEMA_VERSION = 3
 SCHEMA = f"cuda-graph-runner.results/{SCHEMA_VERSION}"
-#: The schemas :func:`upgrade` reads: bench's before version 3, and benchmarks/run.py's.
-LEGACY_BENCH = "cuda-graph-runner.bench/1"
-LEGACY_RUN = "cuda-graph-runner-benchmarks/2"
 TOOLS = ("bench", "benchmarks/run.py", "benchmarks/hf_compare.py")
 PHASES = ("decode", "prefill")
 
@@ -246,7 +242,7 @@ def document(
     return validate(doc, f"{tool} output")
 
 
-# -- older documents ---------------------------------------------------------------------------
+# -- from the tools' tables ----------------------------------------------------------------------
 
 
 def _size_field(phase: str) -> str:
@@ -256,8 +252,7 @@ def _size_field(phase: str) -> str:
 def from_bench_rows(old: Mapping[str, Any]) -> Dict[str, Any]:
     """A :data:`SCHEMA` document from the bench's rows: ``{"env", "runners", "decode",
     "prefill", "notes"}``, each row ``{batch_size | num_tokens, requests, backend,
-    eager_ms, graph_ms, speedup, ...}`` (the layout of :data:`LEGACY_BENCH`). The bench
-    writes with it; :func:`upgrade` reads its older files with it. A row of backend
+    eager_ms, graph_ms, speedup, ...}``; the bench writes with it. A row of backend
     ``disabled`` (eager only) becomes an ``eager`` timing; any other row a timing of its
     backend whose ``eager_ms`` is the eager time measured next to it; a row timed in
     interleaved rounds (``speedup_lo``/``speedup_hi``, ``graph_samples_ms``:
@@ -359,8 +354,7 @@ def from_run_models(
     prefill cells of the run's other request counts, each cell with its ``requests``);
     other keys go to ``extra.models[MODEL]``: run.py's ``floor_ms``, ``device_rates``,
     ``prefill_requests``, machine state).
-    run.py writes with it; :func:`upgrade` reads ``cuda-graph-runner-benchmarks/2`` with it.
-    A bare float cell (the oldest run.py files) is its median."""
+    run.py writes with it. A bare float cell is its median."""
     timings: List[Dict[str, Any]] = []
     ratios: List[Dict[str, Any]] = []
     runners: List[Dict[str, Any]] = []
@@ -413,48 +407,32 @@ def from_run_models(
     )
 
 
-def upgrade(doc: Any, source: str = "results") -> Dict[str, Any]:
-    """``doc`` in :data:`SCHEMA`: a current document unchanged, an older one converted
-    (:data:`LEGACY_BENCH`, :data:`LEGACY_RUN`, or run.py's unnamed first schema).
+def from_json(doc: Any, source: str = "results") -> Dict[str, Any]:
+    """``doc`` checked to be a document of :data:`SCHEMA` (:func:`validate`): how every
+    reader takes a document.
 
     Raises:
-        ResultsSchemaError: ``doc`` is not a results document of any known schema.
+        ResultsSchemaError: ``doc`` is not a JSON object, names another schema (the message
+            names it and :data:`SCHEMA`), or breaks :data:`SCHEMA` (names the bad field).
     """
     if not isinstance(doc, dict):
         raise ResultsSchemaError(f"{source}: expected a JSON object of results, got {type(doc).__name__}")
     schema = doc.get("schema")
-    try:
-        if schema == LEGACY_BENCH:
-            return from_bench_rows(doc)
-        if schema == LEGACY_RUN or (schema is None or isinstance(schema, int)) and isinstance(doc.get("models"), dict):
-            return from_run_models(
-                doc["models"],
-                doc.get("env") or {"device": "cuda"},
-                settings=doc.get("settings"),
-                notes=doc.get("notes") or [],
-                host_probe_us=doc.get("host_probe_us"),
-            )
-    except ResultsSchemaError as exc:
-        raise ResultsSchemaError(f"{source} (schema {schema!r}, converted): {exc}") from None
-    except (AttributeError, TypeError, ValueError, KeyError) as exc:
-        raise ResultsSchemaError(f"{source}: a {schema!r} document with an unexpected layout: {exc!r}") from None
     if schema != SCHEMA:
-        known = ", ".join(repr(s) for s in (SCHEMA, LEGACY_BENCH, LEGACY_RUN))
-        raise ResultsSchemaError(f"{source}: schema {schema!r} is not a results schema; known: {known}")
-    return doc
-
-
-def from_json(doc: Any, source: str = "results") -> Dict[str, Any]:
-    """:func:`upgrade` then :func:`validate`: how every reader takes a document."""
-    return validate(upgrade(doc, source), source)
+        raise ResultsSchemaError(
+            f"{source}: schema {schema!r} is not accepted; accepted: {SCHEMA!r} "
+            "(write it with cuda_graph_runner.cli.results_schema.document, from_run_models or from_bench_rows)"
+        )
+    return validate(doc, source)
 
 
 def read(path: str) -> Dict[str, Any]:
-    """Read and validate the results file ``path`` (older schemas converted).
+    """Read and validate the results file ``path``.
 
     Raises:
         FileNotFoundError: no such file.
-        ResultsSchemaError: not JSON, or not a results document (names the bad field).
+        ResultsSchemaError: not JSON, another schema, or not a results document (names the
+            bad field).
     """
     with open(path) as f:
         try:
