@@ -1,9 +1,13 @@
-"""One parser for every CUDA_GRAPH_RUNNER_* variable (cuda_graph_runner.backend.envs), and every
-reader using it: registry, breakable, tc_piecewise, the CLI's error for a bad value."""
+"""One parser for every CUDA_GRAPH_RUNNER_* variable (cuda_graph_runner.backend.envs), one table
+of them (the plugins' declared by the plugins), and every reader using it: registry, breakable,
+tc_piecewise, the CLI's error for a bad value."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +41,7 @@ def test_booleans_accept_the_usual_words_in_any_case(monkeypatch, text, expected
     assert envs.get(envs.STRICT_PLUGINS) is expected
 
 
-@pytest.mark.parametrize("name,default", [(envs.STRICT_PLUGINS, False), (envs.BREAKABLE_WEAK_REF_ARGS, True)])
+@pytest.mark.parametrize("name,default", [(envs.STRICT_PLUGINS, False), (envs.COMPILE_CACHE, True)])
 @pytest.mark.parametrize("text", [None, "", "  "])
 def test_unset_or_empty_boolean_means_its_default(monkeypatch, name, default, text):
     if text is None:
@@ -49,13 +53,13 @@ def test_unset_or_empty_boolean_means_its_default(monkeypatch, name, default, te
 
 @pytest.mark.parametrize("text", ["2", "maybe", "enable", "y", "truee"])
 def test_other_boolean_text_is_an_error_naming_variable_value_and_accepted(monkeypatch, text):
-    monkeypatch.setenv(envs.TC_PIECEWISE_DEBUG, text)
+    monkeypatch.setenv(envs.GRAPH_NODES, text)
     with pytest.raises(
         envs.EnvVarError,
-        match=rf"CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG='{text}' is not a boolean; "
+        match=rf"CUDA_GRAPH_RUNNER_GRAPH_NODES='{text}' is not a boolean; "
         r"accepted: 1/0, true/false, yes/no, on/off",
     ):
-        envs.get(envs.TC_PIECEWISE_DEBUG)
+        envs.get(envs.GRAPH_NODES)
 
 
 def test_lists_and_optional_lists(monkeypatch):
@@ -103,6 +107,7 @@ def test_every_variable_the_repository_mentions_is_in_the_table():
         if ".venv" in path.parts:
             continue
         mentioned |= set(re.findall(r"\bCUDA_GRAPH_RUNNER_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")))
+    envs.load_plugin_variables()
     made_up_here = {"CUDA_GRAPH_RUNNER_NOPE", "CUDA_GRAPH_RUNNER_ACME_RATIO", "CUDA_GRAPH_RUNNER_ACME_FAST"}
     assert mentioned - made_up_here - set(envs.VARIABLES) == set()
 
@@ -120,20 +125,52 @@ def test_nothing_but_envs_reads_the_environment():
     assert offenders == []
 
 
-def test_plugins_read_their_variables_from_the_core_table():
-    """This repository's plugins list their variables in the core table (owner: their
-    distribution) and read them by its constants; none defines its own."""
-    seen = {}
+def _plugin_distributions():
     for plugin in sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file()):
-        distribution = re.search(r'^name = "([^"]+)"', (plugin / "pyproject.toml").read_text(), re.M).group(1)
+        yield plugin, re.search(r'^name = "([^"]+)"', (plugin / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def test_plugins_declare_their_variables_in_their_registration_module():
+    """Each plugin's variables are declared by the plugin (envs.define in the module its entry
+    point names, owner: its distribution), none in the core's table, and one table lists them."""
+    core_table = (ROOT / "core" / "cuda_graph_runner" / "backend" / "envs.py").read_text()
+    listed = {row["name"]: row["owner"] for row in envs.describe()}
+    seen = {}
+    for plugin, distribution in _plugin_distributions():
+        declared = set()
+        for path in plugin.rglob("plugin.py"):
+            declared |= set(re.findall(r'envs\.define\(\s*"(CUDA_GRAPH_RUNNER_[A-Z0-9_]+)"', path.read_text()))
         for path in plugin.rglob("*.py"):
             if "tests" in path.parts or ".venv" in path.parts:
                 continue
-            text = path.read_text()
-            assert "envs.define(" not in text and "envs import define" not in text, path
-            for name in re.findall(r"\bCUDA_GRAPH_RUNNER_[A-Z][A-Z0-9_]*[A-Z0-9]\b", text):
-                seen[name] = (distribution, envs.VARIABLES[name].owner)
-    assert seen and all(owner == distribution for distribution, owner in seen.values()), seen
+            for name in re.findall(r"\bCUDA_GRAPH_RUNNER_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
+                if name in listed and listed[name] == "core":
+                    continue  # a core variable the plugin reads
+                seen[name] = distribution
+                assert name in declared, f"{path.relative_to(ROOT)} reads {name}, which its plugin.py does not declare"
+                assert listed[name] == distribution, (name, listed[name])
+                assert f'"{name}"' not in core_table, f"{name} is declared in the core's table"
+    assert {"CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS", "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG"} <= set(seen), seen
+
+
+def test_the_table_lists_plugin_variables_once_their_plugins_load():
+    """In a fresh process: the core's table alone lacks them; describe() loads the plugins'
+    registration modules and lists them, and the CLI's check covers them."""
+    code = (
+        "import sys; from cuda_graph_runner.backend import envs\n"
+        "name = 'CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG'\n"
+        "assert name not in envs.VARIABLES\n"
+        "rows = {r['name']: r['owner'] for r in envs.describe()}\n"
+        "assert rows[name] == 'cuda-graph-runner-tc-piecewise', rows\n"
+        "from cuda_graph_runner.cli.command import main\n"
+        "sys.exit(main(['backends']))\n"
+    )
+    env = {**os.environ, "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG": "maybe"}
+    env.pop("CUDA_GRAPH_RUNNER_PLUGINS", None)
+    env.pop("CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error: CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG='maybe' is not a boolean" in done.stderr
 
 
 # -- the readers ----------------------------------------------------------------------------------
@@ -195,3 +232,18 @@ def test_cli_reports_a_bad_value_without_a_traceback(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: CUDA_GRAPH_RUNNER_DISABLE_PLUGIN_AUTOLOAD='perhaps' is not a boolean")
     assert "Traceback" not in err
+
+
+def test_class_names_in_the_help_are_classes_that_exist():
+    """A help text naming a class (``BreakableCudaGraphBackend``) names one the sources define."""
+    defined = set()
+    for path in list((ROOT / "core").rglob("*.py")) + list((ROOT / "plugins").rglob("*.py")):
+        if ".venv" not in path.parts:
+            defined |= set(re.findall(r"^\s*class\s+(\w+)", path.read_text(), re.M))
+    quoted = {
+        (row["name"], word)
+        for row in envs.describe()
+        for word in re.findall(r"\b[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+\b", row["help"])
+    }
+    assert quoted, "no help names a class: the check checks nothing"
+    assert sorted((name, word) for name, word in quoted if word not in defined) == []

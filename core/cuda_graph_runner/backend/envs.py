@@ -16,17 +16,16 @@ Parsing rules:
 
 Who lists a variable, and how it is read (one way for everyone):
 
-* every variable of this repository's distributions (the core, its plugins, its test
-  suite) is a row of the table at the end of this module, with its owner. A row is data
-  only (name, parser kind, default, help), no backend code, so :func:`check_all` (the CLI
-  calls it first) and :func:`describe` cover the plugins' variables without importing a
-  plugin (and torch with it);
-* every reader, plugins included, reads through :func:`get` with the name constant
-  defined here (``envs.get(envs.BREAKABLE_WEAK_REF_ARGS)``); plugins never call
-  :func:`define` nor read ``os.environ`` (tests/test_envs.py checks both);
-* a third-party plugin, whose names this table cannot know, adds its variables with
-  :func:`define` at import of its registration module and reads them with :func:`get`
-  (the same parser then reads them; :func:`check_all` covers them once it is imported).
+* the core's variables (and its test suite's) are rows of the table at the end of this
+  module; each plugin declares its own with :func:`define` at import of its registration
+  module (the module its entry point names, which imports no torch), with its
+  distribution as ``owner``. All of them are rows of one table, :data:`VARIABLES`:
+  :func:`describe` and :func:`check_all` with ``plugins=True`` load the installed
+  plugins' registration modules first (the backend registry's scan), so they list and
+  check every variable without importing a backend (and torch with it);
+* every reader goes through :func:`get` with the name its declaration returned
+  (``envs.get(envs.STRICT_PLUGINS)`` in the core, ``envs.get(WEAK_REF_ARGS)`` in
+  breakable); nothing but this module reads ``os.environ`` (tests/test_envs.py checks it).
 
 This module imports only the standard library (``config`` and the registry import it
 before torch).
@@ -159,8 +158,7 @@ _PARSERS: Dict[str, Callable[[EnvVar, Optional[str]], Any]] = {
     "optional_list": _parse_optional_list,
 }
 
-#: The table: every variable this repository reads. Plugins of other distributions add
-#: theirs with :func:`define`.
+#: The table: the core's variables, and each loaded plugin's, which it adds with :func:`define`.
 VARIABLES: Dict[str, EnvVar] = {}
 
 
@@ -199,13 +197,31 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     return var.parse(env.get(name))
 
 
-def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
+def load_plugin_variables() -> None:
+    """Declare the installed plugins' variables: the backend registry's scan imports every
+    registration module, each of which declares its variables with :func:`define`.
+    Plugins kept out by ``CUDA_GRAPH_RUNNER_PLUGINS`` or ``..._DISABLE_PLUGIN_AUTOLOAD``
+    declare none.
+
+    Raises:
+        EnvVarError: a registry variable does not parse.
+        cuda_graph_runner.backend.errors.BackendLoadError: strict mode, a plugin failed.
+    """
+    from ..registry import get_registry
+
+    get_registry().names()
+
+
+def check_all(environ: Optional[Mapping[str, str]] = None, *, plugins: bool = False) -> None:
     """Parse every variable in the table that is set, so a bad value is reported up front
-    (the CLI calls it first) rather than only when, or if, its reader runs.
+    (the CLI calls it first, ``plugins=True``) rather than only when, or if, its reader runs.
+    ``plugins``: first declare the installed plugins' variables (:func:`load_plugin_variables`).
 
     Raises:
         EnvVarError: the first variable whose value does not parse (named, with what is accepted).
     """
+    if plugins:
+        load_plugin_variables()
     env = os.environ if environ is None else environ
     for name, var in list(VARIABLES.items()):
         if name in env:
@@ -243,8 +259,17 @@ def launched_by_torch_distributed(environ: Optional[Mapping[str, str]] = None) -
     return "RANK" in env or "WORLD_SIZE" in env
 
 
-def describe() -> List[Dict[str, str]]:
-    """The table as rows ``{name, kind, default, owner, help}``, sorted by name (for docs/CLI)."""
+def describe(*, plugins: bool = True) -> List[Dict[str, str]]:
+    """The table as rows ``{name, kind, default, owner, help}``, sorted by name (for docs/CLI):
+    the core's variables and, with ``plugins`` (the default), the installed plugins' ones
+    (:func:`load_plugin_variables`).
+
+    Raises:
+        EnvVarError, cuda_graph_runner.backend.errors.BackendLoadError: as
+            :func:`load_plugin_variables`, with ``plugins``.
+    """
+    if plugins:
+        load_plugin_variables()
     return [
         {"name": v.name, "kind": v.kind, "default": repr(v.default), "owner": v.owner, "help": v.help}
         for v in sorted(VARIABLES.values(), key=lambda v: v.name)
@@ -285,55 +310,6 @@ PROBE_TIMEOUT_S = define(
     60.0,
     "Seconds a backend's availability probe may take before it is listed unavailable (timed out); "
     "0: no limit. Read when a registry is created without probe_timeout_s.",
-).name
-BREAKABLE_WEAK_REF_ARGS = define(
-    "CUDA_GRAPH_RUNNER_BREAKABLE_WEAK_REF_ARGS",
-    "bool",
-    True,
-    "breakable: hand eager ops weak references to graph-owned arguments (default on). Read when a "
-    "BreakableBackend is built without weak_ref_args.",
-    owner="cuda-graph-runner-breakable",
-).name
-BREAKABLE_INLINE_SAFE_OPS = define(
-    "CUDA_GRAPH_RUNNER_BREAKABLE_INLINE_SAFE_OPS",
-    "bool",
-    True,
-    "breakable: record marked ops declared capture-safe for the batch's mode inside the segments "
-    "(default on; off breaks at every marked op). Read when a BreakableBackend is built without "
-    "inline_capture_safe_ops.",
-    owner="cuda-graph-runner-breakable",
-).name
-BREAKABLE_CHECK_LEAKED_OUTPUTS = define(
-    "CUDA_GRAPH_RUNNER_BREAKABLE_CHECK_LEAKED_OUTPUTS",
-    "bool",
-    False,
-    "breakable: at capture, report tensors a marked op made between segments that later code reads "
-    "without the op declaring them (a debug switch, default off). Read when a BreakableBackend is built "
-    "without check_leaked_outputs.",
-    owner="cuda-graph-runner-breakable",
-).name
-TC_PIECEWISE_DEBUG = define(
-    "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG",
-    "bool",
-    False,
-    "tc_piecewise: check input addresses at every replay. Read when a TcPiecewiseBackend is built without debug.",
-    owner="cuda-graph-runner-tc-piecewise",
-).name
-COMPILED_COMPILER = define(
-    "CUDA_GRAPH_RUNNER_COMPILED_COMPILER",
-    "str",
-    "inductor",
-    "compiled: the torch.compile backend (inductor, aot_eager or eager; the last two skip code generation, "
-    "for tests). Read when a CompiledBackend is built without compiler.",
-    owner="cuda-graph-runner-compiled",
-).name
-COMPILED_BUDGET_S = define(
-    "CUDA_GRAPH_RUNNER_COMPILED_BUDGET_S",
-    "optional_count",
-    None,
-    "compiled: seconds of compilation per backend after which the remaining sizes run eagerly "
-    "(unset: 600). Read when a CompiledBackend is built without compile_budget_s.",
-    owner="cuda-graph-runner-compiled",
 ).name
 BENCH_CPU_COMPILED = define(
     "CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED",

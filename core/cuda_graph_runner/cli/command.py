@@ -191,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         configure_logging(level_from_args(args))
-        envs.check_all()  # a bad CUDA_GRAPH_RUNNER_* value is reported before any work
+        envs.check_all(plugins=True)  # a bad CUDA_GRAPH_RUNNER_* value (the plugins' too) is reported before any work
         return args.func(args)
     except BrokenPipeError:  # `... | head`: the reader left; stop quietly, as cat does
         devnull = os.open(os.devnull, os.O_WRONLY)

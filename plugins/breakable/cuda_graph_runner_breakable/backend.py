@@ -66,6 +66,7 @@ from cuda_graph_runner.backend import (
     weak_ref_tensor,
 )
 
+from . import plugin
 from .leak_check import LeakCheck
 
 logger = logging.getLogger(__name__)
@@ -82,15 +83,16 @@ __all__ = [
 ]
 
 #: Sets ``weak_ref_args`` for backends built without the argument (the registry builds
-#: them so), e.g. to compare graph memory in a benchmark; parsed by the core's ``envs``
+#: them so), e.g. to compare graph memory in a benchmark; declared in :mod:`.plugin`,
+#: parsed by the core's ``envs``
 #: (1/0/true/false/yes/no/on/off, anything else is an error).
-ENV_WEAK_REF_ARGS = envs.BREAKABLE_WEAK_REF_ARGS
+ENV_WEAK_REF_ARGS = plugin.WEAK_REF_ARGS
 #: Sets ``inline_capture_safe_ops`` for backends built without the argument (e.g. ``0`` to
 #: measure or debug the all-breaks form); parsed by the core's ``envs`` like the one above.
-ENV_INLINE_SAFE_OPS = envs.BREAKABLE_INLINE_SAFE_OPS
+ENV_INLINE_SAFE_OPS = plugin.INLINE_SAFE_OPS
 #: Sets ``check_leaked_outputs`` for backends built without the argument (a debug switch,
 #: off by default); parsed by the core's ``envs`` like the ones above.
-ENV_CHECK_LEAKED_OUTPUTS = envs.BREAKABLE_CHECK_LEAKED_OUTPUTS
+ENV_CHECK_LEAKED_OUTPUTS = plugin.CHECK_LEAKED_OUTPUTS
 
 
 class BreakableCaptureError(CudaGraphRunnerError, RuntimeError):

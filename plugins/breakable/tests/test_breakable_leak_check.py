@@ -19,7 +19,11 @@ from breakable_mix_model import request_lens
 from cuda_graph_runner.backend import eager_op, envs, get_forward_batch
 from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
-from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend, BreakableLeakedOutputError
+from cuda_graph_runner_breakable.backend import (
+    ENV_CHECK_LEAKED_OUTPUTS,
+    BreakableCudaGraphBackend,
+    BreakableLeakedOutputError,
+)
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 
 VOCAB, HIDDEN = 16, 8
@@ -183,10 +187,10 @@ def test_the_switch_defaults_to_the_environment(monkeypatch):
     def built():
         return BreakableCudaGraphBackend("cpu", phase="prefill", device_module=EmulatedGraphDeviceModule())
 
-    monkeypatch.delenv(envs.BREAKABLE_CHECK_LEAKED_OUTPUTS, raising=False)
+    monkeypatch.delenv(ENV_CHECK_LEAKED_OUTPUTS, raising=False)
     assert built().check_leaked_outputs is False
-    monkeypatch.setenv(envs.BREAKABLE_CHECK_LEAKED_OUTPUTS, "on")
+    monkeypatch.setenv(ENV_CHECK_LEAKED_OUTPUTS, "on")
     assert built().check_leaked_outputs is True
-    monkeypatch.setenv(envs.BREAKABLE_CHECK_LEAKED_OUTPUTS, "maybe")
+    monkeypatch.setenv(ENV_CHECK_LEAKED_OUTPUTS, "maybe")
     with pytest.raises(envs.EnvVarError, match="CHECK_LEAKED_OUTPUTS"):
         built()

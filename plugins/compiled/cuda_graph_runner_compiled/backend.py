@@ -91,6 +91,8 @@ from cuda_graph_runner.backend import (
     forward_replaced,
 )
 
+from . import plugin
+
 logger = logging.getLogger(__name__)
 
 #: Compiler names accepted by ``compiler=`` (a callable Dynamo backend is accepted too).
@@ -151,11 +153,11 @@ class CompiledBackend(BaseCudaGraphBackend):
     ) -> None:
         super().__init__(*args, **kwargs)
         if compiler is None:
-            compiler = envs.get(envs.COMPILED_COMPILER) or "inductor"
+            compiler = envs.get(plugin.COMPILER) or "inductor"
         if not callable(compiler) and compiler not in COMPILERS:
             raise ValueError(f"backend 'compiled': unknown compiler {compiler!r}; accepted: {', '.join(COMPILERS)}")
         if compile_budget_s is None:
-            compile_budget_s = envs.get(envs.COMPILED_BUDGET_S)
+            compile_budget_s = envs.get(plugin.BUDGET_S)
         budget = DEFAULT_COMPILE_BUDGET_S if compile_budget_s is None else float(compile_budget_s)
         if budget < 0:
             raise ValueError(f"backend 'compiled': compile_budget_s={compile_budget_s!r} must be >= 0 (seconds)")

@@ -96,6 +96,7 @@ from cuda_graph_runner.backend import (
     progress,
 )
 
+from . import plugin
 from .compiler import PIECE_COMPILERS, CompiledGraph, PiecewiseDynamoBackend
 from .errors import TcPiecewiseCompileError, exception_chain
 from .piece import Activity, GraphPiece, Mode, activity, current_activity
@@ -105,7 +106,7 @@ logger = logging.getLogger(__name__)
 
 #: Set to 1 to check, at every replay, that each piece's inputs sit where they sat at capture
 #: (parsed by the core's ``envs``: 1/0/true/false/yes/no/on/off).
-ENV_DEBUG = envs.TC_PIECEWISE_DEBUG
+ENV_DEBUG = plugin.DEBUG
 
 
 def mark_dynamic_tokens(args: Any, kwargs: Dict[str, Any]) -> None:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cuda_graph_runner.backend import BackendSpec, backend_hooks
+from cuda_graph_runner.backend import BackendSpec, backend_hooks, envs
+
+#: The variable this plugin reads (envs.get), declared here so the one table lists it.
+DEBUG = envs.define(
+    "CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG",
+    "bool",
+    False,
+    "tc_piecewise: check input addresses at every replay. Read when a TcPiecewiseCudaGraphBackend is "
+    "built without debug.",
+    owner="cuda-graph-runner-tc-piecewise",
+).name
 
 # Never the default (no default_for): compiling costs seconds to minutes; users opt in by name.
 cuda_graph_runner_backend_specs, cuda_graph_runner_default_backend = backend_hooks(
