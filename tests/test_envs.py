@@ -107,7 +107,7 @@ def test_every_variable_the_repository_mentions_is_in_the_table():
         if ".venv" in path.parts:
             continue
         mentioned |= set(re.findall(r"\bCUDA_GRAPH_RUNNER_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")))
-    envs.load_plugin_variables()
+    registry.environment_variables()
     made_up_here = {"CUDA_GRAPH_RUNNER_NOPE", "CUDA_GRAPH_RUNNER_ACME_RATIO", "CUDA_GRAPH_RUNNER_ACME_FAST"}
     assert mentioned - made_up_here - set(envs.VARIABLES) == set()
 
@@ -134,7 +134,7 @@ def test_plugins_declare_their_variables_in_their_registration_module():
     """Each plugin's variables are declared by the plugin (envs.define in the module its entry
     point names, owner: its distribution), none in the core's table, and one table lists them."""
     core_table = (ROOT / "core" / "cuda_graph_runner" / "backend" / "envs.py").read_text()
-    listed = {row["name"]: row["owner"] for row in envs.describe()}
+    listed = {row["name"]: row["owner"] for row in registry.environment_variables()}
     seen = {}
     for plugin, distribution in _plugin_distributions():
         declared = set()
@@ -154,13 +154,14 @@ def test_plugins_declare_their_variables_in_their_registration_module():
 
 
 def test_the_table_lists_plugin_variables_once_their_plugins_load():
-    """In a fresh process: the core's table alone lacks them; describe() loads the plugins'
+    """In a fresh process: the core's table alone lacks them; the registry's table loads the plugins'
     registration modules and lists them, and the CLI's check covers them."""
     code = (
         "import sys; from cuda_graph_runner.backend import envs\n"
         "name = 'CUDA_GRAPH_RUNNER_TC_PIECEWISE_DEBUG'\n"
         "assert name not in envs.VARIABLES\n"
-        "rows = {r['name']: r['owner'] for r in envs.describe()}\n"
+        "from cuda_graph_runner import registry\n"
+        "rows = {r['name']: r['owner'] for r in registry.environment_variables()}\n"
         "assert rows[name] == 'cuda-graph-runner-tc-piecewise', rows\n"
         "from cuda_graph_runner.cli.command import main\n"
         "sys.exit(main(['backends']))\n"
@@ -242,7 +243,7 @@ def test_class_names_in_the_help_are_classes_that_exist():
             defined |= set(re.findall(r"^\s*class\s+(\w+)", path.read_text(), re.M))
     quoted = {
         (row["name"], word)
-        for row in envs.describe()
+        for row in registry.environment_variables()
         for word in re.findall(r"\b[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+\b", row["help"])
     }
     assert quoted, "no help names a class: the check checks nothing"

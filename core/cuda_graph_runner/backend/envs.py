@@ -19,10 +19,10 @@ Who lists a variable, and how it is read (one way for everyone):
 * the core's variables (and its test suite's) are rows of the table at the end of this
   module; each plugin declares its own with :func:`define` at import of its registration
   module (the module its entry point names, which imports no torch), with its
-  distribution as ``owner``. All of them are rows of one table, :data:`VARIABLES`:
-  :func:`describe` and :func:`check_all` with ``plugins=True`` load the installed
-  plugins' registration modules first (the backend registry's scan), so they list and
-  check every variable without importing a backend (and torch with it);
+  distribution as ``owner``. All of them are rows of one table, :data:`VARIABLES`;
+  ``cuda_graph_runner.registry.environment_variables()`` and ``check_environment()`` load
+  the installed plugins' registration modules first (the registry's scan), so they list
+  and check every variable without importing a backend;
 * every reader goes through :func:`get` with the name its declaration returned
   (``envs.get(envs.STRICT_PLUGINS)`` in the core, ``envs.get(WEAK_REF_ARGS)`` in
   breakable); nothing but this module reads ``os.environ`` (tests/test_envs.py checks it).
@@ -197,31 +197,14 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     return var.parse(env.get(name))
 
 
-def load_plugin_variables() -> None:
-    """Declare the installed plugins' variables: the backend registry's scan imports every
-    registration module, each of which declares its variables with :func:`define`.
-    Plugins kept out by ``CUDA_GRAPH_RUNNER_PLUGINS`` or ``..._DISABLE_PLUGIN_AUTOLOAD``
-    declare none.
-
-    Raises:
-        EnvVarError: a registry variable does not parse.
-        cuda_graph_runner.backend.errors.BackendLoadError: strict mode, a plugin failed.
-    """
-    from ..registry import get_registry
-
-    get_registry().names()
-
-
-def check_all(environ: Optional[Mapping[str, str]] = None, *, plugins: bool = False) -> None:
+def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
     """Parse every variable in the table that is set, so a bad value is reported up front
-    (the CLI calls it first, ``plugins=True``) rather than only when, or if, its reader runs.
-    ``plugins``: first declare the installed plugins' variables (:func:`load_plugin_variables`).
+    rather than only when, or if, its reader runs (the CLI calls
+    :func:`cuda_graph_runner.registry.check_environment`, which loads the plugins' rows first).
 
     Raises:
         EnvVarError: the first variable whose value does not parse (named, with what is accepted).
     """
-    if plugins:
-        load_plugin_variables()
     env = os.environ if environ is None else environ
     for name, var in list(VARIABLES.items()):
         if name in env:
@@ -259,17 +242,10 @@ def launched_by_torch_distributed(environ: Optional[Mapping[str, str]] = None) -
     return "RANK" in env or "WORLD_SIZE" in env
 
 
-def describe(*, plugins: bool = True) -> List[Dict[str, str]]:
+def describe() -> List[Dict[str, str]]:
     """The table as rows ``{name, kind, default, owner, help}``, sorted by name (for docs/CLI):
-    the core's variables and, with ``plugins`` (the default), the installed plugins' ones
-    (:func:`load_plugin_variables`).
-
-    Raises:
-        EnvVarError, cuda_graph_runner.backend.errors.BackendLoadError: as
-            :func:`load_plugin_variables`, with ``plugins``.
-    """
-    if plugins:
-        load_plugin_variables()
+    the core's variables and those of the plugins loaded so far
+    (:func:`cuda_graph_runner.registry.environment_variables` loads them all first)."""
     return [
         {"name": v.name, "kind": v.kind, "default": repr(v.default), "owner": v.owner, "help": v.help}
         for v in sorted(VARIABLES.values(), key=lambda v: v.name)

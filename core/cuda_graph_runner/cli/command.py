@@ -17,7 +17,6 @@ import warnings
 from typing import Any, List, Optional
 
 from .. import __version__
-from ..backend import envs
 from ..backend.envs import EnvVarError
 from ..backend.errors import CompileCacheError, CudaGraphRunnerError, UnknownBackendError
 from ..config import CudaGraphConfigError
@@ -191,7 +190,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         configure_logging(level_from_args(args))
-        envs.check_all(plugins=True)  # a bad CUDA_GRAPH_RUNNER_* value (the plugins' too) is reported before any work
+        from ..registry import check_environment
+
+        check_environment()  # a bad CUDA_GRAPH_RUNNER_* value (the plugins' too) is reported before any work
         return args.func(args)
     except BrokenPipeError:  # `... | head`: the reader left; stop quietly, as cat does
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -102,6 +102,8 @@ from .manager import ENV_PREFER, ENV_STRICT, BackendRegistry
 from .process import (
     backend_phases,
     backend_problems,
+    check_environment,
+    environment_variables,
     get_registry,
     list_backends,
     prefer,
@@ -140,6 +142,8 @@ __all__ = [
     "resolve_prefill_backend",
     "verify",
     "verify_all",
+    "environment_variables",
+    "check_environment",
 ]
 
 #: Deprecated names of this package -> the (module, name) each reads; reading one warns once

@@ -175,7 +175,7 @@ class BackendRegistry:
             self._in_process[spec.name] = (spec, replace)
 
     def unregister(self, name: str) -> None:
-        """Forget an in-process registration (no error if absent); reset_registry() no longer keeps it."""
+        """Forget an in-process registration (no error if absent); reset_registry() then drops it."""
         with self._lock:
             self._entries.pop(name, None)
             self._conflicts.pop(name, None)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
+from ..backend import envs
 from ..backend.hookspecs import BackendSpec
 from ..config import ConfigInput
 from .entries import BackendEntry
@@ -142,3 +143,31 @@ def resolve_prefill_backend(
 ) -> BaseCudaGraphBackend:
     """The prefill backend the config selects, built for ``device``. See ``BackendRegistry.resolve``."""
     return get_registry().resolve("prefill", config, device=device, **backend_kwargs)
+
+
+def environment_variables() -> List[Dict[str, str]]:
+    """Every ``CUDA_GRAPH_RUNNER_*`` variable, one table: the core's and every installed
+    plugin's (the scan imports each registration module, where a plugin declares its own
+    with :func:`cuda_graph_runner.backend.envs.define`), as :func:`~cuda_graph_runner.backend.envs.describe`
+    rows ``{name, kind, default, owner, help}``. A plugin kept out of the scan
+    (``CUDA_GRAPH_RUNNER_PLUGINS``, ``..._DISABLE_PLUGIN_AUTOLOAD``) adds none.
+
+    Raises:
+        cuda_graph_runner.backend.envs.EnvVarError: a registry variable does not parse.
+        BackendLoadError: strict mode, a plugin failed to load.
+    """
+    get_registry().names()
+    return envs.describe()
+
+
+def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Parse every set variable of :func:`environment_variables`' table (the plugins' too),
+    so the command line reports a bad value before any work.
+
+    Raises:
+        cuda_graph_runner.backend.envs.EnvVarError: the first value that does not parse, named
+            with what is accepted.
+        BackendLoadError: strict mode, a plugin failed to load.
+    """
+    get_registry().names()
+    envs.check_all(environ)
