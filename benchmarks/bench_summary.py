@@ -81,10 +81,8 @@ def ratios_for(rows: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str
 
 
 def median_ms(cell: Any) -> Optional[float]:
-    """The cell's median (ms); accepts the old schema's bare float too."""
-    if isinstance(cell, dict):
-        return cell.get("median_ms")
-    return cell if isinstance(cell, (int, float)) else None
+    """The cell's median (ms); None for a cell that is not a timing object."""
+    return cell.get("median_ms") if isinstance(cell, dict) else None
 
 
 def format_ratio(stats: Optional[Dict[str, float]]) -> str:

@@ -49,7 +49,7 @@ FLOOR_NOTE = {
 
 def _cell(c: Any) -> str:
     """``median [min-max]`` of a timing cell (ms), ``*`` when its warm-up never settled; a
-    bare float for the old schema."""
+    number as it is."""
     if isinstance(c, dict):
         if c.get("median_ms") is None:
             return "-"

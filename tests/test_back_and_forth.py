@@ -1,4 +1,4 @@
-"""Issue 18, back-and-forth: a runner converts its config once and hands the result to the
+"""Back-and-forth: a runner converts its config once and hands the result to the
 registry (which converts nothing more), and a live size's padded size and graph key are
 computed once (``replay_target``), shared by ``decide``/``can_run`` and ``replay_prepare``."""
 

@@ -1,4 +1,4 @@
-"""Backend options (issue 15, section 2): each backend's spec declares the options it reads;
+"""Backend options: each backend's spec declares the options it reads;
 an option the selected backend does not read is an error naming the backends that read it."""
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def test_unchanged_run_passes():
     assert {r.verdict for r in rows} == {"ok"}
 
 
-def test_results_with_the_old_compiled_full_label_compare_with_the_new_one():
+def test_results_with_the_deprecated_compiled_full_label_compare_with_its_replacement():
     """Results written as ``full:inductor`` compare with ``full+torch_compile`` (the label's
     new spelling): the same ratios, not MISSING and new."""
     old = _run(extra={"full:inductor": 1.2})
@@ -339,7 +339,9 @@ def test_placeholder_and_bad_baselines_are_refused_clearly(tmp_path, capsys):
     assert compare.main([new, "--baseline", str(tmp_path / "absent.json")]) == 2
     assert "no such file" in capsys.readouterr().err
     no_ratios = _write(
-        tmp_path, "no_ratios.json", from_run_models({"x": {"decode": {"1": {"full": 2.0}}}}, {"device": "cuda"})
+        tmp_path,
+        "no_ratios.json",
+        from_run_models({"x": {"decode": {"1": {"full": {"median_ms": 2.0}}}}}, {"device": "cuda"}),
     )
     assert compare.main([new, "--baseline", no_ratios]) == 2
     assert "no ratios" in capsys.readouterr().err

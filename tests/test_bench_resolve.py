@@ -1,4 +1,4 @@
-"""The bench resolves each backend once and hands the instance to the runner (issue 18)."""
+"""The bench resolves each backend once and hands the instance to the runner."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GPU: benchmarks/run.py end to end on the tiny preset (issue 12): every method is built
+"""GPU: benchmarks/run.py end to end on the tiny preset: every method is built
 before timing, timed in interleaved rounds, and the JSON has the cells and in-run ratios
 that compare.py and make_docs.py read. Structure only: no assertion on a time.
 """

@@ -1,4 +1,4 @@
-"""CPU test of benchmarks/breakable_vs_full.py (issue 23's check) on hand-made runs:
+"""CPU test of benchmarks/breakable_vs_full.py on hand-made runs:
 decode breakable / full against the target, prefill against an earlier run, missing cells.
 No timing is measured here."""
 

@@ -1,4 +1,4 @@
-"""The command line never shows a traceback for a user's mistake (issue 15, section 3):
+"""The command line never shows a traceback for a user's mistake:
 explicitly named backends that cannot run fail the bench, argparse errors are short,
 deprecated flags warn in one line, exit codes are documented, help and output agree."""
 

@@ -1,4 +1,4 @@
-"""Config bounds and robustness (issue 15, section 2): a UTF-8 BOM is accepted, sizes are
+"""Config bounds and robustness: a UTF-8 BOM is accepted, sizes are
 capped at MAX_CAPTURE_SIZE, and every bad value raises CudaGraphConfigError (never
 MemoryError, ValueError from printing a huge int, or anything else)."""
 

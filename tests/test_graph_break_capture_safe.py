@@ -1,5 +1,5 @@
 """``eager_op(..., capture_safe=...)``: how a marked op declares the forward modes in which
-it may be recorded into a graph (issue 23), without any backend.
+it may be recorded into a graph, without any backend.
 
 * accepted forms (bool, a mode, modes, ``ForwardMode`` members, a predicate) and the
   errors for anything else, naming the value and what is accepted;

@@ -131,7 +131,7 @@ def test_a_built_mask_fails_loudly():
     attn = adapter.hf_model.model.layers[0].self_attn
     q = torch.zeros(1, 4, 2, 16)
     kv = torch.zeros(1, 2, 2, 16)
-    with forward_context(batch), pytest.raises(RuntimeError, match="no longer returns early"):
+    with forward_context(batch), pytest.raises(RuntimeError, match="does not return early"):
         hf.paged_attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 2, 2), forward_batch=batch, paged_kv_cache=cache)
 
 

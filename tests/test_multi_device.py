@@ -90,7 +90,7 @@ def test_every_device_call_names_the_runners_device(make):
 
 def test_check_device_calls_catches_a_stream_on_the_current_device(monkeypatch):
     """The check fails for the bug it exists for: a bare ``Stream()`` / ``synchronize()``
-    in a backend, driven by a runner without the device guard (the code before the fix).
+    in a backend, driven by a runner without the device guard.
     With the runner's guard the same backend acts on device 1 (both layers protect)."""
     import contextlib
 
@@ -99,7 +99,7 @@ def test_check_device_calls_catches_a_stream_on_the_current_device(monkeypatch):
 
     class CurrentDeviceBackend(FullCudaGraphBackend):
         def capture_session(self, stream):
-            return self.bind_capture_stream(self.device_module.Stream())  # the old bug
+            return self.bind_capture_stream(self.device_module.Stream())  # a stream on the current device
 
         def synchronize(self):
             self.device_module.synchronize()

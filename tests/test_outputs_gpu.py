@@ -1,4 +1,4 @@
-"""GPU: output lifetime with the ``full`` and ``breakable`` backends (issue 14, section 1).
+"""GPU: output lifetime with the ``full`` and ``breakable`` backends.
 
 * ``owned_outputs=True``: an output kept from ``forward(batch of 3)`` is unchanged by a
   later ``forward(batch of 9)`` (another graph of the same pool) and by a replay of its

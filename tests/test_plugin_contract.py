@@ -149,7 +149,7 @@ CONTRACT_MODULES = {
     "czoo_backends": minimal_backend_source("Fine")
     + """
     class NoHook(Fine):
-        def capture_one(self, key, forward_fn):  # the seed's NPU backend bug
+        def capture_one(self, key, forward_fn):  # no post_warmup_hook
             pass
 
     class ExtraArg(Fine):

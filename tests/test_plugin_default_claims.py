@@ -1,4 +1,4 @@
-"""Conflicting plugins (issue 15, section 1): default claims that do not depend on install
+"""Conflicting plugins: default claims that do not depend on install
 or ``sys.path`` order, one backend name behind two distributions through one module, and
 ``config`` naming an installed-but-failed or conflicting backend by its cause.
 

@@ -1,4 +1,4 @@
-"""One plugin never breaks the others (issue 11): whatever loading an entry point raises,
+"""One plugin never breaks the others: whatever loading an entry point raises,
 nameless distributions, plugins that use the registry while it loads them, aliases that
 must not rename a class, threads, and reset_registry() keeping in-process calls.
 
@@ -373,7 +373,7 @@ def test_reset_keeps_calls_made_before_the_registry_was_rescanned(wellbehaved):
     assert "nb" in _rows()
 
 
-def test_a_kept_registration_that_now_conflicts_is_dropped_loudly(wellbehaved, extra_site):
+def test_a_kept_registration_conflicting_after_a_rescan_is_dropped_loudly(wellbehaved, extra_site):
     registry.register(BackendSpec(name="late", backend_class=RecordingBackend, phases=("decode",), devices=("*",)))
     wellbehaved.syspath_prepend(str(extra_site))
     load_only(wellbehaved, "iso_good,cgr-iso-a,cgr-iso-b,late")

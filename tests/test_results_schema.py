@@ -137,6 +137,8 @@ def test_bench_rows_become_timings_and_runners():
 def test_run_tables_with_a_bad_cell_name_the_field():
     with pytest.raises(ResultsSchemaError, match=r"timings\[0\]\.median_ms"):
         from_run_models({"m": {"decode": {"1": {"full": {"median_ms": "x"}}}}}, {"device": "cuda"})
+    with pytest.raises(ResultsSchemaError, match=r"models\.m\.decode\.1\.full: expected a timing object"):
+        from_run_models({"m": {"decode": {"1": {"full": 2.0}}}}, {"device": "cuda"})
 
 
 def test_make_docs_refuses_a_broken_file_naming_the_field(tmp_path, capsys):

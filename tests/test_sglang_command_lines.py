@@ -329,14 +329,14 @@ def test_tc_compiler_from_sglang_flags_on_full_warns_that_it_is_ignored():
     ],
     ids=["api-dict", "per-phase-flag", "with_phase"],
 )
-def test_old_compiled_full_spelling_warns_and_compiles(build):
+def test_deprecated_compiled_full_spelling_warns_and_compiles(build):
     with pytest.warns(DeprecationWarning, match="use torch_compile: 'inductor'.*--enable-torch-compile"):
         config = build()
     assert config.decode.torch_compile == "inductor" and config.decode.tc_compiler == "eager"
     assert config.decode.compiled_max_bs() >= 256  # the deprecated spelling compiles every captured size
 
 
-def test_old_bench_label_warns_and_reads_as_the_new_one():
+def test_deprecated_bench_label_warns_and_reads_as_its_replacement():
     from cuda_graph_runner.cli.bench.backends import TORCH_COMPILE, label_of, parse_backends
 
     with pytest.warns(DeprecationWarning, match="'full\\+torch_compile'"):

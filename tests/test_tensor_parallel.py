@@ -235,7 +235,7 @@ def test_bench_tp_usage_errors(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
-# -- the compiled path's custom ops (issue 20) -----------------------------------------------
+# -- the compiled path's custom ops -----------------------------------------------------
 
 
 def test_groups_are_named_for_the_custom_ops_and_found_by_name():

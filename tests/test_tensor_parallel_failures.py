@@ -297,7 +297,7 @@ def test_weights_moved_or_asleep_on_one_rank_raise_on_every_rank(ranks):
         assert r["stale_then"] is True and r["asleep_then"] is True, r["rank"]
         (kind, message), asleep = r["half_wake"]
         assert kind == "TensorParallelMismatchError" and "rank 1: [4, 2, 1]" in message, (r["rank"], kind, message)
-        assert asleep is (r["rank"] == 1)  # rank 1 stays asleep, as before the wake
+        assert asleep is (r["rank"] == 1)  # rank 1 stays asleep, as it was before the wake
 
 
 def test_a_failed_capture_step_is_rolled_back_without_a_group_too():

@@ -160,7 +160,7 @@ def test_config_variants_round_trip():
     assert CudaGraphConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_a_model_without_variants_keeps_one_graph_per_size_and_the_old_keys():
+def test_a_model_without_variants_has_one_graph_per_size_and_mode_only_keys():
     runner = make_runner(model=ToyModel())
     assert runner.variants == [""]
     runner.capture()

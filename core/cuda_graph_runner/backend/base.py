@@ -88,7 +88,7 @@ WarmupHook = Optional[Callable[[], None]]
 
 
 class BaseCudaGraphBackend(abc.ABC):
-    """Base class of every capture mechanism (the seed's ``BaseCudaGraphBackend``).
+    """Base class of every capture mechanism.
 
     Subclasses implement ``capture_one`` and ``replay`` (the two abstract methods) and
     override any of the other four contract methods (``capture_session``, ``can_run``,

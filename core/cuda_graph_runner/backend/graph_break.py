@@ -38,7 +38,7 @@ A backend may then record the op into its graph for those modes (``breakable`` d
 so a decode step is one graph instead of one segment per layer: vLLM's
 ``FULL_AND_PIECEWISE`` split of uniform decode from mixed batches, and its attention
 backends' ``AttentionCGSupport.UNIFORM_BATCH`` declaration). In the other modes the op
-breaks the graph as before. While a backend records such an op, the host-value guard
+breaks the graph like any marked op. While a backend records such an op, the host-value guard
 stays armed inside it (:mod:`cuda_graph_runner.backend.host_guard`), so a host read breaking the
 promise is an error at capture rather than a silently frozen value.
 

@@ -199,7 +199,7 @@ def iter_tensors(value: Any, *, strict: bool = False, where: str = "output") -> 
 
 def map_pairs(fn: Callable[[torch.Tensor, Any], None], dst: Any, src: Any, *, where: str = "output") -> None:
     """Call ``fn(d, s)`` for each tensor ``d`` of ``dst`` and the value ``s`` at the same
-    place in ``src`` (used to copy a new result into the tensors a capture returned).
+    place in ``src`` (copying a new result into the tensors a capture returned, for one).
 
     Raises:
         ValueError: ``src`` has another structure (container type, length, keys or

@@ -66,9 +66,9 @@ RANGE_PREFIX = "cuda_graph_runner"
 def _profiler_flag() -> Callable[[], bool]:
     flag = getattr(torch.autograd, "_profiler_enabled", None)
     if flag is None:  # a torch without the C flag: the Python-side mirror the profiler keeps
-        import torch.autograd.profiler as legacy
+        import torch.autograd.profiler as autograd_profiler
 
-        return lambda: bool(getattr(legacy, "_is_profiler_enabled", False))
+        return lambda: bool(getattr(autograd_profiler, "_is_profiler_enabled", False))
     return flag
 
 

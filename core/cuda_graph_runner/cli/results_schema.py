@@ -354,7 +354,12 @@ def from_run_models(
     prefill cells of the run's other request counts, each cell with its ``requests``);
     other keys go to ``extra.models[MODEL]``: run.py's ``floor_ms``, ``device_rates``,
     ``prefill_requests``, machine state).
-    run.py writes with it. A bare float cell is its median."""
+    run.py writes with it.
+
+    Raises:
+        ResultsSchemaError: a cell is not a timing object (names it), or a record breaks
+            :data:`SCHEMA`.
+    """
     timings: List[Dict[str, Any]] = []
     ratios: List[Dict[str, Any]] = []
     runners: List[Dict[str, Any]] = []
@@ -369,7 +374,12 @@ def from_run_models(
             for x, methods in (m.get(phase) or {}).items():
                 for method, cell in methods.items():
                     rec = {"model": model, "phase": phase, "method": method, size: int(x)}
-                    rec.update(cell if isinstance(cell, dict) else {"median_ms": cell})
+                    if not isinstance(cell, dict):
+                        raise ResultsSchemaError(
+                            f"models.{model}.{phase}.{x}.{method}: expected a timing object "
+                            f"{{'median_ms': ...}}, got {cell!r}"
+                        )
+                    rec.update(cell)
                     if phase == "decode" and str(x) in (diffs.get(method) or {}):
                         rec["max_abs_diff"] = diffs[method][str(x)]
                     timings.append(rec)

@@ -217,7 +217,7 @@ from __future__ import annotations
 from .convert import ConfigInput, as_config
 from .exceptions import CudaGraphConfigError
 from .flags import add_cuda_graph_args, source_phases  # noqa: F401 - source_phases: backend_options
-from .model import (  # noqa: F401 - SOURCE_*: exported as before, outside __all__
+from .model import (  # noqa: F401 - SOURCE_*: exported, outside __all__
     _BACKEND_NAME,  # the one backend-name pattern; the registry may share it
     BACKEND_OPTION_KEYS,
     CAPTURE_POLICIES,

@@ -800,7 +800,7 @@ class BaseCudaGraphRunner(abc.ABC):
     def _roll_back(self, size: int, had: Set[ShapeKey]) -> None:
         """Forget what the failed capture step of ``size`` left (every variant's key not
         captured before the step, whole or half made): the backend drops it
-        (``backend.discard``) and the runner no longer lists it, so every rank of a TP
+        (``backend.discard``) and the runner drops it from its list, so every rank of a TP
         group keeps the same graphs and the next ``capture()`` captures the same sizes."""
         for variant in self.capture_variants():
             key = self.same_key(self.make_variant_key(size, variant))
@@ -1264,7 +1264,7 @@ class BaseCudaGraphRunner(abc.ABC):
             The :class:`~cuda_graph_runner.runner.capture_report.CaptureReport` of the recapture.
 
         Raises:
-            What :meth:`capture` raises; the runner is then asleep as before (nothing half
+            What :meth:`capture` raises; the runner then stays asleep (nothing half
             captured is kept), so ``wake()`` may be called again.
         """
         return sleep_mode.wake(self)

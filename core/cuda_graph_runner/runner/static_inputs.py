@@ -22,7 +22,7 @@ The runner then
   host list / tuple of numbers, converted on the way) into the buffer and pads the rest
   of the captured rows with ``pad_value``; a live batch without ``extra[name]`` (or with
   None) gets ``pad_value`` in every row. The live batch's other ``extra`` entries are
-  passed through by reference, as before.
+  passed through by reference.
 
 Idea: sglang's attention backends own static metadata buffers that they fill in
 ``init_forward_metadata_replay_cuda_graph``; its LoRA manager keeps per-request adapter

@@ -14,7 +14,7 @@ The model's side (optional protocol methods)::
         return "lora" if any adapter is used else "nolora"
 
 and it reads ``batch.graph_variant`` in its forward to record the variant's code. A
-model without ``graph_variants`` has one graph per size (variant ``""``), as before.
+model without ``graph_variants`` has one graph per size (variant ``""``).
 
 The runner's side:
 

@@ -36,12 +36,12 @@ MAX_NAMED = 8
 
 
 class StaleWeightsError(CudaGraphRunnerError, RuntimeError):
-    """Parameters or buffers of the model no longer live where the captured graphs read
-    them: a replay would compute with the old weights.
+    """Parameters or buffers of the model live elsewhere than where the captured graphs
+    read them: a replay would compute with the old weights.
 
     Attributes:
         changed: names whose storage moved (re-assigned, reloaded, cast).
-        missing: names the model no longer has.
+        missing: names the captured graphs read that the model lacks.
         added: names the model has now and did not have at capture.
         phase: the runner's phase.
     """

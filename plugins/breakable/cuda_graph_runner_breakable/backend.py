@@ -17,7 +17,7 @@ one graph (as ``full`` does, without one Python call and a few launches per laye
 the host) while prefill still breaks at every attention (vLLM's ``FULL_AND_PIECEWISE``:
 full graphs for uniform decode, pieces for the rest; vLLM's breakable wrapper likewise
 runs its eager break inline inside a FULL-mode forward). Ops not declared safe for the
-mode break as before, in every phase.
+mode break the graph, in every phase.
 
 Memory and addresses:
 

@@ -1,5 +1,5 @@
 """GPU: backend ``breakable`` with the reference attention recorded inside the segments in
-decode (declared capture-safe for the fixed-width modes, issue 23).
+decode (declared capture-safe for the fixed-width modes).
 
 * every decode (and target-verify) shape is one CUDA graph, no eager break; prefill
   shapes still break at every attention;

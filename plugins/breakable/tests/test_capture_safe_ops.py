@@ -1,4 +1,4 @@
-"""Backend ``breakable`` and marked ops declared capture-safe per forward mode (CPU, issue 23).
+"""Backend ``breakable`` and marked ops declared capture-safe per forward mode (CPU).
 
 * Structure (recording fake graph API): with the reference model a decode or
   target-verify shape is one segment (the attention recorded inside it), a prefill shape

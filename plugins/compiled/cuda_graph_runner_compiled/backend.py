@@ -285,7 +285,7 @@ def _below_autograd() -> ContextManager[Any]:
     (torch/_library/autograd.py, custom_ops.py); below them a ``tiny`` decode step at
     batch 1 costs ~25% less host time. It is PyTorch's AutoDispatchBelowADInplaceOrView,
     what InferenceMode does, without making the outputs inference tensors (callers may
-    write into them). In-place writes (the KV cache) run as before but bump no version
+    write into them). In-place writes (the KV cache) run but bump no version
     counter, exactly as a CUDA graph replay's kernels do: a tensor saved for backward by
     an earlier grad-enabled forward and then overwritten is not detected, with any
     graph backend.

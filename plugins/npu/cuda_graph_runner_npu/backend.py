@@ -5,10 +5,9 @@ The idea comes from sglang's ``NPUCudaGraphBackend``
 on ``torch.npu.NPUGraph`` whose replay can first rebind host-side inputs of the recorded
 graph (the sequence lengths Ascend's fused attention takes as a host list) through
 ``NPUGraph.update(cpu_update_input=[{name: values}])``, without recording again.
-Two of the seed's mistakes are avoided here: its ``capture_one`` lacked
-``post_warmup_hook`` (decode capture failed once a runner passed it), and an early
-version ran the update in a thread concurrently with the replay. Here the update
-returns before the replay is issued, and a failed update never replays.
+``capture_one`` takes ``post_warmup_hook`` like every backend (the runners pass it),
+and the update runs on the calling thread: it returns before the replay is issued (an
+update on another thread would race the replay), and a failed update never replays.
 
 The device module is reached through ``self.device_module`` (``torch.npu`` once
 torch_npu is imported; a test double in tests), never through a ``torch.npu``
@@ -231,7 +230,7 @@ class NPUCudaGraphBackend(BaseCudaGraphBackend):
                 self.synchronize()  # this backend's device only
             try:
                 # Synchronous on purpose: the replay below must not start before the
-                # update has been issued (the seed's threaded update raced the replay).
+                # update has been issued (an update on another thread would race it).
                 graph.update(cpu_update_input=cpu_update_input)
             except Exception as exc:
                 raise NPUGraphUpdateError(

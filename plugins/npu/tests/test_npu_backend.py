@@ -102,7 +102,7 @@ def test_runner_captures_largest_first_into_one_pool_and_calls_the_models_hook()
     assert len(begins) == 4 and {b[2] for b in begins} == {fake.pool_handle}
     assert fake.names().count("graph_pool_handle") == 1  # one pool for every size
     assert all(b[4] is True for b in begins)
-    # The seed's NPU backend dropped post_warmup_hook; the runner passes the model's.
+    # The runner passes the model's post_warmup_hook, and the backend calls it.
     assert runner.model.post_warmup_calls == 4
 
 
@@ -160,8 +160,8 @@ def test_replay_updates_the_padded_host_seq_lens_then_replays(bs):
 
 
 def test_update_finishes_before_the_replay_even_when_slow():
-    # The seed once ran the update in a thread while replaying; a slow update would then
-    # finish after the replay started. Here the replay is issued only after it returns.
+    # An update on another thread would finish after the replay started when slow; the
+    # replay is issued only after the update returns.
     fake, backend = make()
     runner = make_runner(backend, max_bs=4)
     runner.capture()

@@ -164,7 +164,7 @@ def test_update_needs_auto_dispatch_capture_which_graph_sets_on_the_graph(graphs
         for t in n.targets
         if isinstance(t, ast.Attribute) and t.attr == "auto_dispatch_capture"
     ]
-    assert sets, "graph.__init__ no longer sets npu_graph.auto_dispatch_capture"
+    assert sets, "graph.__init__ does not set npu_graph.auto_dispatch_capture"
 
 
 def test_graph_pool_handle_takes_no_argument(graphs):

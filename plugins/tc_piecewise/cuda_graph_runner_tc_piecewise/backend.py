@@ -1,7 +1,7 @@
 """``TcPiecewiseCudaGraphBackend``: torch.compile split at the marked ops, each piece a CUDA graph per size.
 
-The seed's ``TcPiecewiseCudaGraphBackend`` (sglang ``runner_backend/`` and
-``compilation/``) and vLLM's piecewise mode, as a plugin. How it runs:
+sglang's piecewise CUDA graph backend (``runner_backend/`` and ``compilation/``) and
+vLLM's piecewise mode, as a plugin. How it runs:
 
 ``prepare(plan)`` (once, before the capture session; the runner's
 :class:`~cuda_graph_runner.backend.capture_plan.CapturePlan`)
@@ -39,7 +39,7 @@ Direct replay (no Dynamo per step)
     the forward's Python, so tensors the forward reads must not be replaced after
     capture (``cleanup()`` and capture again). Anything else (another batch, a forward
     called twice per capture, a return value not made of graph outputs, ``debug``) goes
-    through Dynamo as before.
+    through Dynamo.
 
 Dynamic shapes
     Before a compiled call (except replays) dim 0 of every tensor of the batch is

@@ -51,7 +51,7 @@ from ...config import CudaGraphConfig, CudaGraphConfigError
 from ..results_schema import SCHEMA
 from ..tables import format_cell as _fmt
 from ..tables import format_table
-from .args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here, as before
+from .args import DTYPES, FORMATS, add_bench_arguments  # noqa: F401 - importable from here too
 from .backends import BackendChoice, BenchRequestError, bench_picks, device_problem, plan_phase
 from .measure import (  # noqa: F401
     DEFAULT_PAIRED_ROUNDS,
@@ -62,7 +62,7 @@ from .measure import (  # noqa: F401
     replay_prepare_us,
     time_ms,
 )
-from .output import CSV_COLUMNS, results_csv, results_document  # noqa: F401 - importable from here, as before
+from .output import CSV_COLUMNS, results_csv, results_document  # noqa: F401 - importable from here too
 
 #: The ``"schema"`` of the bench's JSON (``--json PATH``, ``--format json``), shared with
 #: benchmarks/run.py (:mod:`cuda_graph_runner.cli.results_schema`).

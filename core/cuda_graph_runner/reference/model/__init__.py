@@ -51,7 +51,7 @@ from .attention_backend import (
 from .causal_lm import ReferenceLlamaForCausalLM
 from .config import PRESETS, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelConfig
 from .lora import LORA_IDS, LoRAAdapters
-from .rope import compute_inv_freq  # noqa: F401 - exported as before, outside __all__
+from .rope import compute_inv_freq  # noqa: F401 - exported, outside __all__
 
 __all__ = [
     "ATTENTION_BACKENDS",

@@ -177,7 +177,7 @@ def paged_attention_forward(
 
     Raises:
         RuntimeError: the module is not bound to an adapter, a mask was built (the
-            installed transformers no longer bypasses it), or the batch is not packed
+            installed transformers does not bypass it), or the batch is not packed
             as one row.
     """
     binding: Optional[_PagedBinding] = getattr(module, "_cgr_paged", None)
@@ -188,8 +188,8 @@ def paged_attention_forward(
         )
     if attention_mask is not None:
         raise RuntimeError(
-            "transformers built an attention mask for the paged attention: the installed transformers no longer "
-            f"returns early for a custom attention implementation (tested: transformers{TRANSFORMERS_RANGE})"
+            "transformers built an attention mask for the paged attention: the installed transformers does not "
+            f"return early for a custom attention implementation (tested: transformers{TRANSFORMERS_RANGE})"
         )
     if query.shape[0] != 1:
         raise RuntimeError(f"the paged attention takes one packed row, got a batch of {query.shape[0]}")
