@@ -8,9 +8,9 @@ Each pattern below names a kind of history; the exceptions are the legitimate us
 same words, kept precise so the check stays a check:
 
 * a reference to an issue or pull request of our own tracker (``issue 23``, ``#23``). A
-  line naming the project a reference belongs to (``pytorch issue #186026``,
-  ``sglang's ... (PR #19102)``) cites a source, and so does a ``#N`` the same file links to
-  that project's GitHub page;
+  reference whose line (or the line before) names the project it belongs to (``pytorch
+  issue #186026``, ``sglang's ... (PR #19102)``) cites a source, and so does a ``#N`` the
+  same file links to that project's GitHub page;
 * words telling how the code was: "as before", "the seed", "previously", "used to",
   "no longer", "now does", "formerly", "anymore", "legacy". "legacy" is also the name of
   sglang's deprecated-flag tier (``legacy:--cuda-graph-bs`` sources, ``legacy flags``) and
@@ -87,10 +87,13 @@ def _history(path: Path, root: Path = ROOT) -> List[str]:
     relative = path.relative_to(root)
     legacy_flags = any(relative.match(pattern) for pattern in SGLANG_LEGACY_FLAGS)
     found = []
-    for n, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
+        # A reference's project may be named on the line before (a sentence wrapped).
+        context = line if n == 1 else lines[n - 2] + " " + line
         for what, pattern, exception in HISTORY:
             for match in pattern.finditer(line):
-                if exception is not None and exception.search(line):
+                if exception is not None and exception.search(context if exception is SOURCES else line):
                     continue
                 if what == "an issue or pull request number" and match.group()[1:] in linked:
                     continue
@@ -123,6 +126,8 @@ def test_the_check_finds_each_kind_and_spares_the_legitimate_uses(tmp_path):
     fine = [
         "pytorch issue #186026 asks for it",
         "sglang's breakable CUDA graph (PR #19102)",
+        "Idea: sglang's startup reports",
+        "(#6830, #3902); a wrapped sentence",
         "legacy flags such as --cuda-graph-bs; source legacy:--disable-cuda-graph",
         "rounding to the next multiple; one round of 20 calls; per round",
         "a capture session; the replay session; GreedySession",
