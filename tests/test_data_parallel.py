@@ -149,17 +149,27 @@ def _reference_sessions(dp: DPGroup, out: Dict[str, Any], prompts: Sequence) -> 
     out["eager"] = _session(model, mine, eager_prefill.forward, eager_decode.forward)
 
 
-def _schedule(dp: DPGroup, out: Dict[str, Any], schedule: Sequence[Sequence[int]]) -> None:
+#: How a rank agrees on a step, by ``(step + rank) % 3``: ranks mix the three in one step.
+AGREEMENTS = ("blocking", "started from the size", "started from the batch")
+
+
+def _schedule(dp: DPGroup, out: Dict[str, Any], schedule: Sequence[Sequence[int]], overlapped: bool = False) -> None:
     # Per step: the key each rank replayed (or None: eager), its output rows, and whether
-    # its rows equal the plain (single-process) forward of its own batch.
+    # its rows equal the plain (single-process) forward of its own batch. Overlapped: the
+    # agreement started before the batch is built (or from it), per AGREEMENTS.
     model = DPToy(dp)
     backend = RecordingBackend("cpu", phase="decode")
     runner = _decode_runner(model, backend)
     runner.capture()
     steps = []
-    for sizes in schedule:
+    for step, sizes in enumerate(schedule):
         bs = sizes[dp.rank]
+        how = AGREEMENTS[(step + dp.rank) % 3] if overlapped else "blocking"
+        if how == "started from the size":
+            runner.start_step_agreement(bs, variant="a")
         batch = decode_batch(bs, offset=dp.rank + 1) if bs else None
+        if how == "started from the batch":
+            runner.start_step_agreement(batch)
         before = len(backend.events)
         got = runner.forward(batch)
         keys = [e[1] for e in backend.events[before:] if e[0] == "replay"]
@@ -169,8 +179,63 @@ def _schedule(dp: DPGroup, out: Dict[str, Any], schedule: Sequence[Sequence[int]
             want = ToyModel.compute_logits(model, ToyModel.forward(model, batch), batch)
             same = bool(torch.allclose(got, want))
         steps.append((keys[0] if keys else None, None if got is None else got.shape[0], same))
-    out["schedule"] = steps
-    out["schedule_stats"] = runner.run_stats()["eager_fallbacks"]
+    name = "overlapped" if overlapped else "schedule"
+    out[name] = steps
+    out[f"{name}_stats"] = runner.run_stats()["eager_fallbacks"]
+
+
+class RefusingBackend(RecordingBackend):
+    """RecordingBackend whose ``can_run`` refuses every batch while ``refuse`` is set."""
+
+    refuse = False
+
+    def can_run(self, batch, key):
+        return not self.refuse and super().can_run(batch, key)
+
+
+def _overlap_edges(dp: DPGroup, out: Dict[str, Any]) -> None:
+    # Agreements started from a size whose built batch differs (rank 1): one the agreed
+    # graph cannot take, a batch of another size, another variant; then rank 1 never
+    # starts its agreement (rank 0 waits at most step_timeout_s).
+    import time
+
+    model = DPToy(dp)
+    backend = RefusingBackend("cpu", phase="decode")
+    runner = _decode_runner(model, backend)
+    runner.capture()
+
+    def step(declared: int, built: int, variant: str = "a") -> Dict[str, Any]:
+        runner.start_step_agreement(declared, variant="a")
+        batch = decode_batch(built, offset=dp.rank + 1)
+        before = len(backend.events)
+        result: Dict[str, Any] = {}
+
+        def run():
+            got = runner.forward(batch)
+            want = ToyModel.compute_logits(model, ToyModel.forward(model, batch), batch)
+            result["same"] = bool(torch.allclose(got, want))
+
+        result["outcome"] = _outcome(run)
+        result["keys"] = [e[1] for e in backend.events[before:] if e[0] == "replay"]
+        return result
+
+    backend.refuse = dp.rank == 1
+    out["refused"] = step(3, 3) if dp.rank == 0 else step(1, 1)
+    backend.refuse = False
+    out["refused_stats"] = runner.run_stats()["eager_fallbacks"]
+    out["other_size"] = step(3, 3) if dp.rank == 0 else step(2, 3)
+    model.choice = lambda batch: "a" if dp.rank == 0 else "b"
+    out["other_variant"] = step(2, 2)
+    model.choice = lambda batch: "a"
+    out["after"] = step(1, 1) if dp.rank == 0 else step(2, 2)
+    dp.step_timeout_s = 1.0
+    if dp.rank == 1:  # never starts this step's agreement
+        time.sleep(2.5)
+        return
+    start = time.monotonic()
+    out["stalled"] = _outcome(lambda: (runner.start_step_agreement(2, variant="a"), runner.forward(decode_batch(2))))
+    out["stalled_s"] = time.monotonic() - start
+    out["then_stalled"] = _outcome(lambda: runner.start_step_agreement(2, variant="a"))
 
 
 def _failures(dp: DPGroup, out: Dict[str, Any]) -> None:
@@ -314,6 +379,8 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
     every = {
         "_reference_sessions": lambda: _reference_sessions(dp, out, PROMPTS[world]),
         "_schedule": lambda: _schedule(dp, out, SCHEDULE[world]),
+        "_overlapped": lambda: _schedule(dp, out, SCHEDULE[world], overlapped=True),
+        "_overlap_edges": lambda: _overlap_edges(dp, out),
         "_failures": lambda: _failures(dp, out),
         "_collectives": lambda: _collectives(dp, out),
     }
@@ -329,13 +396,14 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    scenarios = ("_reference_sessions", "_schedule", "_failures", "_collectives")
+    # _overlap_edges last: its stalled step leaves the group unusable.
+    scenarios = ("_reference_sessions", "_schedule", "_failures", "_collectives", "_overlapped", "_overlap_edges")
     return run_ranks(_rank, 2, 2, scenarios, timeout_s=150, group_timeout_s=GROUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_ranks(_rank, 4, 4, ("_schedule",), timeout_s=200, group_timeout_s=GROUP_TIMEOUT_S)
+    return run_ranks(_rank, 4, 4, ("_schedule", "_overlapped"), timeout_s=200, group_timeout_s=GROUP_TIMEOUT_S)
 
 
 def _done(ranks, scenario: str) -> None:
@@ -371,11 +439,11 @@ def _eager(model):
     return eager_logits_fn(model)
 
 
-def _check_schedule(ranks, world: int) -> None:
-    _done(ranks, "_schedule")
+def _check_schedule(ranks, world: int, name: str = "schedule") -> None:
+    _done(ranks, f"_{name}")
     for step, sizes in enumerate(SCHEDULE[world]):
         biggest = max(sizes)
-        keys = {r["schedule"][step][0] for r in ranks}
+        keys = {r[name][step][0] for r in ranks}
         assert len(keys) == 1, (step, sizes, keys)  # every rank replays the same key (or none)
         (key,) = keys
         if 0 < biggest <= MAX_BS:
@@ -384,7 +452,7 @@ def _check_schedule(ranks, world: int) -> None:
         else:
             assert key is None, (step, sizes, key)
         for r in ranks:
-            _, rows, same = r["schedule"][step]
+            _, rows, same = r[name][step]
             bs = sizes[r["rank"]]
             assert rows == (None if biggest == 0 else bs), (step, r["rank"], rows)
             assert same, (step, r["rank"])  # its own rows equal its own batch's forward
@@ -405,6 +473,44 @@ def test_dp2_every_rank_replays_the_same_key_every_step(two_ranks):
 def test_dp4_ragged_and_idle_ranks_replay_the_same_key_and_their_own_rows(four_ranks):
     """DP=4: ragged steps with idle ranks; each rank's rows equal its own batch's forward."""
     _check_schedule(four_ranks, 4)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_agreement_replays_the_same_key_on_every_rank(world, two_ranks, four_ranks):
+    """Agreements started before the batch is built (from its size), from the built batch,
+    or blocking, mixed across the ranks of one step: every rank replays the same key
+    (ragged steps, idle ranks), and each rank's rows equal its own batch's forward."""
+    ranks = two_ranks if world == 2 else four_ranks
+    _check_schedule(ranks, world, "overlapped")
+    assert ranks[0]["overlapped_stats"] == ranks[0]["schedule_stats"]  # the same steps ran eagerly
+
+
+def test_overlapped_agreement_keeps_a_rank_with_another_batch_in_step(two_ranks):
+    """A rank whose built batch differs from the size it started from: its batch the agreed
+    graph cannot take runs eagerly at the graph's size (rank 0 still replays); a batch of
+    another size or variant runs the step as an idle rank, then raises on that rank alone;
+    the next step runs. A rank that never starts its agreement: rank 0 raises within
+    step_timeout_s, and the group refuses further agreements at once."""
+    _done(two_ranks, "_overlap_edges")
+    r0, r1 = two_ranks
+    assert r0["refused"] == {"outcome": ("ok", None), "same": True, "keys": [r0["refused"]["keys"][0]]}
+    assert r0["refused"]["keys"][0].size == 4
+    assert r1["refused"] == {"outcome": ("ok", None), "same": True, "keys": []}  # eager, at size 4
+    assert r1["refused_stats"] == {"variant not captured": 1}, r1["refused_stats"]
+    assert r0["other_size"]["outcome"] == ("ok", None) and r0["other_size"]["same"]
+    kind, message = r1["other_size"]["outcome"]
+    assert kind == "ValueError" and "got a batch of 3" in message and "declared 2" in message, message
+    assert r1["other_size"]["keys"] == r0["other_size"]["keys"]  # in step, as an idle rank
+    assert r0["other_variant"]["outcome"] == ("ok", None)
+    kind, message = r1["other_variant"]["outcome"]
+    assert kind == "ValueError" and "graph_variant(batch) is 'b'" in message and "variant='a'" in message, message
+    for r in two_ranks:
+        assert r["after"]["outcome"] == ("ok", None) and r["after"]["same"], r["after"]
+        assert r["after"]["keys"] == r0["after"]["keys"] and r["after"]["keys"][0].size == 2
+    kind, message = r0["stalled"]
+    assert kind == "DataParallelStepError" and "did not complete on DP rank 0 of 2 within 1 s" in message, message
+    assert r0["stalled_s"] < GROUP_TIMEOUT_S  # the step timeout, not the process group's
+    assert r0["then_stalled"] == ("DataParallelStepError", message)
 
 
 def test_dp2_a_failure_on_one_rank_is_named_on_every_rank(two_ranks):

@@ -36,7 +36,7 @@ from . import sleep as sleep_mode
 from .arguments import check_backend_arg, claim_backend, model_device
 from .capture_gc import freeze_gc
 from .capture_report import CaptureOutOfMemoryError, CaptureReport, device_memory_info, find_out_of_memory
-from .data_parallel import dp_forward
+from .data_parallel import StepAgreement, dp_forward, start_step_agreement
 from .decision import Decision, EagerDecision, ReplayDecision
 from .distributed import TensorParallelMismatchError, TensorParallelStepError, TPGroup, tp_agree, tp_capture_step
 from .dp_group import DPGroup
@@ -294,6 +294,8 @@ class BaseCudaGraphRunner(abc.ABC):
         self._missing_extra: set = set()
         #: ``(batch, variant)`` while ``forward`` replays the batch it decided (see forward).
         self._decided: Optional[Tuple[ForwardBatch, str]] = None
+        #: The DP step agreement started for the next forward (start_step_agreement).
+        self._step_agreement: Optional[StepAgreement] = None
         #: Replays and eager fallbacks of ``forward`` (:mod:`.stats`; see :meth:`run_stats`).
         self.stats = RunStats()
         self.capture_seconds: Optional[float] = None
@@ -995,13 +997,46 @@ class BaseCudaGraphRunner(abc.ABC):
     def _backend_label(self) -> str:
         return self.backend.name or type(self.backend).__name__
 
+    def start_step_agreement(self, batch: Any, *, variant: Optional[str] = None) -> Optional[StepAgreement]:
+        """Start the data-parallel agreement of the next :meth:`forward` without waiting
+        (:func:`.data_parallel.start_step_agreement`): call it as soon as this rank knows
+        its live size, build the step's ``ForwardBatch``, then ``forward(batch)`` waits
+        on it, so the agreement's all-reduce overlaps the batch building.
+
+        Args:
+            batch: this rank's live size (int: requests for decode, tokens for prefill),
+                the step's ``ForwardBatch``, or None (no requests).
+            variant: the graph variant the batch will replay, when ``batch`` is a size and
+                the runner captures several.
+
+        Returns:
+            The started :class:`~.data_parallel.StepAgreement`, or None without a DP group
+            of more than one rank (nothing to agree; ``forward`` runs as always).
+
+        Raises:
+            ValueError: a bad size or variant (names it and what is accepted; the other
+                ranks get DataParallelStepError at their wait).
+            RuntimeError: an agreement is already started and not yet used by ``forward``.
+        """
+        dp = self.dp_group
+        if dp is None or not dp.is_parallel:
+            return None
+        if self._step_agreement is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.start_step_agreement: an agreement is already started for the next "
+                "forward(); one per step"
+            )
+        self._step_agreement = start_step_agreement(self, dp, batch, variant=variant)
+        return self._step_agreement
+
     def forward(self, batch: Optional[ForwardBatch]) -> Any:
         """Replay when a graph covers ``batch``, else run it eagerly (both without autograd).
 
         With a DP group (``model.dp_group``) every rank calls this every step, ``batch``
         None on a rank without requests: :func:`.data_parallel.dp_forward` pads every rank
         to the largest live size and returns this rank's own rows (None when no rank has
-        requests).
+        requests). It waits on the agreement :meth:`start_step_agreement` started, or
+        runs the agreement itself (blocking) when none was.
 
         Returns:
             The model's output for ``batch``. A replayed output is valid until the next
@@ -1012,8 +1047,9 @@ class BaseCudaGraphRunner(abc.ABC):
             ValueError: ``batch`` is None without a DP group.
         """
         if self.dp_group is not None and self.dp_group.is_parallel:
+            agreement, self._step_agreement = self._step_agreement, None
             with torch.no_grad():
-                return dp_forward(self, self.dp_group, batch)
+                return dp_forward(self, self.dp_group, batch, agreement)
         if batch is None:
             raise ValueError("batch=None (a rank without requests) is accepted only with a DP group (model.dp_group)")
         with torch.no_grad():

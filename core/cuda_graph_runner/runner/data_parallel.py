@@ -16,17 +16,17 @@ the eager path is ``runner.eager`` (``padded_eager`` applies).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
 from ..backend.forward_batch import ForwardBatch, ForwardMode
 from ..backend.profiling import eager_range_name, profiler_enabled
-from .dp_group import DataParallelStepError, DPGroup
+from .dp_group import DataParallelStepError, DPGroup, PendingAgreement
 from .sleep import asleep_error
 from .stats import REASON_EMPTY, REASON_OTHER_RANK
 
-__all__ = ["dp_forward", "padded_batch"]
+__all__ = ["StepAgreement", "dp_forward", "padded_batch", "start_step_agreement"]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -34,12 +34,153 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:500]}"
 
 
-def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
+class StepAgreement:
+    """A step's agreement started on this rank (``runner.start_step_agreement``): the
+    values it sent, and the all-reduce in flight. The runner's next ``forward`` waits on
+    it; :meth:`wait` gives the agreed values earlier.
+
+    Attributes:
+        live: the live size this rank declared (requests for decode, tokens for prefill;
+            0: no requests).
+        variant: the graph variant it declared (None: no requests, or it cannot replay).
+        ready: whether it declared it can replay.
+        batch: the batch it was started from (None when started from a size).
+    """
+
+    def __init__(
+        self, runner: Any, pending: PendingAgreement, live: int, ready: bool, variant: Optional[str], batch: Any
+    ) -> None:
+        self.runner, self.pending = runner, pending
+        self.live, self.ready, self.variant, self.batch = live, ready, variant, batch
+
+    def wait(self) -> Tuple[int, bool, Optional[str]]:
+        """``(max live size over the ranks, every rank ready, the agreed variant)``; raises
+        as :meth:`cuda_graph_runner.runner.dp_group.PendingAgreement.wait`."""
+        return self.pending.wait()
+
+
+def start_step_agreement(
+    runner: Any, dp: DPGroup, batch: Union[ForwardBatch, int, None], *, variant: Optional[str] = None
+) -> StepAgreement:
+    """Start this rank's agreement for the next step and return without waiting.
+
+    Called as soon as the rank knows its live size, before it builds the step's
+    ``ForwardBatch`` (input tensors, attention metadata), so the all-reduce's latency
+    overlaps that work; ``runner.forward(batch)`` of the step then waits on it. The
+    host cost is the issue (a few µs) and whatever of the collective's latency the
+    building did not cover.
+
+    Args:
+        batch: this rank's live size as an int (decode: requests; prefill: tokens), or
+            the step's ``ForwardBatch`` (then every check of the blocking path runs
+            here), or None (no requests).
+        variant: the graph variant the batch will replay (``model.graph_variant`` of
+            it) when ``batch`` is a size and the runner captures several; with one
+            captured variant it is that one.
+
+    Started from a size, the checks that need the built batch run in ``forward``: a
+    batch whose size or variant differs from the declared one, or that the replay
+    would refuse (:func:`check_live_batch`), runs the agreed step as a rank without
+    requests (the ranks' collectives stay paired) and then raises on this rank alone;
+    a batch the agreed graph cannot take (``backend.can_run``, the runner's own limits)
+    runs eagerly padded to the agreed graph's size, in step with the ranks that replay.
+
+    Raises:
+        ValueError: a negative size, a ``variant`` the runner did not capture, no
+            ``variant`` with several captured, or what the blocking path raises for a
+            ``ForwardBatch`` (after telling the other ranks, as there).
+        RuntimeError: an agreement is already started on this runner's group.
+        DataParallelStepError: the group is unusable after an agreement timed out.
+    """
+    built = batch if batch is None or isinstance(batch, ForwardBatch) else None
+    from_batch = built is not None or batch is None
+    live, ready, chosen = 0, bool(runner.captured_keys) and not runner.is_disabled, None
+    try:
+        if from_batch:
+            live, ready, chosen = _local_decision(runner, built, ready)
+        else:
+            live, chosen = _declared(runner, batch, variant)
+            _refuse_model_inputs(runner)
+        _step_checks(runner, ready)
+    except Exception as exc:
+        # Still part of the step's all-reduce, so the other ranks stop at once too.
+        pending = dp.start_agree_batch(live, False, None, variants=runner.capture_variants(), failed=_one_line(exc))
+        with contextlib.suppress(DataParallelStepError):
+            pending.wait()
+        raise
+    pending = dp.start_agree_batch(live, ready, chosen, variants=runner.capture_variants())
+    return StepAgreement(runner, pending, live, ready, chosen, built)
+
+
+def _declared(runner: Any, live: Any, variant: Optional[str]) -> Tuple[int, Optional[str]]:
+    if isinstance(live, bool) or not isinstance(live, int) or live < 0:
+        raise ValueError(
+            f"start_step_agreement({live!r}): accepted a live size (int >= 0: requests for decode, tokens for "
+            "prefill), the step's ForwardBatch, or None (no requests)"
+        )
+    if live == 0:
+        return 0, None
+    captured = list(runner.capture_variants())
+    if variant is None:
+        if len(captured) > 1:
+            raise ValueError(
+                f"start_step_agreement({live}) on a runner with graph variants {captured}: give variant= "
+                "(model.graph_variant of the batch this step runs)"
+            )
+        return live, captured[0]
+    if variant not in captured:
+        raise ValueError(f"start_step_agreement(variant={variant!r}): accepted one of the captured variants {captured}")
+    return live, variant
+
+
+def _refuse_model_inputs(runner: Any) -> None:
+    if runner.phase == "decode" and runner.model_inputs is not None:
+        raise ValueError(
+            "data parallelism does not pad model-owned static inputs (model.static_inputs() declares some, "
+            "LoRA adapter ids say): run the data-parallel model without them"
+        )
+
+
+def _local_decision(runner: Any, batch: Optional[ForwardBatch], ready: bool) -> Tuple[int, bool, Optional[str]]:
+    """This rank's live size, whether it can replay and its variant, from its built batch."""
+    _refuse_model_inputs(runner)
+    if batch is None:
+        return 0, ready, None
+    live = runner.size_of(batch)
+    check_live_batch(runner, batch)
+    if ready:  # what decide() refuses on this rank alone must not reach the replay
+        ready = runner.batch_matches(batch) and runner.fits_graphs(batch)
+    variant = None
+    if ready:
+        variant = runner.variant_of(batch)
+        # Asked for the largest graph of the variant (every rank holds it): the
+        # backend's per-batch conditions, before the size is known.
+        ready = bool(runner.backend.can_run(batch, runner.variant_key(runner.max_size, variant)))
+        if not ready:
+            variant = None
+    return live, ready, variant
+
+
+def _step_checks(runner: Any, ready: bool) -> None:
+    # As forward() without a group: a rank whose weights moved under its graphs, or
+    # that is asleep and raises, stops every rank at this step's agreement.
+    if ready and runner._weights_every:
+        runner._weights_tick()
+    if runner.sleep_state is not None and runner._asleep_raises:
+        raise asleep_error(runner)
+
+
+def dp_forward(
+    runner: Any, dp: DPGroup, batch: Optional[ForwardBatch], agreement: Optional[StepAgreement] = None
+) -> Any:
     """Run one data-parallel step of ``runner`` (call it on every rank, every step).
 
     Args:
         runner: a decode or prefill runner whose model's ``dp_group`` is ``dp``.
         batch: this rank's live batch, or None when it has no requests this step.
+        agreement: the step's agreement started by :func:`start_step_agreement` (waited
+            on here, after this rank's own checks of ``batch``), or None: the agreement
+            runs here, blocking.
 
     Returns:
         The output of this rank's live rows only (decode logits ``[bs * width, vocab]``;
@@ -47,60 +188,55 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         None when no rank of the group has requests (nothing runs).
 
     Raises:
-        DataParallelStepError: the step's decision failed on another rank (named).
+        DataParallelStepError: the step's decision failed on another rank (named), or
+            the agreement did not complete within ``dp.step_timeout_s``.
         DataParallelMismatchError: ranks would replay different graph variants.
         ValueError: (this rank's own, the other ranks get DataParallelStepError) a live
             batch the replay would refuse (:func:`check_live_batch`), or a model with
-            model-owned static inputs.
+            model-owned static inputs. With an ``agreement`` started from a size: a batch
+            whose size or variant differs from the declared one, or that the replay would
+            refuse (raised after the step ran in step, the other ranks unaffected).
         cuda_graph_runner.runner.weights.StaleWeightsError: (this rank's own, as the ValueError)
             the phase config's ``check_weights_every`` check found moved weights.
         cuda_graph_runner.runner.sleep.RunnerAsleepError: (this rank's own, as the
             ValueError) the runner is asleep and ``forward_asleep`` is ``raise``.
         Whatever else this rank's own decision raised (after the other ranks were told).
     """
-    live = 0
-    variant: Optional[str] = None
-    ready = bool(runner.captured_keys) and not runner.is_disabled
-    try:
-        if runner.phase == "decode" and runner.model_inputs is not None:
-            raise ValueError(
-                "data parallelism does not pad model-owned static inputs (model.static_inputs() declares some, "
-                "LoRA adapter ids say): run the data-parallel model without them"
-            )
-        if batch is not None:
-            live = runner.size_of(batch)
-            check_live_batch(runner, batch)
-            if ready:  # what decide() refuses on this rank alone must not reach the replay
-                ready = runner.batch_matches(batch) and runner.fits_graphs(batch)
-            if ready:
-                variant = runner.variant_of(batch)
-                # Asked for the largest graph of the variant (every rank holds it): the
-                # backend's per-batch conditions, before the size is known.
-                ready = bool(runner.backend.can_run(batch, runner.variant_key(runner.max_size, variant)))
-                if not ready:
-                    variant = None
-        # As forward() without a group: a rank whose weights moved under its graphs, or
-        # that is asleep and raises, stops every rank at this step's agreement.
-        if ready and runner._weights_every:
-            runner._weights_tick()
-        if runner.sleep_state is not None and runner._asleep_raises:
-            raise asleep_error(runner)
-    except Exception as exc:
-        with contextlib.suppress(DataParallelStepError):
-            dp.agree_batch(live, False, None, variants=runner.capture_variants(), failed=_one_line(exc))
-        raise
-    size, all_ready, agreed = dp.agree_batch(live, ready, variant, variants=runner.capture_variants())
+    problem: Optional[Exception] = None
+    if agreement is None:
+        agreement = start_step_agreement(runner, dp, batch)
+    elif agreement.batch is None:
+        try:  # the checks the start from a size could not make, while the all-reduce runs
+            _check_declared(runner, agreement, batch)
+        except Exception as exc:
+            problem = exc
+    elif agreement.batch is not batch:
+        problem = ValueError(
+            "forward(batch) got another batch than the one start_step_agreement(batch) was given; "
+            "accepted: the same ForwardBatch object (or start from a size)"
+        )
+    live, ready = agreement.live, agreement.ready
+    size, all_ready, agreed = agreement.wait()
     if size == 0:
+        if problem is not None:
+            raise problem
         return None
     key = _agreed_key(runner, size, all_ready, agreed)
+    if problem is not None:
+        # In step as a rank without requests (the others' collectives pair with this
+        # rank's), then this rank's own error.
+        _run_key(runner, padded_batch(runner, None, size), key, agreed)
+        raise problem
+    if key is not None and batch is not None and agreement.batch is None and not _takes(runner, batch, key):
+        # The agreed graph cannot take this rank's batch: eagerly at the graph's size,
+        # so this rank's collectives pair with the replaying ranks'.
+        work = padded_batch(runner, batch, key.size)
+        runner.stats.record_fallback(fallback_reason(runner, batch))
+        return own_rows(runner, _eager(runner, work, fallback_reason(runner, batch)), batch, key.size)
     work = padded_batch(runner, batch, size)
     if key is not None:
         runner.stats.record_replay(size)
-        runner._decided = (work, agreed or "")  # replay_prepare reads the agreed variant
-        try:
-            output = runner.replay(work)
-        finally:
-            runner._decided = None
+        output = _run_key(runner, work, key, agreed)
     else:
         if batch is None:
             reason = REASON_EMPTY
@@ -109,12 +245,55 @@ def dp_forward(runner: Any, dp: DPGroup, batch: Optional[ForwardBatch]) -> Any:
         else:  # this rank's own reason: the decision on the step's padded batch
             reason = runner._eager_reason(runner.decide(work))
         runner.stats.record_fallback(reason)
-        if profiler_enabled():  # the eager step is named in a trace, as a replay is
-            with torch.profiler.record_function(eager_range_name(runner.phase, reason)):
-                output = runner.eager(work)
-        else:
-            output = runner.eager(work)
+        output = _eager(runner, work, reason)
     return own_rows(runner, output, batch, size)
+
+
+def _check_declared(runner: Any, agreement: StepAgreement, batch: Optional[ForwardBatch]) -> None:
+    live = 0 if batch is None else runner.size_of(batch)
+    if live != agreement.live:
+        raise ValueError(
+            f"forward(batch) got a batch of {live} (along the {runner.phase} runner's axis) but "
+            f"start_step_agreement declared {agreement.live}; accepted: the declared size"
+        )
+    if batch is None:
+        return
+    check_live_batch(runner, batch)
+    if agreement.variant is not None and runner.batch_matches(batch):
+        got = runner.variant_of(batch)
+        if got != agreement.variant:
+            raise ValueError(
+                f"model.graph_variant(batch) is {got!r} but start_step_agreement declared variant="
+                f"{agreement.variant!r}; accepted: the declared variant"
+            )
+
+
+def _takes(runner: Any, batch: ForwardBatch, key: Any) -> bool:
+    """Whether the agreed graph ``key`` can replay this rank's built ``batch``."""
+    if not (runner.batch_matches(batch) and runner.fits_graphs(batch)):
+        return False
+    try:
+        return bool(runner.backend.can_run(batch, key))
+    except Exception:  # as fallback_reason: a can_run that raises is "cannot replay"
+        return False
+
+
+def _run_key(runner: Any, work: ForwardBatch, key: Any, agreed: Optional[str]) -> Any:
+    """``work`` through the agreed graph ``key``, or eagerly when ``key`` is None."""
+    if key is None:
+        return runner.eager(work)
+    runner._decided = (work, agreed or "")  # replay_prepare reads the agreed variant
+    try:
+        return runner.replay(work)
+    finally:
+        runner._decided = None
+
+
+def _eager(runner: Any, work: ForwardBatch, reason: str) -> Any:
+    if profiler_enabled():  # the eager step is named in a trace, as a replay is
+        with torch.profiler.record_function(eager_range_name(runner.phase, reason)):
+            return runner.eager(work)
+    return runner.eager(work)
 
 
 def check_live_batch(runner: Any, batch: ForwardBatch) -> None:

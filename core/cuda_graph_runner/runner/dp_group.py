@@ -20,8 +20,22 @@ uses it when its model has a ``dp_group`` attribute holding a :class:`DPGroup`.
 
 Sources: sglang's DP attention (graph size = max over DP ranks, one replay-or-eager vote
 for all ranks, idle ranks run a dummy batch: ``can_run_dp_cuda_graph``, the
-``global_num_tokens`` gather) and vLLM's DP with synchronized graph mode (the ranks'
-token counts all-reduced per step, every rank padded to the maximum).
+``global_num_tokens`` gather of ``Scheduler.prepare_mlp_sync_batch`` in
+``python/sglang/srt/managers/scheduler.py``, taken from the schedule batch before its
+``ForwardBatch`` is built) and vLLM's DP with synchronized graph mode (the ranks' token
+counts all-reduced per step on the CPU group, every rank padded to the maximum:
+``coordinate_batch_across_dp`` in ``vllm/v1/worker/dp_utils.py``, ``DPMetadata`` in
+``vllm/forward_context.py``). Both block on the collective; the overlapped start is
+this library's.
+
+Overlapped agreement: the all-reduce can start as soon as a rank knows its live size
+(:meth:`DPGroup.start_agree_batch`, ``async_op=True``) and be waited on only when the
+step needs its result (:meth:`PendingAgreement.wait`), so its latency overlaps the
+engine's batch building; :meth:`DPGroup.agree_batch` is the same start waited on at
+once. The runner side is ``runner.start_step_agreement`` (:mod:`cuda_graph_runner.runner.data_parallel`).
+Every wait is bounded by :attr:`DPGroup.step_timeout_s`: a rank that died, or never
+started its agreement for the step, is a :class:`DataParallelStepError` on every rank
+that waits, within that many seconds (the group is then unusable: end the process).
 
 Failures: a decision that raises on one rank (the model's ``graph_variant``, a
 backend's ``can_run``) still takes part in the step's all-reduce, so every rank raises
@@ -41,8 +55,10 @@ tensor parallelism is not supported (a model holding both groups is refused).
 
 from __future__ import annotations
 
+import array
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple
+import datetime
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,7 +73,9 @@ from .distributed import (
 )
 
 __all__ = [
+    "DEFAULT_STEP_TIMEOUT_S",
     "DPGroup",
+    "PendingAgreement",
     "DataParallelMismatchError",
     "DataParallelStepError",
     "all_gather_rows",
@@ -68,6 +86,11 @@ __all__ = [
 #: What a rank without a variant to replay (no requests, or it cannot replay) sends in
 #: the variant slots: above every digest, so the MIN compares only the ranks that have one.
 _NONE = 1 << 62
+
+#: Default seconds a rank waits for the other ranks' step agreement (a rank that died or
+#: never started its agreement): far above the ranks' skew within a step, far below the
+#: process group's timeout.
+DEFAULT_STEP_TIMEOUT_S = 10.0
 
 
 class DataParallelMismatchError(CudaGraphRunnerError, RuntimeError):
@@ -94,12 +117,31 @@ class DPGroup(TPGroup):
     """
 
     kind = "DP"
+    #: Seconds :meth:`PendingAgreement.wait` waits for the other ranks before it raises.
+    step_timeout_s: float = dataclasses.field(default=DEFAULT_STEP_TIMEOUT_S, compare=False)
     _variant_digests: Dict[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _step_buffer: Optional[Tuple["array.array[int]", torch.Tensor]] = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+    _pending: Optional["PendingAgreement"] = dataclasses.field(default=None, compare=False, repr=False)
+    _broken: Optional[str] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"DPGroup: step_timeout_s={self.step_timeout_s!r}; accepted: seconds > 0")
 
     @classmethod
-    def of(cls, group: TPGroup) -> "DPGroup":
+    def of(cls, group: TPGroup, *, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> "DPGroup":
         """The DP group over the same ranks and process groups as ``group``."""
-        return cls(rank=group.rank, size=group.size, device=group.device, group=group.group, cpu_group=group.cpu_group)
+        return cls(
+            rank=group.rank,
+            size=group.size,
+            device=group.device,
+            group=group.group,
+            cpu_group=group.cpu_group,
+            step_timeout_s=step_timeout_s,
+        )
 
     def _variant_digest(self, variant: str) -> int:
         digest = self._variant_digests.get(variant)
@@ -118,14 +160,36 @@ class DPGroup(TPGroup):
         variants: Sequence[str] = ("",),
         failed: Optional[str] = None,
     ) -> Tuple[int, bool, Optional[str]]:
-        """One step's agreement: the largest live size, whether every rank can replay, and
-        the graph variant.
+        """One step's agreement, blocking: :meth:`start_agree_batch` waited on at once.
 
-        One host all-reduce (gloo, MIN, no device sync) of five int64s: ``-size`` (the
-        maximum), the ready flag, the variant's digest as ``(digest, -digest)`` (equal
-        among the ranks that have one) and whether this rank's decision failed. Only a
-        failure or a variant disagreement costs a second collective (every rank sees the
-        same result, so all take it): a gather of each rank's values, to name them.
+        Returns:
+            ``(max size, every rank ready, the agreed variant)``; the variant is None when
+            no rank has one (every rank idle, or none can replay).
+
+        Raises:
+            As :meth:`PendingAgreement.wait`.
+        """
+        return self.start_agree_batch(size, ready, variant, variants=variants, failed=failed).wait()
+
+    def start_agree_batch(
+        self,
+        size: int,
+        ready: bool,
+        variant: Optional[str],
+        *,
+        variants: Sequence[str] = ("",),
+        failed: Optional[str] = None,
+    ) -> "PendingAgreement":
+        """Start one step's agreement (the largest live size, whether every rank can
+        replay, the graph variant) and return at once; :meth:`PendingAgreement.wait` gives
+        its result.
+
+        One host all-reduce (gloo, MIN, ``async_op=True``, no device sync) of five int64s:
+        ``-size`` (the maximum), the ready flag, the variant's digest as ``(digest,
+        -digest)`` (equal among the ranks that have one) and whether this rank's decision
+        failed. The values travel in one int64 tensor reused every step (backed by a
+        Python ``array``: no tensor is made and no torch op runs but the collective), so
+        one agreement at a time is in flight on a group.
 
         Args:
             size: this rank's live size (0: no requests).
@@ -136,31 +200,67 @@ class DPGroup(TPGroup):
                 the agreed one among them).
             failed: the one-line error of this rank's decision (it raised), or None.
 
-        Returns:
-            ``(max size, every rank ready, the agreed variant)``; the variant is None when
-            no rank has one (every rank idle, or none can replay).
-
         Raises:
-            DataParallelStepError: the decision failed on some rank (names it and its
-                error; the failing rank gets this too, naming itself).
-            DataParallelMismatchError: ranks would replay different variants (names each).
+            RuntimeError: an agreement started on this group has not been waited on.
+            DataParallelStepError: an earlier agreement of this group timed out or
+                failed in the collective (the group is unusable).
         """
+        if self._broken is not None:
+            raise DataParallelStepError(self._broken)
+        if self._pending is not None:
+            raise RuntimeError(
+                f"DP rank {self.rank}: a step agreement was started and not waited on; one agreement at a time "
+                "(forward() the step it was started for before starting the next)"
+            )
         if variant is not None:
             lo_slot, hi_slot = self._variant_digest(variant), -self._variant_digest(variant)
         else:
             lo_slot = hi_slot = _NONE
+        values = [-size, 1 if ready else 0, lo_slot, hi_slot, 0 if failed else 1]
+        pending = PendingAgreement(self, size, variant, tuple(variants), failed)
+        if not self.is_parallel:
+            pending._values = values
+            return pending
+        import torch.distributed as dist
+
+        if self._step_buffer is None:
+            host = array.array("q", bytes(8 * len(values)))
+            self._step_buffer = (host, torch.frombuffer(host, dtype=torch.int64))
+        host, buf = self._step_buffer
+        host[:] = array.array("q", values)
+        pending._work = dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._cpu(), async_op=True)
+        self._pending = pending
+        return pending
+
+    def _finish(self, pending: "PendingAgreement") -> List[int]:
+        """Wait (bounded) for ``pending``'s all-reduce; the reduced values."""
+        work, pending._work = pending._work, None
+        self._pending = None
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.step_timeout_s))
+        except Exception as exc:
+            self._broken = (
+                f"the step's agreement did not complete on DP rank {self.rank} of {self.size} within "
+                f"{self.step_timeout_s:g} s ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}): another DP "
+                "rank died, hung, or did not start its agreement for this step; the group is unusable, end the process"
+            )
+            raise DataParallelStepError(self._broken) from exc
+        assert self._step_buffer is not None
+        return self._step_buffer[0].tolist()
+
+    def _decide(self, pending: "PendingAgreement", reduced: List[int]) -> Tuple[int, bool, Optional[str]]:
+        size, variant, failed = pending.size, pending.variant, pending.failed
         if not self.is_parallel:
             if failed is not None:
                 raise DataParallelStepError(f"the step's decision failed on DP rank {self.rank}: {failed}")
-            return size, bool(ready), variant
-        neg_max, all_ready, v_lo, neg_v_hi, ok = self.host_min(
-            [-size, 1 if ready else 0, lo_slot, hi_slot, 0 if failed else 1]
-        )
+            return size, bool(reduced[1]), variant
+        neg_max, all_ready, v_lo, neg_v_hi, ok = reduced
         if ok and (v_lo == _NONE or v_lo == -neg_v_hi):
             agreed = None
             if v_lo != _NONE:
-                agreed = variant if variant is not None else self._label_of(v_lo, variants)
+                agreed = variant if variant is not None else self._label_of(v_lo, pending.variants)
             return -neg_max, bool(all_ready), agreed
+        # Every rank sees the same reduced values, so all of them take this gather.
         ranks = self.gather_objects((size, variant, failed))
         if not ok:
             bad = "; ".join(f"rank {r}: {v[2]}" for r, v in enumerate(ranks) if v[2] is not None)
@@ -185,6 +285,48 @@ class DPGroup(TPGroup):
             f"DP rank {self.rank} captured none of the variant the other ranks replay (its variants: "
             f"{list(variants)}); every rank needs the same config"
         )
+
+
+class PendingAgreement:
+    """One step's agreement in flight (:meth:`DPGroup.start_agree_batch`): wait on it once
+    the step needs the agreed values."""
+
+    def __init__(
+        self, group: DPGroup, size: int, variant: Optional[str], variants: Tuple[str, ...], failed: Optional[str]
+    ) -> None:
+        self.group, self.size, self.variant, self.variants, self.failed = group, size, variant, variants, failed
+        self._work: Any = None
+        self._values: Optional[List[int]] = None
+        self._result: Optional[Tuple[int, bool, Optional[str]]] = None
+        self._error: Optional[BaseException] = None
+
+    def wait(self) -> Tuple[int, bool, Optional[str]]:
+        """Block until every rank's values are in (at most the group's ``step_timeout_s``).
+        A second call returns (or raises) what the first did.
+
+        Returns:
+            ``(max live size over the ranks, every rank ready, the agreed variant)``; the
+            variant is None when no rank has one (every rank idle, or none can replay).
+
+        Raises:
+            DataParallelStepError: the decision failed on some rank (names it and its
+                error; the failing rank gets this too, naming itself), or the ranks' values
+                did not all arrive within ``step_timeout_s`` (a rank died or never started
+                its agreement; the group is then unusable).
+            DataParallelMismatchError: ranks would replay different variants (names each).
+        """
+        if self._result is not None:
+            return self._result
+        if self._error is not None:
+            raise self._error
+        try:
+            if self._values is None:
+                self._values = self.group._finish(self)
+            self._result = self.group._decide(self, self._values)
+        except BaseException as exc:
+            self._error = exc
+            raise
+        return self._result
 
 
 def all_gather_rows(x: torch.Tensor, dp: Optional[TPGroup]) -> torch.Tensor:
@@ -226,11 +368,14 @@ def init_data_parallel(
     rank: Optional[int] = None,
     init_method: Optional[str] = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
 ) -> DPGroup:
     """Join (or start) the default process group and return this rank's :class:`DPGroup`;
     the whole world is one DP group. Arguments as
     :func:`~cuda_graph_runner.runner.distributed.init_tensor_parallel`'s (torchrun's environment,
-    NCCL on CUDA with a gloo group for host decisions, gloo on CPU, bounded timeouts).
+    NCCL on CUDA with a gloo group for host decisions, gloo on CPU, bounded timeouts);
+    ``step_timeout_s``: :attr:`DPGroup.step_timeout_s`, seconds a step's agreement waits
+    for the other ranks.
 
     Raises:
         ValueError: the world size differs from ``dp_size`` (names both and the torchrun
@@ -246,4 +391,4 @@ def init_data_parallel(
             f"--dp {dp_size} but the process group has {group.size} ranks; "
             f"start it with torchrun --nproc-per-node {dp_size}"
         )
-    return DPGroup.of(group)
+    return DPGroup.of(group, step_timeout_s=step_timeout_s)
