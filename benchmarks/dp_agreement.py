@@ -18,17 +18,27 @@ bounded in time, gloo). On each rank, in one run:
 * ``host µs``: the agreement's own host work, its collective left out (one
   ``agree_batch`` with ``torch.distributed.all_reduce`` replaced by a no-op: the values
   packed, the result read back and decided);
+* ``issue µs`` / ``wait µs`` / ``overlap µs``: the overlapped agreement
+  (:meth:`~cuda_graph_runner.runner.dp_group.DPGroup.start_agree_batch`, an
+  ``async_op=True`` all-reduce) started before a batch-building workload and waited on
+  after it: the time the caller spends issuing it, the time it is blocked waiting once
+  the workload is done, and their sum (the overlapped host cost; ``overlap/agree``: its
+  ratio to the blocking agreement). One row per workload of ``--builds``: ``n`` times the
+  reference ``ForwardBatch`` preparation of the rank's live batch (its tensors from the
+  host's lists, as an engine builds its step's input tensors; ``build µs`` is its time
+  alone, measured in the same run);
 * ``tp µs``: the tensor-parallel per-batch agreement
   (:meth:`~cuda_graph_runner.runner.distributed.TPGroup.agree_step`) on the same group, for
   comparison.
 
-``agree``, ``floor`` and ``tp`` are the medians of ``--iters * --repeats`` calls each,
-interleaved call by call so that the three see the same load; ``host`` and ``step`` the
+``agree``, ``floor``, ``tp``, ``build`` and the overlapped parts are the medians of
+``--iters * --repeats`` calls each, interleaved call by call so that all see the same load; ``host`` and ``step`` the
 medians over ``--repeats`` blocks of ``--iters`` calls (every rank runs the same counts:
 the calls are collectives). Usage::
 
     python benchmarks/dp_agreement.py                 # DP=2, preset tiny, bs 8
     python benchmarks/dp_agreement.py --json $OUT/dp_agreement.json
+    python benchmarks/dp_agreement.py --builds 1 16   # workloads: 1 and 16 batch preparations
 """
 
 from __future__ import annotations
@@ -44,6 +54,32 @@ import torch
 
 #: The per-step agreement's target host cost (µs), the bare collective's included.
 TARGET_US = 100
+
+
+class _Done:
+    """What the no-op all-reduce returns: a work already complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+def _prepare_batch(size: int, step: int) -> Any:
+    """The reference decode ``ForwardBatch`` preparation of ``size`` requests at context
+    ``step`` (what :func:`cuda_graph_runner.reference.batches.make_decode_batch` builds,
+    without the KV cache's slot allocation): each input tensor from the host's lists."""
+    from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode
+
+    rows = list(range(1, size + 1))
+    lens = [step + 1] * size
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([(7 * r + step) % 97 for r in rows], dtype=torch.int64),
+        positions=torch.tensor([step] * size, dtype=torch.int64),
+        out_cache_loc=torch.tensor([64 * r + step for r in rows], dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        seq_lens_cpu=lens,
+    )
 
 
 def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
@@ -66,15 +102,25 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
 
     one = torch.zeros(1, dtype=torch.int64)
     key = ShapeKey(args["bs"], "decode")
+    builds = args["builds"]
+
+    def build(n: int) -> None:
+        for step in range(n):
+            _prepare_batch(size, step)
+
     timed = {
         "floor": lambda: dist.all_reduce(one, op=dist.ReduceOp.MIN, group=dp._cpu()),
         "tp": lambda: tp.agree_step(args["bs"], True, key),
         "agree": lambda: dp.agree_batch(size, True, ""),
     }
-    # Interleaved call by call (floor, tp, agree, floor, ...), each call timed: a busy
-    # host's load drifts over a block's milliseconds, so blocks of one kind each saw
-    # another load; the medians of calls side by side saw the same.
+    for n in builds:
+        timed[f"build{n}"] = lambda n=n: build(n)
+    # Interleaved call by call (floor, tp, agree, build, overlapped, floor, ...), each
+    # call timed: a busy host's load drifts over a block's milliseconds, so blocks of one
+    # kind each saw another load; the medians of calls side by side saw the same.
     samples: Dict[str, list] = {name: [] for name in timed}
+    for n in builds:
+        samples[f"issue{n}"], samples[f"wait{n}"], samples[f"overlap{n}"] = [], [], []
     clock = time.perf_counter
     for i in range(20 + iters * repeats):
         for name, fn in timed.items():
@@ -82,9 +128,22 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
             fn()
             if i >= 20:  # warm-up calls untimed
                 samples[name].append(clock() - start)
+        for n in builds:  # the overlapped agreement around n batch preparations
+            t0 = clock()
+            pending = dp.start_agree_batch(size, True, "")
+            t1 = clock()
+            build(n)
+            t2 = clock()
+            pending.wait()
+            t3 = clock()
+            if i >= 20:
+                samples[f"issue{n}"].append(t1 - t0)
+                samples[f"wait{n}"].append(t3 - t2)
+                samples[f"overlap{n}"].append(t1 - t0 + t3 - t2)
     agree = samples["agree"]
     real_all_reduce = dist.all_reduce
-    dist.all_reduce = lambda *a, **k: None  # type: ignore[assignment]  # this rank alone: no collective
+    done = _Done()
+    dist.all_reduce = lambda *a, **k: done  # type: ignore[assignment]  # this rank alone: no collective
     try:
         host = block_means_s(
             lambda: dp.agree_batch(size, True, ""), iters=iters, warmup=20, sync=no_sync, repeats=repeats
@@ -105,9 +164,20 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
     step = block_means_s(
         lambda: runner.forward(batch), iters=max(1, iters // 50), warmup=3, sync=no_sync, repeats=repeats
     )
+    us = {name: statistics.median(v) * 1e6 for name, v in samples.items()}
     return {
         "rank": dp.rank,
         "live_bs": size,
+        "overlapped": [
+            {
+                "builds": n,
+                "build_us": us[f"build{n}"],
+                "issue_us": us[f"issue{n}"],
+                "wait_us": us[f"wait{n}"],
+                "overlap_us": us[f"overlap{n}"],
+            }
+            for n in builds
+        ],
         "agree_us": statistics.median(agree) * 1e6,
         "floor_us": statistics.median(samples["floor"]) * 1e6,
         "host_us": statistics.median(host) * 1e6,
@@ -127,6 +197,13 @@ def main() -> int:
     parser.add_argument("--bs", type=count_arg(2), default=8, help="rank 0's requests (the others: half)")
     parser.add_argument("--iters", type=count_arg(1), default=2000)
     parser.add_argument("--repeats", type=count_arg(1), default=5)
+    parser.add_argument(
+        "--builds",
+        type=count_arg(1),
+        nargs="+",
+        default=[1, 8],
+        help="batch-building workloads for the overlapped agreement: this many ForwardBatch preparations each",
+    )
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args()
     ranks = run_ranks(_rank, args.dp, vars(args), timeout_s=600, group_timeout_s=60)
@@ -142,6 +219,19 @@ def main() -> int:
             f"{r['rank']:>4} {r['live_bs']:>7} {r['agree_us']:>9.1f} {r['step_ms']:>8.2f} {r['share']:>7.2%}"
             f" {r['floor_us']:>9.1f} {r['agree_over_floor']:>10.2f}x {r['host_us']:>8.1f} {r['tp_us']:>7.1f}"
         )
+    print("overlapped agreement (started before the batch building, waited on after it; µs blocked):")
+    print(
+        f"{'rank':>4} {'builds':>6} {'build µs':>9} {'issue µs':>9} {'wait µs':>8} {'overlap µs':>10}"
+        f" {'agree µs':>9} {'overlap/agree':>13} {'share':>7}"
+    )
+    for r in ranks:
+        for o in r["overlapped"]:
+            o["overlap_over_agree"] = o["overlap_us"] / r["agree_us"]
+            o["share"] = o["overlap_us"] / (r["step_ms"] * 1e3)
+            print(
+                f"{r['rank']:>4} {o['builds']:>6} {o['build_us']:>9.1f} {o['issue_us']:>9.1f} {o['wait_us']:>8.1f}"
+                f" {o['overlap_us']:>10.1f} {r['agree_us']:>9.1f} {o['overlap_over_agree']:>12.2f}x {o['share']:>7.2%}"
+            )
     floor = max(r["floor_us"] for r in ranks)
     if floor > TARGET_US:
         print(
@@ -150,7 +240,18 @@ def main() -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dp": args.dp, "preset": args.preset, "torch": torch.__version__, "ranks": ranks}, f, indent=1)
+            json.dump(
+                {
+                    "dp": args.dp,
+                    "preset": args.preset,
+                    "torch": torch.__version__,
+                    "builds": args.builds,
+                    "target_us": TARGET_US,
+                    "ranks": ranks,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

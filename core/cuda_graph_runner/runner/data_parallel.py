@@ -11,6 +11,13 @@ decode requests on the reserved request row 0 and KV slot 0 with ``seq_len_fill_
 prefill tokens (token 0, position 0, slot 0) past the live requests, belonging to no
 request. A replay then pads the step's size up to its captured bucket as for any batch;
 the eager path is ``runner.eager`` (``padded_eager`` applies).
+
+:func:`start_step_agreement` (``runner.start_step_agreement``) starts the step's
+agreement before the batch is built and ``dp_forward`` waits on it, after this rank's
+own checks of the built batch: the all-reduce's latency overlaps the engine's batch
+building. Without it, ``dp_forward`` starts and waits at once (blocking). Both paths
+send the same values and derive the key from the agreed values alone, so ranks may mix
+them within one step.
 """
 
 from __future__ import annotations

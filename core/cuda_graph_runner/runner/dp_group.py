@@ -19,23 +19,27 @@ The runner side is :func:`cuda_graph_runner.runner.data_parallel.dp_forward`; a 
 uses it when its model has a ``dp_group`` attribute holding a :class:`DPGroup`.
 
 Sources: sglang's DP attention (graph size = max over DP ranks, one replay-or-eager vote
-for all ranks, idle ranks run a dummy batch: ``can_run_dp_cuda_graph``, the
-``global_num_tokens`` gather of ``Scheduler.prepare_mlp_sync_batch`` in
-``python/sglang/srt/managers/scheduler.py``, taken from the schedule batch before its
-``ForwardBatch`` is built) and vLLM's DP with synchronized graph mode (the ranks' token
-counts all-reduced per step on the CPU group, every rank padded to the maximum:
-``coordinate_batch_across_dp`` in ``vllm/v1/worker/dp_utils.py``, ``DPMetadata`` in
-``vllm/forward_context.py``). Both block on the collective; the overlapped start is
-this library's.
+for all ranks, idle ranks run a dummy batch: ``prepare_mlp_sync_batch_raw`` in
+``python/sglang/srt/managers/scheduler_dp_attn_mixin.py`` gathers each rank's token
+count and ``can_cuda_graph`` from its schedule batch, before the ``ForwardBatch`` is
+built, into ``global_num_tokens`` and ``can_run_dp_cuda_graph``) and vLLM's DP with
+synchronized graph mode (``coordinate_batch_across_dp`` in ``vllm/v1/worker/dp_utils.py``:
+the ranks' token counts and graph modes all-reduced per step, every rank padded to the
+maximum, the graph mode the minimum; ``DPMetadata`` in ``vllm/forward_context.py``
+carries the result into the forward). Both block on the collective; a start/finish split
+of vLLM's (``coordinate_batch_across_dp_start`` / ``DPSyncHandle.finish``, gloo
+``async_op=True`` started before ``_prepare_inputs``) is seen in forks of vLLM, and is
+the overlapped agreement's model.
 
 Overlapped agreement: the all-reduce can start as soon as a rank knows its live size
 (:meth:`DPGroup.start_agree_batch`, ``async_op=True``) and be waited on only when the
 step needs its result (:meth:`PendingAgreement.wait`), so its latency overlaps the
 engine's batch building; :meth:`DPGroup.agree_batch` is the same start waited on at
-once. The runner side is ``runner.start_step_agreement`` (:mod:`cuda_graph_runner.runner.data_parallel`).
-Every wait is bounded by :attr:`DPGroup.step_timeout_s`: a rank that died, or never
-started its agreement for the step, is a :class:`DataParallelStepError` on every rank
-that waits, within that many seconds (the group is then unusable: end the process).
+once. The runner side is ``runner.start_step_agreement``
+(:func:`cuda_graph_runner.runner.data_parallel.start_step_agreement`). Every wait is
+bounded by :attr:`DPGroup.step_timeout_s`: a rank that died, or never started its
+agreement for the step, is a :class:`DataParallelStepError` on every rank that waits,
+within that many seconds (the group is then unusable: end the process).
 
 Failures: a decision that raises on one rank (the model's ``graph_variant``, a
 backend's ``can_run``) still takes part in the step's all-reduce, so every rank raises
