@@ -230,7 +230,7 @@ def _overlap_edges(dp: DPGroup, out: Dict[str, Any]) -> None:
     out["after"] = step(1, 1) if dp.rank == 0 else step(2, 2)
     dp.step_timeout_s = 1.0
     if dp.rank == 1:  # never starts this step's agreement
-        time.sleep(2.5)
+        time.sleep(1.6)
         return
     start = time.monotonic()
     out["stalled"] = _outcome(lambda: (runner.start_step_agreement(2, variant="a"), runner.forward(decode_batch(2))))
