@@ -29,9 +29,10 @@ import torch
 
 from ..backend.forward_batch import ForwardBatch, ForwardMode
 from ..backend.profiling import eager_range_name, profiler_enabled
+from .decision import EagerDecision
 from .dp_group import DataParallelStepError, DPGroup, PendingAgreement
 from .sleep import asleep_error
-from .stats import REASON_EMPTY, REASON_OTHER_RANK
+from .stats import REASON_EMPTY, REASON_OTHER_RANK, REASON_VARIANT
 
 __all__ = ["StepAgreement", "dp_forward", "padded_batch", "start_step_agreement"]
 
@@ -99,24 +100,33 @@ def start_step_agreement(
         RuntimeError: an agreement is already started on this runner's group.
         DataParallelStepError: the group is unusable after an agreement timed out.
     """
+    live, ready, chosen, built = _this_rank(runner, dp, batch, variant)
+    pending = dp.start_agree_batch(live, ready, chosen, variants=runner.capture_variants())
+    return StepAgreement(runner, pending, live, ready, chosen, built)
+
+
+def _this_rank(
+    runner: Any, dp: DPGroup, batch: Union[ForwardBatch, int, None], variant: Optional[str]
+) -> Tuple[int, bool, Optional[str], Optional[ForwardBatch]]:
+    """This rank's values for the step's agreement: ``(live size, ready, variant, the
+    built batch or None)``. A check that raises still takes part in the step's agreement
+    (blocking, with the error), so the other ranks stop at once too; then it raises here."""
     built = batch if batch is None or isinstance(batch, ForwardBatch) else None
-    from_batch = built is not None or batch is None
     live, ready, chosen = 0, bool(runner.captured_keys) and not runner.is_disabled, None
     try:
-        if from_batch:
+        if built is not None or batch is None:
             live, ready, chosen = _local_decision(runner, built, ready)
         else:
             live, chosen = _declared(runner, batch, variant)
             _refuse_model_inputs(runner)
+            if not ready:  # as from a batch: a rank that cannot replay names no variant
+                chosen = None
         _step_checks(runner, ready)
     except Exception as exc:
-        # Still part of the step's all-reduce, so the other ranks stop at once too.
-        pending = dp.start_agree_batch(live, False, None, variants=runner.capture_variants(), failed=_one_line(exc))
         with contextlib.suppress(DataParallelStepError):
-            pending.wait()
+            dp.agree_batch(live, False, None, variants=runner.capture_variants(), failed=_one_line(exc))
         raise
-    pending = dp.start_agree_batch(live, ready, chosen, variants=runner.capture_variants())
-    return StepAgreement(runner, pending, live, ready, chosen, built)
+    return live, ready, chosen, built
 
 
 def _declared(runner: Any, live: Any, variant: Optional[str]) -> Tuple[int, Optional[str]]:
@@ -210,9 +220,11 @@ def dp_forward(
         Whatever else this rank's own decision raised (after the other ranks were told).
     """
     problem: Optional[Exception] = None
-    if agreement is None:
-        agreement = start_step_agreement(runner, dp, batch)
-    elif agreement.batch is None:
+    if agreement is None:  # blocking: this rank's values from its batch, agreed here
+        live, ready, chosen, _ = _this_rank(runner, dp, batch, None)
+        size, all_ready, agreed = dp.agree_batch(live, ready, chosen, variants=runner.capture_variants())
+        return _run_step(runner, batch, live, ready, size, all_ready, agreed, checked=True)
+    if agreement.batch is None:
         try:  # the checks the start from a size could not make, while the all-reduce runs
             _check_declared(runner, agreement, batch)
         except Exception as exc:
@@ -222,24 +234,38 @@ def dp_forward(
             "forward(batch) got another batch than the one start_step_agreement(batch) was given; "
             "accepted: the same ForwardBatch object (or start from a size)"
         )
-    live, ready = agreement.live, agreement.ready
     size, all_ready, agreed = agreement.wait()
+    if problem is not None:
+        if size:  # in step as a rank without requests (the others' collectives pair with it)
+            _run_key(runner, padded_batch(runner, None, size), _agreed_key(runner, size, all_ready, agreed), agreed)
+        raise problem
+    checked = agreement.batch is not None
+    return _run_step(runner, batch, agreement.live, agreement.ready, size, all_ready, agreed, checked=checked)
+
+
+def _run_step(
+    runner: Any,
+    batch: Optional[ForwardBatch],
+    live: int,
+    ready: bool,
+    size: int,
+    all_ready: bool,
+    agreed: Optional[str],
+    *,
+    checked: bool,
+) -> Any:
+    """The step after its agreement: ``batch`` padded to the agreed ``size``, through the
+    agreed graph or eagerly; this rank's own rows. ``checked``: whether this rank's values
+    came from its built batch (else the agreed graph's conditions are checked here)."""
     if size == 0:
-        if problem is not None:
-            raise problem
         return None
     key = _agreed_key(runner, size, all_ready, agreed)
-    if problem is not None:
-        # In step as a rank without requests (the others' collectives pair with this
-        # rank's), then this rank's own error.
-        _run_key(runner, padded_batch(runner, None, size), key, agreed)
-        raise problem
-    if key is not None and batch is not None and agreement.batch is None and not _takes(runner, batch, key):
+    refused = _refusal(runner, batch, key) if key is not None and batch is not None and not checked else None
+    if refused is not None:
         # The agreed graph cannot take this rank's batch: eagerly at the graph's size,
         # so this rank's collectives pair with the replaying ranks'.
-        work = padded_batch(runner, batch, key.size)
-        runner.stats.record_fallback(fallback_reason(runner, batch))
-        return own_rows(runner, _eager(runner, work, fallback_reason(runner, batch)), batch, key.size)
+        runner.stats.record_fallback(refused)
+        return own_rows(runner, _eager(runner, padded_batch(runner, batch, key.size), refused), batch, key.size)
     work = padded_batch(runner, batch, size)
     if key is not None:
         runner.stats.record_replay(size)
@@ -275,14 +301,18 @@ def _check_declared(runner: Any, agreement: StepAgreement, batch: Optional[Forwa
             )
 
 
-def _takes(runner: Any, batch: ForwardBatch, key: Any) -> bool:
-    """Whether the agreed graph ``key`` can replay this rank's built ``batch``."""
-    if not (runner.batch_matches(batch) and runner.fits_graphs(batch)):
-        return False
+def _refusal(runner: Any, batch: ForwardBatch, key: Any) -> Optional[str]:
+    """Why the agreed graph ``key`` cannot replay this rank's built ``batch`` (a reason of
+    the run statistics), or None when it can."""
+    if not runner.batch_matches(batch):
+        return REASON_VARIANT
+    if not runner.fits_graphs(batch):  # the runner's own limit (prefill: request slots)
+        decision = runner.decide(batch)
+        return decision.reason if isinstance(decision, EagerDecision) else REASON_VARIANT
     try:
-        return bool(runner.backend.can_run(batch, key))
-    except Exception:  # as fallback_reason: a can_run that raises is "cannot replay"
-        return False
+        return None if runner.backend.can_run(batch, key) else REASON_VARIANT
+    except Exception:  # a can_run that raises: this batch cannot replay the graph
+        return REASON_VARIANT
 
 
 def _run_key(runner: Any, work: ForwardBatch, key: Any, agreed: Optional[str]) -> Any:
