@@ -320,6 +320,31 @@ class QuietDPToy(DPToy):
         return ToyModel.forward(self, batch)
 
 
+def _rank_dies(dp: DPGroup, out: Dict[str, Any]) -> None:
+    # The last rank leaves the group (its sockets close, as a dead process's do) before
+    # the step; the others agree, ranks 0 and 1 overlapped, the rest blocking.
+    import time
+
+    import torch.distributed as dist
+
+    runner = _decode_runner(QuietDPToy(dp), RecordingBackend("cpu", phase="decode"))
+    runner.capture()
+    dp.step_timeout_s = 1.0
+    dp.barrier()
+    if dp.rank == dp.size - 1:
+        dist.destroy_process_group()
+        return
+    start = time.monotonic()
+
+    def step():
+        if dp.rank < 2:
+            runner.start_step_agreement(2, variant="a")
+        runner.forward(decode_batch(2))
+
+    out["dies"] = _outcome(step)
+    out["dies_s"] = time.monotonic() - start
+
+
 def _collectives(dp: DPGroup, out: Dict[str, Any]) -> None:
     # Per step: the torch.distributed calls runner.forward made (outermost only: one
     # collective calling another counts once), with the all-reduce's tensor and length.
@@ -381,6 +406,7 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
         "_schedule": lambda: _schedule(dp, out, SCHEDULE[world]),
         "_overlapped": lambda: _schedule(dp, out, SCHEDULE[world], overlapped=True),
         "_overlap_edges": lambda: _overlap_edges(dp, out),
+        "_rank_dies": lambda: _rank_dies(dp, out),
         "_failures": lambda: _failures(dp, out),
         "_collectives": lambda: _collectives(dp, out),
     }
@@ -403,7 +429,9 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_ranks(_rank, 4, 4, ("_schedule", "_overlapped"), timeout_s=200, group_timeout_s=GROUP_TIMEOUT_S)
+    # _rank_dies last: it leaves the group unusable.
+    scenarios = ("_schedule", "_overlapped", "_rank_dies")
+    return run_ranks(_rank, 4, 4, scenarios, timeout_s=200, group_timeout_s=GROUP_TIMEOUT_S)
 
 
 def _done(ranks, scenario: str) -> None:
@@ -508,9 +536,21 @@ def test_overlapped_agreement_keeps_a_rank_with_another_batch_in_step(two_ranks)
         assert r["after"]["outcome"] == ("ok", None) and r["after"]["same"], r["after"]
         assert r["after"]["keys"] == r0["after"]["keys"] and r["after"]["keys"][0].size == 2
     kind, message = r0["stalled"]
-    assert kind == "DataParallelStepError" and "did not complete on DP rank 0 of 2 within 1 s" in message, message
+    assert kind == "DataParallelStepError" and "did not complete on DP rank 0 of 2" in message, message
+    assert "timed out" in message and "step_timeout_s=1 s" in message, message
     assert r0["stalled_s"] < GROUP_TIMEOUT_S  # the step timeout, not the process group's
     assert r0["then_stalled"] == ("DataParallelStepError", message)
+
+
+def test_a_rank_that_left_the_group_is_an_error_on_every_other_rank_within_the_step_timeout(four_ranks):
+    """DP=4, rank 3 gone before a step: ranks 0-2 (two overlapped, one blocking) each raise
+    DataParallelStepError within seconds, not at the process group's timeout."""
+    _done(four_ranks, "_rank_dies")
+    for r in four_ranks[:3]:
+        kind, message = r["dies"]
+        assert kind == "DataParallelStepError", (r["rank"], kind, message)
+        assert f"did not complete on DP rank {r['rank']} of 4" in message and "another DP rank died" in message
+        assert r["dies_s"] < GROUP_TIMEOUT_S, (r["rank"], r["dies_s"])
 
 
 def test_dp2_a_failure_on_one_rank_is_named_on_every_rank(two_ranks):

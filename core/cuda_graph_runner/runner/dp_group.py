@@ -244,9 +244,10 @@ class DPGroup(TPGroup):
             work.wait(timeout=datetime.timedelta(seconds=self.step_timeout_s))
         except Exception as exc:
             self._broken = (
-                f"the step's agreement did not complete on DP rank {self.rank} of {self.size} within "
-                f"{self.step_timeout_s:g} s ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}): another DP "
-                "rank died, hung, or did not start its agreement for this step; the group is unusable, end the process"
+                f"the step's agreement did not complete on DP rank {self.rank} of {self.size} "
+                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}; the wait is bounded by "
+                f"step_timeout_s={self.step_timeout_s:g} s): another DP rank died, hung, or did not start its "
+                "agreement for this step; the group is unusable, end the process"
             )
             raise DataParallelStepError(self._broken) from exc
         assert self._step_buffer is not None
