@@ -74,7 +74,7 @@ def _decode_attention(call: AttentionCall, last_layer: bool) -> None:
     _, kv_heads, d = k_cache.shape
     heads = q.shape[1] // d
     group = heads // kv_heads
-    slots, mask = _decode_metadata(batch, req_to_token, group, sliding_window, release=last_layer)
+    slots, mask = _decode_metadata(batch, req_to_token, group, sliding_window, q.dtype, release=last_layer)
     k = k_cache[slots].transpose(1, 2)  # [bs, kv_heads, L, d]
     v = v_cache[slots].transpose(1, 2)
     # GQA without copying K/V per query head: the `group` query heads sharing one KV head
@@ -85,15 +85,24 @@ def _decode_attention(call: AttentionCall, last_layer: bool) -> None:
 
 
 def _decode_metadata(
-    batch: ForwardBatch, req_to_token: torch.Tensor, group: int, sliding_window: int, *, release: bool
+    batch: ForwardBatch,
+    req_to_token: torch.Tensor,
+    group: int,
+    sliding_window: int,
+    dtype: torch.dtype,
+    *,
+    release: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """KV slots ``[bs, L]`` int64 and the boolean mask ``[bs, 1, group * w, L]`` of a
-    decode-like batch, computed by the first layer of a forward and shared by the others
-    through :func:`forward_scratch` (every layer has the same lengths and window): one
-    set of index kernels per step instead of one per layer. ``release`` (the last
-    layer) drops them from the scratch."""
+    """KV slots ``[bs, L]`` int64 and the additive mask ``[bs, 1, group * w, L]`` of a
+    decode-like batch (``dtype``, the queries': 0 where a key is visible, ``-inf`` where
+    not), computed by the first layer of a forward and shared by the others through
+    :func:`forward_scratch` (every layer has the same lengths and window): one set of
+    index kernels per step instead of one per layer. The mask is the one
+    ``scaled_dot_product_attention`` would make of the boolean mask, made once per step
+    rather than by every layer's call. ``release`` (the last layer) drops them from the
+    scratch."""
     scratch: dict[Any, Any] = forward_scratch()
-    key = ("reference_llama_decode_metadata", group, sliding_window, req_to_token.data_ptr())
+    key = ("reference_llama_decode_metadata", group, sliding_window, dtype, req_to_token.data_ptr())
     cached = scratch.pop(key, None) if release else scratch.get(key)
     if cached is not None:
         return cached
@@ -113,7 +122,8 @@ def _decode_metadata(
     mask = k_pos[None, None, :] <= q_last[:, :, None]  # [bs, w, L]
     if sliding_window > 0:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    mask = mask[:, None, None].expand(bs, 1, group, w, ctx).reshape(bs, 1, group * w, ctx)
+    visible = mask[:, None, None].expand(bs, 1, group, w, ctx).reshape(bs, 1, group * w, ctx)
+    mask = torch.full(visible.shape, float("-inf"), dtype=dtype, device=device).masked_fill_(visible, 0.0)
     if not release:
         scratch[key] = (slots, mask)
     return slots, mask

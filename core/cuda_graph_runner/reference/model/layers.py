@@ -11,7 +11,7 @@ from ..kv_cache import PagedKVCache
 from ..tensor_parallel import RowParallelLinear, TPLayout, VocabParallelEmbedding
 from .attention_backend import AttentionBackend, TorchAttention
 from .config import ModelConfig
-from .rope import _rotate_half
+from .rope import apply_rotary
 
 
 class _Linear(nn.Module):
@@ -47,11 +47,18 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' order: normalise in float32, cast back, then scale.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        """``[T, hidden]`` -> ``[T, hidden]``, ``x``'s dtype, in transformers' order:
+        normalise in float32, cast back, then scale.
+
+        ``F.rms_norm`` is one fused kernel on CUDA (PyTorch's ``_fused_rms_norm``) where the
+        spelled-out formula is six to eight (upcast, pow, mean, add, rsqrt, mul, downcast),
+        and its CPU and compiled form is that same formula. With ``weight`` it scales in
+        float32 before the cast, which equals transformers' order only in float32; a
+        narrower dtype scales after the cast, as transformers (and vLLM's kernel) do."""
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x, shape, None, self.eps)
 
 
 class _Attention(nn.Module):
@@ -91,21 +98,23 @@ class _Attention(nn.Module):
         cache: PagedKVCache,
         lora: "torch.Tensor | None" = None,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = _project(self.qkv_proj, x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        t, d = x.shape[0], self.head_dim
+        qkv = _project(self.qkv_proj, x, lora)  # [t, q_size + 2 * kv_size]
+        # q and k sit side by side in the fused projection: one set of rotary kernels
+        # rotates both heads at once ([t, heads + kv_heads, d]; views, no copy before it).
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, d), cos, sin)
+        q = qk[:, : self.num_heads].reshape(t, self.q_size)  # a view: row stride heads + kv_heads
+        k = qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
         k_cache = cache.k_buffers[self.layer_id]
         v_cache = cache.v_buffers[self.layer_id]
         # Device index tensor: an index_put kernel, safe inside a graph capture.
         k_cache[batch.out_cache_loc] = k
-        v_cache[batch.out_cache_loc] = v.reshape(t, self.num_kv_heads, self.head_dim)
+        v_cache[batch.out_cache_loc] = v
         out = torch.empty(t, self.q_size, dtype=x.dtype, device=x.device)
         self.attn_backend.forward(
             out,
-            q.reshape(t, self.q_size),
+            q,
             k_cache,
             v_cache,
             cache.req_to_token,

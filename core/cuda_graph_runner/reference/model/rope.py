@@ -26,6 +26,19 @@ def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' ``apply_rotary_pos_emb``).
+
+    Args:
+        x: ``[T, H, head_dim]``, any strides; ``H`` may cover q and k heads together.
+        cos, sin: ``[T, 1, head_dim]``, ``x``'s dtype.
+
+    Returns:
+        ``[T, H, head_dim]`` contiguous, ``x``'s dtype.
+    """
+    return x * cos + _rotate_half(x) * sin
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
