@@ -94,7 +94,9 @@ def _bool_mask_decode(q, k_cache, v_cache, req_to_token, attn, batch) -> torch.T
     slots = req_to_token[batch.req_pool_indices]
     q_pos = batch.seq_lens.to(torch.int64)[:, None] - 1
     k_pos = torch.arange(req_to_token.shape[1])
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] > q_pos[:, :, None] - attn.sliding_window)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+        k_pos[None, None, :] > q_pos[:, :, None] - attn.sliding_window
+    )
     mask = mask[:, None, None].expand(bs, 1, group, 1, k_pos.numel()).reshape(bs, 1, group, -1)
     qg = q.view(bs, 1, heads, d).transpose(1, 2).reshape(bs, kv_heads, group, d)
     out = F.scaled_dot_product_attention(
@@ -130,7 +132,9 @@ def test_fused_forward_equals_the_unfused_math_in_float32():
                 got.append(forward(batch))
         assert torch.equal(got[0], got[1]), f"step {step}: max diff {(got[0] - got[1]).abs().max()}"
     assert fused.kv_cache is not None and unfused.kv_cache is not None
-    for a, b in zip(fused.kv_cache.k_buffers + fused.kv_cache.v_buffers, unfused.kv_cache.k_buffers + unfused.kv_cache.v_buffers):
+    for a, b in zip(
+        fused.kv_cache.k_buffers + fused.kv_cache.v_buffers, unfused.kv_cache.k_buffers + unfused.kv_cache.v_buffers
+    ):
         assert torch.equal(a, b)
 
 
