@@ -173,3 +173,46 @@ def test_a_decode_step_runs_the_fused_ops(monkeypatch):
     assert seen.calls["cat"] == 1 + layers  # the rotary table, then one rotation of q and k per layer
     # The mask goes to SDPA additive in the model dtype, made once per step: no layer converts it.
     assert mask_dtypes == [torch.float32] * layers
+
+
+def _repeated_kv_extend(q, k_cache, v_cache, req_to_token, batch, scaling, window) -> torch.Tensor:
+    """Extend attention with K/V repeated per query head and SDPA's boolean mask."""
+    _, kv_heads, d = k_cache.shape
+    heads = q.shape[1] // d
+    out, start = torch.zeros_like(q), 0
+    for i, (n, p) in enumerate(zip(batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu)):
+        slots = req_to_token[int(batch.req_pool_indices[i]), : p + n]
+        k = k_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        v = v_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        q_pos, k_pos = torch.arange(p, p + n), torch.arange(p + n)
+        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        qi = q[start : start + n].view(n, heads, d).transpose(0, 1)
+        got = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scaling)
+        out[start : start + n] = got.transpose(0, 1).reshape(n, heads * d)
+        start += n
+    return out
+
+
+@torch.no_grad()
+def test_extend_attention_without_repeated_kv_equals_the_repeated_form():
+    model = _model()
+    cache = model.kv_cache
+    assert cache is not None
+    first = make_extend_batch(cache, make_dummy_prompts(2, [6, 3], CONFIG.vocab_size, seed=4))
+    with forward_context(first):
+        model.forward(first)
+    # A chunk continuing both requests: cached prefixes, the window cutting into them.
+    batch = make_extend_batch(cache, make_dummy_prompts(2, [5, 8], CONFIG.vocab_size, seed=5), rows=[1, 2])
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(batch.input_ids.shape[0], attn.q_size)
+    k_cache, v_cache = cache.k_buffers[0], cache.v_buffers[0]
+    with forward_context(batch):
+        for layer in range(2):  # the second call reads the metadata the first one made
+            got = torch.empty_like(q)
+            attn.attn_backend.forward(
+                got, q, k_cache, v_cache, cache.req_to_token, attn.scaling, attn.sliding_window, True
+            )
+            want = _repeated_kv_extend(
+                q, k_cache, v_cache, cache.req_to_token, batch, attn.scaling, attn.sliding_window
+            )
+            assert torch.equal(got, want), f"call {layer}: max diff {(got - want).abs().max()}"

@@ -142,27 +142,54 @@ def _extend_attention(call: AttentionCall) -> None:
         pre = batch.extend_prefix_lens.tolist() if batch.extend_prefix_lens is not None else [0] * len(ext)
     _, kv_heads, d = k_cache.shape
     heads = q.shape[1] // d
+    group = heads // kv_heads
     start = 0
     for i, (n, p) in enumerate(zip(ext, pre)):
         n, p = int(n), int(p)
         if n == 0:
             continue
-        # index_select keeps the row index on the device (indexing with a 0-d tensor
-        # would read it on the host: a sync inside every replay of a prefill graph).
-        slots = req_to_token.index_select(0, batch.req_pool_indices[i : i + 1])[0, : p + n]
+        slots, mask = _extend_metadata(call, i, p, n, group)
         k = k_cache[slots].transpose(0, 1)  # [kv_heads, p+n, d]
         v = v_cache[slots].transpose(0, 1)
-        qi = q[start : start + n].view(n, heads, d).transpose(0, 1)  # [heads, n, d]
-        q_pos = torch.arange(p, p + n, device=q.device)
-        k_pos = torch.arange(p + n, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window > 0:
-            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        if heads != kv_heads:
-            k = k.repeat_interleave(heads // kv_heads, dim=0)
-            v = v.repeat_interleave(heads // kv_heads, dim=0)
+        # GQA without copying K/V per query head, as in decode: the `group` query heads
+        # sharing one KV head become extra query rows of it ([kv_heads, group * n, d]).
+        qi = q[start : start + n].view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
         out = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scaling)
-        output[start : start + n] = out.transpose(0, 1).reshape(n, heads * d)
+        output[start : start + n] = out.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
         start += n
     # Padded tail tokens (a prefill runner's padding) belong to no request.
     output[start:].zero_()
+
+
+def _extend_metadata(call: AttentionCall, i: int, p: int, n: int, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KV slots ``[p + n]`` int64 of request ``i`` of an EXTEND batch (``p`` cached, ``n``
+    new tokens) and its additive causal (and windowed) mask ``[group * n, p + n]`` in the
+    queries' dtype, rows ordered (query head of the group, token): made by the first
+    layer of the forward and shared by the others through :func:`forward_scratch`."""
+    scratch: dict[Any, Any] = forward_scratch()
+    key = (
+        "reference_llama_extend_metadata",
+        i,
+        p,
+        n,
+        group,
+        call.sliding_window,
+        call.q.dtype,
+        call.req_to_token.data_ptr(),
+    )
+    cached = scratch.get(key)
+    if cached is not None:
+        return cached
+    device = call.q.device
+    # index_select keeps the row index on the device (indexing with a 0-d tensor
+    # would read it on the host: a sync inside every replay of a prefill graph).
+    slots = call.req_to_token.index_select(0, call.batch.req_pool_indices[i : i + 1])[0, : p + n]
+    q_pos = torch.arange(p, p + n, device=device)
+    k_pos = torch.arange(p + n, device=device)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if call.sliding_window > 0:
+        visible &= k_pos[None, :] > q_pos[:, None] - call.sliding_window
+    visible = visible[None].expand(group, n, p + n).reshape(group * n, p + n)
+    mask = torch.full(visible.shape, float("-inf"), dtype=call.q.dtype, device=device).masked_fill_(visible, 0.0)
+    scratch[key] = (slots, mask)
+    return slots, mask
