@@ -24,16 +24,16 @@ def _register(name, api_version):
 def test_core_exports_its_version():
     from cuda_graph_runner.backend import PLUGIN_API_VERSION as exported
 
-    assert PLUGIN_API_VERSION == "1.2" == exported
+    assert PLUGIN_API_VERSION == "1.3" == exported
     assert hookspecs.BackendSpec(name="x", backend_class="a:B", phases=("decode",)).api_version is None
 
 
 @pytest.mark.parametrize(
     "declared,expected",
     [
-        ("0.9", "implements plugin API 0.9, but this core provides plugin API 1.2"),
-        ("2.0", "implements plugin API 2.0, but this core provides plugin API 1.2"),
-        ("1.7", "implements plugin API 1.7, newer than the 1.2 this core provides; upgrade cuda-graph-runner"),
+        ("0.9", "implements plugin API 0.9, but this core provides plugin API 1.3"),
+        ("2.0", "implements plugin API 2.0, but this core provides plugin API 1.3"),
+        ("1.7", "implements plugin API 1.7, newer than the 1.3 this core provides; upgrade cuda-graph-runner"),
         ("one", "declares plugin API version 'one', which is not of the form 'major.minor'"),
         (
             "1.0",

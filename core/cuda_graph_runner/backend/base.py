@@ -68,18 +68,34 @@ class ShapeKey:
     """The key of one captured graph.
 
     Attributes:
-        size: batch size (decode runner) or token count (prefill runner).
+        size: batch size (decode runner) or token count (prefill and mixed runners).
         variant: what else changes the recorded kernel sequence, e.g. ``"decode"`` or
             ``"target_verify:4"``; empty when nothing does. Keep keys minimal: each
             extra variant multiplies capture time and graph memory.
+        requests: the request axis of a two-dimensional key (plugin API 1.3): the request
+            slots of a graph keyed by requests x tokens (the mixed runner's
+            ``(requests, tokens)``, vLLM's ``BatchDescriptor(num_reqs, num_tokens)``);
+            None for a one-dimensional key. A backend keys its graphs by the whole key
+            and needs nothing else for it: the static batch of such a key has
+            ``requests`` rows on every request-axis field.
     """
 
     size: int
     variant: str = ""
+    requests: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
             raise ValueError(f"ShapeKey.size must be a positive int, got {self.size!r}")
+        if self.requests is not None and (
+            not isinstance(self.requests, int) or isinstance(self.requests, bool) or self.requests <= 0
+        ):
+            raise ValueError(f"ShapeKey.requests must be None or a positive int, got {self.requests!r}")
+
+    @property
+    def tokens(self) -> int:
+        """The token axis of a two-dimensional key (``size``)."""
+        return self.size
 
 
 ForwardFn = Callable[[], Any]

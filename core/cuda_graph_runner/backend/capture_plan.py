@@ -6,7 +6,10 @@ and runs that compiled forward at replay). The runner gives it a :class:`Capture
 so any backend, ours or a vendor's, gets the same information through the contract,
 never by reading runner attributes:
 
-* ``plan.keys``: every ``ShapeKey`` the runner captures, largest first;
+* ``plan.keys``: every ``ShapeKey`` the runner captures, largest first; since 1.3 a key
+  may be two-dimensional (``key.requests`` request slots x ``key.size`` tokens: the
+  mixed runner's keys; ``plan.shapes`` lists ``(requests, tokens)``), and its static
+  batch then has ``key.requests`` rows on every request-axis field;
 * ``plan.static_batch(key)``: the static dummy batch of ``key`` that capture runs on
   (views of the runner's static buffers, filled with pad values, the model's
   ``init_forward_metadata_capture`` already called);
@@ -25,7 +28,7 @@ once per capture session; the plan stays on ``backend.capture_plan`` for replays
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .base import ShapeKey
 from .context import forward_context
@@ -77,6 +80,13 @@ class CapturePlan:
         """The sizes of :attr:`keys`, largest first (batch sizes or token counts)."""
         return [k.size for k in self.keys]
 
+    @property
+    def shapes(self) -> List[Tuple[Optional[int], int]]:
+        """``(requests, tokens)`` of each of :attr:`keys` (plugin API 1.3), in the same
+        order: ``requests`` is ``ShapeKey.requests`` (None for a one-dimensional key,
+        whose ``tokens`` is its size)."""
+        return [(k.requests, k.size) for k in self.keys]
+
     def static_batch(self, key: ShapeKey) -> ForwardBatch:
         """The static dummy batch ``key`` is captured on (the same one ``capture_one``'s
         ``forward_fn`` reads): token-axis int64 tensors ``[key.size * width]`` viewing the
@@ -123,7 +133,9 @@ def capture_static_batch(runner: Any, size: int, variant: str = "") -> ForwardBa
     runner's ``capture_prepare`` as a static batch, with the model's
     ``init_forward_metadata_capture`` called on it (what ``capture_one_shape`` and the
     plan's ``static_batch`` both need)."""
-    batch = as_static_batch(runner.capture_prepare(size), **({"graph_variant": variant} if variant else {}))
+    prepare = getattr(runner, "capture_prepare_variant", None)
+    raw = prepare(size, variant) if prepare is not None else runner.capture_prepare(size)
+    batch = as_static_batch(raw, **({"graph_variant": variant} if variant else {}))
     init = getattr(runner.model, "init_forward_metadata_capture", None)
     if init is not None:
         init(batch)
@@ -138,7 +150,7 @@ def build_capture_plan(runner: Any) -> CapturePlan:
     variant_of = {
         runner.make_variant_key(size, variant): variant
         for size in runner.capture_sizes
-        for variant in runner.capture_variants()
+        for variant in runner.size_variants(size)
     }
 
     def static_batch(key: ShapeKey) -> ForwardBatch:

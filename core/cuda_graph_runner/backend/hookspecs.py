@@ -44,7 +44,9 @@ ENTRY_POINT_GROUP = "cuda_graph_runner.backends"
 #: (both sessions, ``can_run``, ``cleanup``, ``captured_keys``, the graph table).
 #: 1.2: ``describe_graph(key)`` (per-graph facts for ``runner.describe()``, with a
 #: default) and the graph-template helpers ``new_graph``/``finish_graph``.
-PLUGIN_API_VERSION = "1.2"
+#: 1.3: two-dimensional keys (``ShapeKey.requests``: requests x tokens, the mixed
+#: runner's) in ``capture_one``/``replay``/``can_run`` and the plan (``plan.shapes``).
+PLUGIN_API_VERSION = "1.3"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

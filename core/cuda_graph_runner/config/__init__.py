@@ -111,6 +111,15 @@ A :class:`CudaGraphConfig` holds one :class:`PhaseConfig` per phase
     ``"more requests than slots"``). ``null`` (default): ``max(1, max_tokens // 512)``
     for the largest captured token count, as sglang derives it. Other prefill backends
     ignore it (their attention runs eagerly on the live requests).
+``mixed_tokens``, ``mixed_requests``
+    Prefill only: the sizes per axis of the mixed runner's two-dimensional keys
+    (``cuda_graph_runner.runner.mixed``: a batch of prefill chunks and decodes keyed by
+    requests x tokens). Each a non-empty list of integers from 1 to 65536, stored sorted
+    without duplicates; a key is captured for every pair with requests <= tokens.
+    ``null`` (default): tokens ``[64, 128, 256, 512]``, requests ``[1, 2, 4, 8, 16,
+    32]``. A request list whose smallest count exceeds the largest token count is an
+    error. The mixed runner reads the prefill phase's backend and options; the prefill
+    runner ignores these keys.
 ``check_weights_every``
     ``0`` (default: off, nothing on the replay path) or N: every N-th replay of
     ``forward`` first checks that the model's parameters and buffers still live where

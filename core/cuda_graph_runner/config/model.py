@@ -102,10 +102,17 @@ PHASE_KEYS = (
     "check_weights_every",
     "forward_asleep",
     "capture",
+    "mixed_tokens",
+    "mixed_requests",
 )
 
 #: Keys of one phase only: ``{key: the phase that reads it}`` (set on the other phase, an error).
-PHASE_ONLY_KEYS = {"full_prefill_max_req": "prefill"}
+PHASE_ONLY_KEYS = {"full_prefill_max_req": "prefill", "mixed_tokens": "prefill", "mixed_requests": "prefill"}
+
+#: The mixed runner's sizes per axis when ``mixed_tokens`` / ``mixed_requests`` are unset:
+#: token counts (a chunk plus the decodes beside it) and request counts.
+DEFAULT_MIXED_TOKENS = (64, 128, 256, 512)
+DEFAULT_MIXED_REQUESTS = (1, 2, 4, 8, 16, 32)
 
 #: Request slots of a prefill ``full`` graph per this many tokens of the largest captured
 #: size when ``full_prefill_max_req`` is unset (sglang: ``chunked_prefill_size // 512``).
@@ -206,6 +213,8 @@ class PhaseConfig:
     check_weights_every: int = 0
     forward_asleep: str = "eager"
     capture: str = "blocking"
+    mixed_tokens: Optional[List[int]] = None
+    mixed_requests: Optional[List[int]] = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -287,6 +296,18 @@ class PhaseConfig:
             self.variants = _variant_labels(self.variants)
         if self.full_prefill_max_req is not None:
             self.full_prefill_max_req = _positive_int(self.full_prefill_max_req, "full_prefill_max_req")
+        for key in ("mixed_tokens", "mixed_requests"):
+            if getattr(self, key) is not None:
+                setattr(self, key, _sizes(getattr(self, key), key))
+        tokens, requests = self.mixed_sizes()
+        if requests[0] > tokens[-1]:
+            raise CudaGraphConfigError(
+                f"has no size at or below the largest mixed token count {tokens[-1]} (a key of more requests "
+                "than tokens is never used: every request has at least one token)",
+                key="mixed_requests",
+                value=self.mixed_requests,
+                accepted=f"request counts <= {tokens[-1]}, or larger mixed_tokens",
+            )
         if not isinstance(self.forward_asleep, str) or self.forward_asleep not in FORWARD_ASLEEP:
             raise CudaGraphConfigError(
                 "unknown asleep policy",
@@ -310,6 +331,14 @@ class PhaseConfig:
         """The largest size captured from the compiled forward when ``torch_compile`` is
         on: ``torch_compile_max_bs``, else :data:`TORCH_COMPILE_MAX_BS` (sglang's default)."""
         return self.torch_compile_max_bs if self.torch_compile_max_bs is not None else TORCH_COMPILE_MAX_BS
+
+    def mixed_sizes(self) -> Tuple[List[int], List[int]]:
+        """``(token counts, request counts)`` of the mixed runner's keys, ascending:
+        ``mixed_tokens`` / ``mixed_requests``, else :data:`DEFAULT_MIXED_TOKENS` /
+        :data:`DEFAULT_MIXED_REQUESTS`. Keys are the pairs with requests <= tokens."""
+        tokens = list(self.mixed_tokens) if self.mixed_tokens is not None else list(DEFAULT_MIXED_TOKENS)
+        requests = list(self.mixed_requests) if self.mixed_requests is not None else list(DEFAULT_MIXED_REQUESTS)
+        return tokens, requests
 
     def request_slots(self, max_tokens: int) -> int:
         """Request slots of a prefill ``full`` graph whose largest token count is

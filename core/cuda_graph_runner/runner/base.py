@@ -58,8 +58,10 @@ from .weights import WeightsFingerprint, check_fingerprint
 
 
 def key_label(key: ShapeKey) -> str:
-    """``"4|decode"``: a key as describe() and the logs name it (size, then variant)."""
-    return f"{key.size}|{key.variant}" if key.variant else str(key.size)
+    """``"4|decode"``: a key as describe() and the logs name it (size, then variant); a
+    two-dimensional key leads with its requests: ``"8x256|mixed"`` (requests x tokens)."""
+    size = str(key.size) if key.requests is None else f"{key.requests}x{key.size}"
+    return f"{size}|{key.variant}" if key.variant else size
 
 
 # Re-exported: the subclasses and callers import these from here.
@@ -536,6 +538,16 @@ class BaseCudaGraphRunner(abc.ABC):
         """Variant labels captured for every size, in order (``("",)``: one graph per size)."""
         return ("",)
 
+    def size_variants(self, size: int) -> Sequence[str]:
+        """The variants captured at ``size`` (:meth:`capture_variants` unless a runner's
+        keys are not a full grid: the mixed runner's requests x tokens)."""
+        return self.capture_variants()
+
+    def capture_prepare_variant(self, size: int, variant: str) -> ForwardBatch:
+        """The capture batch of ``size`` in ``variant`` (:meth:`capture_prepare` unless a
+        variant changes the batch's shape: the mixed runner's request slots)."""
+        return self.capture_prepare(size)
+
     def make_variant_key(self, size: int, variant: str) -> ShapeKey:
         """The ``ShapeKey`` of captured size ``size`` in ``variant`` (``""``: :meth:`make_key`)."""
         return self.make_key(size)
@@ -804,7 +816,7 @@ class BaseCudaGraphRunner(abc.ABC):
         captured before the step, whole or half made): the backend drops it
         (``backend.discard``) and the runner drops it from its list, so every rank of a TP
         group keeps the same graphs and the next ``capture()`` captures the same sizes."""
-        for variant in self.capture_variants():
+        for variant in self.size_variants(size):
             key = self.same_key(self.make_variant_key(size, variant))
             if key in had:
                 continue
@@ -857,7 +869,7 @@ class BaseCudaGraphRunner(abc.ABC):
     def capture_one_shape(self, size: int) -> None:
         """Capture one size in every variant (:meth:`capture_variants`): build the dummy
         batch, then ``backend.capture_one``; a key already captured is skipped."""
-        for variant in self.capture_variants():
+        for variant in self.size_variants(size):
             key = self.same_key(self.make_variant_key(size, variant))
             if key not in self.captured_keys:
                 self._capture_one_key(size, variant, key)
@@ -1161,6 +1173,7 @@ class BaseCudaGraphRunner(abc.ABC):
             entry: Dict[str, Any] = {
                 "key": key_label(key),
                 "size": key.size,
+                **({} if key.requests is None else {"requests": key.requests}),
                 "variant": key.variant,
                 "capture_seconds": self.key_capture_seconds.get(key),
                 "replays_of_size": replays_of.get(key.size, 0),

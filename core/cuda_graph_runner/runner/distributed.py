@@ -273,7 +273,7 @@ class TPGroup:
     def _digest(self, key: ShapeKey) -> int:
         digest = self._key_digests.get(key)
         if digest is None:
-            digest = label_digest(f"{key.size}|{key.variant}")
+            digest = label_digest(f"{key.size}|{key.variant}|{key.requests or ''}")  # both axes of a 2-D key
             if len(self._key_digests) >= 4096:  # bounded, as the runner's replay plans
                 self._key_digests.clear()
             self._key_digests[key] = digest

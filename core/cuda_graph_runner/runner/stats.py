@@ -32,6 +32,7 @@ REASON_OTHER_RANK = "another rank cannot replay"  # tensor parallel: every rank 
 REASON_SLOTS = "more requests than slots"  # prefill full: the batch has more requests than its graphs' slots
 REASON_ASLEEP = "asleep"  # runner.sleep() gave the graphs back; runner.wake() recaptures them
 REASON_NOT_CAPTURED_YET = "not captured yet"  # capture eager_first: its size is queued for capture_step()
+REASON_NO_KEY = "no key covers the batch"  # mixed: no captured requests x tokens key holds both axes
 REASONS = (
     REASON_DISABLED,
     REASON_NOT_CAPTURED,
@@ -43,6 +44,7 @@ REASONS = (
     REASON_SLOTS,
     REASON_ASLEEP,
     REASON_NOT_CAPTURED_YET,
+    REASON_NO_KEY,
 )
 
 
@@ -56,12 +58,20 @@ class RunStats:
             with request slots, backend ``full``; empty otherwise).
     """
 
-    __slots__ = ("replays_by_size", "fallbacks", "requests_by_slots")
+    __slots__ = ("replays_by_size", "fallbacks", "requests_by_slots", "replays_by_shape")
 
     def __init__(self) -> None:
         self.replays_by_size: Dict[int, int] = collections.Counter()
         self.fallbacks: Dict[str, int] = collections.Counter()
         self.requests_by_slots: Dict[Tuple[int, int], int] = collections.Counter()
+        #: ``(live requests, live tokens, key requests, key tokens)`` -> replays: the
+        #: two-dimensional keys of the mixed runner (empty otherwise).
+        self.replays_by_shape: Dict[Tuple[int, int, int, int], int] = collections.Counter()
+
+    def record_shape(self, requests: int, tokens: int, key_requests: int, key_tokens: int) -> None:
+        """One replay of ``requests`` requests and ``tokens`` tokens in the graph of the
+        two-dimensional key ``key_requests x key_tokens``."""
+        self.replays_by_shape[(requests, tokens, key_requests, key_tokens)] += 1
 
     def record_replay(self, size: int) -> None:
         """One replay of a live batch of ``size`` rows."""
@@ -80,6 +90,7 @@ class RunStats:
         self.replays_by_size.clear()
         self.fallbacks.clear()
         self.requests_by_slots.clear()
+        self.replays_by_shape.clear()
 
     def summary(self, capture_sizes: Sequence[int]) -> Dict[str, Any]:
         """Plain-JSON statistics.
@@ -128,6 +139,8 @@ class RunStats:
             "padded_rows": padded_rows,
             "waste": padded_rows / real_rows if real_rows else 0.0,
         }
+        if self.replays_by_shape:
+            result.update(shape_padding(self.replays_by_shape))
         if self.requests_by_slots:
             real = sum(n * count for (n, _), count in self.requests_by_slots.items())
             pad = sum((slots - n) * count for (n, slots), count in self.requests_by_slots.items())
@@ -140,6 +153,75 @@ class RunStats:
         return result
 
 
+def shape_padding(replays_by_shape: Dict[Tuple[int, int, int, int], int]) -> Dict[str, Any]:
+    """The padding waste of two-dimensional keys on both axes, from
+    ``(live requests, live tokens, key requests, key tokens) -> replays``.
+
+    Returns:
+        ``{"padding": [...], "real_rows", "padded_rows", "waste"}`` on the token axis (the
+        one-dimensional summary's fields, one ``"padding"`` entry per captured token count,
+        each also giving ``"requests"``: the request slots of the keys that replayed), and
+        ``"shape_padding"``: one entry per key that replayed, ascending, ``{"key":
+        [requests, tokens], "replays", "real_tokens", "padded_tokens", "token_waste",
+        "real_requests", "padded_requests", "request_waste"}`` plus the totals
+        ``"shape_waste": {"tokens", "requests"}`` (padded / real on each axis).
+    """
+    per_key: Dict[Tuple[int, int], List[int]] = {}  # (R, T) -> [replays, real T, pad T, real R, pad R]
+    for (requests, tokens, key_requests, key_tokens), count in replays_by_shape.items():
+        entry = per_key.setdefault((key_requests, key_tokens), [0, 0, 0, 0, 0])
+        entry[0] += count
+        entry[1] += tokens * count
+        entry[2] += (key_tokens - tokens) * count
+        entry[3] += requests * count
+        entry[4] += (key_requests - requests) * count
+    shapes = [
+        {
+            "key": [r, t],
+            "replays": n,
+            "real_tokens": rt,
+            "padded_tokens": pt,
+            "token_waste": pt / rt if rt else 0.0,
+            "real_requests": rr,
+            "padded_requests": pr,
+            "request_waste": pr / rr if rr else 0.0,
+        }
+        for (r, t), (n, rt, pt, rr, pr) in sorted(per_key.items(), key=lambda item: (item[0][1], item[0][0]))
+    ]
+    per_tokens: Dict[int, List[Any]] = {}
+    for shape in shapes:
+        entry = per_tokens.setdefault(shape["key"][1], [0, 0, 0, []])
+        entry[0] += shape["replays"]
+        entry[1] += shape["real_tokens"]
+        entry[2] += shape["padded_tokens"]
+        entry[3].append(shape["key"][0])
+    padding = [
+        {
+            "captured_size": t,
+            "requests": sorted(slots),
+            "replays": n,
+            "real_rows": real,
+            "padded_rows": pad,
+            "waste": pad / real if real else 0.0,
+        }
+        for t, (n, real, pad, slots) in sorted(per_tokens.items())
+    ]
+    real_tokens = sum(s["real_tokens"] for s in shapes)
+    padded_tokens = sum(s["padded_tokens"] for s in shapes)
+    real_requests = sum(s["real_requests"] for s in shapes)
+    padded_requests = sum(s["padded_requests"] for s in shapes)
+    return {
+        "padding": padding,
+        "real_rows": real_tokens,
+        "padded_rows": padded_tokens,
+        "waste": padded_tokens / real_tokens if real_tokens else 0.0,
+        "shape_padding": shapes,
+        "shape_waste": {
+            "tokens": padded_tokens / real_tokens if real_tokens else 0.0,
+            "requests": padded_requests / real_requests if real_requests else 0.0,
+        },
+    }
+
+
 def format_summary(label: str, summary: Dict[str, Any]) -> str:
     """One line for the log: ``"<label>: 40 replays, 2 eager (too large 2), padding waste 12.5%"``
     (then the request-slot waste of prefill ``full`` and the graph pool in MiB, when known)."""
@@ -149,6 +231,9 @@ def format_summary(label: str, summary: Dict[str, Any]) -> str:
     waste = f"{100.0 * padded / real:.1f}%" if real else "-"
     slots = summary.get("request_slots")
     slot_waste = f", request-slot waste {100.0 * slots['waste']:.1f}%" if slots else ""
+    shape = summary.get("shape_waste")
+    if shape:
+        slot_waste += f", request-slot waste {100.0 * shape['requests']:.1f}%"
     return (
         f"{label}: {summary['replays']} replays, {summary['eager_total']} eager"
         + (f" ({fallbacks})" if fallbacks else "")
