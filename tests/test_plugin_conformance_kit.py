@@ -85,7 +85,7 @@ def outcomes(tmp_path_factory):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip reason; this machine has CUDA")
 def test_device_tests_skip_with_the_backends_reason(outcomes):
     device = {k: v for k, v in outcomes.items() if k.startswith("TestFullUnmarked::test_device")}
-    assert len(device) == len(conformance._DEVICE_TESTS) == 9, outcomes
+    assert len(device) == len(conformance._DEVICE_TESTS) == 10, outcomes
     decode = device["TestFullUnmarked::test_device_decode_capture_replay_matches_eager"]
     assert decode[0] == "skipped" and decode[1].startswith("backend 'full' unavailable here: "), decode
     assert "CUDA" in decode[1]  # the probe's own words, e.g. "torch 2.13.0+cpu is built without CUDA"

@@ -24,8 +24,12 @@ Keys and the choice per step:
   reason ``"no key covers the batch"`` (:mod:`.stats`).
 
 Padding: the token axis as the prefill runner pads it (token 0 at position 0 into KV
-slot 0), the request axis with zero-length sentinel requests (request row 0, no tokens,
-no prefix) on the device buffers and the host lists alike, for every backend. The graph
+slot 0). Where the graph records attention (``full``) the request axis is a graph input
+too, padded with zero-length sentinel requests (request row 0, no tokens, no prefix) on
+the device buffers and the host lists alike; a backend that runs attention eagerly at
+replay (``breakable``) gets the live request axis, as the prefill runner gives it (its
+graphs do not depend on the request count: one request count, ``mixed_requests: [N]``,
+is enough there, and its request waste counts 0). The graph
 returns ``hidden [key.size, H]``; the LM head runs eagerly on the live rows
 (``compute_logits(hidden[:T], live batch)``: one row per live request, a decode's row
 being its one token's).
@@ -107,10 +111,11 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
     the chosen key ``(R', T')``:
 
     * ``input_ids``, ``positions``, ``out_cache_loc`` ``[T']`` int64, zeroed tail;
-    * ``req_pool_indices`` ``[R']`` int64 and ``seq_lens``, ``extend_seq_lens``,
+    * (``full``) ``req_pool_indices`` ``[R']`` int64 and ``seq_lens``, ``extend_seq_lens``,
       ``extend_prefix_lens`` ``[R']`` int32, zeroed tail (sentinel requests); the host
       lists ``seq_lens_cpu``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` padded
       with zeros to ``R'`` (a live batch without them is read once from the device);
+      (``breakable``) the live batch's request fields;
     * the model's ``init_forward_metadata_replay(static_batch)`` then re-plans.
 
     Outputs follow :class:`BaseCudaGraphRunner`'s contract.
@@ -171,7 +176,10 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
                 accepted="request counts large enough to hold the token counts, or smaller mixed_tokens",
                 source=self.config.source_of(self.phase, "mixed_requests"),
             )
-        if getattr(self.backend, "records_marked_ops", False):
+        #: Whether the request axis is padded to the key's slots: where the graph records
+        #: attention (``full``); a backend running it eagerly (``breakable``) gets the live one.
+        self.pads_requests: bool = bool(getattr(self.backend, "records_marked_ops", False))
+        if self.pads_requests:
             self._check_replay_hook()
 
     def _check_replay_hook(self) -> None:
@@ -350,8 +358,15 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
         if prefix is None:
             prefix = torch.zeros(requests, dtype=torch.int32, device=batch.seq_lens.device)
         self._token_fill(tokens, key.size)((batch.input_ids, batch.positions, batch.out_cache_loc))
-        self._request_fill(requests, slots)((batch.req_pool_indices, batch.seq_lens, extend, prefix))
         static = self._static(key)(batch)
+        if not self.pads_requests:  # attention runs eagerly on the live request axis
+            if self._decided is not None:
+                self.stats.record_shape(requests, tokens, slots, key.size, requests)
+            init = getattr(self.model, "init_forward_metadata_replay", None)
+            if init is not None:
+                init(static)
+            return key, static
+        self._request_fill(requests, slots)((batch.req_pool_indices, batch.seq_lens, extend, prefix))
         pad = [0] * (slots - requests)
         for name, device in (("seq_lens_cpu", batch.seq_lens), ("extend_seq_lens_cpu", extend), ("extend_prefix_lens_cpu", prefix)):
             host = _stored(batch, name)
@@ -392,9 +407,13 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
             assert slots is not None
             view = self.buffers.view
             fields: Dict[str, Any] = {name: view(name, key.size) for name, _ in _TOKEN_FIELDS}
-            fields.update({name: view(name, slots) for name, _ in _REQUEST_FIELDS})
+            keep = {*fields, "graph_variant", "forward_mode"}
+            if self.pads_requests:
+                fields.update({name: view(name, slots) for name, _ in _REQUEST_FIELDS})
+                keep |= {*fields, *_HOST_FIELDS}
+            else:  # request fields None here: each live batch's own
+                fields.update({name: None for name, _ in _REQUEST_FIELDS[:2]})
             static = StaticForwardBatch(forward_mode=ForwardMode.EXTEND, graph_variant=variant_label(slots), **fields)
-            keep = {*fields, *_HOST_FIELDS, "graph_variant", "forward_mode"}
             update = self._statics[key] = StaticBatchUpdater(static, keep=keep)
         return update
 

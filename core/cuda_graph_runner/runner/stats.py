@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +64,17 @@ class RunStats:
         self.replays_by_size: Dict[int, int] = collections.Counter()
         self.fallbacks: Dict[str, int] = collections.Counter()
         self.requests_by_slots: Dict[Tuple[int, int], int] = collections.Counter()
-        #: ``(live requests, live tokens, key requests, key tokens)`` -> replays: the
-        #: two-dimensional keys of the mixed runner (empty otherwise).
-        self.replays_by_shape: Dict[Tuple[int, int, int, int], int] = collections.Counter()
+        #: ``(live requests, live tokens, key requests, key tokens, request rows run)`` ->
+        #: replays: the two-dimensional keys of the mixed runner (empty otherwise).
+        self.replays_by_shape: Dict[Tuple[int, int, int, int, int], int] = collections.Counter()
 
-    def record_shape(self, requests: int, tokens: int, key_requests: int, key_tokens: int) -> None:
+    def record_shape(
+        self, requests: int, tokens: int, key_requests: int, key_tokens: int, slots: Optional[int] = None
+    ) -> None:
         """One replay of ``requests`` requests and ``tokens`` tokens in the graph of the
-        two-dimensional key ``key_requests x key_tokens``."""
-        self.replays_by_shape[(requests, tokens, key_requests, key_tokens)] += 1
+        two-dimensional key ``key_requests x key_tokens``, over ``slots`` request rows
+        (None: ``key_requests``; the live ``requests`` where the request axis is not padded)."""
+        self.replays_by_shape[(requests, tokens, key_requests, key_tokens, key_requests if slots is None else slots)] += 1
 
     def record_replay(self, size: int) -> None:
         """One replay of a live batch of ``size`` rows."""
@@ -153,9 +156,9 @@ class RunStats:
         return result
 
 
-def shape_padding(replays_by_shape: Dict[Tuple[int, int, int, int], int]) -> Dict[str, Any]:
+def shape_padding(replays_by_shape: Dict[Tuple[int, int, int, int, int], int]) -> Dict[str, Any]:
     """The padding waste of two-dimensional keys on both axes, from
-    ``(live requests, live tokens, key requests, key tokens) -> replays``.
+    ``(live requests, live tokens, key requests, key tokens, request rows run) -> replays``.
 
     Returns:
         ``{"padding": [...], "real_rows", "padded_rows", "waste"}`` on the token axis (the
@@ -167,13 +170,13 @@ def shape_padding(replays_by_shape: Dict[Tuple[int, int, int, int], int]) -> Dic
         ``"shape_waste": {"tokens", "requests"}`` (padded / real on each axis).
     """
     per_key: Dict[Tuple[int, int], List[int]] = {}  # (R, T) -> [replays, real T, pad T, real R, pad R]
-    for (requests, tokens, key_requests, key_tokens), count in replays_by_shape.items():
+    for (requests, tokens, key_requests, key_tokens, slots), count in replays_by_shape.items():
         entry = per_key.setdefault((key_requests, key_tokens), [0, 0, 0, 0, 0])
         entry[0] += count
         entry[1] += tokens * count
         entry[2] += (key_tokens - tokens) * count
         entry[3] += requests * count
-        entry[4] += (key_requests - requests) * count
+        entry[4] += (slots - requests) * count
     shapes = [
         {
             "key": [r, t],

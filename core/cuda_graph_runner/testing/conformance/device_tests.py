@@ -26,6 +26,7 @@ DEVICE_TESTS = (
     "test_device_reference_model_passes_verify_mode",
     "test_device_replay_never_runs_the_capture_batch",
     "test_device_plan_based_attention_is_planned_before_every_forward",
+    "test_device_mixed_two_dimensional_keys_match_eager",
 )
 
 
@@ -41,6 +42,8 @@ class DeviceConformanceTests:
         supports_target_verify: ClassVar[bool]
         prefill_max_tokens: ClassVar[int]
         prefill_prompt_lens: ClassVar[Tuple[Tuple[int, ...], ...]]
+        mixed_tokens: ClassVar[Tuple[int, ...]]
+        mixed_requests: ClassVar[Tuple[int, ...]]
 
         def _require_phase(self, phase: str) -> None: ...
         def device_or_skip(self) -> str: ...
@@ -390,3 +393,66 @@ class DeviceConformanceTests:
                 plans.check()  # the device-side count of forwards that read a stale plan
                 runner.cleanup()
                 assert not plans.states, "cleanup() left the model's per-size attention state"
+
+    def test_device_mixed_two_dimensional_keys_match_eager(self) -> None:
+        """The mixed runner on this backend: graphs keyed by requests x tokens
+        (``ShapeKey.requests``), prefill chunks beside one-token decodes, replay close to
+        eager, each step on the key of fewest padded tokens then fewest request slots."""
+        self._require_phase("prefill")
+        device_type = self.device_or_skip()
+        import torch
+
+        try:
+            from ...runner import MixedCudaGraphRunner
+        except ImportError as exc:  # an older core
+            pytest.skip(f"this core has no MixedCudaGraphRunner: {exc}")
+        from ...config import CudaGraphConfigError
+        from ...reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+        from ...runner.mixed import choose_key
+
+        config = {
+            "prefill": {
+                "backend": self.backend_name,
+                "mixed_tokens": list(self.mixed_tokens),
+                "mixed_requests": list(self.mixed_requests),
+            }
+        }
+        model = self.make_model(device_type)
+        try:
+            runner = MixedCudaGraphRunner(model, config, show_progress=False)
+        except CudaGraphConfigError as exc:
+            if exc.key != "backend" or "init_forward_metadata_replay" not in str(exc):
+                raise
+            # A backend that records attention (full) needs a plan-based attention.
+            model = self.make_model(device_type, attention="planned_standin")
+            runner = MixedCudaGraphRunner(model, config, show_progress=False)
+        cache = model.kv_cache
+        eager = eager_logits_fn(model)
+        with torch.no_grad():
+            runner.capture()
+            keys = list(runner.captured_keys)
+            assert keys and all(k.requests is not None for k in keys), f"captured keys {keys}"
+            vocab = model.config.vocab_size
+            decoding = make_dummy_prompts(3, [5, 9, 3], vocab, seed=40)
+            first = make_extend_batch(cache, decoding)
+            rows = first.req_pool_indices.tolist()
+            chunk = make_dummy_prompts(1, [11], vocab, seed=41)[0]
+            new_row = cache.alloc_request()
+            steps = (
+                ("a chunk beside three decodes", [chunk[:6], [1], [2], [3]], [new_row, *rows]),
+                ("the chunk's rest beside two decodes", [chunk[6:], [4], [5]], [new_row, *rows[:2]]),
+                ("decodes only", [[6], [7], [8]], rows),
+            )
+            replayed = 0
+            for what, tokens, step_rows in steps:
+                batch = make_extend_batch(cache, tokens, rows=step_rows)
+                expected = eager(batch).clone()
+                want = choose_key(keys, len(tokens), sum(len(t) for t in tokens))
+                decision = runner.decide(batch)
+                assert (decision.key if decision else None) == want, f"{what}: key {decision} instead of {want}"
+                replayed += decision is not None
+                got = runner.forward(batch).clone()
+                assert got.shape == expected.shape
+                self.assert_close(got, expected, f"mixed step: {what}")
+            assert replayed, "no mixed step replayed a graph (every step fell back to eager)"
+            runner.cleanup()

@@ -42,6 +42,8 @@ class BackendConformanceTests(DeviceConformanceTests):
             replayed (sizes off the capture buckets exercise padding).
         prefill_max_tokens, prefill_prompt_lens: prefill capture limit (tokens) and the
             prompt lengths of the replayed prefill batches.
+        mixed_tokens, mixed_requests: the mixed runner's sizes per axis in the
+            two-dimensional key test (a key per pair with requests <= tokens).
         atol, rtol: tolerance of graph output against eager; None (default) derives both
             from the dtype and the model's reduction sizes
             (:func:`cuda_graph_runner.testing.tolerances.model_tolerance`): graph and
@@ -66,6 +68,8 @@ class BackendConformanceTests(DeviceConformanceTests):
     decode_batch_sizes: ClassVar[Tuple[int, ...]] = (1, 3, 6, 8)
     prefill_max_tokens: ClassVar[int] = 64
     prefill_prompt_lens: ClassVar[Tuple[Tuple[int, ...], ...]] = ((7,), (5, 9, 3), (16, 16, 16, 12))
+    mixed_tokens: ClassVar[Tuple[int, ...]] = (8, 16)
+    mixed_requests: ClassVar[Tuple[int, ...]] = (2, 4)
     atol: ClassVar[Optional[float]] = None
     rtol: ClassVar[Optional[float]] = None
     device_marks: ClassVar[Tuple[Any, ...]] = ()
