@@ -88,7 +88,10 @@ def build(args: argparse.Namespace) -> Dict[str, Any]:
             model, mixed_config, backend=_backend("breakable", "prefill", device, emulated), **common
         ),
         "prefill": PrefillCudaGraphRunner(
-            model, {"prefill": {"bs": [args.chunk]}}, backend=_backend("breakable", "prefill", device, emulated), **common
+            model,
+            {"prefill": {"bs": [args.chunk]}},
+            backend=_backend("breakable", "prefill", device, emulated),
+            **common,
         ),
         "decode": DecodeCudaGraphRunner(
             model, {"decode": {"bs": [args.decodes]}}, backend=_backend("full", "decode", device, emulated), **common
@@ -137,7 +140,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(fns: Dict[str, Callable[[], Any]], device: torch.device, iters: int, repeats: int, warmup: int) -> Dict[str, List[float]]:
+def measure(
+    fns: Dict[str, Callable[[], Any]], device: torch.device, iters: int, repeats: int, warmup: int
+) -> Dict[str, List[float]]:
     """Per method, the mean step time (ms) of each round; rounds alternate the methods."""
     with torch.no_grad():
         for fn in fns.values():

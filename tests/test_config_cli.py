@@ -77,6 +77,8 @@ def test_valid_config_prints_values_and_sources(fake_registry, capsys):
         "check_weights_every": 0,
         "forward_asleep": "eager",
         "capture": "blocking",
+        "mixed_tokens": None,
+        "mixed_requests": None,
     }
     assert report["config"] == {
         "decode": {"backend": "full", "max_bs": 8, "bs": [1, 4], "tc_compiler": "eager", **checks},

@@ -46,7 +46,9 @@ def _flashinfer() -> Any:
 
 
 def llama(attention: str, requests: int = 40) -> ReferenceLlamaForCausalLM:
-    model = ReferenceLlamaForCausalLM.from_preset("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", attention=attention)
+    model = ReferenceLlamaForCausalLM.from_preset(
+        "llama-3.2-1b", dtype=torch.bfloat16, device="cuda", attention=attention
+    )
     model.create_kv_cache(num_slots=requests * CONTEXT + 1, max_reqs=requests + 1, max_context_len=CONTEXT)
     return model
 

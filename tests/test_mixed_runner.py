@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend.base import ShapeKey
-from cuda_graph_runner.backend.forward_batch import ForwardBatch, _stored
+from cuda_graph_runner.backend.forward_batch import _stored
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
 from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
@@ -67,7 +67,11 @@ def grid(tokens: Sequence[int], requests: Sequence[int]) -> List[ShapeKey]:
 
 def test_key_choice_fewest_padded_tokens_then_fewest_request_slots():
     keys = grid([8, 16, 32], [1, 4, 8])
-    pick = {(r, t): (k.requests, k.size) for r, t in [(1, 5), (3, 5), (5, 8), (2, 9), (8, 30), (1, 32)] for k in [choose_key(keys, r, t)]}
+    pick = {
+        (r, t): (k.requests, k.size)
+        for r, t in [(1, 5), (3, 5), (5, 8), (2, 9), (8, 30), (1, 32)]
+        for k in [choose_key(keys, r, t)]
+    }
     assert pick == {(1, 5): (1, 8), (3, 5): (4, 8), (5, 8): (8, 8), (2, 9): (4, 16), (8, 30): (8, 32), (1, 32): (1, 32)}
     # Fewer padded tokens win over fewer slots: 5 requests of 9 tokens take 8 x 16, not
     # a larger token count with fewer slots.
@@ -284,3 +288,10 @@ def test_capture_plan_lists_both_axes():
     assert batch.req_pool_indices.shape == (2,) and batch.input_ids.shape == (8,)
     assert _stored(batch, "extend_seq_lens_cpu") == [8, 0] and batch.graph_variant == "mixed_r2"
 
+
+def test_a_replay_range_names_both_axes():
+    from cuda_graph_runner.backend.profiling import replay_range_name
+
+    name = replay_range_name("prefill", "full", ShapeKey(288, "mixed", requests=32))
+    assert name.endswith("prefill/full/bs=288 mixed requests=32")
+    assert replay_range_name("decode", "full", ShapeKey(8, "decode")).endswith("decode/full/bs=8 decode")

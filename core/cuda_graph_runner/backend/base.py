@@ -97,6 +97,11 @@ class ShapeKey:
         """The token axis of a two-dimensional key (``size``)."""
         return self.size
 
+    def __repr__(self) -> str:
+        # A one-dimensional key reads as before: ``ShapeKey(size=8, variant='decode')``.
+        second = "" if self.requests is None else f", requests={self.requests}"
+        return f"ShapeKey(size={self.size}, variant={self.variant!r}{second})"
+
 
 ForwardFn = Callable[[], Any]
 #: ``capture_one``'s ``post_warmup_hook``: undoes state the warm-ups mutated (or None).

@@ -78,10 +78,12 @@ profiler_enabled: Callable[[], bool] = _profiler_flag()
 
 def replay_range_name(phase: str, backend: str, key: Any) -> str:
     """The profiler range of one replay: ``"cuda_graph_runner.replay <phase>/<backend>/<key>"``,
-    the key as ``bs=<size> <variant>`` (``"cuda_graph_runner.replay decode/full/bs=8 decode"``)."""
+    the key as ``bs=<size> <variant>`` (``"cuda_graph_runner.replay decode/full/bs=8 decode"``),
+    a two-dimensional key with its request slots after it (``"bs=288 mixed requests=32"``)."""
     size = getattr(key, "size", key)
     variant = getattr(key, "variant", "")
-    shape = f"bs={size} {variant}".strip()
+    requests = getattr(key, "requests", None)
+    shape = f"bs={size} {variant}".strip() + (f" requests={requests}" if requests is not None else "")
     return f"{RANGE_PREFIX}.replay {phase}/{backend}/{shape}"
 
 

@@ -92,7 +92,7 @@ def choose_key(keys: Sequence[ShapeKey], requests: int, tokens: int) -> Optional
         slots = key.requests
         if slots is None or slots < requests or key.size < tokens:
             continue
-        if best is None or (key.size, slots) < (best.size, best.requests):  # type: ignore[operator]
+        if best is None or (key.size, slots) < (best.size, best.requests or 0):
             best = key
     return best
 
@@ -368,7 +368,11 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
             return key, static
         self._request_fill(requests, slots)((batch.req_pool_indices, batch.seq_lens, extend, prefix))
         pad = [0] * (slots - requests)
-        for name, device in (("seq_lens_cpu", batch.seq_lens), ("extend_seq_lens_cpu", extend), ("extend_prefix_lens_cpu", prefix)):
+        for name, device in (
+            ("seq_lens_cpu", batch.seq_lens),
+            ("extend_seq_lens_cpu", extend),
+            ("extend_prefix_lens_cpu", prefix),
+        ):
             host = _stored(batch, name)
             if host is None:
                 # The replay hook plans from host lengths; a batch built without them costs
@@ -395,9 +399,7 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
         fill = self._request_fills.get((requests, slots))
         if fill is None:
             names = [name for name, _ in _REQUEST_FIELDS]
-            fill = self._request_fills[(requests, slots)] = FusedFill(
-                self.buffers, names, [requests] * 4, [slots] * 4
-            )
+            fill = self._request_fills[(requests, slots)] = FusedFill(self.buffers, names, [requests] * 4, [slots] * 4)
         return fill
 
     def _static(self, key: ShapeKey) -> StaticBatchUpdater:

@@ -74,7 +74,9 @@ class RunStats:
         """One replay of ``requests`` requests and ``tokens`` tokens in the graph of the
         two-dimensional key ``key_requests x key_tokens``, over ``slots`` request rows
         (None: ``key_requests``; the live ``requests`` where the request axis is not padded)."""
-        self.replays_by_shape[(requests, tokens, key_requests, key_tokens, key_requests if slots is None else slots)] += 1
+        self.replays_by_shape[
+            (requests, tokens, key_requests, key_tokens, key_requests if slots is None else slots)
+        ] += 1
 
     def record_replay(self, size: int) -> None:
         """One replay of a live batch of ``size`` rows."""
@@ -177,7 +179,7 @@ def shape_padding(replays_by_shape: Dict[Tuple[int, int, int, int, int], int]) -
         entry[2] += (key_tokens - tokens) * count
         entry[3] += requests * count
         entry[4] += (slots - requests) * count
-    shapes = [
+    shapes: List[Dict[str, Any]] = [
         {
             "key": [r, t],
             "replays": n,
@@ -190,28 +192,28 @@ def shape_padding(replays_by_shape: Dict[Tuple[int, int, int, int, int], int]) -
         }
         for (r, t), (n, rt, pt, rr, pr) in sorted(per_key.items(), key=lambda item: (item[0][1], item[0][0]))
     ]
-    per_tokens: Dict[int, List[Any]] = {}
-    for shape in shapes:
-        entry = per_tokens.setdefault(shape["key"][1], [0, 0, 0, []])
-        entry[0] += shape["replays"]
-        entry[1] += shape["real_tokens"]
-        entry[2] += shape["padded_tokens"]
-        entry[3].append(shape["key"][0])
+    per_tokens: Dict[int, Tuple[List[int], List[int]]] = {}  # T -> ([replays, real, pad], request slots)
+    for (r, t), (n, rt, pt, _, _) in per_key.items():
+        counts, key_slots = per_tokens.setdefault(t, ([0, 0, 0], []))
+        counts[0] += n
+        counts[1] += rt
+        counts[2] += pt
+        key_slots.append(r)
     padding = [
         {
             "captured_size": t,
-            "requests": sorted(slots),
+            "requests": sorted(key_slots),
             "replays": n,
             "real_rows": real,
             "padded_rows": pad,
             "waste": pad / real if real else 0.0,
         }
-        for t, (n, real, pad, slots) in sorted(per_tokens.items())
+        for t, ((n, real, pad), key_slots) in sorted(per_tokens.items())
     ]
-    real_tokens = sum(s["real_tokens"] for s in shapes)
-    padded_tokens = sum(s["padded_tokens"] for s in shapes)
-    real_requests = sum(s["real_requests"] for s in shapes)
-    padded_requests = sum(s["padded_requests"] for s in shapes)
+    real_tokens = sum(e[1] for e in per_key.values())
+    padded_tokens = sum(e[2] for e in per_key.values())
+    real_requests = sum(e[3] for e in per_key.values())
+    padded_requests = sum(e[4] for e in per_key.values())
     return {
         "padding": padding,
         "real_rows": real_tokens,
