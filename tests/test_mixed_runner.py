@@ -152,7 +152,7 @@ def test_captured_grid_and_describe_name_both_axes():
 
 def test_replay_pads_both_axes_with_sentinels():
     model = make_model()
-    runner = make_runner(model)
+    runner = make_runner(model, tokens=[8, 16], requests=[4])
     cache = model.kv_cache
     with torch.no_grad():
         runner.capture()
@@ -176,7 +176,7 @@ def test_replay_pads_both_axes_with_sentinels():
 
 def test_breakable_replays_on_the_live_request_axis():
     model = make_model(attention="torch")
-    runner = make_runner(model, "breakable")
+    runner = make_runner(model, "breakable", tokens=[8], requests=[1, 4])
     with torch.no_grad():
         runner.capture()
         step = make_extend_batch(model.kv_cache, [[1, 2, 3], [7], [9]])
@@ -295,3 +295,12 @@ def test_a_replay_range_names_both_axes():
     name = replay_range_name("prefill", "full", ShapeKey(288, "mixed", requests=32))
     assert name.endswith("prefill/full/bs=288 mixed requests=32")
     assert replay_range_name("decode", "full", ShapeKey(8, "decode")).endswith("decode/full/bs=8 decode")
+
+
+def test_tp_ranks_on_other_request_slots_would_disagree():
+    # The TP step agreement compares a digest of the key: both axes must count.
+    from cuda_graph_runner.runner.distributed import TPGroup
+
+    group = TPGroup(rank=0, size=1, device=torch.device("cpu"))
+    digests = {group._digest(ShapeKey(16, "mixed", requests=r)) for r in (None, 4, 8)}
+    assert len(digests) == 3
