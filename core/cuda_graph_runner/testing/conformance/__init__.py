@@ -25,7 +25,8 @@ or editable). What is checked:
 * **on a device where the backend is available** (``test_device_*``): the reference
   model (:mod:`cuda_graph_runner.reference.model`, preset ``tiny``) captured with
   ``DecodeCudaGraphRunner`` (decode and target-verify) and, for prefill backends,
-  ``PrefillCudaGraphRunner``, replays with outputs equal to eager, including padded
+  ``PrefillCudaGraphRunner`` and ``MixedCudaGraphRunner`` (two-dimensional keys: prefill
+  chunks beside decodes), replays with outputs equal to eager, including padded
   batch sizes, eager fallback and recapture after ``cleanup()``, and on device index 1
   while index 0 is current (where two devices exist); a runner built with
   ``owned_outputs=True`` returns outputs that later replays leave unchanged; with the
