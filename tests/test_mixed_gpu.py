@@ -23,6 +23,7 @@ from cuda_graph_runner.config import CudaGraphConfigError
 from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 from cuda_graph_runner.runner import MixedCudaGraphRunner
+from cuda_graph_runner.runner.decision import ReplayDecision
 from cuda_graph_runner.runner.mixed import choose_key
 from cuda_graph_runner.runner.stats import REASON_NO_KEY
 from cuda_graph_runner.testing.tolerances import model_tolerance
@@ -95,12 +96,12 @@ def test_continuous_batching_with_chunked_prefill_replays_close_to_eager(backend
                 decoding[waiting.pop(0)[0]] = 0
             decision = runner.decide(batch)
             want = choose_key(keys, len(rows), batch.num_tokens)
-            assert (decision.key if decision else None) == want, f"step {step}"
+            assert getattr(decision, "key", None) == want, f"step {step}"
             expected = eager(batch).clone()
             got = runner.forward(batch).clone()
             torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"step {step} ({len(rows)} requests): {m}")
-            replayed += decision is not None
-            mixed += decision is not None and len(rows) > 1 and len(tokens[0]) > 1
+            replayed += isinstance(decision, ReplayDecision)
+            mixed += isinstance(decision, ReplayDecision) and len(rows) > 1 and len(tokens[0]) > 1
             for row in list(decoding):
                 if len(tokens[rows.index(row)]) == 1:
                     decoding[row] += 1

@@ -304,3 +304,17 @@ def test_tp_ranks_on_other_request_slots_would_disagree():
     group = TPGroup(rank=0, size=1, device=torch.device("cpu"))
     digests = {group._digest(ShapeKey(16, "mixed", requests=r)) for r in (None, 4, 8)}
     assert len(digests) == 3
+
+
+def test_eager_first_serves_eagerly_until_the_covering_size_is_captured():
+    model = make_model()
+    config = {"prefill": {"mixed_tokens": [8, 16], "mixed_requests": [4], "capture": "eager_first"}}
+    runner = MixedCudaGraphRunner(model, config, device="cpu", backend=make_backend("full"), show_progress=False)
+    eager = eager_logits_fn(model)
+    with torch.no_grad():
+        runner.capture()
+        batch = make_extend_batch(model.kv_cache, [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3]])
+        assert torch.equal(runner.forward(batch), eager(batch))
+        assert runner.run_stats()["eager_fallbacks"] == {"not captured yet": 1}
+        runner.capture_step(None)
+        assert runner.can_run(batch) and torch.equal(runner.forward(batch).clone(), eager(batch))

@@ -21,7 +21,7 @@ Keys and the choice per step:
 * a live batch of ``R`` requests and ``T`` tokens replays the captured key covering it
   (``key.requests >= R`` and ``key.size >= T``) with the fewest padded tokens, then the
   fewest request slots; a batch no key covers runs eagerly, counted under the fallback
-  reason ``"no key covers the batch"`` (:mod:`.stats`).
+  reason ``"no key covers the batch"`` (:mod:`.stats`; :meth:`MixedCudaGraphRunner.decide`).
 
 Padding: the token axis as the prefill runner pads it (token 0 at position 0 into KV
 slot 0). Where the graph records attention (``full``) the request axis is a graph input
@@ -60,9 +60,15 @@ from ..backend.context import forward_context
 from ..backend.forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch, _stored
 from ..config import ConfigInput, CudaGraphConfigError
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner
-from .decision import ReplayDecision
+from .decision import Decision, EagerDecision, ReplayDecision
 from .model_protocol import GraphModel
-from .stats import REASON_NO_KEY
+from .stats import (
+    REASON_EMPTY,
+    REASON_NO_KEY,
+    REASON_NOT_CAPTURED_YET,
+    REASON_TOO_LARGE,
+    REASON_VARIANT,
+)
 
 #: ``ShapeKey.variant`` of every mixed key (the request axis is ``ShapeKey.requests``).
 MIXED_KEY_VARIANT = "mixed"
@@ -259,23 +265,48 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
         self._choices[shape] = key
         return key
 
-    def decide(self, batch: ForwardBatch) -> Optional[ReplayDecision]:
-        """How ``batch`` replays (tokens, the key's tokens, the key), or None: EXTEND,
-        captured, and a captured key covering both its axes that the backend can run."""
-        if not self.captured_keys or not self.batch_matches(batch):
-            return None
+    def decide(self, batch: ForwardBatch) -> Decision:
+        """How ``batch`` runs: a :class:`~.decision.ReplayDecision` (tokens, the key's
+        tokens, the key) when a captured key covers both its axes and the backend can run
+        it, else an :class:`~.decision.EagerDecision` whose reason ``forward`` records:
+        ``"disabled"``/``"asleep"``/``"not captured"`` (no graphs), ``"variant not
+        captured"`` (not EXTEND, or the backend refuses the key), ``"empty batch"``, ``"too
+        large"`` (more tokens than the largest token count), ``"not captured yet"`` (under
+        ``capture: eager_first``, a queued token count would cover it), ``"no key covers
+        the batch"``."""
+        if not self.captured_keys and (self.lazy_capture is None or not self.lazy_capture.pending()):
+            return EagerDecision(self._uncaptured_reason())
+        if not self.batch_matches(batch):
+            return EagerDecision(REASON_VARIANT)
         tokens = batch.num_tokens
-        if tokens <= 0 or tokens > self.max_size:
-            return None
+        if tokens <= 0:
+            return EagerDecision(REASON_EMPTY)
+        if tokens > self.max_size:
+            return EagerDecision(REASON_TOO_LARGE)
         key = self.key_of(batch)
-        if key is None or not self.backend.can_run(batch, key):
-            return None
+        if key is None:
+            queued = self._queued_cover(batch)
+            if queued:
+                return EagerDecision(REASON_NOT_CAPTURED_YET, queued)
+            return EagerDecision(REASON_NO_KEY if self.captured_keys else self._uncaptured_reason())
+        if not self.backend.can_run(batch, key):
+            return EagerDecision(REASON_VARIANT)
         return ReplayDecision(tokens, key.size, key, variant_label(key.requests or 0))
 
-    def own_fallback_reason(self, batch: ForwardBatch) -> Optional[str]:
-        """``"no key covers the batch"`` when no captured key holds both axes, else None
-        (:func:`.stats.fallback_reason` asks it)."""
-        return REASON_NO_KEY if self.key_of(batch) is None else None
+    def _queued_cover(self, batch: ForwardBatch) -> int:
+        """Under ``capture: eager_first``: the smallest queued token count whose keys would
+        cover ``batch`` (0: none), so the batch counts as that size's traffic."""
+        lazy = self.lazy_capture
+        if lazy is None:
+            return 0
+        requests, tokens = int(batch.req_pool_indices.shape[0]), batch.num_tokens
+        for size in sorted(lazy.pending()):
+            if size >= tokens and any(
+                self.make_variant_key(size, v).requests >= requests  # type: ignore[operator]
+                for v in self.size_variants(size)
+            ):
+                return size
+        return 0
 
     def fits_graphs(self, batch: ForwardBatch) -> bool:
         return self.key_of(batch) is not None
