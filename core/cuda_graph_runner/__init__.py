@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is loaded on 
     from .reference.models.hf import TransformersUnavailableError, UnsupportedHFModelError
     from .reference.real_model import RealModelUnavailableError
     from .registry import list_backends, register, resolve_decode_backend, resolve_prefill_backend
-    from .runner import BaseCudaGraphRunner, DecodeCudaGraphRunner, PrefillCudaGraphRunner
+    from .runner import BaseCudaGraphRunner, DecodeCudaGraphRunner, MixedCudaGraphRunner, PrefillCudaGraphRunner
     from .runner.capture_report import CaptureOutOfMemoryError
     from .runner.distributed import TensorParallelCaptureError, TensorParallelMismatchError, TensorParallelStepError
     from .runner.dp_group import DataParallelMismatchError, DataParallelStepError
@@ -87,6 +87,7 @@ _EXPORTS = {
     "resolve_prefill_backend": "registry",
     "BaseCudaGraphRunner": "runner",
     "DecodeCudaGraphRunner": "runner",
+    "MixedCudaGraphRunner": "runner",
     "PrefillCudaGraphRunner": "runner",
     "estimate_graph_memory": "runner.memory_estimate",
     # every error of the package, each a CudaGraphRunnerError (docs/architecture.md, "Errors")
@@ -153,6 +154,7 @@ __all__ = [
     "FlashInferPlanError",
     "ForwardBatch",
     "ForwardMode",
+    "MixedCudaGraphRunner",
     "OutputRowsError",
     "Phase",
     "PhaseConfig",
