@@ -37,7 +37,7 @@ def test_core_exports_its_version():
         ("one", "declares plugin API version 'one', which is not of the form 'major.minor'"),
         (
             "1.0",
-            "implements plugin API 1.0, older than the 1.1 to 1.2 this core runs; to be 1.1, take the capture plan",
+            "implements plugin API 1.0, older than the 1.1 to 1.3 this core runs; to be 1.1, take the capture plan",
         ),
     ],
 )
@@ -53,7 +53,7 @@ def test_mismatch_is_unavailable_with_both_versions(declared, expected):
     assert {e.name: e for e in registry.list_backends("cuda")}["vendor"].status == "unavailable"
 
 
-@pytest.mark.parametrize("declared", ["1.1", "1.01", "1.2", None])
+@pytest.mark.parametrize("declared", ["1.1", "1.01", "1.2", "1.3", None])
 def test_compatible_or_undeclared_is_available(declared):
     _register("vendor", declared)
     assert {e.name: e for e in registry.list_backends("cpu")}["vendor"].status == "available"
@@ -69,4 +69,4 @@ def test_older_minor_is_compatible(monkeypatch):
 def test_an_older_minor_without_a_note_points_to_the_guide(monkeypatch):
     monkeypatch.setattr(versions, "OLDEST_PLUGIN_API_VERSION", "1.2")
     problem = versions.api_version_problem("1.1")
-    assert "older than the 1.2 to 1.2 this core runs; see docs/plugin-authors.md" in problem
+    assert "older than the 1.2 to 1.3 this core runs; see docs/plugin-authors.md" in problem

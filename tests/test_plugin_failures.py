@@ -175,7 +175,7 @@ def test_malformed_spec_is_named(zoo):
 def test_api_version_mismatch_through_an_entry_point(zoo):
     row = zoo["old_api"]
     assert row.status == "unavailable"
-    assert "cgr-failure-zoo 0.4.2 implements plugin API 0.3, but this core provides plugin API 1.2" in row.reason
+    assert "cgr-failure-zoo 0.4.2 implements plugin API 0.3, but this core provides plugin API 1.3" in row.reason
 
 
 def test_the_others_still_work(zoo):
