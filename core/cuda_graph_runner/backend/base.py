@@ -98,7 +98,7 @@ class ShapeKey:
         return self.size
 
     def __repr__(self) -> str:
-        # A one-dimensional key reads as before: ``ShapeKey(size=8, variant='decode')``.
+        # A one-dimensional key prints without the request axis: ``ShapeKey(size=8, variant='decode')``.
         second = "" if self.requests is None else f", requests={self.requests}"
         return f"ShapeKey(size={self.size}, variant={self.variant!r}{second})"
 
