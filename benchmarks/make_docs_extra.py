@@ -60,6 +60,8 @@ KINDS = {
     "isolation": "isolation_ab.json of benchmarks/isolation_ab.py (a compiled method alone or beside others)",
     "dp-agreement": "dpN.json of benchmarks/dp_agreement.py (CPU, gloo)",
     "speculative": "spec_*.json of benchmarks/speculative.py (one per dtype)",
+    "mixed": "mixed.json of benchmarks/mixed.py (a mixed step in one graph against a prefill plus a decode)",
+    "eager-first": "eager_first_BACKEND.json of benchmarks/eager_first.py (the three starts' timelines and the summary)",
     "tp": "tpN.json of benchmarks/tp.py, one per tensor-parallel size or backend set",
     "tp2-bench": "cuda-graph-runner bench at TP=2 (JSON, printed output, GPU test log)",
     "variants": "variants.json of benchmarks/variants.py",
