@@ -467,3 +467,11 @@ def test_step_buffers_are_reused_across_shapes_and_give_step_batch_fields():
         assert memory is None or fast.input_ids.untyped_storage().data_ptr() == memory
     with pytest.raises(ValueError, match=r"same non-zero width, got \[1, 2\]"):
         step_batch(caches[0], rows[:2], [[1], [1, 2]], buffers=buffers)
+    # A refused token is named, and the step reserves nothing: the cache is as it was.
+    lens = [caches[0].request_len(r) for r in rows[:2]]
+    table = caches[0].req_to_token.clone()
+    for bad in (1.5, -1, True):
+        with pytest.raises(ValueError, match=rf"token {bad!r} is not accepted; accepted: token ids"):
+            step_batch(caches[0], rows[:2], [[1, bad], [1, 2]], buffers=buffers)
+        assert [caches[0].request_len(r) for r in rows[:2]] == lens
+        assert torch.equal(caches[0].req_to_token, table)

@@ -29,7 +29,11 @@ unmarked inputs pass the guard in either case.
 A compile whose guard state cannot be saved (guards that read an object pickle refuses, as
 FlashInfer's TVM-FFI functions hanging off the attention backend, or a guard kind torch does
 not serialize, as ``MODULE_MATCH``) is left out of the package and traces again at the next
-start instead of failing the compile.
+start instead of failing the compile. This holds for the whole process once a scope has
+been entered (torch's ``CheckFunctionManager.serialize_guards`` stays wrapped): a function
+compiled in a scope keeps its package, and its later compiles run outside any scope. The
+wrapper acts only where torch's own would fail; ``torch._dynamo.config.strict_precompile``
+still raises.
 
 Torch without these internals (an older or newer release that moved them): the scope
 logs once that Dynamo traces every start and the inductor caches still apply.

@@ -29,9 +29,10 @@ def _short_repr(value: Any, limit: int = 120) -> str:
 
 
 class CudaGraphRunnerError(Exception):
-    """Base class of every error cuda-graph-runner and its plugins raise.
+    """Base class of every error type cuda-graph-runner and its plugins define.
 
-    ``except CudaGraphRunnerError`` catches them all. Each subclass also keeps the standard
+    ``except CudaGraphRunnerError`` catches those (a plain argument check of one call may
+    still raise Python's own ``TypeError`` or ``ValueError``). Each subclass also keeps the standard
     base its kind has (a config error is a ``ValueError``, an unknown backend a ``KeyError``,
     a capture out of memory a ``torch.OutOfMemoryError``, ...), so code that catches those
     catches these too. Every one is importable from :mod:`cuda_graph_runner`; plugins import

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import numbers
 from array import array
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, cast
 
@@ -133,6 +134,10 @@ class _Layout:
         self.read = device[ids:end]
 
 
+def _token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
 class StepBuffers:
     """Reused memory for the step batches of one stream of steps (the verify batches of a
     loop, a draft's batches): a host staging area (pinned on CUDA) and a device area, and
@@ -209,6 +214,9 @@ class StepBuffers:
                 f"step_batch: every request needs the same non-zero width, got {sorted({len(t) for t in tokens})}"
             )
         per_req = w if slots_per_req is None else slots_per_req
+        bad = next((t for toks in tokens for t in toks if not _token_id(t)), None)
+        if bad is not None:  # before reserving: a refused step leaves the cache as it was
+            raise ValueError(f"step_batch: token {bad!r} is not accepted; accepted: token ids, ints >= 0")
         layout = self.layout(bs, w, per_req, scratch)
         request_len = cache.request_len
         before = [request_len(r) for r in rows]
@@ -223,7 +231,9 @@ class StepBuffers:
         host64[layout.lens_words : layout.upload] = array("q", words)
         if self._cuda:
             layout.device_upload.copy_(layout.host_upload, non_blocking=True)
-            self._event.record()
+            # The copy ran on the cache device's current stream, whatever device is current:
+            # the event follows that stream, or the staging area is rewritten mid-copy.
+            self._event.record(torch.cuda.current_stream(self.device))
         elif not self._on_host:
             layout.device_upload.copy_(layout.host_upload)
         if per_req:

@@ -92,6 +92,9 @@ def start_step_agreement(
     requests (the ranks' collectives stay paired) and then raises on this rank alone;
     a batch the agreed graph cannot take (``backend.can_run``, the runner's own limits)
     runs eagerly padded to the agreed graph's size, in step with the ranks that replay.
+    That pairs only where the model's collectives are the same calls eagerly and in a
+    graph (NCCL or gloo collectives; not graph-registered custom all-reduce buffers):
+    with such a model, start the agreement from the built batch.
 
     Raises:
         ValueError: a negative size, a ``variant`` the runner did not capture, no

@@ -132,7 +132,8 @@ class DPGroup(TPGroup):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.step_timeout_s > 0:
+        timeout = self.step_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"DPGroup: step_timeout_s={self.step_timeout_s!r}; accepted: seconds > 0")
 
     @classmethod
