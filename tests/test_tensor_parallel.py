@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -213,6 +214,72 @@ def test_size_one_group_runs_no_collective():
     x = torch.randn(3, 4)
     assert all_gather_last_dim(x, TPGroup(0, 1, torch.device("cpu"))) is x
     assert TPGroup(0, 1, torch.device("cpu")).agree_step(3, False) is False
+
+
+@pytest.mark.parametrize(
+    "value,error",
+    [
+        (0, ValueError),
+        (-1.5, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("10", TypeError),
+        (True, TypeError),
+    ],
+)
+@pytest.mark.parametrize("name", ["step_timeout_s", "capture_timeout_s"])
+def test_agreement_bounds_refuse_what_is_not_seconds(name, value, error):
+    """A bound that is not a finite number of seconds > 0 is refused by the group and by
+    init_tensor_parallel / init_data_parallel, before any process group is made."""
+    from cuda_graph_runner.runner.distributed import init_tensor_parallel
+    from cuda_graph_runner.runner.dp_group import DPGroup, init_data_parallel
+
+    bad = re.escape(f"{name}={value!r}")
+    for make in (
+        lambda: TPGroup(0, 2, torch.device("cpu"), **{name: value}),
+        lambda: DPGroup(0, 2, torch.device("cpu"), **{name: value}),
+        lambda: init_tensor_parallel(2, device_type="cpu", **{name: value}),
+        lambda: init_data_parallel(2, device_type="cpu", **{name: value}),
+    ):
+        with pytest.raises(error, match=bad):
+            make()
+    assert not torch.distributed.is_initialized()
+
+
+class _TimedOut:
+    """A collective's work handle whose wait runs out (as gloo's does)."""
+
+    def wait(self, timeout):
+        raise RuntimeError(f"Operation timed out! ({timeout.total_seconds():g} s)")
+
+
+def test_a_wait_that_ran_out_names_the_agreement_and_the_group_refuses_every_agreement_after():
+    from cuda_graph_runner.runner.distributed import TensorParallelCaptureError, TensorParallelStepError
+    from cuda_graph_runner.runner.dp_group import DataParallelStepError, DPGroup
+
+    tp = TPGroup(0, 2, torch.device("cpu"), step_timeout_s=0.25)
+    with pytest.raises(TensorParallelStepError) as info:
+        tp.wait_bounded(_TimedOut(), "the batch's replay agreement")
+    message = str(info.value)
+    assert "the batch's replay agreement did not complete on TP rank 0 of 2" in message, message
+    assert "Operation timed out! (0.25 s)" in message and "step_timeout_s=0.25 s" in message, message
+    assert "end the process" in message
+    # Refused before any collective (none could run here: there is no process group).
+    for call, kind in (
+        (lambda: tp.agree_step(2, True), TensorParallelStepError),
+        (lambda: tp.all_true(True), TensorParallelStepError),
+        (lambda: tp.gather_objects(1), TensorParallelStepError),
+        (lambda: tp.barrier(), TensorParallelCaptureError),
+        (lambda: tp.gather_objects(1, capture=True), TensorParallelCaptureError),
+    ):
+        with pytest.raises(kind) as info:
+            call()
+        assert str(info.value) == message
+    dp = DPGroup(0, 2, torch.device("cpu"), capture_timeout_s=7)
+    with pytest.raises(TensorParallelCaptureError, match=r"capture of decode size 4 did not .*capture_timeout_s=7 s"):
+        dp.wait_bounded(_TimedOut(), "the agreement after capture of decode size 4", capture=True)
+    with pytest.raises(DataParallelStepError, match="capture of decode size 4"):  # a DP group's step error
+        dp.start_agree_batch(2, True, "a")
 
 
 @pytest.mark.parametrize(

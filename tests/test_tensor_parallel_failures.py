@@ -1,7 +1,9 @@
 """Multi-rank failures end at once, on every rank, with the group still usable (gloo, two
 CPU ranks): ranks picking different graphs for one batch, a capture step failing on one
 rank (rolled back on both), ranks with different sizes to capture, a decision raising on
-one rank, and ``backend.prepare`` failing on one rank.
+one rank, and ``backend.prepare`` failing on one rank. A rank that never reaches a batch's
+or a capture's agreement: an error on the waiting rank within the group's bound, after
+which the group refuses every agreement.
 
 One launch runs every scenario in order, with a 5 s process-group timeout: a rank left
 waiting in a collective would get gloo's timeout error instead of the error asserted
@@ -24,6 +26,10 @@ from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
 from cuda_graph_runner.testing.tp_launch import run_ranks
 
 GROUP_TIMEOUT_S = 5.0
+#: The stalled scenarios' step_timeout_s and capture_timeout_s, and how long the rank
+#: that hangs in its capture stays there (past the bound).
+BOUND_S = 1.0
+STALL_S = 1.3
 
 
 class TPToy(ToyModel):
@@ -43,6 +49,13 @@ class TPToy(ToyModel):
 
     def graph_variant(self, batch: ForwardBatch) -> str:
         return self.choice(batch)
+
+
+class QuietTPToy(TPToy):
+    """TPToy whose forward runs no collective: the only ones are the runner's agreements."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return ToyModel.forward(self, batch)
 
 
 def _outcome(fn: Callable[[], Any]) -> Tuple[str, Optional[str]]:
@@ -208,6 +221,41 @@ def _verify(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
     out["verify_then"] = _replays_like_eager(runner, model, 3)
 
 
+def _stalled(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
+    # Rank 1 never reaches the batch's agreement, then hangs in its capture of size 2,
+    # each on a group of its own (a wait that ran out leaves its group out of step); the
+    # bounds are made short once the ranks are in step (the launch's group's barrier).
+    import time
+
+    import torch.distributed as dist
+
+    groups = [TPGroup(tp.rank, tp.size, tp.device, group=dist.new_group(backend="gloo")) for _ in range(2)]
+    runner = _runner(QuietTPToy(groups[0]), RecordingBackend("cpu", phase="decode"))
+    runner.capture()
+    groups[0].step_timeout_s = BOUND_S
+    if tp.rank == 0:  # rank 1 goes on to the barrier: it never reaches this batch's agreement
+        start = time.monotonic()
+        out["stalled_step"] = _outcome(lambda: runner.forward(decode_batch(2)))
+        out["stalled_step_s"] = time.monotonic() - start
+        out["stalled_step_then"] = _outcome(lambda: runner.forward(decode_batch(2)))
+        out["stalled_step_then_capture"] = _outcome(lambda: runner.capture())
+    tp.barrier()
+
+    class HangsOnRankOne(RecordingBackend):
+        def capture_one(self, key, forward_fn, *, post_warmup_hook=None):
+            if tp.rank == 1 and key.size == 2 and key.variant.endswith("|a"):
+                time.sleep(STALL_S)
+            super().capture_one(key, forward_fn, post_warmup_hook=post_warmup_hook)
+
+    runner = _runner(QuietTPToy(groups[1]), HangsOnRankOne("cpu", phase="decode"))
+    groups[1].capture_timeout_s = BOUND_S
+    start = time.monotonic()
+    out["stalled_capture"] = _outcome(runner.capture)
+    out["stalled_capture_s"] = time.monotonic() - start
+    out["stalled_capture_kept"] = _sizes(runner.captured_keys)
+    out["stalled_capture_then"] = _outcome(lambda: runner.forward(decode_batch(4)))
+
+
 SCENARIOS = (
     "_variants",
     "_capture_rollback",
@@ -216,6 +264,7 @@ SCENARIOS = (
     "_prepare",
     "_weights_and_sleep",
     "_verify",
+    "_stalled",  # last: it leaves groups of its own unusable
 )
 
 
@@ -332,3 +381,36 @@ def test_a_verify_mismatch_on_one_rank_raises_on_every_rank(ranks):
     assert kind == "TensorParallelStepError" and "another TP rank" in message, (kind, message)
     for r in ranks:
         assert r["verify_then"] is True, r["rank"]
+
+
+def test_a_rank_that_never_reaches_the_batch_agreement_is_an_error_within_the_step_timeout(ranks):
+    """Rank 1 never calls forward: rank 0 raises TensorParallelStepError within
+    step_timeout_s (not the process group's timeout), naming the agreement and the bound;
+    then the group refuses every agreement at once, a batch's and a capture's."""
+    _done(ranks, "_stalled")
+    r0 = ranks[0]
+    kind, message = r0["stalled_step"]
+    assert kind == "TensorParallelStepError", (kind, message)
+    assert "the batch's replay agreement did not complete on TP rank 0 of 2" in message, message
+    assert "step_timeout_s=1 s" in message and "end the process" in message, message
+    assert r0["stalled_step_s"] < GROUP_TIMEOUT_S, r0["stalled_step_s"]  # the step's bound, not the group's timeout
+    assert r0["stalled_step_then"] == ("TensorParallelStepError", message)
+    assert r0["stalled_step_then_capture"] == ("TensorParallelCaptureError", message)
+
+
+def test_a_rank_that_hangs_in_its_capture_is_an_error_within_the_capture_timeout(ranks):
+    """Rank 1 hangs in its capture of size 2 past capture_timeout_s: rank 0, done with its
+    own capture of it, raises TensorParallelCaptureError naming that agreement and the
+    bound, keeps the sizes captured before it, and refuses the next batch at once; rank 1
+    raises once it comes back (the group's agreements are out of step)."""
+    _done(ranks, "_stalled")
+    r0, r1 = ranks
+    kind, message = r0["stalled_capture"]
+    assert kind == "TensorParallelCaptureError", (kind, message)
+    assert "the agreement after capture of decode size 2 did not complete on TP rank 0 of 2" in message, message
+    assert "capture_timeout_s=1 s" in message and "end the process" in message, message
+    assert r0["stalled_capture_s"] < GROUP_TIMEOUT_S, r0["stalled_capture_s"]
+    assert r0["stalled_capture_kept"] == [4]  # size 2 rolled back
+    assert r0["stalled_capture_then"] == ("TensorParallelStepError", message)
+    kind, message = r1["stalled_capture"]
+    assert kind == "TensorParallelCaptureError" and "capture_timeout_s=1 s" in message, (kind, message)

@@ -803,7 +803,7 @@ class BaseCudaGraphRunner(abc.ABC):
         tp = self.rank_group
         if tp is None or not tp.is_parallel:
             return
-        todos = tp.gather_objects(list(todo))
+        todos = tp.gather_objects(list(todo), what=f"the agreement on the {self.phase} sizes to capture", capture=True)
         if any(t != todos[0] for t in todos):
             seen = "; ".join(f"rank {r}: {t}" for r, t in enumerate(todos))
             raise TensorParallelMismatchError(
@@ -982,7 +982,7 @@ class BaseCudaGraphRunner(abc.ABC):
             check()
         except CudaGraphVerifyError as exc:
             error = exc
-        if group.all_true(error is None):
+        if group.all_true(error is None, what=f"verify mode's agreement on the replay of {key}"):
             return
         if error is not None:
             raise error

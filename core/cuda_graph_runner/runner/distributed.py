@@ -29,7 +29,21 @@ failed anywhere is rolled back on every rank, so the ranks keep the same graphs)
 batch's decision (:meth:`TPGroup.agree_step`: the same size, the same graph, i.e. padded
 size and variant, or a :class:`TensorParallelMismatchError` naming each rank's; a decision
 that raised on one rank is a :class:`TensorParallelStepError` on all). The group stays
-usable after any of them. Out of scope: a failure inside the model's forward between two
+usable after any of them.
+
+Every collective the runner issues to coordinate the ranks (these agreements, their
+error gathers, the capture barriers) runs on the gloo group with ``async_op=True`` and a
+deadline on its wait (:meth:`TPGroup.wait_bounded`), so a rank that died, hung or never
+reached an agreement is an error on every rank that waits, within the bound, not at the
+process group's timeout: :attr:`TPGroup.step_timeout_s` (default 10 s) for each batch's
+agreements, a :class:`TensorParallelStepError`, and :attr:`TPGroup.capture_timeout_s`
+(default 120 s) for the capture-time ones, a :class:`TensorParallelCaptureError`. A
+capture-time bound covers the wait after this rank's own part finished (its ``prepare``,
+compile included, or its capture of a size) for the slowest other rank to finish its
+own, so it must exceed how much longer one rank may legitimately take. A wait that ran
+out leaves the group's collectives out of step: the error names the agreement and its
+bound, and every later agreement on the group raises the same at once (end the process).
+Out of scope: a failure inside the model's forward between two
 of its own collectives (a warm-up, an eager step) or inside a replayed graph; the other
 ranks then wait in that collective until the process group's timeout
 (:func:`init_tensor_parallel`'s ``timeout_s``) and get the communication library's error.
@@ -52,7 +66,10 @@ import dataclasses
 import datetime
 import hashlib
 import logging
+import math
+import numbers
 import os
+import pickle
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -68,12 +85,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_CAPTURE_TIMEOUT_S",
+    "DEFAULT_STEP_TIMEOUT_S",
     "TPGroup",
     "TensorParallelCaptureError",
     "TensorParallelMismatchError",
     "TensorParallelStepError",
     "all_gather_last_dim",
     "all_reduce",
+    "check_timeout",
     "exit_now",
     "init_tensor_parallel",
     "per_rank_compile_cache",
@@ -86,6 +106,17 @@ __all__ = [
 #: that died or took another path must not leave the others blocked for the library's
 #: 10-minute default.
 DEFAULT_TIMEOUT_S = 300.0
+
+#: Default seconds a rank waits for the other ranks in one step's agreement (a rank that
+#: died or never reached it): far above the ranks' skew within a step, far below the
+#: process group's timeout.
+DEFAULT_STEP_TIMEOUT_S = 10.0
+
+#: Default seconds a rank waits, after its own part of a capture-time agreement finished
+#: (``prepare`` with its compile, one size's capture), for the other ranks to finish
+#: theirs: room for one rank compiling or capturing slower than another, below the
+#: process group's timeout.
+DEFAULT_CAPTURE_TIMEOUT_S = 120.0
 
 
 class TensorParallelMismatchError(CudaGraphRunnerError, RuntimeError):
@@ -100,7 +131,24 @@ class TensorParallelCaptureError(CudaGraphRunnerError, RuntimeError):
 class TensorParallelStepError(CudaGraphRunnerError, RuntimeError):
     """The replay-or-eager decision of one batch failed on a rank of the TP group (the
     model's ``graph_variant`` raised, say), so every rank stops at that batch; the message
-    names that rank and its error."""
+    names that rank and its error. Also: the batch's agreement did not complete within
+    :attr:`TPGroup.step_timeout_s` (a rank died or never reached it), or the group is
+    unusable after such a timeout."""
+
+
+def check_timeout(name: str, value: Any) -> float:
+    """``value`` as seconds, for the bound called ``name`` in the error.
+
+    Raises:
+        TypeError: not a number (a bool is refused).
+        ValueError: not finite and > 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r}: expected seconds as a number > 0")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name}={value!r}: expected a finite number of seconds > 0")
+    return seconds
 
 
 @dataclasses.dataclass
@@ -118,11 +166,20 @@ class TPGroup:
         name: the name the compiled collectives find this group by
             (:func:`cuda_graph_runner.runner.tp_ops.register_group`); given at creation when
             ``size > 1``, empty otherwise.
+        step_timeout_s: seconds a per-batch agreement (:meth:`agree_step`, verify mode's
+            check) waits for the other ranks before it raises
+            :class:`TensorParallelStepError` (default :data:`DEFAULT_STEP_TIMEOUT_S`).
+        capture_timeout_s: seconds a capture-time agreement (:func:`tp_agree`,
+            :func:`tp_capture_step`'s barrier, the sizes to capture) waits, after this
+            rank's own part finished, for the other ranks before it raises
+            :class:`TensorParallelCaptureError` (default :data:`DEFAULT_CAPTURE_TIMEOUT_S`).
     """
 
     #: The parallelism the group stands for, in error messages ("TP"; "DP" for
     #: :class:`cuda_graph_runner.runner.dp_group.DPGroup`).
     kind: ClassVar[str] = "TP"
+    #: What a per-step agreement of the group raises when it times out.
+    step_error: ClassVar[type] = TensorParallelStepError
 
     rank: int
     size: int
@@ -134,10 +191,16 @@ class TPGroup:
     _min_buffers: Dict[int, Tuple["array.array[int]", torch.Tensor]] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
     )
+    step_timeout_s: float = dataclasses.field(default=DEFAULT_STEP_TIMEOUT_S, compare=False)
+    capture_timeout_s: float = dataclasses.field(default=DEFAULT_CAPTURE_TIMEOUT_S, compare=False)
+    #: Why the group is unusable (an agreement's wait ran out), or None.
+    _broken: Optional[str] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"TPGroup: rank={self.rank} size={self.size}; need size >= 1 and 0 <= rank < size")
+        self.step_timeout_s = check_timeout(f"{type(self).__name__}: step_timeout_s", self.step_timeout_s)
+        self.capture_timeout_s = check_timeout(f"{type(self).__name__}: capture_timeout_s", self.capture_timeout_s)
         if self.size > 1 and not self.name:
             from .tp_ops import register_group
 
@@ -151,40 +214,94 @@ class TPGroup:
     def _cpu(self) -> Any:
         return self.cpu_group if self.cpu_group is not None else self.group
 
-    def barrier(self) -> None:
-        """Block until every rank reaches this point (gloo, host only: no device sync)."""
+    def check_usable(self, *, capture: bool = False) -> None:
+        """Raise at once when an earlier agreement's wait on this group ran out (the
+        group's collectives are out of step, so any further one would pair wrongly).
+
+        Raises:
+            TensorParallelCaptureError (``capture``) or :attr:`step_error`: the group is
+                unusable; the message names the agreement that timed out and says to end
+                the process.
+        """
+        if self._broken is not None:
+            raise (TensorParallelCaptureError if capture else self.step_error)(self._broken)
+
+    def wait_bounded(self, work: Any, what: str, *, capture: bool = False) -> None:
+        """Wait for ``work``, an ``async_op=True`` collective of this group's gloo group,
+        at most :attr:`capture_timeout_s` (``capture``) or :attr:`step_timeout_s` seconds.
+        Every runner-issued coordination collective of TP and DP groups ends here.
+
+        Raises:
+            TensorParallelCaptureError (``capture``) or :attr:`step_error`: the wait ran
+                out, or the collective failed (a rank's connection closed); the message
+                names ``what``, this rank and the bound. The group is unusable from then
+                on (:meth:`check_usable`).
+        """
+        setting, bound = (
+            ("capture_timeout_s", self.capture_timeout_s) if capture else ("step_timeout_s", self.step_timeout_s)
+        )
+        try:
+            if work.wait(timeout=datetime.timedelta(seconds=bound)) is False:
+                raise TimeoutError(f"the wait returned without completion after {bound:g} s")
+        except Exception as exc:
+            self._broken = (
+                f"{what} did not complete on {self.kind} rank {self.rank} of {self.size} "
+                f"({type(exc).__name__}: {_one_line(exc, 300)}; the wait is bounded by {setting}={bound:g} s): "
+                f"another {self.kind} rank died, hung, or did not reach it in time; the group is unusable "
+                "(its collectives are out of step), end the process"
+            )
+            raise (TensorParallelCaptureError if capture else self.step_error)(self._broken) from exc
+
+    def barrier(self, *, what: str = "a barrier of the group", capture: bool = True) -> None:
+        """Block until every rank reaches this point (gloo, host only: no device sync),
+        at most :attr:`capture_timeout_s` (``capture``) or :attr:`step_timeout_s`.
+
+        Raises:
+            As :meth:`wait_bounded` (a rank did not arrive in time; names ``what``).
+        """
         if self.is_parallel:
             import torch.distributed as dist
 
-            dist.barrier(group=self._cpu())
+            self.check_usable(capture=capture)
+            self.wait_bounded(dist.barrier(group=self._cpu(), async_op=True), what, capture=capture)
 
-    def all_true(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on every rank (one host all-reduce of an int, MIN)."""
-        return bool(self.host_min([1 if flag else 0])[0])
+    def all_true(self, flag: bool, *, what: str = "an agreement on a flag", capture: bool = False) -> bool:
+        """Whether ``flag`` is true on every rank (one host all-reduce of an int, MIN;
+        bounded as :meth:`host_min`)."""
+        return bool(self.host_min([1 if flag else 0], what=what, capture=capture)[0])
 
-    def host_min(self, values: Sequence[int]) -> List[int]:
+    def host_min(self, values: Sequence[int], *, what: str = "a host agreement", capture: bool = False) -> List[int]:
         """The element-wise minimum of ``values`` (int64s) over the ranks: one host
-        all-reduce (gloo, MIN, no device sync). The per-step agreements' one collective.
+        all-reduce (gloo, MIN, ``async_op=True``, no device sync). The per-step agreements'
+        one collective.
 
         The values travel in an int64 tensor kept per length and reused, whose memory
         is a Python ``array`` the values are written into and read back from: a step
         makes no tensor and runs no torch op but the collective.
+
+        Raises:
+            As :meth:`wait_bounded`: the other ranks' values did not arrive within the
+            bound (:attr:`capture_timeout_s` with ``capture``, else
+            :attr:`step_timeout_s`), or the group is unusable after such a timeout.
         """
         if not self.is_parallel:
             return [int(v) for v in values]
         import torch.distributed as dist
 
+        self.check_usable(capture=capture)
         held = self._min_buffers.get(len(values))
         if held is None:
             host = array.array("q", bytes(8 * len(values)))
             held = self._min_buffers[len(values)] = (host, torch.frombuffer(host, dtype=torch.int64))
         host, buf = held
         host[:] = array.array("q", values)
-        dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._cpu())
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._cpu(), async_op=True)
+        self.wait_bounded(work, what, capture=capture)
         return host.tolist()
 
-    def agree_ints(self, values: Sequence[int], what: str) -> List[int]:
-        """Check every rank holds the same ``values`` (one host all-reduce).
+    def agree_ints(self, values: Sequence[int], what: str, *, capture: bool = False) -> List[int]:
+        """Check every rank holds the same ``values`` (one host all-reduce, bounded as
+        :meth:`host_min`).
 
         Returns:
             ``list(values)``.
@@ -197,7 +314,7 @@ class TPGroup:
         if not self.is_parallel:
             return vals
         # MIN of (v, -v) gives min and -max in one collective.
-        got = self.host_min(vals + [-v for v in vals])
+        got = self.host_min(vals + [-v for v in vals], what=f"the agreement on {what}", capture=capture)
         n = len(vals)
         lo, hi = got[:n], [-v for v in got[n:]]
         if lo != hi:
@@ -233,7 +350,10 @@ class TPGroup:
             TensorParallelMismatchError: the ranks' batch sizes, or the graphs they would
                 replay, differ (names each rank's value).
             TensorParallelStepError: the decision failed on another rank (names it and its
-                error); the rank whose decision failed gets this too, naming itself.
+                error); the rank whose decision failed gets this too, naming itself. Or
+                the other ranks' values did not arrive within :attr:`step_timeout_s` (a
+                rank died or never reached this batch's agreement), or the group is
+                unusable after such a timeout (the message says to end the process).
         """
         if not self.is_parallel:
             if failed is not None:
@@ -246,12 +366,12 @@ class TPGroup:
         else:
             lo_slot = hi_slot = _NO_KEY
         lo, neg_hi, key_lo, neg_key_hi, flag, ok = self.host_min(
-            [size, -size, lo_slot, hi_slot, 1 if replay else 0, 0 if failed else 1]
+            [size, -size, lo_slot, hi_slot, 1 if replay else 0, 0 if failed else 1], what=_STEP
         )
         if ok and lo == -neg_hi and (key_lo == _NO_KEY or key_lo == -neg_key_hi):
             return bool(flag)
         mine = (size, repr(key) if key is not None and replay else None, failed)
-        ranks = self.gather_objects(mine)
+        ranks = self.gather_objects(mine, what=f"{_STEP} (each rank's values)")
         if not ok:
             bad = "; ".join(f"rank {r}: {v[2]}" for r, v in enumerate(ranks) if v[2] is not None)
             raise TensorParallelStepError(
@@ -279,16 +399,37 @@ class TPGroup:
             self._key_digests[key] = digest
         return digest
 
-    def gather_objects(self, value: Any) -> List[Any]:
-        """Every rank's ``value`` (picklable), in rank order (one host gather; for error
-        paths and capture-time checks, not per step). ``[value]`` at size 1."""
+    def gather_objects(
+        self, value: Any, *, what: str = "a gather of every rank's values", capture: bool = False
+    ) -> List[Any]:
+        """Every rank's ``value`` (picklable), in rank order (for error paths and
+        capture-time checks, not per step). ``[value]`` at size 1.
+
+        Two host all-gathers (gloo, ``async_op=True``): each rank's pickled length, then
+        the pickles padded to the longest (what ``all_gather_object`` does, which has no
+        bounded wait). Each wait is bounded as :meth:`host_min`'s.
+
+        Raises:
+            As :meth:`wait_bounded` (a rank did not arrive in time; names ``what``).
+        """
         if not self.is_parallel:
             return [value]
         import torch.distributed as dist
 
-        out: List[Any] = [None] * self.size
-        dist.all_gather_object(out, value, group=self._cpu())
-        return out
+        self.check_usable(capture=capture)
+        data = pickle.dumps(value)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        mine = torch.tensor([len(data)], dtype=torch.int64)
+        self.wait_bounded(dist.all_gather(lengths, mine, group=self._cpu(), async_op=True), what, capture=capture)
+        sizes = [int(n) for n in lengths]
+        longest = max(sizes)
+        held = [bytearray(longest) for _ in range(self.size)]
+        sent = bytearray(data) + bytearray(longest - len(data))
+        outs = [torch.frombuffer(b, dtype=torch.uint8) for b in held]
+        work = dist.all_gather(outs, torch.frombuffer(sent, dtype=torch.uint8), group=self._cpu(), async_op=True)
+        self.wait_bounded(work, what, capture=capture)
+        # The peers are this group's own ranks, as for torch's all_gather_object.
+        return [pickle.loads(bytes(b[:n])) for b, n in zip(held, sizes)]
 
 
 def label_digest(text: str) -> int:
@@ -301,6 +442,9 @@ def label_digest(text: str) -> int:
 #: What a rank that would not replay sends in :meth:`TPGroup.agree_step`'s key slots:
 #: above every digest, so the MIN over ranks compares only the ranks that would replay.
 _NO_KEY = 1 << 62
+
+#: :meth:`TPGroup.agree_step`'s agreement, in a timeout's message.
+_STEP = "the batch's replay agreement"
 
 
 @contextlib.contextmanager
@@ -316,20 +460,26 @@ def tp_agree(tp: Optional[TPGroup], what: str) -> Iterator[None]:
     compile; a collective inside it is the model's, and a rank failing between two of
     them leaves the others blocked until the group's timeout). A no-op without a group.
 
+    The agreement waits at most :attr:`TPGroup.capture_timeout_s` after this rank's block
+    ended for the other ranks to end theirs.
+
     Raises:
-        TensorParallelCaptureError: this rank succeeded but another failed.
+        TensorParallelCaptureError: this rank succeeded but another failed; or the other
+            ranks did not end their block within ``capture_timeout_s`` (names ``what``
+            and the bound; the group is unusable then: end the process).
     """
     if tp is None or not tp.is_parallel:
         yield
         return
+    agreement = f"the agreement after {what}"
     try:
         yield
     except BaseException as exc:
-        tp.all_true(False)
-        tp.gather_objects(f"{type(exc).__name__}: {_one_line(exc)}")
+        tp.all_true(False, what=agreement, capture=True)
+        tp.gather_objects(f"{type(exc).__name__}: {_one_line(exc)}", what=agreement, capture=True)
         raise
-    if not tp.all_true(True):
-        errors = tp.gather_objects(None)
+    if not tp.all_true(True, what=agreement, capture=True):
+        errors = tp.gather_objects(None, what=agreement, capture=True)
         bad = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
         raise TensorParallelCaptureError(
             f"{what} failed on another {tp.kind} rank ({bad}); this is rank {tp.rank} of {tp.size}, "
@@ -337,9 +487,9 @@ def tp_agree(tp: Optional[TPGroup], what: str) -> Iterator[None]:
         )
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, limit: int = 500) -> str:
     text = " ".join(str(exc).split())
-    return text[:500] + ("..." if len(text) > 500 else "")
+    return text[:limit] + ("..." if len(text) > limit else "")
 
 
 @contextlib.contextmanager
@@ -352,12 +502,15 @@ def tp_capture_step(tp: Optional[TPGroup], what: str) -> Iterator[None]:
     step back on every rank). A rank that fails between two of the model's collectives
     leaves the others blocked in a device collective until the process group's timeout
     (see :func:`init_tensor_parallel`): bounded, never a hang. A no-op without a group.
+    The barrier and the agreement each wait at most :attr:`TPGroup.capture_timeout_s`.
 
     Raises:
-        TensorParallelCaptureError: this rank succeeded but another failed.
+        TensorParallelCaptureError: this rank succeeded but another failed; or another
+            rank did not reach the barrier, or end its capture, within
+            ``capture_timeout_s`` (the group is unusable then: end the process).
     """
     if tp is not None and tp.is_parallel:
-        tp.barrier()
+        tp.barrier(what=f"the barrier before capture of {what}", capture=True)
     with tp_agree(tp, f"capture of {what}"):
         yield
 
@@ -421,6 +574,8 @@ def init_tensor_parallel(
     rank: Optional[int] = None,
     init_method: Optional[str] = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S,
 ) -> TPGroup:
     """Join (or start) the default process group and return this rank's :class:`TPGroup`.
 
@@ -434,16 +589,27 @@ def init_tensor_parallel(
         rank: this process's rank when not under torchrun (with ``init_method``).
         init_method: e.g. ``"tcp://127.0.0.1:29500"`` or ``"file:///tmp/x"``; None
             reads the environment (``env://``).
-        timeout_s: seconds a collective may block before failing.
+        timeout_s: seconds a collective may block before failing (the model's
+            collectives; the runner's own agreements are bounded by the next two).
+        step_timeout_s: :attr:`TPGroup.step_timeout_s`, seconds a batch's agreement
+            waits for the other ranks.
+        capture_timeout_s: :attr:`TPGroup.capture_timeout_s`, seconds a capture-time
+            agreement waits for the other ranks after this rank's own part finished.
 
     On CUDA, ``NCCL_NVLS_ENABLE`` defaults to ``0`` (NVLink multicast off) when unset.
     With more than one rank, the inductor cache goes per rank (:func:`per_rank_compile_cache`).
 
     Raises:
-        ValueError: the world size differs from ``tp_size``, a bad ``device_type``, or
-            fewer CUDA devices than local ranks (each message names the values).
+        ValueError: the world size differs from ``tp_size``, a bad ``device_type``,
+            fewer CUDA devices than local ranks, or a bound that is not a finite number
+            of seconds > 0 (each message names the values; TypeError for a bound that is
+            not a number).
     """
     import torch.distributed as dist
+
+    # Checked before joining: a bad bound must not leave a half-made group behind.
+    step_timeout_s = check_timeout("step_timeout_s", step_timeout_s)
+    capture_timeout_s = check_timeout("capture_timeout_s", capture_timeout_s)
 
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -480,7 +646,15 @@ def init_tensor_parallel(
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         device, cpu_group = torch.device("cpu"), None
-    return TPGroup(rank=me, size=world, device=device, group=None, cpu_group=cpu_group)
+    return TPGroup(
+        rank=me,
+        size=world,
+        device=device,
+        group=None,
+        cpu_group=cpu_group,
+        step_timeout_s=step_timeout_s,
+        capture_timeout_s=capture_timeout_s,
+    )
 
 
 def per_rank_compile_cache(rank: int) -> str:

@@ -61,13 +61,14 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import datetime
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config.exceptions import CudaGraphRunnerError
 from .distributed import (
+    DEFAULT_CAPTURE_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     TPGroup,
     all_reduce,
@@ -90,11 +91,6 @@ __all__ = [
 #: What a rank without a variant to replay (no requests, or it cannot replay) sends in
 #: the variant slots: above every digest, so the MIN compares only the ranks that have one.
 _NONE = 1 << 62
-
-#: Default seconds a rank waits for the other ranks' step agreement (a rank that died or
-#: never started its agreement): far above the ranks' skew within a step, far below the
-#: process group's timeout.
-DEFAULT_STEP_TIMEOUT_S = 10.0
 
 
 class DataParallelMismatchError(CudaGraphRunnerError, RuntimeError):
@@ -121,31 +117,31 @@ class DPGroup(TPGroup):
     """
 
     kind = "DP"
-    #: Seconds :meth:`PendingAgreement.wait` waits for the other ranks before it raises.
-    step_timeout_s: float = dataclasses.field(default=DEFAULT_STEP_TIMEOUT_S, compare=False)
+    step_error = DataParallelStepError
     _variant_digests: Dict[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     _step_buffer: Optional[Tuple["array.array[int]", torch.Tensor]] = dataclasses.field(
         default=None, compare=False, repr=False
     )
     _pending: Optional["PendingAgreement"] = dataclasses.field(default=None, compare=False, repr=False)
-    _broken: Optional[str] = dataclasses.field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        timeout = self.step_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"DPGroup: step_timeout_s={self.step_timeout_s!r}; accepted: seconds > 0")
 
     @classmethod
-    def of(cls, group: TPGroup, *, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> "DPGroup":
-        """The DP group over the same ranks and process groups as ``group``."""
+    def of(
+        cls,
+        group: TPGroup,
+        *,
+        step_timeout_s: Optional[float] = None,
+        capture_timeout_s: Optional[float] = None,
+    ) -> "DPGroup":
+        """The DP group over the same ranks and process groups as ``group``, with its
+        bounds unless given (:attr:`step_timeout_s`, :attr:`capture_timeout_s`)."""
         return cls(
             rank=group.rank,
             size=group.size,
             device=group.device,
             group=group.group,
             cpu_group=group.cpu_group,
-            step_timeout_s=step_timeout_s,
+            step_timeout_s=group.step_timeout_s if step_timeout_s is None else step_timeout_s,
+            capture_timeout_s=group.capture_timeout_s if capture_timeout_s is None else capture_timeout_s,
         )
 
     def _variant_digest(self, variant: str) -> int:
@@ -210,8 +206,7 @@ class DPGroup(TPGroup):
             DataParallelStepError: an earlier agreement of this group timed out or
                 failed in the collective (the group is unusable).
         """
-        if self._broken is not None:
-            raise DataParallelStepError(self._broken)
+        self.check_usable()
         if self._pending is not None:
             raise RuntimeError(
                 f"DP rank {self.rank}: a step agreement was started and not waited on; one agreement at a time "
@@ -241,16 +236,7 @@ class DPGroup(TPGroup):
         """Wait (bounded) for ``pending``'s all-reduce; the reduced values."""
         work, pending._work = pending._work, None
         self._pending = None
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.step_timeout_s))
-        except Exception as exc:
-            self._broken = (
-                f"the step's agreement did not complete on DP rank {self.rank} of {self.size} "
-                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}; the wait is bounded by "
-                f"step_timeout_s={self.step_timeout_s:g} s): another DP rank died, hung, or did not start its "
-                "agreement for this step; the group is unusable, end the process"
-            )
-            raise DataParallelStepError(self._broken) from exc
+        self.wait_bounded(work, "the step's agreement")
         assert self._step_buffer is not None
         return self._step_buffer[0].tolist()
 
@@ -267,7 +253,7 @@ class DPGroup(TPGroup):
                 agreed = variant if variant is not None else self._label_of(v_lo, pending.variants)
             return -neg_max, bool(all_ready), agreed
         # Every rank sees the same reduced values, so all of them take this gather.
-        ranks = self.gather_objects((size, variant, failed))
+        ranks = self.gather_objects((size, variant, failed), what="the step's agreement (each rank's values)")
         if not ok:
             bad = "; ".join(f"rank {r}: {v[2]}" for r, v in enumerate(ranks) if v[2] is not None)
             raise DataParallelStepError(
@@ -375,26 +361,35 @@ def init_data_parallel(
     init_method: Optional[str] = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S,
 ) -> DPGroup:
     """Join (or start) the default process group and return this rank's :class:`DPGroup`;
     the whole world is one DP group. Arguments as
     :func:`~cuda_graph_runner.runner.distributed.init_tensor_parallel`'s (torchrun's environment,
     NCCL on CUDA with a gloo group for host decisions, gloo on CPU, bounded timeouts);
     ``step_timeout_s``: :attr:`DPGroup.step_timeout_s`, seconds a step's agreement waits
-    for the other ranks.
+    for the other ranks; ``capture_timeout_s``: seconds a capture-time agreement waits
+    for them after this rank's own part finished (as under TP).
 
     Raises:
         ValueError: the world size differs from ``dp_size`` (names both and the torchrun
-            line), a bad ``device_type``, or fewer CUDA devices than local ranks.
+            line), a bad ``device_type``, fewer CUDA devices than local ranks, or a bound
+            that is not a finite number of seconds > 0 (TypeError: not a number).
     """
     # The world size is checked here, with DP's words (an explicit init_method needs it).
     world = dp_size if init_method is not None else None
     group = init_tensor_parallel(
-        world, device_type=device_type, rank=rank, init_method=init_method, timeout_s=timeout_s
+        world,
+        device_type=device_type,
+        rank=rank,
+        init_method=init_method,
+        timeout_s=timeout_s,
+        step_timeout_s=step_timeout_s,
+        capture_timeout_s=capture_timeout_s,
     )
     if dp_size is not None and group.size != dp_size:
         raise ValueError(
             f"--dp {dp_size} but the process group has {group.size} ranks; "
             f"start it with torchrun --nproc-per-node {dp_size}"
         )
-    return DPGroup.of(group, step_timeout_s=step_timeout_s)
+    return DPGroup.of(group)

@@ -30,7 +30,8 @@ budget, whenever the caller has time for it (between engine steps, while idle):
   the same sizes in the same call and a size switches to replay at the same step on all
   of them; a failure on one rank rolls the size back on all (the capture's per-size
   agreement). The gather runs on every call, even with nothing left: stop calling once
-  a step says ``done``.
+  a step says ``done``. These waits are capture-time agreements, bounded by the group's
+  ``capture_timeout_s`` (:mod:`cuda_graph_runner.runner.distributed`).
 
 The capture's warm-up and recording forwards run on the runner's dummy batch: every
 padded request reads request row 0 and writes KV slot 0, the cache's reserved dummies
@@ -69,6 +70,9 @@ logger = logging.getLogger(__name__)
 #: The ``capture`` key's values (:data:`cuda_graph_runner.config.CAPTURE_POLICIES`).
 BLOCKING = "blocking"
 EAGER_FIRST = "eager_first"
+
+#: The capture step's gather of every rank's observed counts, in a timeout's message.
+_STEP_COUNTS = "the capture step's gather of the sizes live traffic ran"
 
 
 @dataclasses.dataclass
@@ -184,7 +188,7 @@ class LazyCapture:
         if parallel:  # data parallel ranks see different traffic: order by the sum
             assert group is not None
             counts = collections.Counter()
-            for theirs in group.gather_objects(dict(self.observed)):
+            for theirs in group.gather_objects(dict(self.observed), what=_STEP_COUNTS, capture=True):
                 counts.update(theirs)
         todo = self.order(counts)
         # Every rank the same sizes in the same order, or an error on all (a rank with
@@ -204,7 +208,9 @@ class LazyCapture:
             def keep_going(size: int) -> bool:
                 last = size_seconds(report.sizes[-1])
                 fits = budget_s is None or time.perf_counter() - start + last <= budget_s
-                return group.all_true(fits) if parallel and group is not None else fits
+                if parallel and group is not None:
+                    return group.all_true(fits, what="the capture step's agreement on the budget", capture=True)
+                return fits
 
             try:
                 with torch.no_grad():  # a capture-time grad_fn would ride on every replayed output
