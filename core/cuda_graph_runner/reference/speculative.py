@@ -135,7 +135,7 @@ class _Layout:
 
 
 def _token_id(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
 class StepBuffers:
