@@ -13,13 +13,15 @@ sys.path.insert(0, BENCH)
 
 import breakable_vs_full  # noqa: E402
 
+from cuda_graph_runner.cli.results_schema import from_run_models  # noqa: E402
+
 
 def _cell(ms):
     samples = [ms * (1 + 0.01 * ((i * 7) % 5 - 2) / 2) for i in range(6)]
     return {"median_ms": sorted(samples)[3], "min_ms": min(samples), "max_ms": max(samples), "samples_ms": samples}
 
 
-def _run(breakable_decode, breakable_prefill=10.0):
+def _run(breakable_decode, breakable_prefill=10.0, *, decode_breakable=True):
     def model():
         return {
             "decode": {
@@ -28,7 +30,13 @@ def _run(breakable_decode, breakable_prefill=10.0):
             "prefill": {"512": {"eager": _cell(20.0), "breakable": _cell(breakable_prefill)}},
         }
 
-    return {"models": {"qwen2.5-0.5b": model(), "llama-3.2-1b": model()}}
+    models = {"qwen2.5-0.5b": model(), "llama-3.2-1b": model()}
+    if not decode_breakable:
+        for m in models.values():
+            for row in m["decode"].values():
+                row.pop("breakable")
+    # As benchmarks/run.py writes its tables: a results document of the current schema.
+    return from_run_models(models, {"device": "cuda", "device_name": "test GPU"})
 
 
 def _main(tmp_path, run, before=None, *extra):
@@ -58,10 +66,6 @@ def test_prefill_compared_with_the_run_before(tmp_path, capsys):
 
 
 def test_a_run_without_breakable_says_which_run_to_make(tmp_path, capsys):
-    run = _run(1.0)
-    for m in run["models"].values():
-        for row in m["decode"].values():
-            row.pop("breakable")
-    assert _main(tmp_path, run) == 2
+    assert _main(tmp_path, _run(1.0, decode_breakable=False)) == 2
     assert "--backends full,breakable" in capsys.readouterr().err
     assert breakable_vs_full.main([str(tmp_path / "absent.json")]) == 2
