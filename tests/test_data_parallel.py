@@ -397,6 +397,31 @@ def _collectives(dp: DPGroup, out: Dict[str, Any]) -> None:
     out["agreement_torch_calls"] = TorchCalls.seen
 
 
+def _eager_first(dp: DPGroup, out: Dict[str, Any]) -> None:
+    # Under eager_first a size replays as soon as every rank captured it, before the
+    # largest size; the steps before count as that size's traffic ("not captured yet").
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    model = DPToy(dp)
+    backend = RecordingBackend("cpu", phase="decode")
+    config = {"decode": {"max_bs": MAX_BS, "capture": "eager_first"}}
+    runner = DecodeCudaGraphRunner(model, config, device="cpu", backend=backend, show_progress=False)
+    runner.capture()
+    batch = decode_batch(2, offset=dp.rank + 1)
+    steps = []
+    for step in range(3):
+        before = len(backend.events)
+        got = runner.forward(batch)
+        want = ToyModel.compute_logits(model, ToyModel.forward(model, batch), batch)
+        keys = [e[1].size for e in backend.events[before:] if e[0] == "replay"]
+        steps.append((keys, bool(torch.allclose(got, want))))
+        if step == 0:
+            step_done = runner.capture_step(1.0)  # at least one size: the observed one first
+            out["eager_first_captured"] = list(step_done.sizes)
+    out["eager_first"] = steps
+    out["eager_first_stats"] = runner.run_stats()["eager_fallbacks"]
+
+
 def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
     torch.set_num_threads(1)  # ranks share the CI machine's cores
     dp = DPGroup.of(tp)
@@ -409,6 +434,7 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
         "_rank_dies": lambda: _rank_dies(dp, out),
         "_failures": lambda: _failures(dp, out),
         "_collectives": lambda: _collectives(dp, out),
+        "_eager_first": lambda: _eager_first(dp, out),
     }
     for name, run in ((n, every[n]) for n in names):
         try:
@@ -423,7 +449,15 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def two_ranks():
     # _overlap_edges last: its stalled step leaves the group unusable.
-    scenarios = ("_reference_sessions", "_schedule", "_failures", "_collectives", "_overlapped", "_overlap_edges")
+    scenarios = (
+        "_reference_sessions",
+        "_schedule",
+        "_failures",
+        "_collectives",
+        "_overlapped",
+        "_eager_first",
+        "_overlap_edges",  # last: a rank that never starts leaves the group unusable
+    )
     return run_ranks(_rank, 2, 2, scenarios, timeout_s=150, group_timeout_s=GROUP_TIMEOUT_S)
 
 
@@ -653,3 +687,11 @@ def test_bench_dp_usage_errors(argv, message, capsys, monkeypatch):
         rc = e.code
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_dp2_eager_first_replays_a_size_once_every_rank_captured_it(two_ranks):
+    _done(two_ranks, "_eager_first")
+    for r in two_ranks:
+        assert r["eager_first_captured"][0] == 2, r["eager_first_captured"]  # observed first
+        assert r["eager_first"] == [([], True), ([2], True), ([2], True)], r["eager_first"]
+        assert r["eager_first_stats"] == {"not captured yet": 1}, r["eager_first_stats"]

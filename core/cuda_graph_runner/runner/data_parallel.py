@@ -32,7 +32,7 @@ from ..backend.profiling import eager_range_name, profiler_enabled
 from .decision import EagerDecision
 from .dp_group import DataParallelStepError, DPGroup, PendingAgreement
 from .sleep import asleep_error
-from .stats import REASON_EMPTY, REASON_OTHER_RANK, REASON_VARIANT
+from .stats import REASON_EMPTY, REASON_VARIANT
 
 __all__ = ["StepAgreement", "dp_forward", "padded_batch", "start_step_agreement"]
 
@@ -173,12 +173,22 @@ def _local_decision(runner: Any, batch: Optional[ForwardBatch], ready: bool) -> 
     variant = None
     if ready:
         variant = runner.variant_of(batch)
-        # Asked for the largest graph of the variant (every rank holds it): the
-        # backend's per-batch conditions, before the size is known.
-        ready = bool(runner.backend.can_run(batch, runner.variant_key(runner.max_size, variant)))
+        # The backend's per-batch conditions, before the size is known, asked of the
+        # variant's largest captured graph (the ranks capture the same sizes; under
+        # ``capture: eager_first`` the largest size may not be captured yet).
+        probe = _largest_captured(runner, variant)
+        ready = probe is not None and bool(runner.backend.can_run(batch, probe))
         if not ready:
             variant = None
     return live, ready, variant
+
+
+def _largest_captured(runner: Any, variant: Optional[str]) -> Any:
+    key = runner.variant_key(runner.max_size, variant)
+    if key in runner.captured_keys:
+        return key
+    sizes = [k.size for k in runner.captured_keys if runner.variant_key(k.size, variant) == k]
+    return runner.variant_key(max(sizes), variant) if sizes else None
 
 
 def _step_checks(runner: Any, ready: bool) -> None:
@@ -276,9 +286,8 @@ def _run_step(
     else:
         if batch is None:
             reason = REASON_EMPTY
-        elif ready and live <= runner.max_size:
-            reason = REASON_OTHER_RANK
-        else:  # this rank's own reason: the decision on the step's padded batch
+        else:  # this rank's own reason on the step's padded batch (a batch it could
+            # replay alone: another rank's), counted as traffic for eager_first's order
             reason = runner._eager_reason(runner.decide(work))
         runner.stats.record_fallback(reason)
         output = _eager(runner, work, reason)
