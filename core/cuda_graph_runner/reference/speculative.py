@@ -214,9 +214,13 @@ class StepBuffers:
                 f"step_batch: every request needs the same non-zero width, got {sorted({len(t) for t in tokens})}"
             )
         per_req = w if slots_per_req is None else slots_per_req
-        bad = next((t for toks in tokens for t in toks if not _token_id(t)), None)
-        if bad is not None:  # before reserving: a refused step leaves the cache as it was
-            raise ValueError(f"step_batch: token {bad!r} is not accepted; accepted: token ids, ints >= 0")
+        flat = [t for toks in tokens for t in toks]
+        # Before reserving (a refused step leaves the cache as it was); the loop's own
+        # tokens (plain ints from one read) take the cheap check only.
+        if not all(type(t) is int for t in flat) or min(flat) < 0:
+            bad = next((t for t in flat if not _token_id(t)), None)
+            if bad is not None:
+                raise ValueError(f"step_batch: token {bad!r} is not accepted; accepted: token ids, ints >= 0")
         layout = self.layout(bs, w, per_req, scratch)
         request_len = cache.request_len
         before = [request_len(r) for r in rows]
@@ -227,7 +231,7 @@ class StepBuffers:
         host32, host64 = self._host32, self._host64
         host32[:bs] = array("i", after)
         words = positions + slots + table_index + list(rows)
-        words += [t for toks in tokens for t in toks]
+        words += flat
         host64[layout.lens_words : layout.upload] = array("q", words)
         if self._cuda:
             layout.device_upload.copy_(layout.host_upload, non_blocking=True)

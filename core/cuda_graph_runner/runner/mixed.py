@@ -56,12 +56,12 @@ import torch
 
 from ..backend.base import ShapeKey
 from ..backend.buffers import BATCH_AXIS, TOKEN_AXIS, FusedFill
-from ..backend.context import forward_context
 from ..backend.forward_batch import ForwardBatch, ForwardMode, StaticBatchUpdater, StaticForwardBatch, _stored
 from ..config import ConfigInput, CudaGraphConfigError
 from .base import MAX_REPLAY_PLANS, BaseCudaGraphRunner
 from .decision import Decision, EagerDecision, ReplayDecision
 from .model_protocol import GraphModel
+from .prefill import PrefillCudaGraphRunner
 from .stats import (
     REASON_EMPTY,
     REASON_NO_KEY,
@@ -450,17 +450,8 @@ class MixedCudaGraphRunner(BaseCudaGraphRunner):
             update = self._statics[key] = StaticBatchUpdater(static, keep=keep)
         return update
 
-    def graph_forward(self, batch: ForwardBatch) -> Any:
-        return self.model.forward(batch)
-
-    def finish_output(
-        self, graph_output: Any, batch: ForwardBatch, static_batch: ForwardBatch, key: Optional[ShapeKey] = None
-    ) -> Any:
-        tokens = batch.num_tokens
-        hidden = self.live_rows(graph_output, key, static_batch.input_ids.shape[0], tokens, tokens)
-        with forward_context(batch):
-            return self.model.compute_logits(hidden, batch)
-
-    def eager_forward(self, batch: ForwardBatch) -> Any:
-        with forward_context(batch):
-            return self.model.compute_logits(self.model.forward(batch), batch)
+    # An EXTEND batch's outputs as the prefill runner makes them: the graph returns the
+    # hidden states of every padded token, the live tokens' logits are computed after it.
+    graph_forward = PrefillCudaGraphRunner.graph_forward
+    finish_output = PrefillCudaGraphRunner.finish_output
+    eager_forward = PrefillCudaGraphRunner.eager_forward
