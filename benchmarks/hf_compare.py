@@ -203,9 +203,13 @@ def per_step(run: Callable[[int], Any], steps: int, repeats: int, sync: Callable
     for _ in range(repeats):
         one = wall_s(lambda: run(1), sync)
         many = wall_s(lambda: run(steps + 1), sync)
-        samples.append(max(many - one, 0.0) / steps * 1000.0)
-    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples),
-            "samples_ms": samples}  # fmt: skip
+        samples.append((many - one) / steps * 1000.0)
+    cell: Dict[str, Any] = {"median_ms": statistics.median(samples), "min_ms": min(samples),
+                            "max_ms": max(samples), "samples_ms": samples}  # fmt: skip
+    below = sum(1 for s in samples if s <= 0.0)
+    if below:  # a difference at or under zero is timing noise, never a step time
+        cell["unmeasured"] = f"T({steps + 1}) <= T(1) in {below} of {repeats} repeats (noise; raise --new-tokens)"
+    return cell
 
 
 # -- ours -------------------------------------------------------------------------------------
@@ -371,6 +375,10 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
     notes: List[str] = []
 
     def record(name: str, measure: str, bs: int, cell: Optional[Dict[str, Any]]) -> None:
+        if cell is not None and "unmeasured" in cell:
+            notes.append(f"{shape} {method_label(name, measure)} batch {bs} not recorded: {cell['unmeasured']}")
+            progress(notes[-1])
+            return
         if cell is not None:
             progress(f"{shape}: {method_label(name, measure)} batch {bs}: {cell['median_ms']:.3f} ms")
             kept = ("median_ms", "min_ms", "max_ms", "samples_ms", "max_abs_diff", "within_tolerance")
