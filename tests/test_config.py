@@ -200,7 +200,9 @@ def test_from_json_text_file_and_pathlike(tmp_path):
     [
         ("{bad", ["not valid JSON", "not an existing file", "'{bad'"]),
         ("", ["not valid JSON"]),
-        ("no/such/file.json", ["not an existing file", "no/such/file.json"]),
+        ("no/such/file.json", ["no such file", "'no/such/file.json'"]),
+        ("cg.JSON", ["no such file", "'cg.JSON'"]),
+        ("no/such/file", ["not valid JSON", "not an existing file"]),
         ("[]", ["must be an object"]),
         ('{"decode": {}, "decode": {}}', ["duplicate key", "'decode'"]),
         ('{"decode": {"bs": [1], "bs": [2]}}', ["duplicate key", "'bs'"]),

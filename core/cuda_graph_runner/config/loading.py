@@ -23,6 +23,12 @@ def _reject_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def _names_a_file(text: str) -> bool:
+    """Whether ``text`` reads as a file's path rather than JSON: one line ending in ``.json``."""
+    stripped = text.strip()
+    return stripped.lower().endswith(".json") and "\n" not in stripped and not stripped.startswith(("{", "[", '"'))
+
+
 def _load_json(text_or_path: Any, source: Optional[str]) -> Any:
     """The JSON value in ``text_or_path`` (JSON text, or a path to a file). Raises CudaGraphConfigError."""
     accepted = 'a JSON object such as \'{"decode": {"backend": "full"}}\' or the path of a file holding one'
@@ -34,6 +40,8 @@ def _load_json(text_or_path: Any, source: Optional[str]) -> Any:
     elif not text_or_path.lstrip().startswith(("{", "[")) and os.path.isfile(text_or_path):
         path = text_or_path
     text = text_or_path
+    if path is None and _names_a_file(text):  # a typo'd path: say so, not that it is bad JSON
+        raise CudaGraphConfigError("no such file", value=text_or_path, accepted=accepted, source=source)
     if path is not None:
         try:
             # utf-8-sig: editors on Windows save JSON with a byte-order mark; accept it.
