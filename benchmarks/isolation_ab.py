@@ -2,50 +2,61 @@
 """Does a compiled method's decode time depend on what else its process compiled? An A/B in one call.
 
 tc_piecewise:inductor decode is timed against the hand-written CUDA graph (run.py's
-``HandWrittenGraph``, measured in the same process, so every ratio is within-process) in
-one fresh child process per *variant*:
+``HandWrittenGraph``, built and timed in the same process, so every ratio is
+within-process) in one fresh child process per *arm*. The others an arm builds first are
+``reduce_overhead`` (``torch.compile(mode="reduce-overhead")``, one static entry per
+measured size, as run.py builds it) and compiled full (``full+torch_compile``, the measured
+sizes as its compile sizes and its only capture sizes); tc_piecewise:inductor keeps run.py's
+options (every default capture size). Arms:
 
-* ``alone``: only the hand graph and tc_piecewise:inductor are built;
-* ``beside``: first ``torch.compile(mode="reduce-overhead")`` at every size and compiled
-  full (``full+torch_compile``, the sizes as compile sizes) are compiled and run, as in
-  run.py's single process, then tc_piecewise:inductor. Timed three times in the same
-  process: ``all`` (every method interleaved, run.py's rounds), ``pair`` (hand graph and
-  tc_piecewise only: is it the interleaving), ``trees_freed`` (after
-  ``cudagraph_trees.reset_cudagraph_trees()``: reduce-overhead's CUDA-graph trees and the
-  cached-tensor mode they switch on are gone) and ``others_freed`` (compiled full's runner
-  cleaned up too);
-* ``beside_reset``: as ``beside``, with ``torch._dynamo.reset()`` between the others and
-  tc_piecewise (Dynamo's code caches, guards, recompile counts and the trees dropped);
-* ``beside_fresh_cache``: as ``beside`` with an empty inductor and Triton cache dir
-  (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``) for the child alone;
-* ``beside_limit``: as ``beside`` with Dynamo's recompile limit (``recompile_limit`` /
-  ``cache_size_limit``, and ``accumulated_recompile_limit``) raised to 64 first.
+* ``alone``, ``alone_again``: only the hand graph and tc_piecewise; two fresh processes,
+  so their difference is the process-to-process spread any other arm is read against;
+* ``beside_both``: reduce-overhead and compiled full first, then tc_piecewise (run.py's
+  single process without ``--isolate``);
+* ``beside_ro`` / ``beside_full``: only one of the others first;
+* ``beside_both_reset``: as ``beside_both``, ``torch._dynamo.reset()`` before
+  tc_piecewise (Dynamo's code caches, guards and recompile counts dropped);
+* ``beside_both_no_trees``: as ``beside_both`` with inductor's CUDA-graph trees off
+  (``triton.cudagraph_trees=False``: reduce-overhead records its graphs without the tree
+  manager, its private pool and the cached-tensor mode);
+* ``beside_both_limit`` (not run by default): Dynamo's recompile limits raised to 64;
+* ``beside_both_fresh_cache`` (not run by default): an empty inductor and Triton cache dir.
 
-Each child records Dynamo's counters (``torch._dynamo.utils.counters``) after the others
-and after tc_piecewise, the cache entries on the model's forward code objects, the inductor
-config keys the others left changed, whether reduce-overhead's CUDA-graph tree manager is
-alive, and tc_piecewise's own compile count, piece calls and direct-replay keys.
+Phases timed in one child (each ``--rounds`` rounds of ``--iters`` calls per size, the
+order rotated each round, after a warm-up to steady state): ``all`` (every built method
+interleaved, as run.py's rounds), ``pair`` (hand graph and tc_piecewise only: is it the
+interleaving), ``trees_freed`` (after ``cudagraph_trees.reset_cudagraph_trees()``) and
+``others_freed`` (compiled full's runner cleaned up and reduce-overhead dropped too).
 
-How it stays inside its time (``--budget-s``, default 270): children compile in parallel
-waves and are timed one at a time (a child that finished building waits for its turn, so
-no compile runs beside a timed block): wave 1 is ``alone`` and ``beside``; wave 2 takes the
-other variants that still fit the budget, judged by wave 1's build time (the inductor cache
-is warm by then, except for ``beside_fresh_cache``). A child not ready or not done in time
-is killed (its process group) and reported as such. Timing per child: ``--rounds``
-measured rounds (default 5) of ``--iters`` calls after a short warm-up, three sizes.
+Each child records, after the others and after tc_piecewise: Dynamo's counters
+(``torch._dynamo.utils.counters``), the recompile-limit warnings Dynamo logged
+(``torch._dynamo hit config.recompile_limit``), the cache entries on the compiled code
+objects, the recompile limits, the inductor config keys the others left changed, whether a
+CUDA-graph tree manager is alive, a host-speed probe and the thread count; then
+tc_piecewise's own compile count and direct-replay keys.
 
-Usage (device machine)::
+How it stays inside ``--budget-s`` (default 390): children build in parallel waves and are
+timed one at a time (a built child waits for its turn, so no compile runs beside a timed
+block). Wave 1 is ``alone``, ``beside_both`` and the arms that would miss a warm cache
+anyway (``beside_both_no_trees``: another inductor config; ``beside_both_fresh_cache``),
+all compiling cold; wave 2 the other arms that fit by wave 1's build and timing seconds
+(on the cache wave 1 warmed), in the order given. A child not built or
+not timed in time is killed (its process group) and reported as such.
 
-    timeout 300 python benchmarks/isolation_ab.py --out $OUT/isolation --budget-s 270
+Usage (device machine; about 330 s)::
 
-Output: a table (variant, phase, batch size, tc_piecewise:inductor / hand_graph median
-[lo-hi], hand graph ms) and ``OUT/isolation_ab.json`` with every child's cells and probes.
-Reading it: ``alone`` against ``beside/all`` is the effect; ``beside/pair`` equal to
-``beside/all`` rules out the interleaving, ``beside/trees_freed`` back at ``alone`` names
-the CUDA-graph trees, ``beside_reset`` back at ``alone`` with ``trees_freed`` not names
-Dynamo's caches, ``beside_limit`` back at ``alone`` names the recompile limit (then the
-counters show the limit hit), ``beside_fresh_cache`` back at ``alone`` names inductor's
-on-disk cache (a kernel compiled for another method reused).
+    timeout 420 python benchmarks/isolation_ab.py --out $OUT/isolation --budget-s 390
+
+CPU smoke of the harness (``--device cpu``: the tiny preset, float32, the hand graph run
+eagerly, the compiled methods as ``torch.compile(backend="eager")`` stand-ins; no timing
+claims)::
+
+    python benchmarks/isolation_ab.py --device cpu --arms alone beside_ro --rounds 1 --iters 1 --out /tmp/iso
+
+Output: tables (arm, phase: tc_piecewise / hand graph median [lo-hi] per size; the
+probes per arm) on stdout and in ``OUT/isolation_ab.txt``, ``OUT/isolation_ab.json`` with
+every child's cells and probes (absolute paths made portable: both can be stored as they
+are), and ``OUT/arms/`` with each child's log and JSON.
 """
 
 from __future__ import annotations
@@ -53,32 +64,105 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 TC = "tc_piecewise:inductor"
 FULL_TC = "full+torch_compile"
-VARIANTS = {
-    # name: (others built first, dynamo reset before tc, fresh cache dir, raised recompile limit)
-    "alone": (False, False, False, False),
-    "beside": (True, False, False, False),
-    "beside_reset": (True, True, False, False),
-    "beside_fresh_cache": (True, False, True, False),
-    "beside_limit": (True, False, False, True),
-}
-WAVE_1 = ["alone", "beside"]
+RO = "reduce_overhead"
 RAISED_LIMIT = 64
+#: An absolute path in a log line (a warning's source file, a cache folder).
+ABS_PATH = re.compile(r"(?<![\w.<>~-])/[^\s:'\"(),]+")
+
+
+def scrub(text: str) -> str:
+    """``text`` with every absolute path made portable (``portable.portable_path``): the
+    stored output names nothing of the machine."""
+    from portable import portable_path
+
+    return ABS_PATH.sub(lambda m: portable_path(m.group(0)), text)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What one child builds before tc_piecewise and how."""
+
+    others: Tuple[str, ...] = ()  # built and run before tc_piecewise, in this order
+    reset: bool = False  # torch._dynamo.reset() before tc_piecewise
+    no_trees: bool = False  # inductor's triton.cudagraph_trees off
+    raised_limit: bool = False  # Dynamo's recompile limits raised to RAISED_LIMIT
+    fresh_cache: bool = False  # an empty TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
+    wave: int = 2
+
+    def phases(self) -> List[str]:
+        if self.reset or not self.others:
+            return ["pair"]
+        out = ["all", "pair"]
+        if RO in self.others and not self.no_trees:
+            out.append("trees_freed")
+        if FULL_TC in self.others or self.no_trees:
+            out.append("others_freed")
+        return out
+
+    def cold(self) -> bool:
+        """Its build misses the cache wave 1 warmed (a fresh dir; tree-less graphs)."""
+        return self.fresh_cache or self.no_trees
+
+
+ARMS: Dict[str, Arm] = {
+    "alone": Arm(wave=1),
+    "beside_both": Arm((RO, FULL_TC), wave=1),
+    "beside_ro": Arm((RO,)),
+    "beside_full": Arm((FULL_TC,)),
+    "alone_again": Arm(),
+    "beside_both_reset": Arm((RO, FULL_TC), reset=True),
+    # Cold anyway (another inductor config, another cache dir): built beside wave 1's.
+    "beside_both_no_trees": Arm((RO, FULL_TC), no_trees=True, wave=1),
+    "beside_both_fresh_cache": Arm((RO, FULL_TC), fresh_cache=True, wave=1),
+    "beside_both_limit": Arm((RO, FULL_TC), raised_limit=True),
+}
+DEFAULT_ARMS = [
+    "alone",
+    "beside_both",
+    "beside_both_no_trees",
+    "beside_ro",
+    "beside_full",
+    "alone_again",
+    "beside_both_reset",
+]
 
 
 # -- the child: build, wait for its turn, time -------------------------------------------------
+
+
+class LimitHits(logging.Handler):
+    """Counts Dynamo's ``hit config.<limit>`` warnings, by limit and function."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: Dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = str(record.msg)
+        if msg.startswith("torch._dynamo hit config."):
+            try:
+                args = record.args if isinstance(record.args, tuple) else ()
+                key = f"{args[0]} in {args[2]}" if len(args) >= 3 else record.getMessage().splitlines()[0]
+            except Exception:  # a changed message format: count it under its first line
+                key = msg.splitlines()[0]
+            self.hits[key] = self.hits.get(key, 0) + 1
 
 
 def _counters() -> Dict[str, Dict[str, int]]:
@@ -87,32 +171,34 @@ def _counters() -> Dict[str, Dict[str, int]]:
     out: Dict[str, Dict[str, int]] = {}
     for group, counter in counters.items():
         items = dict(counter)
-        if group == "graph_break":  # reasons are long strings: their count is what matters here
-            out[group] = {"total": int(sum(items.values())), "distinct": len(items)}
+        if group in ("graph_break", "unimplemented"):  # reasons are long strings: counts, and the limit ones
+            out[group] = {
+                "total": int(sum(items.values())),
+                "distinct": len(items),
+                "recompile_limit": int(sum(v for k, v in items.items() if "limit" in str(k).lower())),
+            }
+        elif group == "aten_mm_info":  # shapes of the matmuls: not a cause
+            continue
         else:
             out[group] = {str(k): int(v) for k, v in items.items()}
     return out
 
 
-def _cache_entries(model: Any, tc_backend: Any = None) -> Dict[str, int]:
-    """Dynamo cache entries on the model's forward code objects (shared by every torch.compile
-    that traces them) and on tc_piecewise's compiled entry."""
+def _cache_entries(codes: Dict[str, Any]) -> Dict[str, Any]:
+    """Dynamo cache entries on each function's code object (a private API: -1 and the error
+    when it is missing)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    out = {}
-    codes = {"model.forward": type(model).forward}
-    entry = getattr(getattr(tc_backend, "_compiled", None), "_torchdynamo_orig_callable", None)
-    if entry is not None and hasattr(entry, "__code__"):
-        codes["tc_entry"] = entry
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is not None and len(layers):
-        codes["layer.forward"] = type(layers[0]).forward
+    out: Dict[str, Any] = {}
     for name, fn in codes.items():
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            continue
         try:
-            out[name] = len(_debug_get_cache_entry_list(fn.__code__))
-        except Exception as exc:  # a private API: say so instead of failing the run
+            out[name] = len(_debug_get_cache_entry_list(code))
+        except Exception as exc:
             out[name] = -1
-            out[name + "_error"] = f"{type(exc).__name__}: {exc}"[:120]  # type: ignore[assignment]
+            out[name + "_error"] = f"{type(exc).__name__}: {exc}"[:120]
     return out
 
 
@@ -121,7 +207,7 @@ def _trees_alive() -> Optional[bool]:
         import torch
         from torch._inductor import cudagraph_trees
 
-        if not torch._C._is_key_in_tls("tree_manager_containers"):
+        if not torch.cuda.is_available() or not torch._C._is_key_in_tls("tree_manager_containers"):
             return False
         return cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False) is not None
     except Exception:
@@ -144,19 +230,43 @@ def _recompile_limits() -> Dict[str, Any]:
     }
 
 
+def _threads() -> int:
+    try:  # every thread of the process, not only Python's
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return threading.active_count()
+
+
 def child(args: argparse.Namespace) -> int:
     import torch
     from bench_rounds import run_rounds
     from bench_summary import ratio_stats
-    from run import HandWrittenGraph, decode_batches, fresh_backend, phase_options, pin_inductor, reduce_overhead_fn
+    from run import (
+        HandWrittenGraph,
+        decode_batches,
+        fresh_backend,
+        host_probe_us,
+        phase_options,
+        pin_inductor,
+        reduce_overhead_fn,
+    )
 
     from cuda_graph_runner.reference.model import DEFAULT_ATTENTION, ReferenceLlamaForCausalLM
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
 
-    others, reset, _fresh, limit = VARIANTS[args.child]
-    out: Dict[str, Any] = {"variant": args.child, "torch": torch.__version__, "notes": [], "phases": {}}
+    arm = ARMS[args.child]
+    on_cuda = args.device == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if on_cuda else (lambda: None)
+    limit_hits = LimitHits()
+    logging.getLogger("torch._dynamo").addHandler(limit_hits)
+    out: Dict[str, Any] = {"arm": args.child, "spec": asdict(arm), "torch": torch.__version__, "notes": []}
+    out["phases"] = {}
     t0 = time.perf_counter()
-    if limit:
+    if arm.raised_limit:
         import torch._dynamo.config as dc
 
         for key in ("recompile_limit", "cache_size_limit"):
@@ -167,83 +277,121 @@ def child(args: argparse.Namespace) -> int:
     out["recompile_limits"] = _recompile_limits()
     out["inductor_cache_dir"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     out["inductor_config"] = pin_inductor("pinned")
+    if arm.no_trees:
+        import torch._inductor.config as ic
+
+        ic.triton.cudagraph_trees = False
+        out["inductor_config"]["triton.cudagraph_trees"] = False
     sizes = sorted(args.batch_sizes)
     model = ReferenceLlamaForCausalLM.from_preset(
-        args.model, dtype=torch.bfloat16, device="cuda", attention=DEFAULT_ATTENTION
+        args.model,
+        dtype=torch.bfloat16 if on_cuda else torch.float32,
+        device=args.device,
+        attention=DEFAULT_ATTENTION,
     )
     context = args.prompt_len + 16
     max_reqs = sum(sizes) + 2
     model.create_kv_cache(num_slots=max_reqs * context + 1, max_reqs=max_reqs, max_context_len=context)
     batches = decode_batches(model, sizes, args.prompt_len)
-    pool = torch.cuda.graph_pool_handle()
-    methods: Dict[int, Dict[str, Any]] = {bs: {} for bs in sizes}
+    pool = torch.cuda.graph_pool_handle() if on_cuda else None
+    methods: Dict[int, Dict[str, Callable[[], Any]]] = {bs: {} for bs in sizes}
     build_s: Dict[str, float] = {}
-    full_runner = None
-    with torch.no_grad():
+    runners: Dict[str, Any] = {}
+    ro_fns: List[Any] = []
+    codes: Dict[str, Any] = {"model.forward": type(model).forward}
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is not None and len(layers):
+        codes["layer.forward"] = type(layers[0]).forward
+
+    def stand_in(name: str) -> None:
+        # CPU smoke: the compiled method as a Dynamo-compiled eager function per size.
         for bs in sizes:
-            hand = HandWrittenGraph(model, batches[bs], pool)
-            methods[bs]["hand_graph"] = lambda b=batches[bs], h=hand: h(b)
-        config_before = _inductor_config()
-        if others:
-            start = time.perf_counter()
-            torch._dynamo.reset()  # as run.py does once before reduce-overhead
-            for bs in sizes:
-                fn = reduce_overhead_fn(model, batches[bs])
-                for _ in range(3):
-                    fn(batches[bs])
-                methods[bs]["reduce_overhead"] = lambda fn=fn, b=batches[bs]: fn(b)
-            build_s["reduce_overhead"] = time.perf_counter() - start
-            print(f"[{args.child}] reduce_overhead built in {build_s['reduce_overhead']:.1f} s", flush=True)
-            start = time.perf_counter()
-            full_runner = DecodeCudaGraphRunner(
-                model,
-                {"decode": {**phase_options(FULL_TC, sizes), "max_bs": 256}},
-                show_progress=False,
-                backend=fresh_backend("decode", FULL_TC, sizes),
-            )
-            full_runner.capture()
-            for bs in sizes:
-                full_runner.forward(batches[bs])
-                methods[bs][FULL_TC] = lambda b=batches[bs], r=full_runner: r.forward(b)
-            build_s[FULL_TC] = time.perf_counter() - start
-            print(f"[{args.child}] {FULL_TC} built in {build_s[FULL_TC]:.1f} s", flush=True)
-            after = _inductor_config()
-            out["inductor_config_changed_by_others"] = {
-                k: [config_before.get(k), v] for k, v in after.items() if config_before.get(k) != v
-            }
-        out["after_others"] = {
-            "counters": _counters(),
-            "cache_entries": _cache_entries(model),
-            "cudagraph_trees_alive": _trees_alive(),
-        }
-        if reset:
-            torch._dynamo.reset()  # drops the others' compiled code: they are not timed after this
-            for bs in sizes:
-                methods[bs].pop("reduce_overhead", None)
-                methods[bs].pop(FULL_TC, None)
-            out["after_reset"] = {"cudagraph_trees_alive": _trees_alive(), "cache_entries": _cache_entries(model)}
-        start = time.perf_counter()
+            fn = reduce_overhead_fn(model, batches[bs], backend="eager")
+            fn(batches[bs])
+            if name == RO:
+                ro_fns.append(fn)
+            methods[bs][name] = lambda fn=fn, b=batches[bs]: fn(b)
+
+    def build_runner(label: str, compile_sizes: List[int], capture: Optional[List[int]]) -> Any:
+        decode: Dict[str, Any] = {**phase_options(label, compile_sizes), "max_bs": 256}
+        if capture:
+            decode["bs"] = capture
         runner = DecodeCudaGraphRunner(
-            model,
-            {"decode": {**phase_options(TC), "max_bs": 256}},
-            show_progress=False,
-            backend=fresh_backend("decode", TC),
+            model, {"decode": decode}, show_progress=False, backend=fresh_backend("decode", label, compile_sizes)
         )
         runner.capture()
         for bs in sizes:
             runner.forward(batches[bs])
-            methods[bs][TC] = lambda b=batches[bs], r=runner: r.forward(b)
-        build_s[TC] = time.perf_counter() - start
-        torch.cuda.synchronize()
-        out["after_tc"] = {
+            methods[bs][label] = lambda b=batches[bs], r=runner: r.forward(b)
+        return runner
+
+    def probe(stage: str) -> None:
+        gc.collect()
+        out[stage] = {
             "counters": _counters(),
-            "cache_entries": _cache_entries(model, runner.backend),
+            "recompile_limit_hits": dict(limit_hits.hits),
+            "cache_entries": _cache_entries(codes),
             "cudagraph_trees_alive": _trees_alive(),
-            "recompile_limits": _recompile_limits(),
+            "python_objects": len(gc.get_objects()),
+            "threads": _threads(),
+            "host_probe_us": round(min(host_probe_us() for _ in range(5)), 1),
         }
-    out["build_s"] = {k: round(v, 1) for k, v in build_s.items()}
+
+    with torch.no_grad():
+        for bs in sizes:
+            hand = HandWrittenGraph(model, batches[bs], pool, use_graph=on_cuda)
+            methods[bs]["hand_graph"] = lambda b=batches[bs], h=hand: h(b)
+        config_before = _inductor_config()
+        if arm.others:
+            torch._dynamo.reset()  # as run.py does once before reduce-overhead
+        for name in arm.others:
+            start = time.perf_counter()
+            if not on_cuda:
+                stand_in(name)
+            elif name == RO:
+                for bs in sizes:
+                    fn = reduce_overhead_fn(model, batches[bs])
+                    ro_fns.append(fn)
+                    for _ in range(3):
+                        fn(batches[bs])
+                    methods[bs][RO] = lambda fn=fn, b=batches[bs]: fn(b)
+            else:
+                runners[name] = build_runner(name, sizes, sizes)
+            build_s[name] = round(time.perf_counter() - start, 1)
+            print(f"[{args.child}] {name} built in {build_s[name]} s", flush=True)
+        if RO in arm.others:
+            from torch._dynamo.eval_frame import innermost_fn
+
+            # The step function every size's compiled entry hangs on (one code object).
+            codes["reduce_overhead.step"] = innermost_fn(ro_fns[0].compiled)
+        after = _inductor_config()
+        out["inductor_config_changed_by_others"] = {
+            k: [config_before.get(k), v] for k, v in after.items() if config_before.get(k) != v
+        }
+        probe("after_others")
+        if arm.reset:
+            torch._dynamo.reset()  # drops the others' compiled code: they are not timed after this
+            for bs in sizes:
+                for name in arm.others:
+                    methods[bs].pop(name, None)
+            probe("after_reset")
+        start = time.perf_counter()
+        tc_backend = None
+        if on_cuda:
+            runners[TC] = build_runner(TC, [], None)
+            tc_backend = runners[TC].backend
+            entry = getattr(getattr(tc_backend, "_compiled", None), "_torchdynamo_orig_callable", None)
+            if entry is not None:
+                codes["tc_entry"] = entry
+        else:
+            stand_in(TC)
+        build_s[TC] = round(time.perf_counter() - start, 1)
+        sync()
+        probe("after_tc")
+        out["after_tc"]["recompile_limits"] = _recompile_limits()
+    out["build_s"] = build_s
     out["build_total_s"] = round(time.perf_counter() - t0, 1)
-    print(f"[{args.child}] built in {out['build_total_s']} s: {out['build_s']}", flush=True)
+    print(f"[{args.child}] built in {out['build_total_s']} s: {build_s}", flush=True)
 
     # Wait for the parent's go: no compile of another child runs while this one times.
     ready, go = os.path.join(args.sync_dir, args.child + ".ready"), os.path.join(args.sync_dir, args.child + ".go")
@@ -257,19 +405,23 @@ def child(args: argparse.Namespace) -> int:
             json.dump(out, f, indent=1)
         os.replace(args.json + ".tmp", args.json)
 
-    def time_phase(phase: str, names: List[str]) -> None:
+    t_time = time.perf_counter()
+
+    def time_phase(phase: str) -> None:
         cells_by_bs: Dict[str, Any] = {}
         gc.collect()
         gc.freeze()
+        start = time.perf_counter()
+        probe_us = round(min(host_probe_us() for _ in range(5)), 1)
         try:
             with torch.no_grad():
                 for bs in sizes:
-                    fns = {n: methods[bs][n] for n in names if n in methods[bs]}
+                    fns = dict(methods[bs]) if phase == "all" else {n: methods[bs][n] for n in ("hand_graph", TC)}
                     cells = run_rounds(
                         fns,
                         iters=args.iters,
                         rounds=args.rounds,
-                        sync=torch.cuda.synchronize,
+                        sync=sync,
                         warmup_min=2,
                         warmup_max=args.warmup_max,
                         warmup_min_s=args.warmup_min_s,
@@ -285,7 +437,13 @@ def child(args: argparse.Namespace) -> int:
             out["notes"].append(f"{phase}: {type(exc).__name__}: {exc}"[:300])
         finally:
             gc.unfreeze()
-        out["phases"][phase] = cells_by_bs
+        out["phases"][phase] = {
+            "methods": sorted(methods[sizes[0]]) if phase == "all" else ["hand_graph", TC],
+            "host_probe_us": probe_us,
+            "threads": _threads(),
+            "seconds": round(time.perf_counter() - start, 1),
+            "by_bs": cells_by_bs,
+        }
         out["timing_s"] = round(time.perf_counter() - t_time, 1)
         save()
         print(
@@ -296,57 +454,57 @@ def child(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    t_time = time.perf_counter()
-    if others and not reset:
-        time_phase("all", ["hand_graph", "reduce_overhead", FULL_TC, TC])
-    time_phase("pair", ["hand_graph", TC])
-    if others and not reset:
-        from torch._inductor import cudagraph_trees
+    for phase in arm.phases():
+        if phase == "trees_freed":
+            from torch._inductor import cudagraph_trees
 
-        for bs in sizes:
-            methods[bs].pop("reduce_overhead", None)
-        cudagraph_trees.reset_cudagraph_trees()
-        out["after_trees_freed"] = {"cudagraph_trees_alive": _trees_alive()}
-        time_phase("trees_freed", ["hand_graph", TC])
-        if full_runner is not None:
             for bs in sizes:
-                methods[bs].pop(FULL_TC, None)
-            full_runner.cleanup()
-            full_runner = None
+                methods[bs].pop(RO, None)
+            cudagraph_trees.reset_cudagraph_trees()
+            out["after_trees_freed"] = {"cudagraph_trees_alive": _trees_alive()}
+        elif phase == "others_freed":
+            for bs in sizes:
+                for name in arm.others:
+                    methods[bs].pop(name, None)
+            for name in [n for n in runners if n != TC]:
+                runners.pop(name).cleanup()
             gc.collect()
-            time_phase("others_freed", ["hand_graph", TC])
+            if on_cuda:
+                torch.cuda.empty_cache()
+        time_phase(phase)
     out["timing_s"] = round(time.perf_counter() - t_time, 1)
-    backend = runner.backend
-    out["tc"] = {
-        "dynamo_compiles": getattr(backend, "dynamo_compiles", None),
-        "piece_calls": backend.piece_calls() if callable(getattr(backend, "piece_calls", None)) else None,
-        "direct_replay": {str(k): v is not None for k, v in (getattr(backend, "_direct", None) or {}).items()},
-    }
-    out["final_counters"] = _counters()
+    if tc_backend is not None:
+        out["tc"] = {
+            "dynamo_compiles": getattr(tc_backend, "dynamo_compiles", None),
+            "piece_calls": tc_backend.piece_calls() if callable(getattr(tc_backend, "piece_calls", None)) else None,
+            "direct_replay": {str(k): v is not None for k, v in (getattr(tc_backend, "_direct", None) or {}).items()},
+        }
+    probe("final")
     save()
     return 0
 
 
-# -- the parent: waves, turns, the table --------------------------------------------------------
+# -- the parent: waves, turns, the tables -------------------------------------------------------
 
 
 class Child:
-    def __init__(self, variant: str, args: argparse.Namespace, sync_dir: str) -> None:
-        self.variant = variant
+    def __init__(self, name: str, args: argparse.Namespace, sync_dir: str) -> None:
+        self.name = name
         self.sync_dir = sync_dir
-        self.json = os.path.join(args.out, f"{variant}.json")
-        self.log = os.path.join(args.out, f"{variant}.log")
+        self.json = os.path.join(args.out, "arms", f"{name}.json")
+        self.log = os.path.join(args.out, "arms", f"{name}.log")
         env = dict(os.environ)
-        if VARIANTS[variant][2]:
+        if ARMS[name].fresh_cache:
             fresh = tempfile.mkdtemp(prefix="isolation-ab-cache-")
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
             env["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
         cmd = [
             sys.executable,
             os.path.abspath(__file__),
-            "--child", variant,
+            "--child", name,
             "--json", self.json,
             "--sync-dir", sync_dir,
+            "--device", args.device,
             "--model", args.model,
             "--batch-sizes", *[str(b) for b in args.batch_sizes],
             "--rounds", str(args.rounds),
@@ -362,7 +520,7 @@ class Child:
         self.status = "running"
 
     def ready(self) -> bool:
-        return os.path.exists(os.path.join(self.sync_dir, self.variant + ".ready"))
+        return os.path.exists(os.path.join(self.sync_dir, self.name + ".ready"))
 
     def kill(self, why: str) -> None:
         if self.proc.poll() is None:
@@ -375,14 +533,14 @@ class Child:
 
     def tail(self) -> str:
         with open(self.log) as f:
-            return "".join(f.readlines()[-6:])
+            return scrub("".join(f.readlines()[-8:]))
 
 
-def run_wave(variants: List[str], args: argparse.Namespace, sync_dir: str, deadline: float) -> Dict[str, Any]:
-    children = [Child(v, args, sync_dir) for v in variants]
-    results: Dict[str, Any] = {}
-    # Build: all in parallel, until each is ready, gone, or the time left is only the timing reserve.
-    build_deadline = deadline - args.timing_reserve_s * len(children)
+def run_wave(names: List[str], reserves: Dict[str, float], args: argparse.Namespace, sync_dir: str, deadline: float):
+    """Build ``names`` in parallel, then time them one at a time; ``{name: result}``."""
+    children = [Child(n, args, sync_dir) for n in names]
+    # Build until each is ready or gone, or only the timing reserve is left.
+    build_deadline = deadline - sum(reserves[n] for n in names)
     while any(c.proc.poll() is None and not c.ready() for c in children) and time.time() < build_deadline:
         time.sleep(0.2)
     for c in children:
@@ -390,16 +548,16 @@ def run_wave(variants: List[str], args: argparse.Namespace, sync_dir: str, deadl
             c.status = f"exited {c.proc.returncode} while building"
         elif not c.ready():
             c.kill("killed: not built in time")
-    # Time: one child at a time.
     for c in children:
         if c.status != "running":
             continue
-        open(os.path.join(sync_dir, c.variant + ".go"), "w").close()
+        open(os.path.join(sync_dir, c.name + ".go"), "w").close()
         try:
             c.proc.wait(timeout=max(1.0, deadline - time.time()))
             c.status = "done" if c.proc.returncode == 0 else f"exited {c.proc.returncode} while timing"
         except subprocess.TimeoutExpired:
             c.kill("killed: not timed in time")
+    results: Dict[str, Any] = {}
     for c in children:
         c.logf.close()
         entry: Dict[str, Any] = {"status": c.status, "wall_s": round(time.time() - c.started, 1)}
@@ -408,49 +566,98 @@ def run_wave(variants: List[str], args: argparse.Namespace, sync_dir: str, deadl
                 entry.update(json.load(f))
         if c.status != "done":
             entry["log_tail"] = c.tail()
-        results[c.variant] = entry
-        print(f"{c.variant}: {c.status} ({entry['wall_s']} s)", flush=True)
+        results[c.name] = entry
+        print(f"{c.name}: {c.status} ({entry['wall_s']} s)", flush=True)
     return results
 
 
-def table(results: Dict[str, Any]) -> str:
-    lines = [
-        "| variant | phase | bs | tc/hand median [lo-hi] | tc ms | hand ms | steady |",
-        "|---|---|---|---|---|---|---|",
+def plan_wave_2(
+    rest: List[str], wave1: Dict[str, Any], left_s: float, default_reserve_s: float
+) -> Tuple[List[str], Dict[str, float], Dict[str, str]]:
+    """Which of ``rest`` fit in ``left_s`` seconds, judged by wave 1's results.
+
+    A child's build is estimated by wave 1's: the same for a cold one, 0.6 of it on the
+    warm cache; alone's for an arm without others, ``beside_both``'s (or the largest) for
+    the rest. Its timing reserve is its phase count times wave 1's seconds per phase (or
+    ``default_reserve_s`` per child). Children build in parallel and time in turn: an arm
+    fits when the largest build plus all reserves plus a start margin fit.
+
+    Returns:
+        (arms to run, {arm: timing reserve s}, {arm skipped: why}).
+    """
+    builds = {n: r.get("build_total_s") for n, r in wave1.items() if r.get("build_total_s")}
+    per_phase = [
+        r["timing_s"] / max(1, len(r.get("phases") or {})) for r in wave1.values() if r.get("timing_s") is not None
     ]
-    for variant, r in results.items():
+    phase_s = max(per_phase) if per_phase else None
+    worst = max(builds.values()) if builds else left_s / 2  # nothing built: assume the worst
+    chosen: List[str] = []
+    reserves: Dict[str, float] = {}
+    skipped: Dict[str, str] = {}
+    max_build = 0.0
+    for name in rest:
+        arm = ARMS[name]
+        base = builds.get("alone", worst) if not arm.others else builds.get("beside_both", worst)
+        build = base if arm.cold() else 0.6 * base
+        reserve = len(arm.phases()) * phase_s + 5 if phase_s is not None else default_reserve_s
+        need = max(max_build, build) + sum(reserves.values()) + reserve + 15
+        if need < left_s:
+            chosen.append(name)
+            reserves[name] = reserve
+            max_build = max(max_build, build)
+        else:
+            skipped[name] = f"skipped: {need:.0f} s needed, {left_s:.0f} s left"
+    return chosen, reserves, skipped
+
+
+def _ratio(row: Optional[Dict[str, Any]]) -> str:
+    s = (row or {}).get("ratio_tc_hand")
+    return f"{s['median']:.3f} [{s['lo']:.3f}-{s['hi']:.3f}]" if s else "-"
+
+
+def tables(results: Dict[str, Any], sizes: List[int]) -> str:
+    """The ratio table (arm x phase by size) and the probe table (one row per arm)."""
+    head = " | ".join(f"bs={bs} tc/hand [lo-hi] (tc/hand ms)" for bs in sizes)
+    lines = [f"| arm | phase | {head} | steady |", "|---|---|" + "---|" * len(sizes) + "---|"]
+    for name, r in results.items():
         if r.get("status") != "done":
-            lines.append(f"| {variant} | {r.get('status')} | | | | | |")
-        for phase, rows in (r.get("phases") or {}).items():
-            for bs, row in rows.items():
-                s = row.get("ratio_tc_hand")
-                ratio = f"{s['median']:.3f} [{s['lo']:.3f}-{s['hi']:.3f}]" if s else "-"
-                steady = all(v.get("steady", True) for k, v in row.items() if isinstance(v, dict) and "median_ms" in v)
-                lines.append(
-                    f"| {variant} | {phase} | {bs} | {ratio} | {row[TC]['median_ms']:.3f} | "
-                    f"{row['hand_graph']['median_ms']:.3f} | {'yes' if steady else 'no'} |"
-                )
-    lines.append("")
-    lines.append(
-        "| variant | build s | frames ok (after others/after tc) | unique graphs | recompiles | forward cache entries | trees alive | tc compiles | direct replay |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
-    for variant, r in results.items():
+            lines.append(f"| {name} | {r.get('status')} |" + " |" * len(sizes) + " |")
+        for phase, p in (r.get("phases") or {}).items():
+            cells, steady = [], True
+            for bs in sizes:
+                row = (p.get("by_bs") or {}).get(str(bs))
+                if not row:
+                    cells.append("-")
+                    continue
+                steady &= all(v.get("steady", True) for v in row.values() if isinstance(v, dict) and "median_ms" in v)
+                cells.append(f"{_ratio(row)} ({row[TC]['median_ms']:.3f}/{row['hand_graph']['median_ms']:.3f})")
+            lines.append(f"| {name} | {phase} | " + " | ".join(cells) + f" | {'yes' if steady else 'no'} |")
+    lines += [
+        "",
+        "| arm | build s | unique graphs (others/+tc) | frames ok | recompile-limit hits | limit graph breaks | "
+        "cache entries after tc | limits | inductor config changed | trees alive (others/tc) | "
+        "threads | host probe us (others/tc) | tc compiles | direct replay |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
         if "after_tc" not in r:
             continue
         a, t = r.get("after_others", {}), r.get("after_tc", {})
 
-        def ok(x: Dict[str, Any]) -> Any:
-            return x.get("counters", {}).get("frames", {}).get("ok")
+        def c(x: Dict[str, Any], group: str, key: str) -> Any:
+            return (x.get("counters", {}).get(group) or {}).get(key)
 
-        stats = t.get("counters", {}).get("stats", {})
-        recompiles = sum((t.get("counters", {}).get("recompiles") or {}).values())
-        direct = r.get("tc", {}).get("direct_replay", {})
+        hits = t.get("recompile_limit_hits") or {}
+        direct = (r.get("tc") or {}).get("direct_replay") or {}
+        entries = {k: v for k, v in (t.get("cache_entries") or {}).items() if not k.endswith("_error")}
+        changed = sorted(r.get("inductor_config_changed_by_others") or {})
         lines.append(
-            f"| {variant} | {r.get('build_total_s')} | {ok(a)}/{ok(t)} | {stats.get('unique_graphs')} | {recompiles} | "
-            f"{a.get('cache_entries', {}).get('model.forward')}/{t.get('cache_entries', {}).get('model.forward')} | "
-            f"{a.get('cudagraph_trees_alive')}/{t.get('cudagraph_trees_alive')} | {r.get('tc', {}).get('dynamo_compiles')} | "
-            f"{sum(direct.values())}/{len(direct)} |"
+            f"| {name} | {r.get('build_total_s')} | {c(a, 'stats', 'unique_graphs')}/{c(t, 'stats', 'unique_graphs')} | "
+            f"{c(t, 'frames', 'ok')} | {sum(hits.values())} {dict(hits) if hits else ''} | "
+            f"{c(t, 'graph_break', 'recompile_limit')} | {entries} | {t.get('recompile_limits')} | "
+            f"{changed or 'none'} | {a.get('cudagraph_trees_alive')}/{t.get('cudagraph_trees_alive')} | "
+            f"{t.get('threads')} | {a.get('host_probe_us')}/{t.get('host_probe_us')} | "
+            f"{(r.get('tc') or {}).get('dynamo_compiles')} | {sum(direct.values())}/{len(direct)} |"
         )
     return "\n".join(lines)
 
@@ -458,60 +665,70 @@ def table(results: Dict[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
-    parser.add_argument("--model", default="llama-3.2-1b")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke of the harness")
+    parser.add_argument("--model", default=None, help="preset (default llama-3.2-1b; tiny with --device cpu)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 32 128 (cpu: 1 4)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS, help="in priority order")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per size and phase")
     parser.add_argument("--iters", type=int, default=20, help="calls per timed block")
     parser.add_argument("--warmup-max", type=int, default=12)
     parser.add_argument("--warmup-min-s", type=float, default=0.5)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--budget-s", type=float, default=270.0, help="wall-clock seconds for everything")
-    parser.add_argument("--timing-reserve-s", type=float, default=25.0, help="seconds of timing to keep per child")
-    parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--budget-s", type=float, default=390.0, help="wall-clock seconds for everything")
+    parser.add_argument("--timing-reserve-s", type=float, default=25.0, help="timing seconds per child in wave 1")
+    parser.add_argument("--child", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.model is None:
+        args.model = "tiny" if args.device == "cpu" else "llama-3.2-1b"
+    if args.batch_sizes is None:
+        args.batch_sizes = [1, 4] if args.device == "cpu" else [1, 32, 128]
+    if args.rounds < 1 or args.iters < 1:
+        parser.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
     if args.child:
         return child(args)
     start = time.time()
     deadline = start + args.budget_s
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(os.path.join(args.out, "arms"), exist_ok=True)
     sync_dir = tempfile.mkdtemp(prefix="isolation-ab-")
     results: Dict[str, Any] = {}
-    wave1 = [v for v in WAVE_1 if v in args.variants]
-    rest = [v for v in args.variants if v not in wave1]
+    arms = list(dict.fromkeys(args.arms))
+    wave1 = [n for n in arms if ARMS[n].wave == 1]
+    rest = [n for n in arms if n not in wave1]
     if wave1:
-        results.update(run_wave(wave1, args, sync_dir, deadline))
-    built = [r.get("build_total_s") for r in results.values() if r.get("build_total_s")]
-    timed = [r.get("timing_s") for r in results.values() if r.get("timing_s")]
-    # Wave 2 runs what fits: a warm cache makes a rebuild cheaper than wave 1's (a fresh dir does not).
-    wave2: List[str] = []
-    build = max(built) if built else args.budget_s / 2  # nothing built: assume the worst
-    reserve = max(timed) if timed else args.timing_reserve_s
-    for v in rest:
-        need = (build if VARIANTS[v][2] else 0.6 * build) + reserve * (len(wave2) + 1) + 15
-        if deadline - time.time() > need:
-            wave2.append(v)
-        else:
-            results[v] = {"status": f"skipped: {need:.0f} s needed, {deadline - time.time():.0f} s left"}
+        results.update(run_wave(wave1, {n: args.timing_reserve_s for n in wave1}, args, sync_dir, deadline))
+    wave2, reserves, skipped = plan_wave_2(rest, dict(results), deadline - time.time(), args.timing_reserve_s)
+    results.update({n: {"status": why} for n, why in skipped.items()})
     if wave2:
-        results.update(run_wave(wave2, args, sync_dir, deadline))
+        results.update(run_wave(wave2, reserves, args, sync_dir, deadline))
+    results = {n: results[n] for n in arms if n in results}
+    for r in results.values():
+        r["notes"] = [scrub(n) for n in r.get("notes") or []]
+        if r.get("inductor_cache_dir"):
+            r["inductor_cache_dir"] = scrub(r["inductor_cache_dir"])
     doc = {
+        "device": args.device,
         "model": args.model,
         "batch_sizes": args.batch_sizes,
         "rounds": args.rounds,
         "iters": args.iters,
+        "budget_s": args.budget_s,
         "wall_s": round(time.time() - start, 1),
         "variants": results,
     }
     path = os.path.join(args.out, "isolation_ab.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    print(table(results))
-    for variant, r in results.items():
+    text = tables(results, sorted(args.batch_sizes))
+    for name, r in results.items():
         if r.get("log_tail"):
-            print(f"--- {variant} ({r['status']}), last lines of {variant}.log:\n{r['log_tail']}")
+            text += f"\n--- {name} ({r['status']}), last lines of {name}.log:\n{r['log_tail']}"
+        for note in r.get("notes") or []:
+            text += f"\n{name}: {note}"
+    with open(os.path.join(args.out, "isolation_ab.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
     print(f"wrote {path} ({doc['wall_s']} s)")
     return 0
 

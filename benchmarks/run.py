@@ -176,14 +176,18 @@ class HandWrittenGraph:
         return self.out
 
 
-def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatch], torch.Tensor]:
+def reduce_overhead_fn(
+    model: Any, batch: ForwardBatch, backend: Optional[str] = None
+) -> Callable[[ForwardBatch], torch.Tensor]:
     """``torch.compile(mode="reduce-overhead", dynamic=False)`` over the model for one batch size.
 
     The marked attention op reads metadata through the forward context, which Dynamo
     does not see, so the compiled function always runs on the same static tensors
     (live values copied in) to keep the addresses the captured graph reads.
     ``dynamic=False``: each batch size gets its own static entry (no reset between sizes,
-    so all of them stay alive for the interleaved rounds).
+    so all of them stay alive for the interleaved rounds). ``backend`` (e.g. ``"eager"``,
+    the CPU smoke of ``isolation_ab.py``) compiles with that Dynamo backend instead of
+    inductor's reduce-overhead mode.
     """
     static = batch.replace(**{f: getattr(batch, f).clone() for f in HandWrittenGraph.FIELDS})
     # CUDA-graph trees skip graphs that mutate non-static inputs; the KV cache and the
@@ -200,7 +204,10 @@ def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatc
     def step(b: ForwardBatch) -> torch.Tensor:
         return model.compute_logits(_model_forward(model, b), b)
 
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=False, dynamic=False)
+    if backend is None:
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=False, dynamic=False)
+    else:
+        compiled = torch.compile(step, backend=backend, fullgraph=False, dynamic=False)
 
     def call(live: ForwardBatch) -> torch.Tensor:
         for f in HandWrittenGraph.FIELDS:
@@ -208,6 +215,7 @@ def reduce_overhead_fn(model: Any, batch: ForwardBatch) -> Callable[[ForwardBatc
         with forward_context(static):
             return compiled(static)
 
+    call.compiled = compiled  # type: ignore[attr-defined]  # its code object's Dynamo entries, for probes
     return call
 
 

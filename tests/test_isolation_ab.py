@@ -1,0 +1,100 @@
+"""benchmarks/isolation_ab.py: which phases an arm times, how wave 2 is fitted into the
+time left, and the whole harness end to end on the CPU (the tiny preset, the compiled
+methods as Dynamo-eager stand-ins; no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import isolation_ab as ab  # noqa: E402
+
+
+def test_phases_follow_what_the_arm_built():
+    assert ab.ARMS["alone"].phases() == ["pair"]
+    assert ab.ARMS["beside_both"].phases() == ["all", "pair", "trees_freed", "others_freed"]
+    assert ab.ARMS["beside_ro"].phases() == ["all", "pair", "trees_freed"]
+    assert ab.ARMS["beside_full"].phases() == ["all", "pair", "others_freed"]
+    assert ab.ARMS["beside_both_reset"].phases() == ["pair"]  # the others' code is gone after the reset
+    assert ab.ARMS["beside_both_no_trees"].phases() == ["all", "pair", "others_freed"]
+    assert set(ab.DEFAULT_ARMS) <= set(ab.ARMS)
+    # The cold builds share wave 1; wave 2 rebuilds on the cache wave 1 warmed.
+    assert [n for n in ab.DEFAULT_ARMS if ab.ARMS[n].wave == 1] == ["alone", "beside_both", "beside_both_no_trees"]
+    assert all(not ab.ARMS[n].cold() for n in ab.DEFAULT_ARMS if ab.ARMS[n].wave == 2)
+
+
+def test_wave_2_takes_the_arms_that_fit_in_order():
+    wave1 = {
+        "alone": {"build_total_s": 30.0, "timing_s": 4.0, "phases": {"pair": {}}},
+        "beside_both": {"build_total_s": 150.0, "timing_s": 20.0, "phases": dict.fromkeys("abcd", {})},
+    }
+    # 5 s per phase (the larger of 4/1 and 20/4); warm builds 0.6 of wave 1's, a cold one all of it.
+    chosen, reserves, skipped = ab.plan_wave_2(["beside_ro", "alone_again", "beside_both_no_trees"], wave1, 200.0, 25.0)
+    assert chosen == ["beside_ro", "alone_again"]
+    assert reserves == {"beside_ro": 3 * 5.0 + 5, "alone_again": 5.0 + 5}
+    # no_trees misses the warm cache: 150 s build + 20 + 10 + 20 s timing + 15 s margin > 200 s.
+    assert list(skipped) == ["beside_both_no_trees"]
+    assert "215 s needed" in skipped["beside_both_no_trees"]
+    chosen, _, skipped = ab.plan_wave_2(["beside_both_no_trees"], wave1, 300.0, 25.0)
+    assert chosen == ["beside_both_no_trees"] and not skipped
+    # Nothing built in wave 1: half the time left is assumed per build, the default reserve per child.
+    chosen, reserves, _ = ab.plan_wave_2(["alone_again"], {}, 100.0, 25.0)
+    assert chosen == ["alone_again"] and reserves == {"alone_again": 25.0}
+
+
+def test_limit_hits_counts_dynamo_s_recompile_limit_warning():
+    import logging
+
+    hits = ab.LimitHits()
+    logger = logging.getLogger("torch._dynamo.test_isolation_ab")
+    logger.addHandler(hits)
+    try:
+        for _ in range(2):
+            logger.warning(
+                "torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: %s",
+                "recompile_limit",
+                8,
+                "'step'",
+                "x",
+            )
+        logger.warning("an unrelated warning")
+    finally:
+        logger.removeHandler(hits)
+    assert hits.hits == {"recompile_limit in 'step'": 2}
+
+
+def test_cpu_smoke_builds_times_and_probes(tmp_path, capsys):
+    # One arm at one size keeps it to one child process (its imports dominate the time).
+    out = tmp_path / "iso"
+    argv = ["--device", "cpu", "--arms", "beside_ro", "--batch-sizes", "1", "--rounds", "1", "--iters", "1"]
+    argv += ["--warmup-max", "2", "--warmup-min-s", "0", "--budget-s", "150", "--out", str(out)]
+    assert ab.main(argv) == 0
+    doc = json.loads((out / "isolation_ab.json").read_text())
+    assert list(doc["variants"]) == ["beside_ro"]
+    ro = doc["variants"]["beside_ro"]
+    assert ro["status"] == "done", ro.get("log_tail")
+    assert list(ro["phases"]) == ["all", "pair", "trees_freed"]
+    assert ro["phases"]["all"]["methods"] == sorted(["hand_graph", ab.RO, ab.TC])
+    assert ro["phases"]["pair"]["methods"] == ["hand_graph", ab.TC]
+    for phase in ro["phases"].values():
+        assert list(phase["by_bs"]) == ["1"]
+        assert phase["by_bs"]["1"]["ratio_tc_hand"]["median"] > 0
+    # One Dynamo entry on the stand-in's step code per size; no recompile limit hit.
+    assert ro["after_others"]["cache_entries"]["reduce_overhead.step"] == 1
+    assert ro["after_others"]["counters"]["stats"]["unique_graphs"] == 1
+    assert ro["after_tc"]["recompile_limit_hits"] == {}
+    assert ro["after_tc"]["recompile_limits"]["recompile_limit"] == ro["recompile_limits"]["recompile_limit"]
+    text = (out / "isolation_ab.txt").read_text()
+    assert "| beside_ro | trees_freed |" in text and f"| beside_ro | {ro['build_total_s']} |" in text
+    assert text in capsys.readouterr().out
+
+
+def test_scrub_makes_every_absolute_path_portable(tmp_path):
+    line = f"{tmp_path}/site-packages/torch/x.py:12: UserWarning: see (/opt/cache/inductor), 1/2 of core/a.py"
+    out = ab.scrub(line)
+    assert "/opt/" not in out and str(tmp_path) not in out
+    assert out.endswith(":12: UserWarning: see (<abs>/inductor), 1/2 of core/a.py")
