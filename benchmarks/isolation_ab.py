@@ -346,20 +346,27 @@ def child(args: argparse.Namespace) -> int:
             torch._dynamo.reset()  # as run.py does once before reduce-overhead
         for name in arm.others:
             start = time.perf_counter()
-            if not on_cuda:
-                stand_in(name)
-            elif name == RO:
+            try:
+                if not on_cuda:
+                    stand_in(name)
+                elif name == RO:
+                    for bs in sizes:
+                        fn = reduce_overhead_fn(model, batches[bs])
+                        ro_fns.append(fn)
+                        for _ in range(3):
+                            fn(batches[bs])
+                        methods[bs][RO] = lambda fn=fn, b=batches[bs]: fn(b)
+                else:
+                    runners[name] = build_runner(name, sizes, sizes)
+            except Exception as exc:  # the arm goes on without it, and says so in its notes
+                out["notes"].append(f"{name} failed to build: {type(exc).__name__}: {exc}"[:300])
                 for bs in sizes:
-                    fn = reduce_overhead_fn(model, batches[bs])
-                    ro_fns.append(fn)
-                    for _ in range(3):
-                        fn(batches[bs])
-                    methods[bs][RO] = lambda fn=fn, b=batches[bs]: fn(b)
-            else:
-                runners[name] = build_runner(name, sizes, sizes)
+                    methods[bs].pop(name, None)
+                if name == RO:
+                    ro_fns.clear()
             build_s[name] = round(time.perf_counter() - start, 1)
             print(f"[{args.child}] {name} built in {build_s[name]} s", flush=True)
-        if RO in arm.others:
+        if ro_fns:
             from torch._dynamo.eval_frame import innermost_fn
 
             # The step function every size's compiled entry hangs on (one code object).
@@ -654,7 +661,7 @@ def tables(results: Dict[str, Any], sizes: List[int]) -> str:
         lines.append(
             f"| {name} | {r.get('build_total_s')} | {c(a, 'stats', 'unique_graphs')}/{c(t, 'stats', 'unique_graphs')} | "
             f"{c(t, 'frames', 'ok')} | {sum(hits.values())} {dict(hits) if hits else ''} | "
-            f"{c(t, 'graph_break', 'recompile_limit')} | {entries} | {t.get('recompile_limits')} | "
+            f"{c(t, 'graph_break', 'recompile_limit') or 0} | {entries} | {t.get('recompile_limits')} | "
             f"{changed or 'none'} | {a.get('cudagraph_trees_alive')}/{t.get('cudagraph_trees_alive')} | "
             f"{t.get('threads')} | {a.get('host_probe_us')}/{t.get('host_probe_us')} | "
             f"{(r.get('tc') or {}).get('dynamo_compiles')} | {sum(direct.values())}/{len(direct)} |"
