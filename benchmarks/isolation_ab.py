@@ -12,7 +12,7 @@ options (every default capture size). Arms:
 * ``alone``, ``alone_again``: only the hand graph and tc_piecewise; two fresh processes,
   so their difference is the process-to-process spread any other arm is read against;
 * ``beside_both``: reduce-overhead and compiled full first, then tc_piecewise (run.py's
-  single process without ``--isolate``);
+  single process without ``--isolate``, less its graph backends that compile nothing);
 * ``beside_ro`` / ``beside_full``: only one of the others first;
 * ``beside_both_reset``: as ``beside_both``, ``torch._dynamo.reset()`` before
   tc_piecewise (Dynamo's code caches, guards and recompile counts dropped);
@@ -137,9 +137,9 @@ DEFAULT_ARMS = [
     "alone",
     "beside_both",
     "beside_both_no_trees",
+    "alone_again",  # first of wave 2: without the spread between processes no difference reads
     "beside_ro",
     "beside_full",
-    "alone_again",
     "beside_both_reset",
 ]
 
@@ -583,7 +583,7 @@ def plan_wave_2(
 ) -> Tuple[List[str], Dict[str, float], Dict[str, str]]:
     """Which of ``rest`` fit in ``left_s`` seconds, judged by wave 1's results.
 
-    A child's build is estimated by wave 1's: the same for a cold one, 0.6 of it on the
+    A child's build is estimated by wave 1's: the same for a cold one, half of it on the
     warm cache; alone's for an arm without others, ``beside_both``'s (or the largest) for
     the rest. Its timing reserve is its phase count times wave 1's seconds per phase (or
     ``default_reserve_s`` per child). Children build in parallel and time in turn: an arm
@@ -605,7 +605,7 @@ def plan_wave_2(
     for name in rest:
         arm = ARMS[name]
         base = builds.get("alone", worst) if not arm.others else builds.get("beside_both", worst)
-        build = base if arm.cold() else 0.6 * base
+        build = base if arm.cold() else 0.5 * base
         reserve = len(arm.phases()) * phase_s + 5 if phase_s is not None else default_reserve_s
         need = max(max_build, build) + sum(reserves.values()) + reserve + 15
         if need < left_s:

@@ -32,7 +32,7 @@ def test_wave_2_takes_the_arms_that_fit_in_order():
         "alone": {"build_total_s": 30.0, "timing_s": 4.0, "phases": {"pair": {}}},
         "beside_both": {"build_total_s": 150.0, "timing_s": 20.0, "phases": dict.fromkeys("abcd", {})},
     }
-    # 5 s per phase (the larger of 4/1 and 20/4); warm builds 0.6 of wave 1's, a cold one all of it.
+    # 5 s per phase (the larger of 4/1 and 20/4); warm builds half of wave 1's, a cold one all of it.
     chosen, reserves, skipped = ab.plan_wave_2(["beside_ro", "alone_again", "beside_both_no_trees"], wave1, 200.0, 25.0)
     assert chosen == ["beside_ro", "alone_again"]
     assert reserves == {"beside_ro": 3 * 5.0 + 5, "alone_again": 5.0 + 5}
