@@ -11,40 +11,71 @@ from ``--live-sizes``), one token per request per step:
   than ``--capture-share`` of the time so far (the rest serves);
 * ``eager``: backend ``disabled``, every step eager.
 
-A start runs ``--steps`` steps and at least until the blocking start's capture time x
-``--until`` (eager_first also until every size replays). Printed: one JSON line per start,
-then the summary with the issue's targets:
+Every start reaches t = 0 the same way: model and KV cache built, runner built, prompts
+prefilled, the device synchronized, then the Python heap collected and frozen
+(``gc.collect(); gc.freeze()``, as a server does once its startup is done). Without that
+a start enters t = 0 with whatever collection debt its own startup left: a graph
+backend's runner imports and allocates more than ``disabled``'s (its plugin, static
+buffers, keys), so one full collection of torch's heap (tens of ms) could land inside one
+start's first step and not another's, charging startup to the first request. Every start
+also gets empty compile caches of its own (``--compile-cache fresh``, the default:
+``CUDA_GRAPH_RUNNER_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in
+a temporary folder), so the eager_first start of a compiled backend does not compile
+from the entries the blocking start wrote before it (``shared``: the environment's).
 
-* ``first_step_ratio``: eager_first's first step (from t = 0) / eager's (target <= 1.1);
+A start runs ``--steps`` steps and at least until the blocking start's capture time x
+``--until`` (eager_first also until every size replays). Then ``--first-step-repeats``
+- 1 more short starts each of eager_first and eager (alternating, fresh processes, one
+step each) measure the first step again. Printed: one JSON line per start, then the
+summary with the targets:
+
+* ``first_step_ratio``: eager_first's first step (from t = 0) / eager's, the median over
+  the repeats of each (target <= 1.1);
 * ``full_speed_ratio``: eager_first's time until every size replays / the blocking
   capture (compile included) (target <= 1.5);
 * ``tokens_ratio``: tokens eager_first served by the time the blocking start served its
   first / tokens eager served by then (target >= 0.5).
 
+Each start's ``phases`` split its startup (ms: ``model``, ``runner``, ``prefill``, the
+``gc`` collection at t = 0; ``frozen_objects``, ``modules``), the graph-only state at t = 0
+(``static_buffer_bytes``, whether a graph ``pool`` or a ``capture_stream`` exists yet)
+and its first step (ms: ``capture_call``; ``decide``, the runner's work before the
+forward; ``forward``, the eager forward's or the replay's host time; ``after``, the
+runner's work after it; ``sync``, waiting for the device; ``gc``, collector pauses
+inside the step); the summary lists them per mode (``first_step_phases``).
+
 ``--json PATH`` writes every start's timeline (per step: end time ms, step ms, capture ms,
 sizes ready) and the summary; ``--plot PATH`` draws ms per step over the first steps and
-the sizes becoming ready (matplotlib, optional).
+the sizes becoming ready (matplotlib, optional). ``--time-limit-s`` bounds the whole run
+(every start's process included): a start still running at the limit is stopped and the
+run fails naming it.
 
     python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
         --backend full --json eager_first_full.json --plot docs/eager-first-full.png
+    # compiled full, bounded (about 3-4 min on an H200): 8 sizes up to 32, the same traffic shape
     python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
-        --backend full+torch_compile --json eager_first_compiled.json --plot docs/eager-first-compiled.png
+        --backend full+torch_compile --max-bs 32 --live-sizes 1 2 3 5 8 13 24 --until 1.0 \\
+        --steps 100 --first-step-repeats 2 --time-limit-s 240 --json eager_first_compiled.json
     python benchmarks/eager_first.py --backend full --model tiny --max-bs 16 --steps 50   # CPU, fake graphs
 
 Exit status 0 when every start ran (the ratios are measurements, not a test); 2 for a
-user's mistake (named in one line); 1 when a start failed (its output shown).
+user's mistake (named in one line); 1 when a start failed or the time limit stopped it
+(its output shown).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 MODES = ("blocking", "eager_first", "eager")
 
@@ -77,6 +108,87 @@ def _backend(args: argparse.Namespace, name: str, compiler: Optional[str]) -> An
     return None
 
 
+class FirstStepProbe:
+    """Times the phases of one ``runner.forward`` call from outside the runner: the
+    instance's ``run_eager`` (eager path) and ``replay`` (replay path) are wrapped for the
+    call only, and the collector's pauses inside it are summed (``gc.callbacks``)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.entered: Optional[float] = None
+        self.left: Optional[float] = None
+        self.gc_s = 0.0
+        self._gc_start: Optional[float] = None
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            self.entered = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.left = time.perf_counter()
+
+        return timed
+
+    def _gc(self, phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_s += time.perf_counter() - self._gc_start
+            self._gc_start = None
+
+    def __enter__(self) -> "FirstStepProbe":
+        # Instance attributes shadow the methods for this call; __exit__ removes them.
+        self.runner.run_eager = self._wrap(self.runner.run_eager)
+        self.runner.replay = self._wrap(self.runner.replay)
+        gc.callbacks.append(self._gc)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._gc)
+        del self.runner.run_eager, self.runner.replay
+
+    def phases(self, start: float, forward_end: float, end: float) -> Dict[str, float]:
+        """ms of the step begun at ``start``: ``decide`` (the runner's work before the
+        eager forward or the replay), ``forward``, ``after`` (its work after), ``sync``
+        (waiting for the device), ``gc`` (collector pauses anywhere in the step)."""
+        entered = self.entered if self.entered is not None else forward_end
+        left = self.left if self.left is not None else forward_end
+        return {
+            "decide": 1e3 * (entered - start),
+            "forward": 1e3 * (left - entered),
+            "after": 1e3 * (forward_end - left),
+            "sync": 1e3 * (end - forward_end),
+            "gc": 1e3 * self.gc_s,
+        }
+
+
+def graph_state(runner: Any) -> Dict[str, Any]:
+    """The graph-only state a runner holds now: its static buffers' bytes, and whether the
+    process has a graph memory pool or a capture stream yet."""
+    from cuda_graph_runner.backend import pool
+
+    return {
+        "static_buffer_bytes": runner.buffers.nbytes(),
+        "pool": bool(pool._pools),
+        "capture_stream": bool(pool._streams),
+        "graphs": len(runner.captured_keys),
+    }
+
+
+def settle_heap() -> Dict[str, Any]:
+    """Collect and freeze the Python heap (every start does this just before t = 0); the
+    collection's ms, the objects frozen and the modules loaded."""
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    return {
+        "gc": 1e3 * (time.perf_counter() - start),
+        "frozen_objects": gc.get_freeze_count(),
+        "modules": len(sys.modules),
+    }
+
+
 def _start(args: argparse.Namespace) -> Dict[str, Any]:
     """One start of ``args.one`` (a mode); its timeline as a JSON-able dict."""
     import torch
@@ -88,9 +200,15 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
 
     mode = args.one
     dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     live = sorted(set(args.live_sizes))
     context = args.prompt_len + len(live) + 2
+    setup: Dict[str, Any] = {}
+    mark = time.perf_counter()
     model = reference_model(args.model, requests=max(live), context=context, dtype=dtype, device=args.device)
+    sync()
+    setup["model"], mark = 1e3 * (time.perf_counter() - mark), time.perf_counter()
     name, compiler = parse_label(args.backend)
     decode: Dict[str, Any] = {"backend": "disabled" if mode == "eager" else name, "max_bs": args.max_bs}
     if mode != "eager":
@@ -98,8 +216,8 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
         decode["capture"] = "eager_first" if mode == "eager_first" else "blocking"
     backend = _backend(args, name, compiler) if mode != "eager" else None
     runner = DecodeCudaGraphRunner(model, {"decode": decode}, device=args.device, backend=backend, show_progress=False)
-    device = torch.device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    setup["runner"], mark = 1e3 * (time.perf_counter() - mark), time.perf_counter()
     with torch.no_grad():
         session = GreedySession(model, model.kv_cache)
         prompts = make_dummy_prompts(max(live), [args.prompt_len] * max(live), model.config.vocab_size, seed=1)
@@ -109,8 +227,12 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
             for bs in live
         }
     sync()
+    setup["prefill"] = 1e3 * (time.perf_counter() - mark)
     sizes = traffic(live, args.steps_cap, args.seed)
+    setup.update(settle_heap())
+    at_t0 = graph_state(runner)
     timeline: List[Dict[str, Any]] = []
+    first_step: Dict[str, float] = {}
     t0 = time.perf_counter()
     runner.capture()
     capture_call_ms = 1e3 * (time.perf_counter() - t0)
@@ -123,15 +245,29 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     for i, bs in enumerate(sizes):
         start = time.perf_counter()
         replays = sum(runner.stats.replays_by_size.values())
-        runner.forward(batches[bs])
-        sync()
-        end = time.perf_counter()
+        if i == 0:
+            with FirstStepProbe(runner) as probe:
+                runner.forward(batches[bs])
+                forward_end = time.perf_counter()
+                sync()
+                end = time.perf_counter()
+            first_step = {"capture_call": capture_call_ms, **probe.phases(start, forward_end, end)}
+            first_step["total"] = 1e3 * (end - t0)
+        else:
+            runner.forward(batches[bs])
+            sync()
+            end = time.perf_counter()
         if first_replay_ms is None and sum(runner.stats.replays_by_size.values()) > replays:
             first_replay_ms = 1e3 * (end - t0)
         capture_ms = 0.0
         # The engine's schedule: capture only while capture has had less than its share
         # of the time so far, so serving keeps the rest.
-        if lazy is not None and full_speed_ms is None and capture_s <= args.capture_share * (end - t0):
+        if (
+            lazy is not None
+            and not args.first_step_only
+            and full_speed_ms is None
+            and capture_s <= args.capture_share * (end - t0)
+        ):
             step = runner.capture_step(args.budget_ms)
             sync()
             capture_ms = 1e3 * (time.perf_counter() - end)
@@ -149,6 +285,8 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
                 "ready": ready,
             }
         )
+        if args.first_step_only:
+            break
         elapsed = time.perf_counter() - t0
         if i + 1 >= args.steps and elapsed >= until_s and (mode != "eager_first" or full_speed_ms is not None):
             break
@@ -165,6 +303,7 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
         "pool_mib": stats["pool_mib"],
         "replays": stats["replays"],
         "eager": stats["eager_total"],
+        "phases": {"setup_ms": setup, "at_t0": at_t0, "first_step_ms": first_step},
         "timeline": timeline,
     }
 
@@ -174,17 +313,34 @@ def tokens_by(timeline: List[Dict[str, Any]], ms: float) -> int:
     return sum(row["bs"] for row in timeline if row["end_ms"] <= ms)
 
 
-def summary(starts: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """The targets' ratios from the three starts."""
+def summary(
+    starts: Dict[str, Dict[str, Any]], repeats: Optional[Dict[str, List[Dict[str, Any]]]] = None
+) -> Dict[str, Any]:
+    """The targets' ratios from the three starts; ``repeats``: the short starts of
+    ``eager_first`` and ``eager`` that measured the first step again (each mode's first
+    step is the median over its full start and its repeats)."""
     blocking, lazy, eager = starts["blocking"], starts["eager_first"], starts["eager"]
+    repeats = repeats or {}
+    first_steps = {
+        mode: [starts[mode]["first_step_ms"]] + [r["first_step_ms"] for r in repeats.get(mode, [])]
+        for mode in ("eager_first", "eager")
+    }
+    lazy_first = statistics.median(first_steps["eager_first"])
+    eager_first_step = statistics.median(first_steps["eager"])
     first_blocking_ms = blocking["first_step_ms"]  # the blocking start's first token
     eager_tokens = tokens_by(eager["timeline"], first_blocking_ms)
     lazy_tokens = tokens_by(lazy["timeline"], first_blocking_ms)
+    phases = {
+        mode: [s["phases"]["first_step_ms"] for s in [starts[mode], *repeats.get(mode, [])] if "phases" in s]
+        for mode in MODES
+    }
     return {
         "blocking_capture_ms": blocking["capture_call_ms"],
-        "eager_first_step_ms": eager["first_step_ms"],
-        "eager_first_first_step_ms": lazy["first_step_ms"],
-        "first_step_ratio": lazy["first_step_ms"] / eager["first_step_ms"],
+        "eager_first_step_ms": eager_first_step,
+        "eager_first_first_step_ms": lazy_first,
+        "first_steps_ms": first_steps,
+        "first_step_ratio": lazy_first / eager_first_step,
+        "first_step_phases": phases,
         "first_replay_ms": lazy["first_replay_ms"],
         "full_speed_ms": lazy["full_speed_ms"],
         "full_speed_ratio": (lazy["full_speed_ms"] or float("inf")) / blocking["capture_call_ms"],
@@ -250,8 +406,51 @@ def _child_args(args: argparse.Namespace) -> List[str]:
     return out + ["--live-sizes"] + [str(s) for s in args.live_sizes]
 
 
-def _run_one(me: List[str], mode: str, until_s: float) -> Dict[str, Any]:
-    proc = subprocess.run(me + ["--one", mode, "--until-s", str(until_s)], capture_output=True, text=True)
+#: The environment variables of the compile caches a fresh start gets empty folders for.
+CACHE_VARS = {"CUDA_GRAPH_RUNNER_CACHE_DIR": "cgr", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+class TimeLimitError(RuntimeError):
+    """The run's ``--time-limit-s`` stopped a start."""
+
+
+def start_env(compile_cache: str, folder: str) -> Dict[str, str]:
+    """The environment of one start: ``fresh``: empty compile cache folders under
+    ``folder`` (:data:`CACHE_VARS`); ``shared``: this process's environment as it is."""
+    env = dict(os.environ)
+    if compile_cache == "fresh":
+        for var, sub in CACHE_VARS.items():
+            env[var] = os.path.join(folder, sub)
+    return env
+
+
+def _run_one(
+    me: List[str],
+    mode: str,
+    until_s: float,
+    *,
+    compile_cache: str = "fresh",
+    deadline: Optional[float] = None,
+    extra: Optional[List[str]] = None,
+) -> Dict[str, Any]:
+    """Run one start in a fresh process (its own compile caches unless ``shared``); its
+    JSON. Raises RuntimeError when it fails, :class:`TimeLimitError` when ``deadline``
+    (a ``time.monotonic()`` value) passes first."""
+    timeout = None if deadline is None else max(deadline - time.monotonic(), 1.0)
+    with tempfile.TemporaryDirectory(prefix=f"eager-first-{mode}-") as folder:
+        try:
+            proc = subprocess.run(
+                me + ["--one", mode, "--until-s", str(until_s)] + (extra or []),
+                capture_output=True,
+                text=True,
+                env=start_env(compile_cache, folder),
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise TimeLimitError(
+                f"the {mode} start was stopped by --time-limit-s after {timeout:.0f} s: fewer sizes "
+                f"(--max-bs), a smaller --until or a larger limit\n{exc.stdout or ''}\n{exc.stderr or ''}"
+            ) from exc
     if proc.returncode != 0:
         raise RuntimeError(f"the {mode} start failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -275,12 +474,38 @@ def _parser() -> argparse.ArgumentParser:
         help="eager_first: call capture_step after a step only while capture has had less than\n"
         "this share of the time so far (default 0.6; 1: after every step)",
     )
-    p.add_argument("--until", type=float, default=1.6, help="run each start until this x the blocking capture")
+    p.add_argument(
+        "--until",
+        type=float,
+        default=1.6,
+        help="run each start until this x the blocking start's first token (>= 1; default 1.6)",
+    )
+    p.add_argument(
+        "--first-step-repeats",
+        type=int,
+        default=3,
+        help="first steps measured per mode (eager_first, eager): the full start and this\n"
+        "- 1 short starts of one step each, alternating (default 3; the ratio takes medians)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        choices=("fresh", "shared"),
+        default="fresh",
+        help="fresh (default): every start empty compile caches of its own;\n"
+        "shared: the environment's (later starts may compile from earlier starts' entries)",
+    )
+    p.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="bound the whole run (every start's process); a start past it fails the run",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the starts and the summary here")
     p.add_argument("--plot", help="draw the timeline into this PNG (needs matplotlib)")
     p.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--until-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -294,6 +519,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if not 0 < args.capture_share <= 1:
         print(f"error: --capture-share {args.capture_share}: must be in (0, 1]", file=sys.stderr)
+        return 2
+    if not args.until >= 1:  # tokens_ratio counts eager's tokens up to the blocking start's first
+        print(f"error: --until {args.until}: must be >= 1", file=sys.stderr)
+        return 2
+    if args.first_step_repeats < 1:
+        print(f"error: --first-step-repeats {args.first_step_repeats}: must be >= 1", file=sys.stderr)
+        return 2
+    if args.time_limit_s is not None and not args.time_limit_s > 0:
+        print(f"error: --time-limit-s {args.time_limit_s}: must be > 0", file=sys.stderr)
         return 2
     # Enough sizes drawn for any run length; a start stops by its own rule.
     args.steps_cap = max(args.steps, 1) * 1000
@@ -309,22 +543,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     me = _child_args(args)
+    deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
+    repeats: Dict[str, List[Dict[str, Any]]] = {"eager_first": [], "eager": []}
     try:
-        starts = {"blocking": _run_one(me, "blocking", 0.0)}
-        until_s = args.until * starts["blocking"]["capture_call_ms"] / 1e3
-        starts["eager_first"] = _run_one(me, "eager_first", until_s)
-        starts["eager"] = _run_one(me, "eager", until_s)
+        run = {"compile_cache": args.compile_cache, "deadline": deadline}
+        starts = {"blocking": _run_one(me, "blocking", 0.0, **run)}
+        until_s = args.until * starts["blocking"]["first_step_ms"] / 1e3
+        starts["eager_first"] = _run_one(me, "eager_first", until_s, **run)
+        starts["eager"] = _run_one(me, "eager", until_s, **run)
+        for i in range(args.first_step_repeats - 1):
+            # Alternating, so a drift of the machine over the run favours neither mode.
+            for mode in ("eager", "eager_first") if i % 2 == 0 else ("eager_first", "eager"):
+                repeats[mode].append(_run_one(me, mode, 0.0, extra=["--first-step-only"], **run))
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
     for start in starts.values():
         print(json.dumps({k: v for k, v in start.items() if k != "timeline"}))
-    result = summary(starts)
+    result = summary(starts, repeats)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"args": {k: v for k, v in vars(args).items() if k != "one"}, "starts": starts, "summary": result}, f
+                {
+                    "args": {k: v for k, v in vars(args).items() if k not in ("one", "first_step_only")},
+                    "starts": starts,
+                    "repeats": repeats,
+                    "summary": result,
+                },
+                f,
             )
     if args.plot:
         print("plot:", plot(starts, args.plot, args.steps, f"{args.model} decode, {args.backend}: capture policies"))
