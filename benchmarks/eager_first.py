@@ -52,10 +52,12 @@ run fails naming it.
 
     python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
         --backend full --json eager_first_full.json --plot docs/eager-first-full.png
-    # compiled full, bounded (about 3-4 min on an H200): 8 sizes up to 32, the same traffic shape
+    # compiled full, bounded: 36 sizes, each start compiling cold (about 13 s on an H200)
     python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
-        --backend full+torch_compile --max-bs 32 --live-sizes 1 2 3 5 8 13 24 --until 1.0 \\
-        --steps 100 --first-step-repeats 2 --time-limit-s 240 --json eager_first_compiled.json
+        --backend full+torch_compile --until 1.2 --time-limit-s 240 --json eager_first_compiled.json
+    # the same with 12 sizes (up to 64, every live size) if the limit stops the one above
+    python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
+        --backend full+torch_compile --max-bs 64 --until 1.2 --time-limit-s 240 --json eager_first_compiled.json
     python benchmarks/eager_first.py --backend full --model tiny --max-bs 16 --steps 50   # CPU, fake graphs
 
 Exit status 0 when every start ran (the ratios are measurements, not a test); 2 for a
@@ -351,6 +353,18 @@ def summary(
     }
 
 
+def targets_line(result: Dict[str, Any]) -> str:
+    """The three ratios against their targets, one line: ``name value (target, met|missed)``."""
+    parts = []
+    for name, target in result["targets"].items():
+        value = result[name]
+        op, bound = target.split()
+        met = value is not None and (value <= float(bound) if op == "<=" else value >= float(bound))
+        shown = "n/a" if value is None else f"{value:.2f}"
+        parts.append(f"{name} {shown} ({target}, {'met' if met else 'missed'})")
+    return "targets: " + "; ".join(parts)
+
+
 def plot(starts: Dict[str, Dict[str, Any]], path: str, steps: int, title: str) -> str:
     """Two panels: ms per step (forward + capture step) over the first ``steps`` steps
     against time, and capture sizes ready against time."""
@@ -562,6 +576,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps({k: v for k, v in start.items() if k != "timeline"}))
     result = summary(starts, repeats)
     print(json.dumps(result, indent=2))
+    print(targets_line(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -98,6 +98,45 @@ def test_capture_returns_at_once_and_forward_runs_eagerly_counted():
     assert "0 of 4 sizes ready" in format_summary("decode", stats)
 
 
+def test_no_graph_work_before_the_first_capture_step(monkeypatch):
+    # capture() and the eager steps before the first capture_step do an eager forward's
+    # work and no more: no capture plan or prepare, no capture session, no gc freeze or
+    # collection, no device synchronize, no weights fingerprint; the first step does them.
+    import gc
+
+    import cuda_graph_runner.runner.base as base
+
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(base, "build_capture_plan", spy("plan", base.build_capture_plan))
+    monkeypatch.setattr(base, "freeze_gc", spy("freeze_gc", base.freeze_gc))
+    monkeypatch.setattr(base.WeightsFingerprint, "take", spy("fingerprint", base.WeightsFingerprint.take))
+    monkeypatch.setattr(gc, "collect", spy("gc.collect", gc.collect))
+    runner = make_runner()
+    disabled = DecodeCudaGraphRunner(ToyModel(), {"decode": {"bs": [1, 2, 4, 8]}}, device="cpu", backend="disabled")
+    monkeypatch.setattr(runner, "_synchronize", spy("sync", runner._synchronize))
+    monkeypatch.setattr(runner.backend, "new_capture_session", spy("session", runner.backend.new_capture_session))
+    forwards = {}
+    for name, r in (("eager_first", runner), ("disabled", disabled)):
+        r.model.forward = spy(name, r.model.forward)
+        r.capture()
+        for bs in (3, 1, 8):
+            r.forward(decode_batch(bs))
+        forwards[name] = calls.count(name)
+    assert [c for c in calls if c not in forwards] == []  # nothing but the model's forwards
+    assert forwards["eager_first"] == forwards["disabled"] == 3
+    assert runner.backend.events == []  # nothing warmed up, recorded or begun on the backend
+    runner.capture_step(ONE_SIZE)
+    assert {"plan", "freeze_gc", "fingerprint", "sync", "session"} <= set(calls)
+
+
 def test_steps_capture_observed_sizes_first_then_largest_first(caplog):
     runner = make_runner()
     runner.capture()

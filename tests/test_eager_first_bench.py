@@ -1,5 +1,8 @@
-"""``benchmarks/eager_first.py``'s arithmetic: tokens served by a time, the targets' ratios
-from three starts' timelines, the seeded traffic, and the timeline plot (with matplotlib)."""
+"""``benchmarks/eager_first.py``: tokens served by a time, the targets' ratios from three
+starts' timelines (first steps as medians over repeats), the seeded traffic, the timeline
+plot (with matplotlib), one start's heap settled before t = 0 and its first step's phases
+(in process, CPU, fake graphs), fresh compile caches per start, the run's time limit and
+its option checks."""
 
 from __future__ import annotations
 
@@ -50,6 +53,9 @@ def test_summary_ratios_from_three_timelines():
     assert result["tokens_by_blocking_first"] == {"eager_first": 10, "eager": 10}
     assert result["tokens_ratio"] == pytest.approx(1.0)
     assert eager_first.tokens_by(starts["eager_first"]["timeline"], 40.0) == 5
+    line = eager_first.targets_line(result)
+    assert "first_step_ratio 1.11 (<= 1.1, missed)" in line and "full_speed_ratio 1.30 (<= 1.5, met)" in line
+    assert "tokens_ratio 1.00 (>= 0.5, met)" in line
 
 
 def test_traffic_is_seeded_and_draws_small_sizes_more_often():
@@ -64,3 +70,91 @@ def test_plot_draws_the_timeline(tmp_path):
     starts = {mode: _start(mode, 1.0, rows) for mode in ("blocking", "eager_first", "eager")}
     path = eager_first.plot(starts, str(tmp_path / "t.png"), 5, "tiny")
     assert os.path.getsize(path) > 1000
+
+
+def test_summary_takes_each_modes_median_first_step_over_its_repeats():
+    rows = [(2, 10.0, 10.0, 0.0, 0)]
+    starts = {mode: _start(mode, 1.0, rows) for mode in ("blocking", "eager_first", "eager")}
+    repeats = {
+        "eager_first": [{"first_step_ms": 30.0}, {"first_step_ms": 12.0}],  # with 10: median 12
+        "eager": [{"first_step_ms": 8.0}, {"first_step_ms": 50.0}],  # with 10: median 10
+    }
+    result = eager_first.summary(starts, repeats)
+    assert result["first_steps_ms"] == {"eager_first": [10.0, 30.0, 12.0], "eager": [10.0, 8.0, 50.0]}
+    assert result["first_step_ratio"] == pytest.approx(12.0 / 10.0)
+
+
+def _args(*argv):
+    args = eager_first._parser().parse_args(list(argv))
+    args.steps_cap = 1000
+    return args
+
+
+def test_a_start_settles_the_heap_before_t0_and_splits_its_first_step(monkeypatch):
+    # Every start collects and freezes the Python heap before capture() (t = 0), so no
+    # start's first step pays a collection its startup left; the first step's phases and
+    # the graph-only state at t = 0 come back with the timeline.
+    import gc
+
+    from cuda_graph_runner.runner import DecodeCudaGraphRunner
+
+    events = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("collect") or collect(*a))
+    monkeypatch.setattr(gc, "freeze", lambda: events.append("freeze"))  # recorded, not frozen
+    capture = DecodeCudaGraphRunner.capture
+    monkeypatch.setattr(
+        DecodeCudaGraphRunner, "capture", lambda self, *a: events.append("capture") or capture(self, *a)
+    )
+    args = _args("--max-bs", "4", "--live-sizes", "1", "2", "3", "--steps", "3", "--budget-ms", "1000")
+    args.one = "eager_first"
+    out = eager_first._start(args)
+    assert events.index("collect") < events.index("freeze") < events.index("capture")
+    phases = out["phases"]
+    at_t0 = phases["at_t0"]  # static buffers exist; no pool, stream or graph yet
+    assert (at_t0["pool"], at_t0["capture_stream"], at_t0["graphs"]) == (False, False, 0)
+    assert phases["at_t0"]["static_buffer_bytes"] > 0
+    first = phases["first_step_ms"]
+    assert set(first) == {"capture_call", "decide", "forward", "after", "sync", "gc", "total"}
+    assert first["forward"] > 0 and first["total"] == pytest.approx(out["first_step_ms"])
+    assert first["total"] >= first["capture_call"] + first["decide"] + first["forward"]
+    assert {"model", "runner", "prefill", "gc", "frozen_objects", "modules"} <= set(phases["setup_ms"])
+    assert out["full_speed_ms"] is not None and out["timeline"][-1]["ready"] == out["sizes"]
+    # the probe took its collector callback with it
+    assert not any(isinstance(getattr(cb, "__self__", None), eager_first.FirstStepProbe) for cb in gc.callbacks)
+
+
+def test_first_step_only_start_stops_after_one_step_without_capturing():
+    args = _args("--max-bs", "4", "--live-sizes", "1", "2")
+    args.one, args.first_step_only = "eager_first", True
+    out = eager_first._start(args)
+    assert len(out["timeline"]) == 1 and out["timeline"][0]["capture_ms"] == 0.0 and out["replays"] == 0
+
+
+def test_fresh_starts_get_empty_cache_folders_of_their_own(tmp_path):
+    env = eager_first.start_env("fresh", str(tmp_path))
+    assert {env[var] for var in eager_first.CACHE_VARS} == {str(tmp_path / s) for s in eager_first.CACHE_VARS.values()}
+    assert eager_first.start_env("shared", str(tmp_path)) == dict(os.environ)
+
+
+def test_time_limit_stops_a_start_and_names_it():
+    import time
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    began = time.monotonic()
+    with pytest.raises(eager_first.TimeLimitError, match=r"the eager start was stopped by --time-limit-s"):
+        eager_first._run_one(sleeper, "eager", 0.0, deadline=time.monotonic() + 1.0)
+    assert time.monotonic() - began < 20
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--until", "0.5"], "--until 0.5: must be >= 1"),
+        (["--first-step-repeats", "0"], "--first-step-repeats 0: must be >= 1"),
+        (["--time-limit-s", "0"], "--time-limit-s 0.0: must be > 0"),
+    ],
+)
+def test_bad_run_options_are_refused_naming_the_value(argv, message, capsys):
+    assert eager_first.main(argv) == 2
+    assert message in capsys.readouterr().err
