@@ -58,7 +58,7 @@ KINDS = {
     "attention": "run.py output per attention backend (ATTENTION/benchmarks.json, --attention ATTENTION)",
     "replay-prepare-against": "replay_prepare_against.json of benchmarks/replay_prepare.py --against (two checkouts paired in one run)",
     "isolation": "isolation_ab.json of benchmarks/isolation_ab.py (a compiled method alone or beside others)",
-    "dp-agreement": "dpN.json of benchmarks/dp_agreement.py (CPU, gloo)",
+    "dp-agreement": "dpN*.json (and the printed output) of benchmarks/dp_agreement.py (CPU, gloo)",
     "speculative": "spec_*.json of benchmarks/speculative.py (one per dtype)",
     "mixed": "mixed.json of benchmarks/mixed.py (a mixed step in one graph against a prefill plus a decode)",
     "eager-first": "eager_first_BACKEND.json of benchmarks/eager_first.py (the three starts' timelines and the summary)",
