@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cuda_graph_runner.cli.bench import command as bench
 from cuda_graph_runner.cli.command import main
 from cuda_graph_runner.registry import get_registry
@@ -121,3 +123,36 @@ def test_a_real_model_on_the_cpu_runs_compiled_only_when_asked(monkeypatch, caps
     assert choice.label == "compiled" and choice.backend is not None and choice.explicit
     [choice] = plan_phase("decode", None, CudaGraphConfig(), cpu, 4)
     assert choice.label == "compiled"
+
+
+def test_the_bench_picks_compiled_on_the_cpu_while_its_toolchain_works(monkeypatch):
+    import torch
+
+    from cuda_graph_runner.cli.bench.backends import plan_phase
+    from cuda_graph_runner.config import CudaGraphConfig
+    from cuda_graph_runner.registry import reset_registry
+
+    toolchain = pytest.importorskip(
+        "cuda_graph_runner_compiled.toolchain", reason="uses the compiled backend (cuda-graph-runner-compiled)"
+    )
+
+    def choose():
+        (choice,) = plan_phase("decode", None, CudaGraphConfig(), torch.device("cpu"), default_max=4)
+        return choice
+
+    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "1")  # the suite turns it off (conftest.py)
+    reset_registry(keep_in_process=False)
+    try:
+        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
+        choice = choose()
+        assert choice.label == "compiled" and choice.backend is not None and choice.note == ""
+        reset_registry(keep_in_process=False)
+        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "no C++ compiler here")
+        choice = choose()
+        assert choice.backend is None and "compiled: no C++ compiler here" in choice.note
+        reset_registry(keep_in_process=False)
+        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
+        monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "0")
+        assert choose().backend is None
+    finally:
+        reset_registry(keep_in_process=False)

@@ -403,10 +403,45 @@ def test_the_registry_exports_only_its_own_names():
     assert not set(registry.__all__) & set(registry._MOVED_NAMES)
 
 
+def _plugin_roots() -> List[Path]:
+    return sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()) + [
+        ROOT / "examples" / "acme_backend"
+    ]
+
+
 def _plugin_sources() -> List[Path]:
     roots = [p for p in (ROOT / "plugins").glob("*/cuda_graph_runner_*") if p.is_dir()]
     roots += [p for p in (ROOT / "examples" / "acme_backend").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
     return sorted(f for r in roots for f in r.rglob("*.py"))
+
+
+def _plugin_tests() -> List[Path]:
+    return sorted(f for r in _plugin_roots() for f in (r / "tests").rglob("*.py"))
+
+
+#: an import statement on a line of a string: code a test runs in a subprocess
+_CODE_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([\w.]+))", re.M)
+
+
+def _core_imports_beside_the_plugin_api(path: Path) -> List[str]:
+    """``path:line: module`` for each import of the core other than ``cuda_graph_runner.backend``
+    or ``cuda_graph_runner.testing`` (and their submodules) in ``path``: statements anywhere
+    in the file, and import lines in its strings (code it runs in a subprocess)."""
+    found: Set[Tuple[int, str]] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [(a.name, node.lineno) for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names = [(node.module or "", node.lineno)]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for match in _CODE_IMPORT.finditer(node.value):
+                line = node.lineno + node.value.count("\n", 0, match.start())
+                names.append((match.group(1) or match.group(2), line))
+        for name, line in names:
+            parts = name.split(".")
+            if parts[0] == NAME and (len(parts) < 2 or parts[1] not in ("backend", "testing")):
+                found.add((line, name))
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    return [f"{shown}:{line}: {name}" for line, name in sorted(found)]
 
 
 def test_plugin_sources_import_the_core_through_backend_only():
@@ -414,14 +449,45 @@ def test_plugin_sources_import_the_core_through_backend_only():
     # testing helper it ships through cuda_graph_runner.testing.
     sources = _plugin_sources()
     assert len(sources) > 10, sources
-    outside = []
-    for path in sources:
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and not node.level:
-                names = [node.module or ""]
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == NAME and (len(parts) < 2 or parts[1] not in ("backend", "testing")):
-                    outside.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    outside = [hit for path in sources for hit in _core_imports_beside_the_plugin_api(path)]
     assert not outside, "plugin code importing the core beside cuda_graph_runner.backend:\n" + "\n".join(outside)
+
+
+def test_plugin_and_example_tests_import_the_core_through_backend_and_testing_only():
+    # A plugin's tests are what its author writes against the published core: the plugin
+    # API and cuda_graph_runner.testing (its workload module: runners, config, model, batches,
+    # registry), nothing else.
+    tests = _plugin_tests()
+    untested = [str(r.relative_to(ROOT)) for r in _plugin_roots() if not any((r / "tests").glob("test_*.py"))]
+    assert not untested, f"no tests/test_*.py found in {untested}"
+    outside = [hit for path in tests for hit in _core_imports_beside_the_plugin_api(path)]
+    assert not outside, "plugin tests importing the core beside cuda_graph_runner.backend and .testing:\n" + "\n".join(
+        outside
+    )
+
+
+def test_the_plugin_import_check_finds_each_way_of_reaching_the_core(tmp_path):
+    path = tmp_path / "test_x.py"
+    path.write_text(
+        f"""import {NAME}.runner
+from {NAME} import registry
+from {NAME}.backend import ShapeKey
+from {NAME}.testing.workload import DecodeCudaGraphRunner
+import {NAME}_full.backend
+
+
+def test_y():
+    from {NAME}.reference.batches import make_dummy_prompts
+    code = \"\"\"
+        import json
+        from {NAME}.config import CudaGraphConfig
+        from {NAME}.testing.workload import get_registry
+    \"\"\"
+"""
+    )
+    assert _core_imports_beside_the_plugin_api(path) == [
+        f"test_x.py:1: {NAME}.runner",
+        f"test_x.py:2: {NAME}",
+        f"test_x.py:9: {NAME}.reference.batches",
+        f"test_x.py:12: {NAME}.config",
+    ]

@@ -6,11 +6,15 @@ import pytest
 import torch
 
 from acme_cgr.backend import AcmeDebugBackend, GraphInvariantError
-from cuda_graph_runner import registry
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.testing.workload import (
+    DecodeCudaGraphRunner,
+    GreedySession,
+    ReferenceLlamaForCausalLM,
+    list_backends,
+    make_decode_batch,
+    make_dummy_prompts,
+)
 
 
 @pytest.fixture()
@@ -23,7 +27,7 @@ def model():
 def test_selected_by_name_from_a_config(model):
     runner = DecodeCudaGraphRunner(model, {"decode": {"backend": "acme", "max_bs": 4}}, show_progress=False)
     assert isinstance(runner.backend, AcmeDebugBackend)
-    assert {e.name: e.distribution for e in registry.list_backends()}["acme"] == "cuda-graph-runner-acme"
+    assert {e.name: e.distribution for e in list_backends()}["acme"] == "cuda-graph-runner-acme"
 
 
 def test_counts_follow_the_runner_policy(model):

@@ -21,12 +21,11 @@ from breakable_mix_model import MixModel as SharedMixModel
 from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import ForwardBatch, ShapeKey, eager_op, forward_context, get_forward_batch
-from cuda_graph_runner.reference.model import PRESETS
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import decode_batch
+from cuda_graph_runner.testing.workload import PRESETS, DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner_breakable.backend import BreakableCaptureError, BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule, HostSyncInCaptureError
 
@@ -288,7 +287,7 @@ REF_TOL = model_tolerance(PRESETS["tiny"], torch.float32, context_len=48)
 
 @pytest.fixture(scope="module")
 def reference():
-    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.testing.workload import ReferenceLlamaForCausalLM
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32)
     model.create_kv_cache(num_slots=4096, max_reqs=32, max_context_len=48)
@@ -296,7 +295,7 @@ def reference():
 
 
 def test_emulated_reference_prefill_matches_eager_with_prefixes(reference):
-    from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
+    from cuda_graph_runner.testing.workload import eager_logits_fn, make_dummy_prompts, make_extend_batch
 
     cache = reference.kv_cache
     dm = EmulatedGraphDeviceModule()
@@ -324,7 +323,7 @@ def test_emulated_reference_prefill_matches_eager_with_prefixes(reference):
 
 
 def test_emulated_reference_decode_matches_eager(reference):
-    from cuda_graph_runner.reference.batches import (
+    from cuda_graph_runner.testing.workload import (
         GreedySession,
         eager_logits_fn,
         make_decode_batch,

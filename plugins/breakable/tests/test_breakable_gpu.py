@@ -29,8 +29,8 @@ from cuda_graph_runner.backend import (
     get_capture_stream,
     get_forward_batch,
 )
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
+from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 
 pytestmark = pytest.mark.gpu
 

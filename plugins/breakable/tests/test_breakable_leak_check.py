@@ -17,8 +17,8 @@ from breakable_mix_model import MixModel as SharedMixModel
 from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import eager_op, envs, get_forward_batch
-from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
+from cuda_graph_runner.testing.workload import PrefillCudaGraphRunner
 from cuda_graph_runner_breakable.backend import (
     ENV_CHECK_LEAKED_OUTPUTS,
     BreakableCudaGraphBackend,
@@ -170,8 +170,12 @@ def test_clean_models_pass_the_check_and_replay_as_eager(returning):
 
 
 def test_the_reference_model_passes_the_check():
-    from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.testing.workload import (
+        ReferenceLlamaForCausalLM,
+        eager_logits_fn,
+        make_dummy_prompts,
+        make_extend_batch,
+    )
 
     model = ReferenceLlamaForCausalLM.from_preset("tiny", dtype=torch.float32)
     model.create_kv_cache(num_slots=1024, max_reqs=8, max_context_len=32)

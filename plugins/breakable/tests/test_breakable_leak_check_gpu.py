@@ -17,10 +17,14 @@ import torch
 from breakable_mix_model import request_lens
 
 from cuda_graph_runner.backend import eager_op, get_forward_batch
-from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.runner import PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import reference_model
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
+from cuda_graph_runner.testing.workload import (
+    PrefillCudaGraphRunner,
+    eager_logits_fn,
+    make_dummy_prompts,
+    make_extend_batch,
+)
 
 pytestmark = pytest.mark.gpu
 

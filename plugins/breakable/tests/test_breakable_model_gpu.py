@@ -17,10 +17,16 @@ from typing import Any, List
 import pytest
 import torch
 
-from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
+from cuda_graph_runner.testing.workload import (
+    DecodeCudaGraphRunner,
+    GreedySession,
+    PrefillCudaGraphRunner,
+    ReferenceLlamaForCausalLM,
+    eager_logits_fn,
+    make_dummy_prompts,
+    make_extend_batch,
+)
 
 pytestmark = pytest.mark.gpu
 

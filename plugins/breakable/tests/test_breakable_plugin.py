@@ -8,9 +8,14 @@ from importlib import metadata
 
 import pytest
 
-from cuda_graph_runner import registry
 from cuda_graph_runner.backend import BackendUnavailableError
-from cuda_graph_runner.registry.discovery import load_ref
+from cuda_graph_runner.testing.workload import (
+    check_backend_class,
+    get_registry,
+    list_backends,
+    load_ref,
+    resolve_prefill_backend,
+)
 from cuda_graph_runner_breakable import plugin
 
 
@@ -25,7 +30,7 @@ def test_spec_declares_both_phases_on_cuda():
     assert spec.name == "breakable" and spec.phases == ("decode", "prefill") and spec.devices == ("cuda",)
     assert spec.backend_class == "cuda_graph_runner_breakable.backend:BreakableCudaGraphBackend"
     cls = load_ref(spec.backend_class)
-    registry.check_backend_class(cls, "breakable")
+    check_backend_class(cls, "breakable")
 
 
 @pytest.mark.parametrize(
@@ -47,16 +52,16 @@ def test_probe_gives_reasons_off_cuda():
 def test_listed_and_refused_with_reason_without_cuda():
     import torch
 
-    rows = {e.name: e for e in registry.list_backends("cuda")}
+    rows = {e.name: e for e in list_backends("cuda")}
     row = rows["breakable"]
     assert row.distribution == "cuda-graph-runner-breakable" and set(row.phases) == {"decode", "prefill"}
     if torch.cuda.is_available():
         assert row.ok
-        assert registry.get_registry().default_backend("prefill", "cuda") == "breakable"
+        assert get_registry().default_backend("prefill", "cuda") == "breakable"
     else:
         assert not row.ok and row.reason
         with pytest.raises(BackendUnavailableError, match="breakable"):
-            registry.resolve_prefill_backend({"backend": "breakable"}, device="cuda")
+            resolve_prefill_backend({"backend": "breakable"}, device="cuda")
 
 
 def test_registration_module_does_not_import_torch():

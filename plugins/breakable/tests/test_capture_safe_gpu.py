@@ -19,9 +19,15 @@ from typing import Any
 import pytest
 import torch
 
-from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import assert_greedy_tokens_equal_eager, reference_model
+from cuda_graph_runner.testing.workload import (
+    DecodeCudaGraphRunner,
+    GreedySession,
+    PrefillCudaGraphRunner,
+    eager_logits_fn,
+    make_decode_batch,
+    make_dummy_prompts,
+)
 
 pytestmark = pytest.mark.gpu
 

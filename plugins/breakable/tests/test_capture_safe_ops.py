@@ -27,18 +27,20 @@ from cuda_graph_runner.backend import (
     eager_op,
     get_forward_batch,
 )
-from cuda_graph_runner.reference.batches import (
+from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
+from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
+from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.workload import (
+    PRESETS,
+    DecodeCudaGraphRunner,
     GreedySession,
+    PrefillCudaGraphRunner,
+    ReferenceLlamaForCausalLM,
     eager_logits_fn,
     make_decode_batch,
     make_dummy_prompts,
     make_extend_batch,
 )
-from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
-from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
-from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner_breakable.backend import ENV_INLINE_SAFE_OPS, BreakableCudaGraphBackend
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule
 

@@ -1,6 +1,6 @@
 """Backend ``compiled`` on the CPU: the forward compiled per size bucket through the real
 runners, against eager; one compile per size and none while serving; the compile budget;
-the toolchain probe; the bench's choice on the CPU.
+the toolchain probe (the bench's choice on the CPU: tests/test_bench_resolve.py).
 
 Most tests compile with ``aot_eager`` (Dynamo's trace and AOTAutograd, no code
 generation: fractions of a second); one test runs inductor (C++ builds, ~20 s on two
@@ -15,19 +15,23 @@ from typing import List
 import pytest
 import torch
 
-from cuda_graph_runner import registry
 from cuda_graph_runner.backend import ShapeKey
-from cuda_graph_runner.reference.batches import (
-    GreedySession,
-    eager_logits_fn,
-    greedy_generate,
-    make_decode_batch,
-    make_dummy_prompts,
-)
-from cuda_graph_runner.reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import CountingCompiler
 from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.workload import (
+    PRESETS,
+    DecodeCudaGraphRunner,
+    GreedySession,
+    ModelConfig,
+    ReferenceLlamaForCausalLM,
+    eager_logits_fn,
+    get_registry,
+    greedy_generate,
+    list_backends,
+    make_decode_batch,
+    make_dummy_prompts,
+    reset_registry,
+)
 from cuda_graph_runner_compiled import toolchain
 from cuda_graph_runner_compiled.backend import CompiledBackend
 
@@ -221,39 +225,13 @@ def test_probe_names_what_is_missing(monkeypatch):
 
 
 def test_listed_on_cpu_with_its_probe_and_never_the_runner_default():
-    registry.reset_registry(keep_in_process=False)
+    reset_registry(keep_in_process=False)
     try:
-        row = {e.name: e for e in registry.list_backends("cpu")}["compiled"]
+        row = {e.name: e for e in list_backends("cpu")}["compiled"]
         assert row.ok == (toolchain.probe("cpu") is None), row.reason
-        assert registry.get_registry().default_backend("decode", "cpu") == "disabled"
+        assert get_registry().default_backend("decode", "cpu") == "disabled"
     finally:
-        registry.reset_registry(keep_in_process=False)
-
-
-def test_bench_picks_it_on_the_cpu(monkeypatch):
-    from cuda_graph_runner.cli.bench.backends import plan_phase
-    from cuda_graph_runner.config import CudaGraphConfig
-
-    def choose():
-        (choice,) = plan_phase("decode", None, CudaGraphConfig(), torch.device("cpu"), default_max=4)
-        return choice
-
-    monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "1")  # the suite turns it off (conftest.py)
-    registry.reset_registry(keep_in_process=False)
-    try:
-        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
-        choice = choose()
-        assert choice.label == "compiled" and choice.backend is not None and choice.note == ""
-        registry.reset_registry(keep_in_process=False)
-        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: "no C++ compiler here")
-        choice = choose()
-        assert choice.backend is None and "compiled: no C++ compiler here" in choice.note
-        registry.reset_registry(keep_in_process=False)
-        monkeypatch.setattr(toolchain, "toolchain_problem", lambda: None)
-        monkeypatch.setenv("CUDA_GRAPH_RUNNER_BENCH_CPU_COMPILED", "0")
-        assert choose().backend is None
-    finally:
-        registry.reset_registry(keep_in_process=False)
+        reset_registry(keep_in_process=False)
 
 
 # ----------------------------------------------------------------------------- inductor and its cache

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import envs
-from cuda_graph_runner.reference.model import ModelConfig
 from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.workload import ModelConfig
 from cuda_graph_runner_compiled import toolchain
 
 TOL = model_tolerance(ModelConfig(), torch.float32, context_len=64)
@@ -40,9 +40,9 @@ START = textwrap.dedent(
     import torch
     from torch._dynamo.utils import counters
     from cuda_graph_runner.backend.compile_cache import cache_counters
-    from cuda_graph_runner.runner import DecodeCudaGraphRunner
-    from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-    from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
+    from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner
+    from cuda_graph_runner.testing.workload import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
+    from cuda_graph_runner.testing.workload import ReferenceLlamaForCausalLM
     from cuda_graph_runner.testing.tolerances import model_tolerance
     from cuda_graph_runner_compiled.backend import CompiledBackend
 

@@ -15,8 +15,8 @@ from typing import Callable, List, Optional
 import torch
 
 from cuda_graph_runner.backend import forward_context, get_forward_batch, register_eager_op
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner
 from cuda_graph_runner_compiled.backend import CompiledBackend
 
 WAIT_S = 30  # a thread that waits longer has lost its partner: the test fails, never hangs

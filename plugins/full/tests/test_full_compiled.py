@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import ShapeKey, forward_context
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 from cuda_graph_runner_full.compiled import CompiledForward
 
@@ -160,7 +160,7 @@ def test_a_compile_size_that_is_not_captured_is_refused_before_compiling():
 
 
 def test_compile_sizes_with_the_eager_compiler_are_an_error_naming_the_key():
-    from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
+    from cuda_graph_runner.testing.workload import CudaGraphConfig, CudaGraphConfigError
 
     config = CudaGraphConfig.from_dict({"decode": {"compile_sizes": [4, 1]}})
     assert config.decode.compile_sizes == [1, 4]
@@ -195,7 +195,7 @@ def test_compiled_full_is_held_to_inductors_tolerance_the_eager_forward_to_the_b
 def test_sizes_above_torch_compile_max_bs_are_captured_uncompiled():
     """sglang's ``--torch-compile-max-bs``: batch sizes up to it run the compiled forward,
     larger ones the forward as written (and the compile pass skips them)."""
-    from cuda_graph_runner.config import CudaGraphConfig
+    from cuda_graph_runner.testing.workload import CudaGraphConfig
 
     torch._dynamo.reset()
     model, compiler, fake = ToyModel(), CountingCompiler(), FakeGraphDeviceModule()
@@ -223,7 +223,7 @@ def test_sizes_above_torch_compile_max_bs_are_captured_uncompiled():
 
 
 def test_torch_compile_default_max_is_sglangs_32():
-    from cuda_graph_runner.config import PhaseConfig
+    from cuda_graph_runner.testing.workload import PhaseConfig
 
     backend = FullCudaGraphBackend(
         "cpu", phase="decode", device_module=FakeGraphDeviceModule(), phase_config=PhaseConfig(torch_compile=True)

@@ -16,11 +16,17 @@ import pytest
 import torch
 
 from cuda_graph_runner.backend import cache_counters, envs, forward_context
-from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.reference.model import ModelConfig, ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.workload import (
+    DecodeCudaGraphRunner,
+    GreedySession,
+    ModelConfig,
+    ReferenceLlamaForCausalLM,
+    eager_logits_fn,
+    make_decode_batch,
+    make_dummy_prompts,
+)
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
 CONFIG = ModelConfig(num_hidden_layers=1)

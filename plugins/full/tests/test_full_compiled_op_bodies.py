@@ -20,11 +20,15 @@ from cuda_graph_runner.backend import (
     forward_context,
     get_forward_batch,
 )
-from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import CountingCompiler, FakeGraphDeviceModule
 from cuda_graph_runner.testing.reference_setup import reference_model
 from cuda_graph_runner.testing.toy_model import ToyModel
+from cuda_graph_runner.testing.workload import (
+    DecodeCudaGraphRunner,
+    GreedySession,
+    make_decode_batch,
+    make_dummy_prompts,
+)
 from cuda_graph_runner_full.backend import FullCudaGraphBackend
 
 

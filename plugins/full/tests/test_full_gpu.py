@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import (
     assert_greedy_tokens_equal_eager,
     prefilled_decode_batch,
     reference_model,
     staggered_decode_case,
 )
+from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner, eager_logits_fn, make_dummy_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +66,7 @@ def test_bf16_greedy_tokens_equal_eager_over_16_steps(preset):
 
 def test_shapes_share_the_pool_largest_alone_bounds_the_total():
     """Outputs kept as aliases: all sizes together need about the largest size's memory."""
-    from cuda_graph_runner.registry import resolve_decode_backend
+    from cuda_graph_runner.testing.workload import resolve_decode_backend
 
     model = reference_model("qwen2.5-0.5b", requests=64, dtype=torch.bfloat16, num_slots=65 * 64 + 1)
     sizes = {}

@@ -15,11 +15,9 @@ import torch
 
 from cuda_graph_runner.backend import BackendUnavailableError, ForwardMode, ShapeKey
 from cuda_graph_runner.backend.pool import reset_global_graph_memory_pools
-from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.registry import check_backend_class
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.workload import CudaGraphConfig, DecodeCudaGraphRunner, check_backend_class
 from cuda_graph_runner_npu import torch_npu_api
 from cuda_graph_runner_npu.backend import NPUCudaGraphBackend, NPUGraphUpdateError
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule, RecordingNPUModule

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_decode_case
+from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner
 from cuda_graph_runner_npu.backend import NPUCudaGraphBackend, NPUGraphUpdateError
 from cuda_graph_runner_npu.testing import CudaBackedNPUModule
 from cuda_graph_runner_npu.torch_npu_api import DEFAULT_UPDATE_INPUT_NAME

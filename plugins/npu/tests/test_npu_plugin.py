@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cuda_graph_runner import registry
 from cuda_graph_runner.backend import ENTRY_POINT_GROUP, BackendUnavailableError
+from cuda_graph_runner.testing.workload import get_registry, list_backends, reset_registry, resolve_decode_backend
 from cuda_graph_runner_npu import plugin, torch_npu_api
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -133,14 +133,14 @@ def test_discovery_never_imports_torch_npu_but_the_probe_does_and_quotes_its_fai
     out = run_python(
         """
         import json, os, sys
-        from cuda_graph_runner import registry
-        reg = registry.get_registry()
+        from cuda_graph_runner.testing.workload import get_registry, list_backends
+        reg = get_registry()
         names = reg.names()
         after_scan = {"names": names, "torch_npu": "torch_npu" in sys.modules,
                       "backend": "cuda_graph_runner_npu.backend" in sys.modules,
                       "marker": os.path.exists(%r)}
-        row = [e for e in registry.list_backends() if e.name == "npu"][0]
-        others = {e.name: e.status for e in registry.list_backends() if e.name != "npu"}
+        row = [e for e in list_backends() if e.name == "npu"][0]
+        others = {e.name: e.status for e in list_backends() if e.name != "npu"}
         print(json.dumps({"scan": after_scan, "status": row.status, "reason": row.reason,
                           "marker": os.path.exists(%r), "others_failed": [n for n, s in others.items() if s == "failed"]}))
     """
@@ -212,7 +212,7 @@ def test_probe_with_a_working_torch_npu(fake_torch_npu):
 
 
 def test_default_backend_hook_names_npu_for_decode_on_npu_only():
-    reg = registry.get_registry()
+    reg = get_registry()
     reg.names()  # scan: entry-point plugins join the plugin manager
     hook = reg.pm.hook.cuda_graph_runner_default_backend
     assert hook(phase="decode", device_type="npu") == "npu"
@@ -221,22 +221,22 @@ def test_default_backend_hook_names_npu_for_decode_on_npu_only():
 
 
 def test_default_on_npu_falls_back_to_disabled_while_unavailable_and_is_npu_once_usable(no_torch_npu, monkeypatch):
-    reg = registry.get_registry()
+    reg = get_registry()
     assert reg.default_backend("decode", "npu") == "disabled"
     monkeypatch.setattr(plugin, "probe", lambda device_type: None)
     # A probe's answer is kept per registry and device type: a fresh registry asks again.
     assert reg.default_backend("decode", "npu") == "disabled"
-    registry.reset_registry()
-    assert registry.get_registry().default_backend("decode", "npu") == "npu"
+    reset_registry()
+    assert get_registry().default_backend("decode", "npu") == "npu"
 
 
 def test_list_and_resolve_say_why_npu_is_unavailable(no_torch_npu):
-    (row,) = [e for e in registry.list_backends() if e.name == "npu"]
+    (row,) = [e for e in list_backends() if e.name == "npu"]
     assert row.status == "unavailable" and row.distribution == "cuda-graph-runner-npu"
     assert row.phases == ("decode",) and row.devices == ("npu",)
     assert row.reason.startswith("torch_npu is not installed")
     with pytest.raises(BackendUnavailableError, match="backend 'npu'.*torch_npu is not installed"):
-        registry.resolve_decode_backend("npu", device="npu:0")
+        resolve_decode_backend("npu", device="npu:0")
 
 
 def test_found_by_name_and_default_on_an_npu_device_with_torch_npu(tmp_path):
@@ -254,12 +254,12 @@ def test_found_by_name_and_default_on_an_npu_device_with_torch_npu(tmp_path):
     out = run_python(
         """
         import json, sys, torch
-        from cuda_graph_runner import registry
+        from cuda_graph_runner.testing.workload import get_registry, resolve_decode_backend
         from cuda_graph_runner.backend import ShapeKey
         assert "torch_npu" not in sys.modules
-        default = registry.get_registry().default_backend("decode", "npu")
-        by_name = registry.resolve_decode_backend("npu", device="npu:0")
-        by_default = registry.resolve_decode_backend(None, device="npu:0")
+        default = get_registry().default_backend("decode", "npu")
+        by_name = resolve_decode_backend("npu", device="npu:0")
+        by_default = resolve_decode_backend(None, device="npu:0")
         import torch_npu
         with by_name.capture_session(None):
             by_name.capture_one(ShapeKey(1, "decode"), lambda: None)

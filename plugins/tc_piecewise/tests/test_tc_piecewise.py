@@ -30,14 +30,22 @@ from cuda_graph_runner.backend import (
     weak_ref_tensor,
 )
 from cuda_graph_runner.backend.capture_plan import build_capture_plan
-from cuda_graph_runner.reference.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.reference_setup import prefilled_decode_batch, reference_model, staggered_lengths
 from cuda_graph_runner.testing.synthetic_batches import synthetic_extend_batch
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
+from cuda_graph_runner.testing.workload import (
+    PRESETS,
+    DecodeCudaGraphRunner,
+    ModelConfig,
+    PrefillCudaGraphRunner,
+    ReferenceLlamaForCausalLM,
+    eager_logits_fn,
+    greedy_generate,
+    make_dummy_prompts,
+    make_extend_batch,
+)
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 from cuda_graph_runner_tc_piecewise.errors import TcPiecewiseCompileError, TcPiecewiseRuntimeError
@@ -556,7 +564,7 @@ def test_emulated_replay_of_the_reference_model_equals_eager_in_both_phases(emul
 
 # ----------------------------------------------------------------------------- config and errors
 def test_compiler_comes_from_the_phase_config_and_is_checked():
-    from cuda_graph_runner.config import PhaseConfig
+    from cuda_graph_runner.testing.workload import PhaseConfig
 
     assert backend(phase_config=PhaseConfig(tc_compiler="inductor")).compiler == "inductor"
     assert backend().compiler == "eager"

@@ -6,15 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_graph_runner.config import PhaseConfig
-from cuda_graph_runner.reference.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import (
     assert_greedy_tokens_equal_eager,
     free_requests,
     prefilled_decode_batch,
     reference_model,
     staggered_decode_case,
+)
+from cuda_graph_runner.testing.workload import (
+    DecodeCudaGraphRunner,
+    PhaseConfig,
+    PrefillCudaGraphRunner,
+    eager_logits_fn,
+    greedy_generate,
+    make_dummy_prompts,
+    make_extend_batch,
 )
 
 pytestmark = pytest.mark.gpu

@@ -16,8 +16,10 @@ pytest.importorskip(
 from hf_cases import hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler  # noqa: E402
 
-from cuda_graph_runner.reference.batches import eager_logits_fn  # noqa: E402
-from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.testing.workload import (
+    DecodeCudaGraphRunner,  # noqa: E402
+    eager_logits_fn,  # noqa: E402
+)
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler  # noqa: E402
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend  # noqa: E402
 

@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cuda_graph_runner.backend import ForwardBatch, eager_op, forward_context
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
 from cuda_graph_runner.testing.fakes import FakeGraphDeviceModule
 from cuda_graph_runner.testing.toy_model import decode_batch
+from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 from cuda_graph_runner_tc_piecewise.eager_items import has_default_kernel_only
 

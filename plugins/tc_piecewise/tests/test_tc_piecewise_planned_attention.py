@@ -12,11 +12,17 @@ import torch
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 
 from cuda_graph_runner.backend import ForwardMode
-from cuda_graph_runner.reference.batches import eager_logits_fn, make_dummy_prompts, make_extend_batch
-from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import staggered_decode_case
 from cuda_graph_runner.testing.tolerances import model_tolerance
+from cuda_graph_runner.testing.workload import (
+    PRESETS,
+    DecodeCudaGraphRunner,
+    PrefillCudaGraphRunner,
+    ReferenceLlamaForCausalLM,
+    eager_logits_fn,
+    make_dummy_prompts,
+    make_extend_batch,
+)
 from cuda_graph_runner_tc_piecewise import compiler as tc_compiler
 from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 

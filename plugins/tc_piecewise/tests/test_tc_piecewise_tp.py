@@ -23,9 +23,9 @@ import torch
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler
 
 from cuda_graph_runner.backend import envs
-from cuda_graph_runner.reference.model import PRESETS, ReferenceLlamaForCausalLM
 from cuda_graph_runner.testing.tolerances import model_tolerance
 from cuda_graph_runner.testing.tp_launch import run_ranks
+from cuda_graph_runner.testing.workload import PRESETS, ReferenceLlamaForCausalLM
 
 CFG = PRESETS["tiny"]
 PROMPTS = [[5, 9, 3], [11, 2, 8, 4, 6, 1, 10], [3, 3, 7, 1]]  # 3 requests: decode bs 3 pads to 4
@@ -44,7 +44,7 @@ def _install_recording_compiler(dm: EmulatedGraphs, name: str) -> None:
 
 def _session(model, prefill_fn=None, decode_fn=None, chunk_size=None):
     """Prefill (optionally chunked) + STEPS decodes; float32 logits per step and the tokens."""
-    from cuda_graph_runner.reference.batches import GreedySession
+    from cuda_graph_runner.testing.workload import GreedySession
 
     session = GreedySession(model, model.kv_cache, prefill_fn=prefill_fn, decode_fn=decode_fn)
     with torch.no_grad():
@@ -59,7 +59,7 @@ def _rank_checks(tp, compiler):
     """One rank: tc_piecewise decode and prefill runners on the TP=2 model."""
     from torch._dynamo.utils import counters
 
-    from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+    from cuda_graph_runner.testing.workload import DecodeCudaGraphRunner, PrefillCudaGraphRunner
     from cuda_graph_runner_tc_piecewise.backend import TcPiecewiseCudaGraphBackend
 
     torch.set_num_threads(1)  # ranks share the CI machine's cores

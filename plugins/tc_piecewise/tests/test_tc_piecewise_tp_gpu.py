@@ -53,14 +53,15 @@ def _has_triton() -> bool:
 
 
 def _rank_checks(tp):
-    from cuda_graph_runner.reference.batches import (
+    from cuda_graph_runner.testing.reference_setup import free_requests, reference_model, staggered_decode_case
+    from cuda_graph_runner.testing.workload import (
+        DecodeCudaGraphRunner,
+        PrefillCudaGraphRunner,
         eager_logits_fn,
         greedy_generate,
         make_dummy_prompts,
         make_extend_batch,
     )
-    from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
-    from cuda_graph_runner.testing.reference_setup import free_requests, reference_model, staggered_decode_case
 
     out = {"rank": tp.rank, "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "tokens": {}}
     prompts = make_dummy_prompts(4, [5, 9, 3, 7], 256, seed=11)

@@ -1,0 +1,173 @@
+"""The reference workload for a backend plugin's tests: runners, config, model, KV cache, batches, registry.
+
+For plugin authors. A plugin's code imports the core through :mod:`cuda_graph_runner.backend`
+only; its tests import that and :mod:`cuda_graph_runner.testing`, and this module is the
+part of ``testing`` that drives a backend the way an engine does: build the reference model
+with a KV cache, make batches, run them through a runner on the plugin's backend and
+compare with eager. The core's own tests use the same names. Each name is the core's
+object itself (not a copy or a wrapper), loaded on first use: importing this module
+imports no torch, and a test that reads only registry names loads neither the runners
+nor the reference model.
+
+Runners (``Runner(model, config=None, *, backend=None, show_progress=None, ...)``;
+``config``: a :class:`CudaGraphConfig`, a dict of its file form, or ``None``; ``capture()``,
+then ``forward(batch)``, then ``cleanup()``):
+
+* :class:`DecodeCudaGraphRunner`: DECODE / TARGET_VERIFY batches, one graph per batch size;
+  float32 logits ``[num_tokens, vocab]`` (a replay may carry padded rows past the batch's);
+* :class:`PrefillCudaGraphRunner`: EXTEND batches, one graph per token count; float32
+  logits ``[bs, vocab]`` (each request's last token);
+* :class:`MixedCudaGraphRunner`: one EXTEND step of prefill chunks and one-token decodes
+  together, one graph per ``(requests, tokens)`` key; float32 logits ``[bs, vocab]``.
+
+Config: :class:`CudaGraphConfig` (the whole config: ``from_dict``, ``validate``),
+:class:`PhaseConfig` (one phase's: ``backend``, ``bs``, ``max_bs``, ``torch_compile``, ...)
+and :class:`CudaGraphConfigError` (a value is refused; the message names it and what is
+accepted).
+
+Reference model:
+
+* :class:`ReferenceLlamaForCausalLM`: a Llama-style model with the runner's model protocol;
+  ``from_preset(name, *, dtype=torch.float32, device="cpu", seed=0)`` gives random weights,
+  ``create_kv_cache(num_slots=, max_reqs=, max_context_len=)`` attaches ``model.kv_cache``;
+* :class:`ModelConfig`: its shape (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ...);
+* ``PRESETS``: preset name (``"tiny"``, ``"llama-3.2-1b"``, ...) -> :class:`ModelConfig`.
+
+KV cache: :class:`PagedKVCache`, the paged cache the model reads and writes: request row 0
+and KV slot 0 are reserved for padding; ``req_to_token`` ``[max_reqs, max_context_len]``
+int64 maps a request's positions to slots; ``k_buffers`` / ``v_buffers``: per layer
+``[num_slots, num_kv_heads, head_dim]``.
+
+Batches (all on the cache's device; token ids int64, lengths int32):
+
+* :func:`make_dummy_prompts` ``(batch_size, length, vocab_size, seed=0)``: reproducible
+  random prompts, ``List[List[int]]`` of ids in ``[1, vocab_size)``;
+* :func:`make_extend_batch` ``(cache, token_lists, *, rows=None)``: an EXTEND batch,
+  ``input_ids`` ``[num_tokens]``; ``rows`` continues existing requests (chunked prefill);
+* :func:`make_decode_batch` ``(cache, rows, seq_lens, next_tokens)``: a DECODE batch
+  (``next_tokens`` ``[bs]``) or TARGET_VERIFY (``[bs][w]``);
+* :func:`eager_logits_fn` ``(model)``: ``batch -> float32 logits`` of the eager forward
+  (``LogitsFn``), what a runner's output is compared with;
+* :class:`GreedySession` ``(model, cache, *, prefill_fn=None, decode_fn=None)``: greedy
+  decoding one step at a time (``prefill(prompts)``, ``decode()``, ``close()``; ``rows``,
+  ``tokens``, ``logits``);
+* :func:`greedy_generate` ``(model, cache, prompts, steps, *, prefill_fn=None,
+  decode_fn=None)``: ``[len(prompts)][steps]`` greedy token ids.
+
+Registry (a backend's class is imported only when it is resolved or checked):
+
+* :func:`list_backends` ``(device_type=None)``: one ``BackendEntry`` per registered backend
+  (``name``, ``distribution``, ``status``, ``ok``, ``reason``, ``spec``);
+* :func:`resolve_decode_backend` / :func:`resolve_prefill_backend` ``(config=None, *,
+  device=None)``: the backend instance a config (or a backend name) selects, as a runner
+  gets it;
+* :func:`get_registry`: the process's registry (``names()``, ``default_backend(phase,
+  device_type)``, ``pm``: its pluggy manager);
+* :func:`reset_registry` ``(*, keep_in_process=True)``: scan the entry points again (what a
+  test that changes ``CUDA_GRAPH_RUNNER_*`` variables or installs a plugin calls);
+* :func:`check_backend_class` ``(cls, name="?")``: the backend contract checks of a class
+  (raises :class:`~cuda_graph_runner.backend.BackendContractError` naming every problem);
+* :func:`load_ref` ``("package.module:Attribute")``: the object a ``BackendSpec`` names.
+
+Prepared set-ups built from these (a model with its cache, prefilled decode batches, the
+greedy-tokens check) are in :mod:`cuda_graph_runner.testing.reference_setup`; toy models,
+fakes and emulated graphs for CPU runs in the other ``testing`` modules; the conformance
+kit in :mod:`cuda_graph_runner.testing.conformance`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, List
+
+if TYPE_CHECKING:  # what type checkers see; at run time each name is loaded on first use
+    from ..config import CudaGraphConfig, CudaGraphConfigError, PhaseConfig
+    from ..reference.batches import (
+        GreedySession,
+        LogitsFn,
+        eager_logits_fn,
+        greedy_generate,
+        make_decode_batch,
+        make_dummy_prompts,
+        make_extend_batch,
+    )
+    from ..reference.kv_cache import PagedKVCache
+    from ..reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
+    from ..registry import (
+        check_backend_class,
+        get_registry,
+        list_backends,
+        reset_registry,
+        resolve_decode_backend,
+        resolve_prefill_backend,
+    )
+    from ..registry.discovery import load_ref
+    from ..runner import DecodeCudaGraphRunner, MixedCudaGraphRunner, PrefillCudaGraphRunner
+
+#: public name -> the module (relative to the package ``cuda_graph_runner``) it is read from
+_SOURCES: Dict[str, str] = {
+    "DecodeCudaGraphRunner": "runner",
+    "PrefillCudaGraphRunner": "runner",
+    "MixedCudaGraphRunner": "runner",
+    "CudaGraphConfig": "config",
+    "PhaseConfig": "config",
+    "CudaGraphConfigError": "config",
+    "ReferenceLlamaForCausalLM": "reference.model",
+    "ModelConfig": "reference.model",
+    "PRESETS": "reference.model",
+    "PagedKVCache": "reference.kv_cache",
+    "make_dummy_prompts": "reference.batches",
+    "make_extend_batch": "reference.batches",
+    "make_decode_batch": "reference.batches",
+    "eager_logits_fn": "reference.batches",
+    "LogitsFn": "reference.batches",
+    "GreedySession": "reference.batches",
+    "greedy_generate": "reference.batches",
+    "list_backends": "registry",
+    "resolve_decode_backend": "registry",
+    "resolve_prefill_backend": "registry",
+    "get_registry": "registry",
+    "reset_registry": "registry",
+    "check_backend_class": "registry",
+    "load_ref": "registry.discovery",
+}
+
+__all__ = [
+    "CudaGraphConfig",
+    "CudaGraphConfigError",
+    "DecodeCudaGraphRunner",
+    "GreedySession",
+    "LogitsFn",
+    "MixedCudaGraphRunner",
+    "ModelConfig",
+    "PRESETS",
+    "PagedKVCache",
+    "PhaseConfig",
+    "PrefillCudaGraphRunner",
+    "ReferenceLlamaForCausalLM",
+    "check_backend_class",
+    "eager_logits_fn",
+    "get_registry",
+    "greedy_generate",
+    "list_backends",
+    "load_ref",
+    "make_decode_batch",
+    "make_dummy_prompts",
+    "make_extend_batch",
+    "reset_registry",
+    "resolve_decode_backend",
+    "resolve_prefill_backend",
+]
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; it provides {', '.join(__all__)}")
+    value = getattr(importlib.import_module(f"cuda_graph_runner.{source}"), name)
+    globals()[name] = value  # later reads skip __getattr__
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))
