@@ -4,10 +4,9 @@ For plugin authors. A plugin's code imports the core through :mod:`cuda_graph_ru
 only; its tests import that and :mod:`cuda_graph_runner.testing`, and this module is the
 part of ``testing`` that drives a backend the way an engine does: build the reference model
 with a KV cache, make batches, run them through a runner on the plugin's backend and
-compare with eager. The core's own tests use the same names. Each name is the core's
-object itself (not a copy or a wrapper), loaded on first use: importing this module
-imports no torch, and a test that reads only registry names loads neither the runners
-nor the reference model.
+compare with eager. Each name is the core's object itself (not a copy or a wrapper),
+loaded on first use: importing this module imports no torch, and a test that reads only
+registry names loads neither the runners nor the reference model.
 
 Runners (``Runner(model, config=None, *, backend=None, show_progress=None, ...)``;
 ``config``: a :class:`CudaGraphConfig`, a dict of its file form, or ``None``; ``capture()``,
@@ -38,7 +37,8 @@ and KV slot 0 are reserved for padding; ``req_to_token`` ``[max_reqs, max_contex
 int64 maps a request's positions to slots; ``k_buffers`` / ``v_buffers``: per layer
 ``[num_slots, num_kv_heads, head_dim]``.
 
-Batches (all on the cache's device; token ids int64, lengths int32):
+Batches (each batch on the cache's device; token ids, positions and slots int64, lengths
+int32):
 
 * :func:`make_dummy_prompts` ``(batch_size, length, vocab_size, seed=0)``: reproducible
   random prompts, ``List[List[int]]`` of ids in ``[1, vocab_size)``;
