@@ -69,3 +69,12 @@ def test_wheel_recipe_installs_the_test_extras_from_the_wheels_only():
     [line] = lines
     assert "--no-index" in line and "--find-links" in line
     assert "'cuda-graph-runner[testing]'" in line and "'cuda-graph-runner-acme[test]'" in line
+
+
+def test_the_testing_section_lists_what_the_workload_module_gives():
+    from cuda_graph_runner.testing import workload
+
+    section = _section(4)
+    listing = section[section.index("### Your own tests") : section.index("Its docstring gives")]
+    bullets = "\n".join(line for line in listing.splitlines() if line.startswith(("* ", "  ")))
+    assert set(re.findall(r"`(\w+)`", bullets)) == set(workload.__all__)
