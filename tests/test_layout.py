@@ -15,6 +15,11 @@ How imports are counted:
   ``if TYPE_CHECKING:``): those decide whether the package imports at all, in every order. An
   import inside a function runs after both modules are loaded, so it cannot fail on a cycle;
   it is still bound by the layer rule.
+
+Plugins (``plugins/*``, ``examples/acme_backend``) import the core through
+``cuda_graph_runner.backend`` (and ``.testing`` for the helpers they ship); their tests through
+those two only (``testing.workload`` holds the runners, config, model, batches and registry),
+import lines in the code strings they run in subprocesses included.
 """
 
 from __future__ import annotations
