@@ -134,6 +134,9 @@ class _Layout:
         self.read = device[ids:end]
 
 
+_PLAIN_INT = {int}
+
+
 def _token_id(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
@@ -148,11 +151,20 @@ class StepBuffers:
     Reuse is safe: before the host area is written again, the previous step's copy has
     finished (a CUDA event; a loop that reads the device once a round never waits on it).
     A step's batch is valid until the next step of the same ``StepBuffers``.
+
+    Args:
+        device: where the batches' tensors live.
+        read_between_steps: the caller promises a device read (a synchronize of the stream
+            the copies run on: ``.tolist()``, ``.item()``, ``.cpu()``) after every step and
+            before its next one, as :func:`speculative_generate` does each round: every
+            copy has then finished before the host area is rewritten, so a step records
+            and queries no event (two CUDA calls and a stream lookup less per step).
     """
 
-    def __init__(self, device: Union[str, torch.device]) -> None:
+    def __init__(self, device: Union[str, torch.device], *, read_between_steps: bool = False) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        self._fenced = self._cuda and not read_between_steps
         self._on_host = self.device.type == "cpu"  # the staging area is the device area
         self._layouts: Dict[Tuple[int, int, int, int], _Layout] = {}
         self._words = 0
@@ -169,7 +181,7 @@ class StepBuffers:
         self._host64, self._host32 = raw.cast("q"), raw.cast("i")
         self._words = words
         self._layouts.clear()
-        if self._cuda and self._event is None:
+        if self._fenced and self._event is None:
             self._event = torch.cuda.Event()
 
     def layout(self, bs: int, w: int, per_req: int, scratch: int) -> _Layout:
@@ -208,36 +220,51 @@ class StepBuffers:
         bs = len(rows)
         if len(tokens) != bs:
             raise ValueError(f"step_batch: {bs} rows but {len(tokens)} token lists")
-        w = len(tokens[0]) if bs else 0
-        if w == 0 or any(len(t) != w for t in tokens):
-            raise ValueError(
-                f"step_batch: every request needs the same non-zero width, got {sorted({len(t) for t in tokens})}"
-            )
+        if bs == 1:  # the common serving step: no per-request loops below
+            flat = list(tokens[0])
+            w = len(flat)
+            if w == 0:
+                raise ValueError("step_batch: every request needs the same non-zero width, got [0]")
+        else:
+            w = len(tokens[0]) if bs else 0
+            if w == 0 or any(len(t) != w for t in tokens):
+                raise ValueError(
+                    f"step_batch: every request needs the same non-zero width, got {sorted({len(t) for t in tokens})}"
+                )
+            flat = [t for toks in tokens for t in toks]
         per_req = w if slots_per_req is None else slots_per_req
-        flat = [t for toks in tokens for t in toks]
         # Before reserving (a refused step leaves the cache as it was); the loop's own
         # tokens (plain ints from one read) take the cheap check only.
-        if not all(type(t) is int for t in flat) or min(flat) < 0:
+        if set(map(type, flat)) != _PLAIN_INT or min(flat) < 0:
             bad = next((t for t in flat if not _token_id(t)), None)
             if bad is not None:
                 raise ValueError(f"step_batch: token {bad!r} is not accepted; accepted: token ids, ints >= 0")
-        layout = self.layout(bs, w, per_req, scratch)
-        request_len = cache.request_len
-        before = [request_len(r) for r in rows]
+        layout = self._layouts.get((bs, w, per_req, scratch)) or self.layout(bs, w, per_req, scratch)
+        if bs == 1:
+            b = cache.request_len(rows[0])
+            after = [b + w]
+            positions = list(range(b, b + w))
+        else:
+            request_len = cache.request_len
+            before = [request_len(r) for r in rows]
+            after = [b + w for b in before]
+            positions = [b + j for b in before for j in range(w)] if w > 1 else before
         table_index, slots = cache.reserve_tokens(rows, per_req)
-        after = [b + w for b in before]
-        positions = [b + j for b in before for j in range(w)] if w > 1 else before
-        self._sync()
-        host32, host64 = self._host32, self._host64
-        host32[:bs] = array("i", after)
-        words = positions + slots + table_index + list(rows)
-        words += flat
-        host64[layout.lens_words : layout.upload] = array("q", words)
+        if self._fenced:
+            self._sync()
+        self._host32[:bs] = array("i", after)
+        positions += slots
+        positions += table_index
+        positions += rows
+        positions += flat
+        self._host64[layout.lens_words : layout.upload] = array("q", positions)
         if self._cuda:
             layout.device_upload.copy_(layout.host_upload, non_blocking=True)
-            # The copy ran on the cache device's current stream, whatever device is current:
-            # the event follows that stream, or the staging area is rewritten mid-copy.
-            self._event.record(torch.cuda.current_stream(self.device))
+            if self._fenced:
+                # The copy ran on the cache device's current stream, whatever device is
+                # current: the event follows that stream, or the staging area is
+                # rewritten mid-copy.
+                self._event.record(torch.cuda.current_stream(self.device))
         elif not self._on_host:
             layout.device_upload.copy_(layout.host_upload)
         if per_req:
@@ -500,7 +527,15 @@ def speculative_generate(
     stats = stats if stats is not None else SpeculativeStats()
     cache: PagedKVCache = model.kv_cache  # type: ignore[attr-defined]
     verify = verify_fn or eager_logits_fn(model)
+    w = k + 1
     start = clock() if clock is not None else 0.0
+    # Set-up, timed with the prefill: the verify batches' memory (no tensor allocated per
+    # round; read_between_steps: each round's read finishes its copy, so no event) and
+    # the first round's views, the largest shape.
+    buffers = StepBuffers(cache.device, read_between_steps=True)
+    first_live = sum(1 for b in budgets if b > 1)
+    if first_live:
+        buffers.layout(first_live, w, w, first_live * w)
     with torch.no_grad():
         batch = make_extend_batch(cache, prompts)
         first = (prefill_fn or eager_logits_fn(model))(batch)[: len(prompts)].argmax(dim=-1).tolist()
@@ -516,65 +551,76 @@ def speculative_generate(
             live.append(i)
         else:
             _finish(cache, draft, rows, i)
-    w = k + 1
-    buffers = StepBuffers(cache.device)  # the verify batches: no tensor allocated per round
-    buffers.layout(len(live), w, w, len(live) * w)  # the first round's, the largest: made before it
     truncate = cache.truncate_request
     no_drafts = [0] * k
+    # Per live request, in live's order, rebuilt only when a request finishes: its
+    # committed tokens, its cache row and the tokens it still takes.
+    live_outputs = [outputs[i] for i in live]
+    live_rows = [rows[i] for i in live]
+    left = [budgets[i] - 1 for i in live]
     with torch.no_grad():
         while live:
             n = len(live)
-            proposed = draft.propose(live, [outputs[i] for i in live], k)
-            on_device = isinstance(proposed, torch.Tensor)
+            proposed = draft.propose(live, live_outputs, k)
             # One upload (the verify batch, the table's new entries), one write of the
             # table, the verify, the argmax into the room after input_ids and one read of
             # [input_ids | target tokens]: the round's only device read. Drafts on the
             # device go into input_ids unread.
-            if on_device:
-                firsts = [[outputs[i][-1], *no_drafts] for i in live]
-            else:
-                firsts = [[outputs[i][-1], *p] for i, p in zip(live, proposed)]
-            batch, layout = buffers.upload(cache, [rows[i] for i in live], firsts, scratch=n * w)
             if isinstance(proposed, torch.Tensor):
+                batch, layout = buffers.upload(
+                    cache, live_rows, [[o[-1], *no_drafts] for o in live_outputs], scratch=n * w
+                )
                 # A copy, read back below: the draft's tensor may be graph memory that
                 # the verify replay reuses.
                 layout.ids_tail.copy_(proposed if proposed.shape[0] == n else proposed[:n])
+            else:
+                firsts = [[o[-1], *p] for o, p in zip(live_outputs, proposed)]
+                batch, layout = buffers.upload(cache, live_rows, firsts, scratch=n * w)
             logits = verify(batch)
             torch.argmax(logits if logits.shape[0] == n * w else logits[: n * w], dim=-1, out=layout.scratch)
             read = layout.read.tolist()
             lengths = cast(List[int], batch.seq_lens_cpu)  # each request's KV length after the verify
-            stats.rounds += 1
-            stats.request_rounds += n
             accepted = []
             proposals = []
             generated = 0
-            for j, i in enumerate(live):
+            finished = False
+            for j in range(n):
                 p = read[j * w + 1 : (j + 1) * w]
                 t = read[(n + j) * w : (n + j + 1) * w]
-                a = 0
-                while a < k and p[a] == t[a]:
-                    a += 1
+                if p == t[:k]:  # every draft accepted: one list compare
+                    a = k
+                else:
+                    a = 0
+                    while p[a] == t[a]:
+                        a += 1
                 accepted.append(a)
                 proposals.append(p)
-                done = outputs[i]
-                new = (p[:a] + [t[a]])[: budgets[i] - len(done)]
-                done.extend(new)
-                generated += len(new)
+                # The accepted drafts equal the target's tokens: commit t[: a + 1], cut
+                # at the request's budget.
+                take = a + 1 if a < left[j] else left[j]
+                live_outputs[j].extend(t[:take])
+                generated += take
+                left[j] -= take
+                finished = finished or not left[j]
                 # The verify wrote [last, d1 .. dk]: keep last and the accepted drafts. The
                 # table past the new length is not cleared: the next round's append
                 # overwrites it (k + 1 > k - a entries) and _finish frees the row.
-                truncate(rows[i], lengths[j] - k + a, clear=False)
+                truncate(live_rows[j], lengths[j] - k + a, clear=False)
+            stats.rounds += 1
+            stats.request_rounds += n
             stats.generated += generated
             stats.proposed += k * n
             stats.accepted += sum(accepted)
             draft.commit(live, proposals, accepted)
-            still = []
-            for i in live:
-                if len(outputs[i]) < budgets[i]:
-                    still.append(i)
-                else:
-                    _finish(cache, draft, rows, i)
-            live = still
+            if finished:
+                for j, i in enumerate(live):
+                    if not left[j]:
+                        _finish(cache, draft, rows, i)
+                kept = [j for j in range(n) if left[j]]
+                live = [live[j] for j in kept]
+                live_outputs = [live_outputs[j] for j in kept]
+                live_rows = [live_rows[j] for j in kept]
+                left = [left[j] for j in kept]
     if clock is not None:
         stats.prefill_seconds += prefilled - start
         stats.decode_seconds += clock() - prefilled
