@@ -503,9 +503,12 @@ def speculative_generate(
         max_new_tokens: tokens to generate per request (one int for all, or one each):
             requests finish at different rounds and leave the batch.
         k: draft tokens per round (>= 1); verification is TARGET_VERIFY of width ``k + 1``.
-        verify_fn: ``batch -> [bs * (k + 1), vocab]`` float32 logits (a decode runner of
-            mode ``target_verify`` and ``num_tokens_per_req=k + 1``: its ``forward``);
-            default eager.
+        verify_fn: ``batch -> [bs * (k + 1), vocab]`` float logits (a decode runner of
+            mode ``target_verify`` and ``num_tokens_per_req=k + 1``: its ``forward``), or
+            ``[bs * (k + 1)]`` int64 greedy tokens (the ``forward`` of such a
+            :class:`~cuda_graph_runner.runner.greedy.GreedyDecodeCudaGraphRunner`: the
+            argmax recorded in the verify graph, one eager op a round less); default
+            eager logits.
         prefill_fn: the target's prompt forward; default eager.
         stats: filled with the run's counts when given.
         clock: seconds now, after the device finished its work (a synchronize, then
@@ -563,30 +566,41 @@ def speculative_generate(
             n = len(live)
             proposed = draft.propose(live, live_outputs, k)
             # One upload (the verify batch, the table's new entries), one write of the
-            # table, the verify, the argmax into the room after input_ids and one read of
-            # [input_ids | target tokens]: the round's only device read. Drafts on the
-            # device go into input_ids unread.
-            if isinstance(proposed, torch.Tensor):
-                batch, layout = buffers.upload(
-                    cache, live_rows, [[o[-1], *no_drafts] for o in live_outputs], scratch=n * w
-                )
-                # A copy, read back below: the draft's tensor may be graph memory that
-                # the verify replay reuses.
-                layout.ids_tail.copy_(proposed if proposed.shape[0] == n else proposed[:n])
+            # table, the verify, and one read: the round's only device read. Host drafts
+            # are known: the read is the target's tokens (the argmax, into the room
+            # after input_ids, unless the verify returned tokens). Drafts on the device
+            # go into input_ids unread and are read with the target's tokens after them.
+            on_device = isinstance(proposed, torch.Tensor)
+            if on_device:
+                firsts = [[o[-1], *no_drafts] for o in live_outputs]
             else:
                 firsts = [[o[-1], *p] for o, p in zip(live_outputs, proposed)]
-                batch, layout = buffers.upload(cache, live_rows, firsts, scratch=n * w)
-            logits = verify(batch)
-            torch.argmax(logits if logits.shape[0] == n * w else logits[: n * w], dim=-1, out=layout.scratch)
-            read = layout.read.tolist()
+            batch, layout = buffers.upload(cache, live_rows, firsts, scratch=n * w)
+            if on_device:
+                # A copy, read back below: the draft's tensor may be graph memory that
+                # the verify replay reuses.
+                tensor = cast(torch.Tensor, proposed)
+                layout.ids_tail.copy_(tensor if tensor.shape[0] == n else tensor[:n])
+            out = verify(batch)
+            if out.shape[0] != n * w:
+                out = out[: n * w]
+            if out.is_floating_point():  # logits
+                torch.argmax(out, dim=-1, out=layout.scratch)
+                read = (layout.read if on_device else layout.scratch).tolist()
+            elif on_device:  # tokens, next to the drafts they verified
+                layout.scratch.copy_(out)
+                read = layout.read.tolist()
+            else:
+                read = out.tolist()
+            base = n * w if on_device else 0  # where the target's tokens start in read
             lengths = cast(List[int], batch.seq_lens_cpu)  # each request's KV length after the verify
             accepted = []
             proposals = []
             generated = 0
             finished = False
             for j in range(n):
-                p = read[j * w + 1 : (j + 1) * w]
-                t = read[(n + j) * w : (n + j + 1) * w]
+                p = read[j * w + 1 : (j + 1) * w] if on_device else firsts[j][1:]
+                t = read[base + j * w : base + (j + 1) * w]
                 if p == t[:k]:  # every draft accepted: one list compare
                     a = k
                 else:

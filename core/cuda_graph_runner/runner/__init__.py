@@ -3,6 +3,7 @@
 from .base import BaseCudaGraphRunner, freeze_gc, get_batch_sizes_to_capture
 from .decode import DecodeCudaGraphRunner, default_decode_batch_sizes
 from .draft import DraftDecodeCudaGraphRunner
+from .greedy import GreedyDecodeCudaGraphRunner
 from .mixed import MixedCudaGraphRunner
 from .prefill import PrefillCudaGraphRunner, default_prefill_token_sizes
 from .static_inputs import StaticInput
@@ -12,6 +13,7 @@ __all__ = [
     "BaseCudaGraphRunner",
     "DecodeCudaGraphRunner",
     "DraftDecodeCudaGraphRunner",
+    "GreedyDecodeCudaGraphRunner",
     "MixedCudaGraphRunner",
     "PrefillCudaGraphRunner",
     "RunStats",
