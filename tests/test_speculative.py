@@ -11,7 +11,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cuda_graph_runner.config import CudaGraphConfig
-from cuda_graph_runner.reference.batches import eager_logits_fn, greedy_generate, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.batches import (
+    eager_logits_fn,
+    greedy_generate,
+    make_dummy_prompts,
+    make_extend_batch,
+    make_target_verify_batch,
+)
 from cuda_graph_runner.reference.speculative import (
     ModelDraft,
     OracleDraft,
@@ -20,7 +26,7 @@ from cuda_graph_runner.reference.speculative import (
     make_draft_batch,
     speculative_generate,
 )
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, GreedyDecodeCudaGraphRunner
 from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
 from cuda_graph_runner_breakable.backend import BreakableCaptureError, BreakableCudaGraphBackend
@@ -53,9 +59,9 @@ def case(target):
 def verify_runners(target):
     runners = {}
 
-    def get(k):
-        if k not in runners:
-            runner = DecodeCudaGraphRunner(
+    def get(k, greedy=False):
+        if (k, greedy) not in runners:
+            runner = (GreedyDecodeCudaGraphRunner if greedy else DecodeCudaGraphRunner)(
                 target,
                 CONFIG,
                 backend=_backend("full"),
@@ -64,8 +70,8 @@ def verify_runners(target):
                 show_progress=False,
             )
             runner.capture()
-            runners[k] = runner
-        return runners[k]
+            runners[k, greedy] = runner
+        return runners[k, greedy]
 
     return get
 
@@ -123,6 +129,47 @@ def test_a_layer_skip_draft_rejects_tokens_and_the_loop_stays_lossless(target, c
     assert got == expected
     assert stats.accepted < stats.proposed  # rejections happened: the rollback ran
     _assert_cache_empty(target, draft_model)
+
+
+@pytest.mark.parametrize("draft_name", ["oracle", "layer-skip"])
+def test_a_verify_graph_that_records_the_argmax_is_lossless(target, case, verify_runners, draft_name):
+    # The verify returns greedy tokens, not logits: host drafts (the oracle) are judged
+    # on the tokens alone, device drafts (the layer-skip's eager steps) next to them.
+    prompts, expected = case
+    k = 3
+    runner = verify_runners(k, greedy=True)
+    if draft_name == "oracle":
+        draft = OracleDraft(expected)
+    else:
+        draft = ModelDraft(layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT))
+    stats = SpeculativeStats()
+    replays = sum(runner.stats.replays_by_size.values())  # the runner is shared by the module's tests
+    got = speculative_generate(target, prompts, BUDGETS, draft, k, verify_fn=runner.forward, stats=stats)
+    assert got == expected
+    assert sum(runner.stats.replays_by_size.values()) - replays == stats.rounds and not runner.stats.fallbacks
+    if draft_name == "oracle":
+        assert stats.rounds == max(-(-(b - 1) // (k + 1)) for b in BUDGETS)
+    else:
+        assert stats.accepted < stats.proposed  # rejections happened: the rollback ran
+    _assert_cache_empty(target)
+
+
+def test_greedy_runner_replays_the_argmax_of_the_logits_graph_on_a_padded_batch(target, case, verify_runners):
+    # 3 live requests replay the graph of 5: the tokens of the live rows, padding cut.
+    prompts, _ = case
+    k = 2
+    greedy, logits = verify_runners(k, greedy=True), verify_runners(k)
+    cache = target.kv_cache
+    batch = make_extend_batch(cache, prompts[:3])
+    rows = batch.req_pool_indices.tolist()
+    step = make_target_verify_batch(cache, rows, [[1 + i, 2, 3] for i in range(3)])
+    tokens = greedy.forward(step).clone()
+    expected = logits.forward(step).argmax(dim=-1)
+    assert tokens.dtype == torch.int64 and tokens.shape == (3 * (k + 1),) and torch.equal(tokens, expected)
+    assert greedy.stats.replays_by_size.get(3) and not greedy.stats.fallbacks  # replayed, not eager
+    assert [(key.size, key.variant) for key in greedy.captured_keys] == [(5, f"greedy:target_verify:{k + 1}")]
+    for r in rows:
+        cache.free_request(r)
 
 
 def test_eager_loop_matches_plain_greedy_with_one_token_budgets(target, case):
@@ -352,9 +399,11 @@ class _RoundSpy(TorchDispatchMode):
         return run
 
 
-def _spied_rounds(target, prompts, budget, draft, k, monkeypatch):
+def _spied_rounds(target, prompts, budget, draft, k, monkeypatch, greedy=False):
     spy = _RoundSpy(monkeypatch)
-    verify = spy.runner(eager_logits_fn(target), verify=True)
+    eager = eager_logits_fn(target)
+    # greedy: the verify returns tokens (its argmax is the runner's, as a greedy graph's)
+    verify = spy.runner((lambda b: eager(b).argmax(dim=-1)) if greedy else eager, verify=True)
     with spy:
         speculative_generate(target, prompts, budget, draft(spy), k, verify_fn=verify)
     monkeypatch.undo()
@@ -397,17 +446,21 @@ def test_a_round_reads_the_device_once_and_runs_no_per_request_device_op(target,
         assert {len(r) for r in seen[1]} == {len(r) for r in seen[4]} and len({len(r) for r in seen[1]}) == 1
 
 
+@pytest.mark.parametrize("greedy", [False, True], ids=["logits-verify", "greedy-verify"])
 @pytest.mark.parametrize("draft_name", ["oracle", "target-as-draft"])
-def test_a_steady_round_allocates_no_tensor_and_makes_no_view(target, case, draft_name, monkeypatch):
+def test_a_steady_round_allocates_no_tensor_and_makes_no_view(target, case, draft_name, greedy, monkeypatch):
     # Every request live in every round and every draft accepted: after the first rounds
     # (the buffers' views are made once per step shape), a round's own device ops are its
     # table writes, the drafts' copy and the argmax, and its one read; no tensor built
-    # from host lists, no split or slice of a fresh upload, no cast.
+    # from host lists, no split or slice of a fresh upload, no cast. The exact list is a
+    # count of the loop's own torch ops a round: one more is host time on every round.
+    # A verify that returns tokens leaves no argmax: host drafts are judged on its
+    # tokens as read, device drafts on its tokens copied next to them.
     prompts, _ = case
     k, budget = 3, 17
     expected = greedy_generate(target, target.kv_cache, prompts, budget)
     if draft_name == "oracle":
-        steady = ["aten.argmax", "read:tolist", "aten.index_copy_"]
+        steady = ["read:tolist", "aten.index_copy_"] if greedy else ["aten.argmax", "read:tolist", "aten.index_copy_"]
 
         def draft(spy):
             return OracleDraft(expected)
@@ -416,7 +469,7 @@ def test_a_steady_round_allocates_no_tensor_and_makes_no_view(target, case, draf
         # The draft-extend batch's and the k-step batch's table writes, then the drafts
         # copied into the verify batch after its table write.
         steady = [
-            "aten.argmax",
+            "aten.copy_" if greedy else "aten.argmax",
             "read:tolist",
             "aten.index_copy_",
             "aten.index_copy_",
@@ -431,7 +484,7 @@ def test_a_steady_round_allocates_no_tensor_and_makes_no_view(target, case, draf
                 extend_fn=spy.runner(eager_logits_fn(draft_model)),
             )
 
-    rounds = _spied_rounds(target, prompts, budget, draft, k, monkeypatch)
+    rounds = _spied_rounds(target, prompts, budget, draft, k, monkeypatch, greedy=greedy)
     assert len(rounds) == -(-(budget - 1) // (k + 1)) - 1 >= 3
     for events in rounds[1:]:
         assert events == steady, events
