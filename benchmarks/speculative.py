@@ -7,6 +7,8 @@ layers) and each ``k``, in one run:
 * tokens per second of the speculative loop (:func:`speculative_generate`: the draft's k
   steps in one :class:`DraftDecodeCudaGraphRunner` graph, verify in one TARGET_VERIFY
   graph of width k + 1) against plain greedy decode through a DECODE graph, and the ratio;
+  both target graphs record the greedy argmax (:class:`GreedyDecodeCudaGraphRunner`;
+  ``--logits-verify``: they return logits and the argmax runs eagerly after each replay);
   prefill (eager, the same in both) is timed apart and left out;
 * the accept rate and the tokens a request commits per round;
 * the loop's host share of a round: ``1 - (seconds inside the runners' forwards, their
@@ -59,7 +61,7 @@ from cuda_graph_runner.reference.speculative import (
     speculative_generate,
     step_batch,
 )
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, GreedyDecodeCudaGraphRunner
 from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner
 from cuda_graph_runner.testing.reference_setup import next_decode_batch, reference_model
 
@@ -111,7 +113,8 @@ def plain_greedy(
     model: Any, runner: Any, prompts: List[List[int]], steps: int, device: torch.device, keep_logits: bool = False
 ):
     """Plain greedy tokens, every step's logits when ``keep_logits`` (for a divergence's
-    top-2 gap; else empty) and ``(prefill seconds, decode seconds)``: prefill eager, then
+    top-2 gap, from a logits runner; else empty) and ``(prefill seconds, decode seconds)``:
+    prefill eager, then
     ``steps - 1`` decode replays, each batch built as the speculative loop builds its own
     (:func:`step_batch` into reused :class:`StepBuffers`), so both pay the same host work
     per forward."""
@@ -132,7 +135,8 @@ def plain_greedy(
             out = runner.forward(step_batch(cache, rows, [[t[-1]] for t in tokens], buffers=buffers))[: len(rows)]
             if keep_logits:
                 kept.append(out.clone())
-            for seq, t in zip(tokens, out.argmax(dim=-1).tolist()):
+            # A greedy runner's graph returns the tokens; a logits runner's get their argmax.
+            for seq, t in zip(tokens, (out.argmax(dim=-1) if out.is_floating_point() else out).tolist()):
                 seq.append(t)
         _sync(device)
         end = time.perf_counter()
@@ -172,11 +176,15 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     warm = CudaGraphConfig.from_dict({"decode": _phase(args, [1])})
     _runner(DecodeCudaGraphRunner, target, warm, device, args)
     decode_capture_s, decode = _timed(device, lambda: _runner(DecodeCudaGraphRunner, target, config, device, args))
+    # The timed loops' target graphs: greedy ones (the argmax recorded) unless --logits-verify;
+    # plain decode alike, so both sides pick their tokens the same way.
+    greedy_cls = DecodeCudaGraphRunner if args.logits_verify else GreedyDecodeCudaGraphRunner
+    plain = decode if args.logits_verify else _runner(greedy_cls, target, config, device, args)
     rows: List[Dict[str, Any]] = []
     for bs in args.batch_sizes:
         prompts = make_dummy_prompts(bs, args.prompt_len, target.config.vocab_size, seed=bs)
-        plain_greedy(target, decode, prompts, 4, device)  # warm-up: first replays, allocator
-        runs = [plain_greedy(target, decode, prompts, args.new_tokens, device) for _ in range(args.repeats)]
+        plain_greedy(target, plain, prompts, 4, device)  # warm-up: first replays, allocator
+        runs = [plain_greedy(target, plain, prompts, args.new_tokens, device) for _ in range(args.repeats)]
         expected, plain_s = runs[0][0], min(r[3] for r in runs)  # the best run: a rate, not a latency
 
         def logits(prompts=prompts) -> List[torch.Tensor]:  # only for a divergence's top-2 gap
@@ -184,9 +192,7 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
         plain_tps = bs * (args.new_tokens - 1) / plain_s
         for k in args.k:
-            verify = _runner(
-                DecodeCudaGraphRunner, target, config, device, args, mode="target_verify", num_tokens_per_req=k + 1
-            )
+            verify = _runner(greedy_cls, target, config, device, args, mode="target_verify", num_tokens_per_req=k + 1)
             for name in args.drafts:
                 row = _speculative_row(
                     args,
@@ -204,6 +210,7 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
                     device,
                 )
                 row.update(batch_size=bs, k=k, draft=name, plain_tokens_per_s=plain_tps)
+                row["verify_output"] = "logits" if args.logits_verify else "tokens"
                 row["speedup"] = row["spec_tokens_per_s"] / plain_tps
                 rows.append(row)
                 print(_line(row), flush=True)
@@ -496,6 +503,12 @@ def main(argv: "List[str] | None" = None) -> int:
         "--host-only",
         action="store_true",
         help="also time the loop alone (runner forwards replayed from a recorded run): host us per round and share",
+    )
+    parser.add_argument(
+        "--logits-verify",
+        action="store_true",
+        help="verify and plain decode graphs return logits, their argmax run eagerly after each replay "
+        "(default: GreedyDecodeCudaGraphRunner graphs that record the argmax)",
     )
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)

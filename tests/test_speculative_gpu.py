@@ -29,7 +29,7 @@ from cuda_graph_runner.reference.speculative import (
     make_draft_batch,
     speculative_generate,
 )
-from cuda_graph_runner.runner import DecodeCudaGraphRunner
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, GreedyDecodeCudaGraphRunner
 from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner, draft_steps
 from cuda_graph_runner.testing.reference_setup import reference_model, staggered_lengths
 
@@ -141,6 +141,33 @@ def test_layer_skip_draft_is_lossless(target, case):
     )
     _assert_lossless(got, expected, logits)
     assert stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("draft_name", ["oracle", "layer-skip"])
+def test_a_verify_graph_that_records_the_argmax_is_lossless(target, case, draft_name):
+    # GreedyDecodeCudaGraphRunner's verify returns tokens: host drafts judged on them as
+    # read, device drafts (the draft graph's) next to them, rejections rolled back.
+    prompts, expected, logits = case
+    k = 3
+    runner = GreedyDecodeCudaGraphRunner(
+        target, _config(), mode="target_verify", num_tokens_per_req=k + 1, show_progress=False
+    )
+    runner.capture()
+    if draft_name == "oracle":
+        draft = OracleDraft(expected)
+    else:
+        draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+        draft_runner = DraftDecodeCudaGraphRunner(draft_model, _config(), num_steps=k, show_progress=False)
+        draft_runner.capture()
+        draft = ModelDraft(draft_model, draft_fn=draft_runner.forward)
+    stats = SpeculativeStats()
+    got = speculative_generate(target, prompts, BUDGETS, draft, k, verify_fn=runner.forward, stats=stats)
+    _assert_lossless(got, expected, logits)
+    assert not runner.stats.fallbacks and sum(runner.stats.replays_by_size.values()) == stats.rounds
+    if draft_name == "oracle":
+        assert stats.rounds == max(-(-(b - 1) // (k + 1)) for b in BUDGETS)
+    else:
+        assert stats.accepted < stats.proposed
 
 
 @pytest.mark.parametrize("phase", list(PHASES))
