@@ -376,6 +376,10 @@ class ModelDraft:
 
     Attributes:
         forwards: draft-model forwards run (``k`` per round plus draft-extend steps).
+
+    Its callers read the device (a synchronize) between two ``propose`` calls, as
+    :func:`speculative_generate` does every round: its step buffers are rewritten without
+    an event (``StepBuffers(read_between_steps=True)``).
     """
 
     def __init__(
@@ -396,8 +400,9 @@ class ModelDraft:
         self.forwards = 0
         # Two streams of steps, each valid until its own next step: the draft-extend
         # batch and the k-step batch of one round are both in flight before the verify.
-        self._extend_buffers = StepBuffers(self.cache.device)
-        self._draft_buffers = StepBuffers(self.cache.device)
+        # No event: the loop reads the device every round, between two proposes.
+        self._extend_buffers = StepBuffers(self.cache.device, read_between_steps=True)
+        self._draft_buffers = StepBuffers(self.cache.device, read_between_steps=True)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
         batch = make_extend_batch(self.cache, prompts)
@@ -593,7 +598,7 @@ def speculative_generate(
             else:
                 read = out.tolist()
             base = n * w if on_device else 0  # where the target's tokens start in read
-            lengths = cast(List[int], batch.seq_lens_cpu)  # each request's KV length after the verify
+            lengths: List[int] = batch.seq_lens_cpu  # type: ignore[assignment]  # KV lengths after the verify (a list here)
             accepted = []
             proposals = []
             generated = 0
