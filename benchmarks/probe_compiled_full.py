@@ -44,11 +44,12 @@ VARIANTS = {
 }
 
 
-def setup(name: str, batch_sizes):
-    """Inductor pinned, the preset on CUDA in bf16 with a KV cache of 48 positions, and one
-    live decode batch per size (32-token prompts prefilled): ``(model, sizes, batches)``."""
+def setup(name: str, batch_sizes, attention: str = "torch"):
+    """Inductor pinned, the preset on CUDA in bf16 with ``attention`` and a KV cache of 48
+    positions, and one live decode batch per size (32-token prompts prefilled):
+    ``(model, sizes, batches)``."""
     run.pin_inductor("pinned")
-    model = ReferenceLlamaForCausalLM.from_preset(name, dtype=torch.bfloat16, device="cuda")
+    model = ReferenceLlamaForCausalLM.from_preset(name, dtype=torch.bfloat16, device="cuda", attention=attention)
     bs_list = sorted(batch_sizes)
     context = 48
     max_reqs = sum(bs_list) + 2

@@ -7,6 +7,10 @@ one call per layer). The H200 numbers that made compiled full compile the marked
 bodies: ``benchmarks/results/2026-12-01-h200-compiled-full/attention_probe.txt``.
 
     python3 benchmarks/probe_step_kernels.py --model llama-3.2-1b --batch-sizes 1 32
+    python3 benchmarks/probe_step_kernels.py --batch-sizes 1 --attention triton --no-attention-probe
+
+``--attention`` picks the model's attention backend for the step table (default torch);
+``--no-attention-probe`` skips the torch-attention body probe.
 """
 
 from __future__ import annotations
@@ -141,11 +145,13 @@ def main() -> None:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch-sizes", type=count_arg(1), nargs="+", default=[1, 32])
     p.add_argument("--out", default=None)
+    p.add_argument("--attention", default="torch", help="the model's attention backend (default torch)")
+    p.add_argument("--no-attention-probe", dest="attention_probe", action="store_false")
     a = p.parse_args()
-    model, bs_list, batches = probe_compiled_full.setup(a.model, a.batch_sizes)
+    model, bs_list, batches = probe_compiled_full.setup(a.model, a.batch_sizes, a.attention)
     result = {}
     with torch.no_grad():
-        for bs in bs_list:
+        for bs in bs_list if a.attention_probe else ():
             attention_probe(model, batches[bs], result)
         cfg = {"backend": "full", "tc_compiler": "inductor", "bs": bs_list, "compile_sizes": bs_list}
         backend = get_registry().resolve("decode", cfg, device="cuda", memory_pool=torch.cuda.graph_pool_handle())
