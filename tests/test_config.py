@@ -195,6 +195,17 @@ def test_from_json_text_file_and_pathlike(tmp_path):
     assert CudaGraphConfig.from_json(f, source="file").source_of("decode", "backend") == "file"
 
 
+def test_from_json_a_path_under_home_and_a_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cg.json").write_text('{"decode": {"backend": "full"}}')
+    assert CudaGraphConfig.from_json("~/cg.json").decode.backend == "full"
+    (tmp_path / "d.json").mkdir()
+    with pytest.raises(CudaGraphConfigError, match="is a directory, not a file"):
+        CudaGraphConfig.from_json(str(tmp_path / "d.json"))
+    with pytest.raises(CudaGraphConfigError, match=r"no such file \(" + str(tmp_path)):
+        CudaGraphConfig.from_json("~/nope.json")
+
+
 @pytest.mark.parametrize(
     "text, fragments",
     [

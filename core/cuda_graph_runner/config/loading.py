@@ -37,11 +37,15 @@ def _load_json(text_or_path: Any, source: Optional[str]) -> Any:
         path = os.fspath(text_or_path)
     elif not isinstance(text_or_path, str):
         raise CudaGraphConfigError("must be JSON text or a path", value=text_or_path, accepted=accepted, source=source)
-    elif not text_or_path.lstrip().startswith(("{", "[")) and os.path.isfile(text_or_path):
-        path = text_or_path
+    elif not text_or_path.lstrip().startswith(("{", "[")):
+        expanded = os.path.expanduser(text_or_path.strip())
+        if os.path.isfile(expanded):
+            path = expanded
+        elif _names_a_file(text_or_path):  # a typo'd path: say so, not that it is bad JSON
+            where = os.path.abspath(expanded)
+            problem = "is a directory, not a file" if os.path.isdir(expanded) else f"no such file ({where})"
+            raise CudaGraphConfigError(problem, value=text_or_path, accepted=accepted, source=source)
     text = text_or_path
-    if path is None and _names_a_file(text):  # a typo'd path: say so, not that it is bad JSON
-        raise CudaGraphConfigError("no such file", value=text_or_path, accepted=accepted, source=source)
     if path is not None:
         try:
             # utf-8-sig: editors on Windows save JSON with a byte-order mark; accept it.
