@@ -23,8 +23,9 @@ pytest.importorskip("cuda_graph_runner_full.backend", reason="uses the full back
 
 def test_bench_full_inductor_on_the_default_model_is_within_its_tolerance(capsys):
     """``cuda-graph-runner bench --decode-backends full,full+torch_compile`` with compile sizes on
-    llama-3.2-1b in bfloat16 (the bench's default) once exited 1: compiled full was held to
-    the near-exact bound of the eager forward (0.121 / 0.133 from eager at batch 1 / 4)."""
+    llama-3.2-1b in bfloat16 (the bench's default) exits 0: compiled full is held to its
+    backend's tolerance, not to the eager forward's near-exact bound, which inductor's fused
+    bfloat16 kernels exceed (about 0.12 / 0.13 from eager at batch 1 / 4)."""
     torch._dynamo.reset()
     argv = ["bench", "--decode-backends", "full,full+torch_compile", "--cuda-graph-compile-sizes-decode", "1,4"]
     argv += ["--batch-sizes", "1,4", "--no-prefill", "--iters", "2", "--warmup", "1"]

@@ -27,7 +27,9 @@ accepted).
 Reference model:
 
 * :class:`ReferenceLlamaForCausalLM`: a Llama-style model with the runner's model protocol;
-  ``from_preset(name, *, dtype=torch.float32, device="cpu", seed=0)`` gives random weights,
+  ``from_preset(name, **options)`` gives random weights (``options``: ``dtype``, ``device``,
+  ``seed``, ``std``, ``tp_group``, ``attention``; by default float32 on the CPU, seed 0, std
+  0.02, ``torch`` attention);
   ``create_kv_cache(num_slots=, max_reqs=, max_context_len=)`` attaches ``model.kv_cache``;
 * :class:`ModelConfig`: its shape (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ...);
 * ``PRESETS``: preset name (``"tiny"``, ``"llama-3.2-1b"``, ...) -> :class:`ModelConfig`.
@@ -41,11 +43,14 @@ Batches (each batch on the cache's device; token ids, positions and slots int64,
 int32):
 
 * :func:`make_dummy_prompts` ``(batch_size, length, vocab_size, seed=0)``: reproducible
-  random prompts, ``List[List[int]]`` of ids in ``[1, vocab_size)``;
+  random prompts, ``List[List[int]]`` of ids in ``[1, vocab_size)``; ``length`` is one
+  length for all or a list of one per prompt;
 * :func:`make_extend_batch` ``(cache, token_lists, *, rows=None)``: an EXTEND batch,
   ``input_ids`` ``[num_tokens]``; ``rows`` continues existing requests (chunked prefill);
 * :func:`make_decode_batch` ``(cache, rows, seq_lens, next_tokens)``: a DECODE batch
-  (``next_tokens`` ``[bs]``) or TARGET_VERIFY (``[bs][w]``);
+  (``next_tokens`` ``[bs]``) or TARGET_VERIFY (``[bs][w]``); ``seq_lens`` (``Optional``):
+  each request's KV length before this step, checked against the cache, or ``None`` to
+  read it from the cache;
 * :func:`eager_logits_fn` ``(model)``: ``batch -> float32 logits`` of the eager forward
   (``LogitsFn``), what a runner's output is compared with;
 * :class:`GreedySession` ``(model, cache, *, prefill_fn=None, decode_fn=None)``: greedy
