@@ -71,7 +71,7 @@ def test_the_module_imports_no_torch_and_its_registry_names_load_no_runner_or_mo
         "import sys\n"
         "import cuda_graph_runner.testing.workload as w\n"
         "assert 'torch' not in sys.modules, 'importing the module imported torch'\n"
-        "from cuda_graph_runner.testing.workload import get_registry, list_backends, load_ref\n"
+        "from cuda_graph_runner.testing.workload import check_backend_class, get_registry, list_backends\n"
         "list_backends()\n"
         "heavy = ('cuda_graph_runner.runner', 'cuda_graph_runner.reference')\n"
         "assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]\n"

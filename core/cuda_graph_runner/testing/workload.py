@@ -71,8 +71,7 @@ Registry (a backend's class is imported only when it is resolved or checked):
 * :func:`reset_registry` ``(*, keep_in_process=True)``: scan the entry points again (what a
   test that changes ``CUDA_GRAPH_RUNNER_*`` variables or installs a plugin calls);
 * :func:`check_backend_class` ``(cls, name="?")``: the backend contract checks of a class
-  (raises :class:`~cuda_graph_runner.backend.BackendContractError` naming every problem);
-* :func:`load_ref` ``("package.module:Attribute")``: the object a ``BackendSpec`` names.
+  (raises :class:`~cuda_graph_runner.backend.BackendContractError` naming every problem).
 
 Prepared set-ups built from these (a model with its cache, prefilled decode batches, the
 greedy-tokens check) are in :mod:`cuda_graph_runner.testing.reference_setup`; toy models,
@@ -106,7 +105,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is loaded on 
         resolve_decode_backend,
         resolve_prefill_backend,
     )
-    from ..registry.discovery import load_ref
     from ..runner import DecodeCudaGraphRunner, MixedCudaGraphRunner, PrefillCudaGraphRunner
 
 #: public name -> the module (relative to the package ``cuda_graph_runner``) it is read from
@@ -134,7 +132,6 @@ _SOURCES: Dict[str, str] = {
     "get_registry": "registry",
     "reset_registry": "registry",
     "check_backend_class": "registry",
-    "load_ref": "registry.discovery",
 }
 
 __all__ = [
@@ -155,7 +152,6 @@ __all__ = [
     "get_registry",
     "greedy_generate",
     "list_backends",
-    "load_ref",
     "make_decode_batch",
     "make_dummy_prompts",
     "make_extend_batch",

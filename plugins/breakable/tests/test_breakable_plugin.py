@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from importlib import metadata
@@ -13,7 +14,6 @@ from cuda_graph_runner.testing.workload import (
     check_backend_class,
     get_registry,
     list_backends,
-    load_ref,
     resolve_prefill_backend,
 )
 from cuda_graph_runner_breakable import plugin
@@ -29,7 +29,8 @@ def test_spec_declares_both_phases_on_cuda():
     (spec,) = plugin.cuda_graph_runner_backend_specs()
     assert spec.name == "breakable" and spec.phases == ("decode", "prefill") and spec.devices == ("cuda",)
     assert spec.backend_class == "cuda_graph_runner_breakable.backend:BreakableCudaGraphBackend"
-    cls = load_ref(spec.backend_class)
+    module, _, attribute = spec.backend_class.partition(":")
+    cls = getattr(importlib.import_module(module), attribute)
     check_backend_class(cls, "breakable")
 
 
