@@ -1,6 +1,7 @@
-"""Shared cases of the Hugging Face adapter's tests (tests/test_hf_adapter*.py and
-tc_piecewise's): tiny random-weight models, ragged prompts, transformers' own greedy
-``generate()`` and a continuous batch through a runner's prefill and decode."""
+"""Shared cases of the core's Hugging Face adapter tests (tests/test_hf_adapter*.py; a
+plugin's tests keep their own, on cuda_graph_runner.testing.workload): tiny random-weight
+models, ragged prompts, transformers' own greedy ``generate()`` and a continuous batch
+through a runner's prefill and decode."""
 
 from __future__ import annotations
 

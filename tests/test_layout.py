@@ -18,8 +18,9 @@ How imports are counted:
 
 Plugins (``plugins/*``, ``examples/acme_backend``) import the core through
 ``cuda_graph_runner.backend`` (and ``.testing`` for the helpers they ship); their tests through
-those two only (``testing.workload`` holds the runners, config, model, batches and registry),
-import lines in the code strings they run in subprocesses included.
+those two only (``testing.workload`` holds the runners, config, models, batches and registry),
+import lines in the code strings they run in subprocesses included, and no module of the
+core's ``tests/`` folder (pytest's ``pythonpath``), whose helpers import any layer.
 """
 
 from __future__ import annotations
@@ -428,10 +429,27 @@ def _plugin_tests() -> List[Path]:
 _CODE_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([\w.]+))", re.M)
 
 
-def _core_imports_beside_the_plugin_api(path: Path) -> List[str]:
+def _core_test_module(name: str, beside: Path, core_tests: Path = ROOT / "tests") -> str:
+    """The file under the core's ``tests/`` folder (relative to the repository) that the
+    top-level module ``name`` resolves to for a test in folder ``beside``, or ``""``: the
+    test's own folder comes first on ``sys.path`` (pytest's rootdir-less import), and
+    ``tests/`` is on it too (pyproject's ``pythonpath``), so a name only there is the core's
+    test code, which imports any layer."""
+    top = name.split(".")[0]
+    if not top or (beside / f"{top}.py").exists() or (beside / top / "__init__.py").exists():
+        return ""
+    for candidate in (core_tests / f"{top}.py", core_tests / top / "__init__.py"):
+        if candidate.exists():
+            return str(candidate.relative_to(ROOT) if candidate.is_relative_to(ROOT) else candidate)
+    return ""
+
+
+def _core_imports_beside_the_plugin_api(path: Path, core_tests: Path = ROOT / "tests") -> List[str]:
     """``path:line: module`` for each import of the core other than ``cuda_graph_runner.backend``
-    or ``cuda_graph_runner.testing`` (and their submodules) in ``path``: statements anywhere
-    in the file, and import lines in its strings (code it runs in a subprocess)."""
+    or ``cuda_graph_runner.testing`` (and their submodules) in ``path``, and ``path:line:
+    module (file)`` for each top-level module that resolves to a file of the core's
+    ``tests/`` folder (``core_tests``): statements anywhere in the file, and import lines in
+    its strings (code it runs in a subprocess)."""
     found: Set[Tuple[int, str]] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = [(a.name, node.lineno) for a in node.names] if isinstance(node, ast.Import) else []
@@ -445,6 +463,8 @@ def _core_imports_beside_the_plugin_api(path: Path) -> List[str]:
             parts = name.split(".")
             if parts[0] == NAME and (len(parts) < 2 or parts[1] not in ("backend", "testing")):
                 found.add((line, name))
+            elif _core_test_module(name, path.parent, core_tests):
+                found.add((line, f"{name} ({_core_test_module(name, path.parent, core_tests)})"))
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
     return [f"{shown}:{line}: {name}" for line, name in sorted(found)]
 
@@ -461,13 +481,14 @@ def test_plugin_sources_import_the_core_through_backend_only():
 def test_plugin_and_example_tests_import_the_core_through_backend_and_testing_only():
     # A plugin's tests are what its author writes against the published core: the plugin
     # API and cuda_graph_runner.testing (its workload module: runners, config, model, batches,
-    # registry), nothing else.
+    # registry), nothing else: not the core's tests/ helpers either (they import any layer).
     tests = _plugin_tests()
     untested = [str(r.relative_to(ROOT)) for r in _plugin_roots() if not any((r / "tests").glob("test_*.py"))]
     assert not untested, f"no tests/test_*.py found in {untested}"
     outside = [hit for path in tests for hit in _core_imports_beside_the_plugin_api(path)]
-    assert not outside, "plugin tests importing the core beside cuda_graph_runner.backend and .testing:\n" + "\n".join(
-        outside
+    assert not outside, (
+        "plugin tests importing the core beside cuda_graph_runner.backend and .testing, or the core's tests/:\n"
+        + "\n".join(outside)
     )
 
 
@@ -495,4 +516,41 @@ def test_y():
         f"test_x.py:2: {NAME}",
         f"test_x.py:9: {NAME}.reference.batches",
         f"test_x.py:12: {NAME}.config",
+    ]
+
+
+def test_the_plugin_import_check_finds_a_module_of_the_core_tests_folder(tmp_path):
+    # A plugin test reaching the core's tests/ helpers (on pytest's pythonpath) reaches every
+    # layer they import; a helper of the same name in the test's own folder shadows them.
+    core_tests = tmp_path / "core_tests"
+    (core_tests / "shared_pkg").mkdir(parents=True)
+    (core_tests / "shared_cases.py").write_text(f"from {NAME}.reference import batches\n")
+    (core_tests / "shared_pkg" / "__init__.py").write_text("")
+    (core_tests / "shadowed.py").write_text("")
+    plugin_tests = tmp_path / "plugin_tests"
+    plugin_tests.mkdir()
+    (plugin_tests / "shadowed.py").write_text("")
+    path = plugin_tests / "test_x.py"
+    path.write_text(
+        f"""from shared_cases import make_cases
+import shared_pkg.sub
+import shadowed
+from {NAME}.testing.workload import HFCausalLM
+
+
+def test_y():
+    code = "import shared_cases"
+"""
+    )
+    shown = core_tests.relative_to(ROOT) if core_tests.is_relative_to(ROOT) else core_tests
+    assert _core_imports_beside_the_plugin_api(path, core_tests) == [
+        f"test_x.py:1: shared_cases ({shown / 'shared_cases.py'})",
+        f"test_x.py:2: shared_pkg.sub ({shown / 'shared_pkg' / '__init__.py'})",
+        f"test_x.py:8: shared_cases ({shown / 'shared_cases.py'})",
+    ]
+    # the repository's own tests/ folder is what the plugin tests are checked against
+    assert (ROOT / "tests" / "hf_cases.py").exists()
+    (plugin_tests / "test_z.py").write_text("from hf_cases import tiny_models\n")
+    assert _core_imports_beside_the_plugin_api(plugin_tests / "test_z.py") == [
+        "test_z.py:1: hf_cases (tests/hf_cases.py)"
     ]

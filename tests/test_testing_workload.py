@@ -1,7 +1,7 @@
 """``cuda_graph_runner.testing.workload``, the workload a plugin's tests import: a lazy table for
 run time, ``if TYPE_CHECKING:`` imports for type checkers and ``__all__`` name the same names
 from the same modules; each name is the core's own object; reading the registry's names
-imports no torch."""
+imports no torch, and the Hugging Face adapter's names no transformers."""
 
 from __future__ import annotations
 
@@ -71,12 +71,15 @@ def test_the_module_imports_no_torch_and_its_registry_names_load_no_runner_or_mo
         "import sys\n"
         "import cuda_graph_runner.testing.workload as w\n"
         "assert 'torch' not in sys.modules, 'importing the module imported torch'\n"
+        "assert 'transformers' not in sys.modules, 'importing the module imported transformers'\n"
         "from cuda_graph_runner.testing.workload import check_backend_class, get_registry, list_backends\n"
         "list_backends()\n"
         "heavy = ('cuda_graph_runner.runner', 'cuda_graph_runner.reference')\n"
         "assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]\n"
         "w.DecodeCudaGraphRunner, w.PagedKVCache\n"
         "assert all(m in sys.modules for m in heavy)\n"
+        "w.HFCausalLM, w.builtin_config, w.eager_reference\n"
+        "assert 'transformers' not in sys.modules, 'reading the HF names imported transformers'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

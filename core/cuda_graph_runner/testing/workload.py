@@ -1,4 +1,4 @@
-"""The reference workload for a backend plugin's tests: runners, config, model, KV cache, batches, registry.
+"""The reference workload for a backend plugin's tests: runners, config, models, KV cache, batches, registry.
 
 For plugin authors. A plugin's code imports the core through :mod:`cuda_graph_runner.backend`
 only; its tests import that and :mod:`cuda_graph_runner.testing`, and this module is the
@@ -59,6 +59,25 @@ int32):
 * :func:`greedy_generate` ``(model, cache, prompts, steps, *, prefill_fn=None,
   decode_fn=None)``: ``[len(prompts)][steps]`` greedy token ids.
 
+Hugging Face adapter (:mod:`cuda_graph_runner.reference.models.hf`; needs ``pip install
+'cuda-graph-runner[transformers]'``): reading a name loads the adapter module (and torch) but
+not transformers, which is imported when a config or model is built; without it that call
+raises ``TransformersUnavailableError`` with the install line (a test skips first with
+``pytest.importorskip("transformers", reason=...)``):
+
+* :class:`HFCausalLM`: a transformers causal LM (Llama, Qwen2, Mistral, Qwen3) with the
+  runner's model protocol; ``HFCausalLM.from_config(config, *, dtype=torch.float32,
+  device="cpu", seed=0, std=None, attention=None)`` gives random weights (``config``: a
+  transformers config or an architecture name), ``create_kv_cache(num_slots, max_reqs,
+  max_context_len)`` attaches ``model.kv_cache`` (a :class:`PagedKVCache`); a forward gives
+  float32 logits as :class:`ReferenceLlamaForCausalLM`'s;
+* :func:`builtin_config` ``(arch, *, size="tiny")``: a transformers config of ``arch``
+  (``"llama"``, ``"qwen2"``, ``"mistral"``, ``"qwen3"``) shaped as ``size``; an unknown
+  ``arch`` raises ``UnsupportedHFModelError``, an unknown ``size`` ``ValueError``;
+* :func:`eager_reference` ``(adapter, attn_implementation="eager")``: an independent
+  transformers model with the adapter's config and weights on transformers' own attention
+  (``generate()`` of it is what the adapter's greedy tokens are compared with).
+
 Registry (a backend's class is imported only when it is resolved or checked):
 
 * :func:`list_backends` ``(device_type=None)``: one ``BackendEntry`` per registered backend
@@ -97,6 +116,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time each name is loaded on 
     )
     from ..reference.kv_cache import PagedKVCache
     from ..reference.model import PRESETS, ModelConfig, ReferenceLlamaForCausalLM
+    from ..reference.models.hf import HFCausalLM, builtin_config, eager_reference
     from ..registry import (
         check_backend_class,
         get_registry,
@@ -126,6 +146,9 @@ _SOURCES: Dict[str, str] = {
     "LogitsFn": "reference.batches",
     "GreedySession": "reference.batches",
     "greedy_generate": "reference.batches",
+    "HFCausalLM": "reference.models.hf",
+    "builtin_config": "reference.models.hf",
+    "eager_reference": "reference.models.hf",
     "list_backends": "registry",
     "resolve_decode_backend": "registry",
     "resolve_prefill_backend": "registry",
@@ -139,6 +162,7 @@ __all__ = [
     "CudaGraphConfigError",
     "DecodeCudaGraphRunner",
     "GreedySession",
+    "HFCausalLM",
     "LogitsFn",
     "MixedCudaGraphRunner",
     "ModelConfig",
@@ -147,8 +171,10 @@ __all__ = [
     "PhaseConfig",
     "PrefillCudaGraphRunner",
     "ReferenceLlamaForCausalLM",
+    "builtin_config",
     "check_backend_class",
     "eager_logits_fn",
+    "eager_reference",
     "get_registry",
     "greedy_generate",
     "list_backends",

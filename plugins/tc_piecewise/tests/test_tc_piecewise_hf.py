@@ -1,5 +1,5 @@
-"""Backend ``tc_piecewise`` with a Hugging Face transformers model (cuda_graph_runner.reference.models.hf;
-CPU, emulated piece graphs): Dynamo traces transformers' own Mistral code, split at the
+"""Backend ``tc_piecewise`` with a Hugging Face transformers model (the adapter ``HFCausalLM``
+of cuda_graph_runner.testing.workload; CPU, emulated piece graphs): Dynamo traces transformers' own Mistral code, split at the
 adapter's marked attention op; 5 ragged prompts in one continuous batch, decoded through
 the piece graphs with verify mode on, give the greedy tokens of transformers' eager
 ``generate()`` of each prompt alone."""
@@ -13,8 +13,8 @@ pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
-from hf_cases import hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler  # noqa: E402
+from tc_hf_cases import hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 
 from cuda_graph_runner.testing.workload import (
     DecodeCudaGraphRunner,  # noqa: E402
