@@ -5,7 +5,7 @@ batch through a runner's prefill and decode; the core reached only through
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -26,10 +26,10 @@ ADMIT_AT = (0, 0, 2, 5, 9)  # decode step at which each prompt joins the running
 Forward = Callable[[Any], torch.Tensor]
 
 
-def tiny_models(arch: str, seed: int = 0) -> Tuple[HFCausalLM, torch.nn.Module]:
+def tiny_models(arch: str, seed: int = 0) -> Tuple[HFCausalLM, Any]:
     """(adapter, reference): the float32 CPU adapter of ``arch``'s tiny built-in config
     (weights normal(0, 0.15), so greedy tokens have clear margins) and an eager
-    transformers model with the same weights."""
+    transformers model (a ``PreTrainedModel``) with the same weights."""
     adapter = HFCausalLM.from_config(builtin_config(arch), seed=seed, std=0.15)
     return adapter, eager_reference(adapter)
 
@@ -40,13 +40,13 @@ def ragged_prompts(vocab: int) -> List[List[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def hf_generate(reference: torch.nn.Module, prompt: List[int]) -> List[int]:
+def hf_generate(reference: Any, prompt: List[int]) -> List[int]:
     """transformers' eager greedy ``generate()`` of ``prompt`` alone: :data:`STEPS` tokens
     (no end-of-sequence stop, and no processor that would mask the EOS logit)."""
     reference.generation_config.eos_token_id = None
     device = next(reference.parameters()).device
     with torch.no_grad():
-        out = reference.generate(  # type: ignore[operator]  # a transformers model
+        out = reference.generate(
             torch.tensor([prompt], device=device),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=STEPS,
@@ -65,8 +65,8 @@ def run_continuous_batch(
     freed) when done."""
     cache = adapter.kv_cache
     assert cache is not None, "call adapter.create_kv_cache first"
-    tokens: dict = {}
-    rows: dict = {}
+    tokens: Dict[int, List[int]] = {}
+    rows: Dict[int, int] = {}
     step = 0
     with torch.no_grad():
         while len(tokens) < len(prompts) or any(len(t) < STEPS for t in tokens.values()):
