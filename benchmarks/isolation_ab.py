@@ -41,7 +41,10 @@ block). Wave 1 is ``alone``, ``beside_both`` and the arms that would miss a warm
 anyway (``beside_both_no_trees``: another inductor config; ``beside_both_fresh_cache``),
 all compiling cold; wave 2 the other arms that fit by wave 1's build and timing seconds
 (on the cache wave 1 warmed), in the order given. A child not built or
-not timed in time is killed (its process group) and reported as such.
+not timed in time is killed (its process group) and reported as such. However the parent
+ends (SIGTERM and SIGINT included, as from ``timeout``) it kills every child's process
+group first; a child whose parent is gone (killed outright) or that is ``CHILD_GRACE_S``
+past the deadline leaves on its own, so no child is left holding device memory.
 
 Usage (device machine; about 330 s)::
 
@@ -65,6 +68,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -83,6 +87,8 @@ TC = "tc_piecewise:inductor"
 FULL_TC = "full+torch_compile"
 RO = "reduce_overhead"
 RAISED_LIMIT = 64
+#: The largest batch size: every runner here is built with this ``max_bs`` (run.py's).
+MAX_BS = 256
 #: An absolute path in a log line (a warning's source file, a cache folder).
 ABS_PATH = re.compile(r"(?<![\w.<>~-])/[^\s:'\"(),]+")
 
@@ -241,7 +247,53 @@ def _threads() -> int:
     return threading.active_count()
 
 
+#: Exit status of a child that left on its own: its deadline passed or its parent is gone.
+ORPHAN_EXIT = 3
+
+
+def orphaned(deadline: Optional[float], parent_pid: Optional[int]) -> Optional[str]:
+    """Why a child should leave now, or None: ``deadline`` (epoch seconds) has passed, or
+    its parent ``parent_pid`` is gone (this process was handed to another parent)."""
+    if deadline is not None and time.time() > deadline:
+        return f"its deadline passed ({time.time() - deadline:.1f} s ago)"
+    if parent_pid is not None and os.getppid() != parent_pid:
+        return f"its parent {parent_pid} is gone"
+    return None
+
+
+def leave_if_orphaned(deadline: Optional[float], parent_pid: Optional[int]) -> None:
+    """End this child when :func:`orphaned` says so: a parent killed without its
+    ``finally`` leaves no child behind that holds device memory. A child that leads its
+    own process group (as the parent starts it) is killed with the group (SIGKILL: its
+    compile workers too); another exits with status :data:`ORPHAN_EXIT`."""
+    why = orphaned(deadline, parent_pid)
+    if why is None:
+        return
+    print(f"child {os.getpid()} leaves: {why}", file=sys.stderr, flush=True)
+    if os.getpgrp() == os.getpid():  # its own process group (the parent's start_new_session)
+        try:
+            os.killpg(os.getpid(), signal.SIGKILL)  # its workers and itself
+        except OSError:
+            pass
+    os._exit(ORPHAN_EXIT)
+
+
+def watch_parent(deadline: Optional[float], parent_pid: Optional[int], every_s: float = 0.5) -> threading.Thread:
+    """A daemon thread that calls :func:`leave_if_orphaned` every ``every_s`` seconds, so a
+    child stuck in a build or a timed block leaves too."""
+
+    def loop() -> None:
+        while True:
+            leave_if_orphaned(deadline, parent_pid)
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=loop, name="isolation-ab-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
 def child(args: argparse.Namespace) -> int:
+    watch_parent(args.deadline, args.parent_pid)
     import torch
     from bench_rounds import run_rounds
     from bench_summary import ratio_stats
@@ -313,7 +365,7 @@ def child(args: argparse.Namespace) -> int:
             methods[bs][name] = lambda fn=fn, b=batches[bs]: fn(b)
 
     def build_runner(label: str, compile_sizes: List[int], capture: Optional[List[int]]) -> Any:
-        decode: Dict[str, Any] = {**phase_options(label, compile_sizes), "max_bs": 256}
+        decode: Dict[str, Any] = {**phase_options(label, compile_sizes), "max_bs": MAX_BS}
         if capture:
             decode["bs"] = capture
         runner = DecodeCudaGraphRunner(
@@ -405,6 +457,7 @@ def child(args: argparse.Namespace) -> int:
     with open(ready, "w") as f:
         f.write(str(out["build_total_s"]))
     while not os.path.exists(go):
+        leave_if_orphaned(args.deadline, args.parent_pid)
         time.sleep(0.05)
 
     def save() -> None:  # after every phase: a child killed later keeps what it measured
@@ -494,8 +547,13 @@ def child(args: argparse.Namespace) -> int:
 # -- the parent: waves, turns, the tables -------------------------------------------------------
 
 
+#: Seconds past the parent's deadline a child leaves on its own (the parent kills it at
+#: the deadline; this is for a parent that could not).
+CHILD_GRACE_S = 15.0
+
+
 class Child:
-    def __init__(self, name: str, args: argparse.Namespace, sync_dir: str) -> None:
+    def __init__(self, name: str, args: argparse.Namespace, sync_dir: str, deadline: float) -> None:
         self.name = name
         self.sync_dir = sync_dir
         self.json = os.path.join(args.out, "arms", f"{name}.json")
@@ -519,6 +577,8 @@ class Child:
             "--warmup-max", str(args.warmup_max),
             "--warmup-min-s", str(args.warmup_min_s),
             "--prompt-len", str(args.prompt_len),
+            "--deadline", repr(deadline + CHILD_GRACE_S),
+            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         self.started = time.time()
         self.logf = open(self.log, "w")
@@ -543,9 +603,22 @@ class Child:
             return scrub("".join(f.readlines()[-8:]))
 
 
-def run_wave(names: List[str], reserves: Dict[str, float], args: argparse.Namespace, sync_dir: str, deadline: float):
-    """Build ``names`` in parallel, then time them one at a time; ``{name: result}``."""
-    children = [Child(n, args, sync_dir) for n in names]
+def run_wave(
+    names: List[str],
+    reserves: Dict[str, float],
+    args: argparse.Namespace,
+    sync_dir: str,
+    deadline: float,
+    spawned: Optional[List[Child]] = None,
+) -> Dict[str, Any]:
+    """Build ``names`` in parallel, then time them one at a time; ``{name: result}``.
+    Each child started is appended to ``spawned`` as it starts (the caller kills what is
+    left of them however this returns)."""
+    children: List[Child] = []
+    for n in names:
+        children.append(Child(n, args, sync_dir, deadline))
+        if spawned is not None:
+            spawned.append(children[-1])
     # Build until each is ready or gone, or only the timing reserve is left.
     build_deadline = deadline - sum(reserves[n] for n in names)
     while any(c.proc.poll() is None and not c.ready() for c in children) and time.time() < build_deadline:
@@ -630,15 +703,19 @@ def tables(results: Dict[str, Any], sizes: List[int]) -> str:
         if r.get("status") != "done":
             lines.append(f"| {name} | {r.get('status')} |" + " |" * len(sizes) + " |")
         for phase, p in (r.get("phases") or {}).items():
-            cells, steady = [], True
+            cells: List[str] = []
+            steady: Optional[bool] = None  # None: nothing measured (a phase that failed)
             for bs in sizes:
                 row = (p.get("by_bs") or {}).get(str(bs))
                 if not row:
                     cells.append("-")
                     continue
-                steady &= all(v.get("steady", True) for v in row.values() if isinstance(v, dict) and "median_ms" in v)
+                measured = [v for v in row.values() if isinstance(v, dict) and "median_ms" in v]
+                if measured:
+                    steady = (steady is not False) and all(v.get("steady", True) for v in measured)
                 cells.append(f"{_ratio(row)} ({row[TC]['median_ms']:.3f}/{row['hand_graph']['median_ms']:.3f})")
-            lines.append(f"| {name} | {phase} | " + " | ".join(cells) + f" | {'yes' if steady else 'no'} |")
+            mark = "-" if steady is None else "yes" if steady else "no"
+            lines.append(f"| {name} | {phase} | " + " | ".join(cells) + f" | {mark} |")
     lines += [
         "",
         "| arm | build s | unique graphs (others/+tc) | frames ok | recompile-limit hits | limit graph breaks | "
@@ -686,6 +763,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--child", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # a child's: epoch seconds
+    parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # a child's: leave when it is gone
     args = parser.parse_args(argv)
     if args.model is None:
         args.model = "tiny" if args.device == "cpu" else "llama-3.2-1b"
@@ -693,8 +772,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.batch_sizes = [1, 4] if args.device == "cpu" else [1, 32, 128]
     if args.rounds < 1 or args.iters < 1:
         parser.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
+    for flag, value in (("--budget-s", args.budget_s), ("--timing-reserve-s", args.timing_reserve_s)):
+        if not (math.isfinite(value) and value > 0):  # NaN fails every comparison: refuse it explicitly
+            parser.error(f"{flag} {value}: accepted a finite number of seconds > 0")
+    bad = [b for b in args.batch_sizes if not 1 <= b <= MAX_BS]
+    if bad:
+        parser.error(f"--batch-sizes {' '.join(map(str, bad))}: accepted 1 to {MAX_BS} (the runners' max_bs)")
     if args.child:
         return child(args)
+    spawned: List[Child] = []
+    previous: Dict[int, Any] = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds to the finally below: the children are killed
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        return parent(args, spawned)
+    finally:
+        for c in spawned:
+            if c.proc.poll() is None:
+                c.kill("killed: the parent ended")
+            if not c.logf.closed:
+                c.logf.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def parent(args: argparse.Namespace, spawned: List[Child]) -> int:
+    """The waves, the JSON and the tables; every child started is appended to ``spawned``."""
     start = time.time()
     deadline = start + args.budget_s
     os.makedirs(os.path.join(args.out, "arms"), exist_ok=True)
@@ -704,11 +812,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     wave1 = [n for n in arms if ARMS[n].wave == 1]
     rest = [n for n in arms if n not in wave1]
     if wave1:
-        results.update(run_wave(wave1, {n: args.timing_reserve_s for n in wave1}, args, sync_dir, deadline))
+        results.update(run_wave(wave1, {n: args.timing_reserve_s for n in wave1}, args, sync_dir, deadline, spawned))
     wave2, reserves, skipped = plan_wave_2(rest, dict(results), deadline - time.time(), args.timing_reserve_s)
     results.update({n: {"status": why} for n, why in skipped.items()})
     if wave2:
-        results.update(run_wave(wave2, reserves, args, sync_dir, deadline))
+        results.update(run_wave(wave2, reserves, args, sync_dir, deadline, spawned))
     results = {n: results[n] for n in arms if n in results}
     for r in results.values():
         r["notes"] = [scrub(n) for n in r.get("notes") or []]

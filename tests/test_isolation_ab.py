@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
+
+import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
@@ -98,3 +103,127 @@ def test_scrub_makes_every_absolute_path_portable(tmp_path):
     out = ab.scrub(line)
     assert "/opt/" not in out and str(tmp_path) not in out
     assert out.endswith(":12: UserWarning: see (<abs>/inductor), 1/2 of core/a.py")
+
+
+def test_a_phase_with_nothing_measured_is_neither_steady_nor_unsteady():
+    row = {
+        ab.TC: {"median_ms": 2.0, "steady": False},
+        "hand_graph": {"median_ms": 1.0, "steady": True},
+        "ratio_tc_hand": {"median": 2.0, "lo": 1.9, "hi": 2.1},
+    }
+    results = {"a": {"status": "done", "phases": {"pair": {"by_bs": {}}, "all": {"by_bs": {"1": row}}}}}
+    lines = ab.tables(results, [1]).splitlines()
+    assert "| a | pair | - | - |" in lines
+    assert "| a | all | 2.000 [1.900-2.100] (2.000/1.000) | no |" in lines
+
+
+@pytest.mark.parametrize(
+    "argv, flag, value",
+    [
+        (["--budget-s", "0"], "--budget-s", "0.0"),
+        (["--budget-s", "nan"], "--budget-s", "nan"),
+        (["--timing-reserve-s", "-1"], "--timing-reserve-s", "-1.0"),
+        (["--timing-reserve-s", "nan"], "--timing-reserve-s", "nan"),
+        (["--batch-sizes", "1", "0"], "--batch-sizes", "0"),
+        (["--batch-sizes", str(ab.MAX_BS + 1)], "--batch-sizes", str(ab.MAX_BS + 1)),
+    ],
+)
+def test_bad_input_is_refused_before_any_child_starts(tmp_path, capsys, argv, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["--device", "cpu", "--out", str(tmp_path / "iso"), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}: accepted" in err and "Traceback" not in err
+    assert not (tmp_path / "iso").exists()
+
+
+def test_a_child_knows_when_its_deadline_passed_or_its_parent_is_gone():
+    assert ab.orphaned(time.time() + 60, os.getppid()) is None
+    assert ab.orphaned(None, None) is None
+    assert "deadline passed" in ab.orphaned(time.time() - 1, os.getppid())
+    # This process's parent is os.getppid(): any other pid reads as a parent gone.
+    assert "parent 1 is gone" in ab.orphaned(time.time() + 60, 1)
+
+
+def _child_argv(tmp_path, deadline: float, parent_pid: int) -> list:
+    return [
+        *(sys.executable, os.path.join(BENCH, "isolation_ab.py"), "--child", "alone", "--device", "cpu"),
+        *("--json", str(tmp_path / "alone.json"), "--sync-dir", str(tmp_path)),
+        *("--deadline", repr(deadline), "--parent-pid", str(parent_pid)),
+    ]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_child_past_its_deadline_exits_at_once(tmp_path):
+    argv = _child_argv(tmp_path, time.time() - 1, os.getpid())
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == ab.ORPHAN_EXIT, done.stderr
+    assert "leaves: its deadline passed" in done.stderr
+    assert not (tmp_path / "alone.ready").exists()  # it left before building anything
+
+
+def test_a_child_whose_parent_is_gone_exits(tmp_path):
+    # A middle process starts the child (its own session, as the parent does) and exits
+    # at once: the child, far from its deadline, must notice it was handed to another parent.
+    argv = _child_argv(tmp_path, time.time() + 600, 0)
+    script = (
+        "import os, subprocess, sys; argv = sys.argv[1:]; argv[argv.index('--parent-pid') + 1] = str(os.getpid()); "
+        "print(subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, "
+        "stderr=subprocess.DEVNULL).pid, flush=True)"
+    )
+    middle = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60)
+    assert middle.returncode == 0, middle.stderr
+    pid = int(middle.stdout.strip())
+    try:
+        end = time.monotonic() + 30
+        while not _gone(pid) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert _gone(pid), f"child {pid} still running 30 s after its parent exited"
+    finally:
+        if not _gone(pid):
+            os.killpg(pid, signal.SIGKILL)
+    assert not (tmp_path / "alone.ready").exists()
+
+
+def test_sigterm_to_the_parent_kills_every_child_s_process_group(tmp_path, monkeypatch):
+    procs = []
+    grandchild = tmp_path / "grandchild.pid"
+
+    def parent(args, spawned):
+        # A stand-in child: a session of its own with a grandchild in its group, as the
+        # compile workers are; then the parent is sent SIGTERM mid-run.
+        script = (
+            "import subprocess, sys, time; p = subprocess.Popen(['sleep', '600']); "
+            "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(600)"
+        )
+        child = ab.Child.__new__(ab.Child)
+        child.proc = subprocess.Popen([sys.executable, "-c", script, str(grandchild)], start_new_session=True)
+        child.logf = open(tmp_path / "child.log", "w")
+        spawned.append(child)
+        procs.append(child.proc)
+        end = time.monotonic() + 30
+        while not (grandchild.exists() and grandchild.read_text()) and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises before this ends
+        return 0
+
+    monkeypatch.setattr(ab, "parent", parent)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["--device", "cpu", "--out", str(tmp_path / "iso")])
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert procs[0].poll() == -signal.SIGKILL
+    gpid = int(grandchild.read_text())
+    end = time.monotonic() + 10
+    while not _gone(gpid) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _gone(gpid), "the child's group outlived the parent"
+    assert signal.getsignal(signal.SIGTERM) is before
