@@ -24,8 +24,8 @@ bounded in time, gloo). Rank 0 holds ``--bs`` decode requests, the others ``--bs
   - ``overlapped``: ``runner.start_step_agreement(live size)`` before the build,
     ``forward`` waits on it. Its cost is the start call (``start µs``: this rank's
     checks and the issue, ``issue µs`` of it in ``DPGroup.start_agree_batch``) plus the
-    time ``forward`` blocks in the handle's wait (``wait µs``); their sum is ``overlap
-    µs``. ``preempt``: the share of issues during which this thread was preempted (an
+    time ``forward`` blocks in the handle's wait (``wait µs``); ``overlap µs`` is the
+    median of their per-step sum. ``preempt``: the share of issues during which this thread was preempted (an
     involuntary context switch, Linux): on a host without an idle core the issue hands
     the core to the gloo worker thread it wakes, and costs a scheduler slice;
 
@@ -48,10 +48,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -82,6 +83,16 @@ def _agreed_count(dp: Any, budget_s: float, per_call_s: float, lo: int, hi: int)
     ``[lo, hi]``): the same count on every rank."""
     mine = int(budget_s / max(per_call_s, 1e-9))
     return max(lo, min(hi, dp.host_min([mine], what="the benchmark's call count")[0]))
+
+
+def _grew_by_one(step: str, records: Dict[str, List[float]], before: Dict[str, int]) -> None:
+    """Raise unless each of ``records`` (name: the timings the step's patched calls append)
+    got exactly one entry since ``before`` (name: its length before the step): a step that
+    skipped the call, or made it twice, would otherwise be read as another step's time."""
+    wrong = {name: len(v) - before[name] for name, v in records.items() if len(v) != before[name] + 1}
+    if wrong:
+        counts = ", ".join(f"{name} +{n}" for name, n in wrong.items())
+        raise RuntimeError(f"the {step} step recorded {counts} (expected exactly one of each): not timed as documented")
 
 
 def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
@@ -210,11 +221,12 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
             issues.append(clock() - start)
             preempted.append(switches() - before)
 
-    names = ("build", "block", "step", "start", "issue", "wait", "total_b", "total_o")
+    names = ("build", "block", "step", "start", "issue", "wait", "overlap", "total_b", "total_o")
     arms: Dict[str, List[float]] = {name: [] for name in names}
 
     def blocking_step(keep: bool) -> None:
         refresh()
+        before = {"blocks": len(blocks)}
         t0 = clock()
         batch = build()
         t1 = clock()
@@ -224,6 +236,7 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
         finally:
             del dp.agree_batch
         t2 = clock()
+        _grew_by_one("blocking", {"blocks": blocks}, before)
         if keep:
             arms["build"].append(t1 - t0)
             arms["step"].append(t2 - t1)
@@ -232,6 +245,7 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
 
     def overlapped_step(keep: bool) -> None:
         refresh()
+        before = {"issues": len(issues), "waits": len(waits)}
         t0 = clock()
         dp.start_agree_batch = timed_start  # type: ignore[method-assign]
         try:
@@ -246,10 +260,12 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
         finally:
             PendingAgreement.wait = real_wait  # type: ignore[method-assign]
         t2 = clock()
+        _grew_by_one("overlapped", {"issues": issues, "waits": waits}, before)
         if keep:
             arms["start"].append(t1 - t0)
             arms["issue"].append(issues[-1])
             arms["wait"].append(waits[-1])
+            arms["overlap"].append(t1 - t0 + waits[-1])
             arms["total_o"].append(t2 - t0)
 
     t0 = clock()
@@ -282,7 +298,7 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
         "issue_us": out["issue"],
         "issue_preempted": sum(1 for n in preempted[-len(arms["issue"]) :] if n) / max(1, len(arms["issue"])),
         "wait_us": out["wait"],
-        "overlap_us": out["start"] + out["wait"],
+        "overlap_us": out["overlap"],
         "step_ms": out["step"] / 1e3,
         "step_total_blocking_ms": out["total_b"] / 1e3,
         "step_total_overlapped_ms": out["total_o"] / 1e3,
@@ -292,8 +308,9 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     from cuda_graph_runner.config.integers import count_arg
+    from cuda_graph_runner.reference.model import PRESETS
     from cuda_graph_runner.testing.tp_launch import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -312,14 +329,26 @@ def main() -> int:
         default=REFERENCE_STEP_MS,
         help=f"the decode step (ms) the share is also given against (default: {REFERENCE_STEP})",
     )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="seconds the whole run may take before every rank is killed (default: 3 x --budget-s + 120)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.preset not in PRESETS:
+        parser.error(f"--preset {args.preset!r}: accepted {', '.join(sorted(PRESETS))}")
     if not 1.0 <= args.budget_s <= 300.0:
         parser.error(f"--budget-s {args.budget_s}: accepted 1 to 300 seconds")
+    if args.timeout_s is None:
+        args.timeout_s = args.budget_s * 3 + 120
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        parser.error(f"--timeout-s {args.timeout_s}: accepted a finite number of seconds > 0")
     if not args.step_ms > 0:
         parser.error(f"--step-ms {args.step_ms}: accepted a positive number of milliseconds")
     began = time.time()
-    ranks = run_ranks(_rank, args.dp, vars(args), timeout_s=args.budget_s * 3 + 120, group_timeout_s=60)
+    ranks = run_ranks(_rank, args.dp, vars(args), timeout_s=args.timeout_s, group_timeout_s=60)
     ended = time.time()
     wall = ended - began
     for r in ranks:  # the ranks' start (spawn, imports, process group) and end, from here
