@@ -46,9 +46,9 @@ inside the step); the summary lists them per mode (``first_step_phases``).
 
 ``--json PATH`` writes every start's timeline (per step: end time ms, step ms, capture ms,
 sizes ready) and the summary; ``--plot PATH`` draws ms per step over the first steps and
-the sizes becoming ready (matplotlib, optional). ``--time-limit-s`` bounds the whole run
-(every start's process included): a start still running at the limit is stopped and the
-run fails naming it.
+the sizes becoming ready (matplotlib, optional). ``--time-limit-s`` (default 600) bounds
+the whole run (every start's process included): a start still running at the limit is
+killed with its process group and the run fails naming it.
 
     python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
         --backend full --json eager_first_full.json --plot docs/eager-first-full.png
@@ -70,8 +70,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -428,6 +430,17 @@ class TimeLimitError(RuntimeError):
     """The run's ``--time-limit-s`` stopped a start."""
 
 
+#: ``--time-limit-s``'s default (seconds): a hung start fails the run instead of hanging it.
+DEFAULT_TIME_LIMIT_S = 600.0
+
+
+def _text(out: Any) -> str:
+    """A captured stream as text (a timeout's partial output may come back as bytes)."""
+    if out is None:
+        return ""
+    return out.decode("utf-8", "replace") if isinstance(out, bytes) else str(out)
+
+
 def start_env(compile_cache: str, folder: str) -> Dict[str, str]:
     """The environment of one start: ``fresh``: empty compile cache folders under
     ``folder`` (:data:`CACHE_VARS`); ``shared``: this process's environment as it is."""
@@ -452,22 +465,41 @@ def _run_one(
     (a ``time.monotonic()`` value) passes first."""
     timeout = None if deadline is None else max(deadline - time.monotonic(), 1.0)
     with tempfile.TemporaryDirectory(prefix=f"eager-first-{mode}-") as folder:
+        # A session of its own: at the limit its whole process group goes (compile workers too).
+        proc = subprocess.Popen(
+            me + ["--one", mode, "--until-s", str(until_s)] + (extra or []),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=start_env(compile_cache, folder),
+            start_new_session=True,
+        )
         try:
-            proc = subprocess.run(
-                me + ["--one", mode, "--until-s", str(until_s)] + (extra or []),
-                capture_output=True,
-                text=True,
-                env=start_env(compile_cache, folder),
-                timeout=timeout,
-            )
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:  # what it wrote before the kill (a grandchild holding the pipes is killed too)
+                stdout, stderr = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = exc.stdout, exc.stderr
             raise TimeLimitError(
                 f"the {mode} start was stopped by --time-limit-s after {timeout:.0f} s: fewer sizes "
-                f"(--max-bs), a smaller --until or a larger limit\n{exc.stdout or ''}\n{exc.stderr or ''}"
+                f"(--max-bs), a smaller --until or a larger limit\n{_text(stdout)}\n{_text(stderr)}"
             ) from exc
+        except BaseException:  # interrupted: no start outlives the run
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raise
     if proc.returncode != 0:
-        raise RuntimeError(f"the {mode} start failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"the {mode} start failed (exit {proc.returncode}):\n{stdout}\n{stderr}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -511,8 +543,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--time-limit-s",
         type=float,
-        default=None,
-        help="bound the whole run (every start's process); a start past it fails the run",
+        default=DEFAULT_TIME_LIMIT_S,
+        help=f"bound the whole run (every start's process; default {DEFAULT_TIME_LIMIT_S:.0f} s): a start\n"
+        "past it is killed with its process group and fails the run",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the starts and the summary here")
@@ -540,8 +573,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.first_step_repeats < 1:
         print(f"error: --first-step-repeats {args.first_step_repeats}: must be >= 1", file=sys.stderr)
         return 2
-    if args.time_limit_s is not None and not args.time_limit_s > 0:
-        print(f"error: --time-limit-s {args.time_limit_s}: must be > 0", file=sys.stderr)
+    if not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
+        print(f"error: --time-limit-s {args.time_limit_s}: must be a finite number of seconds > 0", file=sys.stderr)
         return 2
     # Enough sizes drawn for any run length; a start stops by its own rule.
     args.steps_cap = max(args.steps, 1) * 1000
@@ -557,7 +590,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     me = _child_args(args)
-    deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
+    deadline = time.monotonic() + args.time_limit_s
     repeats: Dict[str, List[Dict[str, Any]]] = {"eager_first": [], "eager": []}
     try:
         run = {"compile_cache": args.compile_cache, "deadline": deadline}

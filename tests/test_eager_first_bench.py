@@ -137,14 +137,49 @@ def test_fresh_starts_get_empty_cache_folders_of_their_own(tmp_path):
     assert eager_first.start_env("shared", str(tmp_path)) == dict(os.environ)
 
 
-def test_time_limit_stops_a_start_and_names_it():
+def test_time_limit_stops_a_start_and_names_it(tmp_path):
     import time
 
-    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    # A start that printed a line, left a worker in its process group, and hangs.
+    pid_file = tmp_path / "worker.pid"
+    script = (
+        "import subprocess, sys, time; w = subprocess.Popen(['sleep', '600']); "
+        f"open({str(pid_file)!r}, 'w').write(str(w.pid)); print('started', flush=True); "
+        "print('still going', file=sys.stderr, flush=True); time.sleep(30)"
+    )
+    sleeper = [sys.executable, "-c", script]
     began = time.monotonic()
-    with pytest.raises(eager_first.TimeLimitError, match=r"the eager start was stopped by --time-limit-s"):
-        eager_first._run_one(sleeper, "eager", 0.0, deadline=time.monotonic() + 1.0)
+    with pytest.raises(eager_first.TimeLimitError, match=r"the eager start was stopped by --time-limit-s") as exc:
+        eager_first._run_one(sleeper, "eager", 0.0, deadline=time.monotonic() + 3.0)
     assert time.monotonic() - began < 20
+    # Its output so far is text in the message (no b'...'), and its worker died with it.
+    message = str(exc.value)
+    assert "started" in message and "still going" in message and "b'" not in message
+    worker = int(pid_file.read_text())
+    end = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _gone(worker), "the start's worker outlived the time limit"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_stream_text_decodes_bytes():
+    assert eager_first._text(b"caf\xc3\xa9 \xff") == "caf\u00e9 \ufffd"
+    assert eager_first._text("text") == "text" and eager_first._text(None) == ""
+
+
+def test_the_time_limit_is_finite_by_default(capsys):
+    assert eager_first._parser().parse_args([]).time_limit_s == eager_first.DEFAULT_TIME_LIMIT_S == 600.0
+    with pytest.raises(SystemExit):
+        eager_first._parser().parse_args(["--help"])
+    assert "default 600 s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -152,7 +187,9 @@ def test_time_limit_stops_a_start_and_names_it():
     [
         (["--until", "0.5"], "--until 0.5: must be >= 1"),
         (["--first-step-repeats", "0"], "--first-step-repeats 0: must be >= 1"),
-        (["--time-limit-s", "0"], "--time-limit-s 0.0: must be > 0"),
+        (["--time-limit-s", "0"], "--time-limit-s 0.0: must be a finite number of seconds > 0"),
+        (["--time-limit-s", "nan"], "--time-limit-s nan: must be a finite number of seconds > 0"),
+        (["--time-limit-s", "inf"], "--time-limit-s inf: must be a finite number of seconds > 0"),
     ],
 )
 def test_bad_run_options_are_refused_naming_the_value(argv, message, capsys):
