@@ -784,6 +784,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     previous: Dict[int, Any] = {}
 
     def on_signal(signum: int, frame: Any) -> None:
+        for sig in previous:  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         raise SystemExit(128 + signum)  # unwinds to the finally below: the children are killed
 
     if threading.current_thread() is threading.main_thread():
