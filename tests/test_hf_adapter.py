@@ -17,12 +17,18 @@ transformers = pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
-from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
-
 from cuda_graph_runner.backend.context import forward_context  # noqa: E402
 from cuda_graph_runner.reference.batches import make_extend_batch  # noqa: E402
 from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.testing.hf_cases import (  # noqa: E402
+    PROMPT_LENS,
+    STEPS,
+    hf_generate,
+    ragged_prompts,
+    run_continuous_batch,
+    tiny_models,
+)
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend  # noqa: E402
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule  # noqa: E402
 from cuda_graph_runner_full.backend import FullCudaGraphBackend  # noqa: E402

@@ -24,7 +24,6 @@ transformers = pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
-from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 from test_flashinfer_attention import fake  # noqa: E402,F401  (the fixture)
 
 from cuda_graph_runner.backend.context import forward_context, get_forward_batch  # noqa: E402
@@ -35,6 +34,14 @@ from cuda_graph_runner.reference.model.attention import AttentionCall, _decode_a
 from cuda_graph_runner.reference.model.config import PRESETS, ModelConfig  # noqa: E402
 from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.testing.hf_cases import (  # noqa: E402
+    PROMPT_LENS,
+    STEPS,
+    hf_generate,
+    ragged_prompts,
+    run_continuous_batch,
+    tiny_models,
+)
 from cuda_graph_runner.testing.tolerances import assert_kernels_close, model_depth  # noqa: E402
 from cuda_graph_runner_breakable.backend import BreakableCudaGraphBackend  # noqa: E402
 from cuda_graph_runner_breakable.emulation import EmulatedGraphDeviceModule  # noqa: E402

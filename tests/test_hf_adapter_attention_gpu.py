@@ -30,14 +30,13 @@ transformers = pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
-from hf_cases import STEPS, ragged_prompts  # noqa: E402
-
 from cuda_graph_runner.backend.context import forward_context  # noqa: E402
 from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn  # noqa: E402
 from cuda_graph_runner.reference.model.flashinfer_attention import flashinfer_available  # noqa: E402
 from cuda_graph_runner.reference.model.triton_attention import triton_available  # noqa: E402
 from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.testing.hf_cases import STEPS, ragged_prompts  # noqa: E402
 from cuda_graph_runner.testing.tolerances import assert_kernels_close, model_depth  # noqa: E402
 
 pytestmark = [

@@ -29,12 +29,11 @@ transformers = pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install 'cuda-graph-runner[transformers]'"
 )
 
-from hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch  # noqa: E402
-
 from cuda_graph_runner.backend.context import forward_context  # noqa: E402
 from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_extend_batch  # noqa: E402
 from cuda_graph_runner.reference.models import hf  # noqa: E402
 from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner  # noqa: E402
+from cuda_graph_runner.testing.hf_cases import PROMPT_LENS, STEPS, hf_generate, ragged_prompts, run_continuous_batch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -549,8 +549,8 @@ def test_y():
         f"test_x.py:8: shared_cases ({shown / 'shared_cases.py'})",
     ]
     # the repository's own tests/ folder is what the plugin tests are checked against
-    assert (ROOT / "tests" / "hf_cases.py").exists()
-    (plugin_tests / "test_z.py").write_text("from hf_cases import tiny_models\n")
+    assert (ROOT / "tests" / "plugin_sources.py").exists()
+    (plugin_tests / "test_z.py").write_text("from plugin_sources import PluginDist\n")
     assert _core_imports_beside_the_plugin_api(plugin_tests / "test_z.py") == [
-        "test_z.py:1: hf_cases (tests/hf_cases.py)"
+        "test_z.py:1: plugin_sources (tests/plugin_sources.py)"
     ]

@@ -14,8 +14,8 @@ pytest.importorskip(
 )
 
 from tc_emulated_graphs import EmulatedGraphs, recording_compiler  # noqa: E402
-from tc_hf_cases import hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 
+from cuda_graph_runner.testing.hf_cases import hf_generate, ragged_prompts, run_continuous_batch, tiny_models  # noqa: E402
 from cuda_graph_runner.testing.workload import (
     DecodeCudaGraphRunner,  # noqa: E402
     eager_logits_fn,  # noqa: E402

@@ -1,21 +1,17 @@
-"""The Hugging Face cases of tc_piecewise's tests: a tiny random-weight transformers model
-with its adapter, ragged prompts, transformers' own greedy ``generate()`` and a continuous
-batch through a runner's prefill and decode; the core reached only through
-``cuda_graph_runner.testing.workload``. Callers skip without transformers first."""
+"""Shared cases of Hugging Face adapter tests (the core's and a plugin's): a tiny
+random-weight transformers model with its adapter, ragged prompts, transformers' own greedy
+``generate()`` and a continuous batch through a runner's prefill and decode. Needs the
+optional transformers (``pip install 'cuda-graph-runner[transformers]'``): callers skip
+without it first (``pytest.importorskip("transformers", reason=...)``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from cuda_graph_runner.testing.workload import (
-    HFCausalLM,
-    builtin_config,
-    eager_reference,
-    make_decode_batch,
-    make_extend_batch,
-)
+from ..reference.batches import make_decode_batch, make_extend_batch
+from ..reference.models.hf import HFCausalLM, builtin_config, eager_reference
 
 #: greedy tokens generated per prompt
 STEPS = 32
@@ -26,11 +22,17 @@ ADMIT_AT = (0, 0, 2, 5, 9)  # decode step at which each prompt joins the running
 Forward = Callable[[Any], torch.Tensor]
 
 
-def tiny_models(arch: str, seed: int = 0) -> Tuple[HFCausalLM, Any]:
+def tiny_models(arch: str, seed: int = 0, attention: Optional[str] = None, **overrides: Any) -> Tuple[HFCausalLM, Any]:
     """(adapter, reference): the float32 CPU adapter of ``arch``'s tiny built-in config
-    (weights normal(0, 0.15), so greedy tokens have clear margins) and an eager
+    (with ``overrides`` of its keys; weights normal(0, 0.15), so greedy tokens have clear
+    margins; ``attention`` its attention backend, default ``torch``) and an eager
     transformers model (a ``PreTrainedModel``) with the same weights."""
-    adapter = HFCausalLM.from_config(builtin_config(arch), seed=seed, std=0.15)
+    config = builtin_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if overrides.get("use_sliding_window"):  # Qwen2's per-layer windows follow from these keys
+        config = config.__class__(**{**config.to_dict(), "layer_types": None})
+    adapter = HFCausalLM.from_config(config, seed=seed, std=0.15, attention=attention)
     return adapter, eager_reference(adapter)
 
 
