@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from cuda_graph_runner.cli.bench.measure import bench_decode, bench_prefill
+from cuda_graph_runner.cli.bench.measure import bench_decode, bench_prefill, within_tolerance
 from cuda_graph_runner.reference.batches import eager_logits_fn
 from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
 
@@ -63,3 +63,13 @@ def test_prefill_rows_are_judged_the_same_way(model):
     with torch.no_grad():
         rows = bench_prefill(model, _OffsetRunner(model, 0.5), token_counts=[8], requests=[1], iters=1, warmup=0)
     assert rows[0]["within_tolerance"] is False and rows[0]["argmax_match"] is True
+
+
+def test_within_tolerance_compares_token_ids_exactly_and_logits_within_it():
+    tokens = torch.tensor([30000, 5])
+    assert within_tolerance(tokens, tokens.clone(), 0.05, 0.05)
+    # One id apart: inside 0.05 + 0.05 * 30000, yet a different token.
+    assert not within_tolerance(tokens + torch.tensor([1, 0]), tokens, 0.05, 0.05)
+    assert not within_tolerance(tokens[:1], tokens, 1e9, 1e9)
+    assert within_tolerance(torch.tensor([1.0]), torch.tensor([1.01]), 0.05, 0.0)
+    assert not within_tolerance(torch.tensor([1.0]), torch.tensor([1.2]), 0.05, 0.0)

@@ -123,3 +123,18 @@ def test_kit_is_opt_in_not_a_pytest11_plugin():
     import cuda_graph_runner.testing.conformance as kit
 
     assert not hasattr(kit, "pytest_configure") and not hasattr(kit, "pytest_collection_modifyitems")
+
+
+def test_assert_close_compares_token_ids_exactly_and_logits_within_tolerance():
+    kit = conformance.BackendConformanceTests()
+    kit.atol = kit.rtol = 0.05  # wide enough that a float comparison would admit tokens one id apart
+    tokens = torch.tensor([[200, 7], [30000, 12]])
+    kit.assert_close(tokens.clone(), tokens, "greedy tokens")
+    with pytest.raises(AssertionError, match="greedy tokens: graph output differs from eager"):
+        kit.assert_close(tokens + torch.tensor([[0, 0], [1, 0]]), tokens, "greedy tokens")
+    logits = torch.tensor([[1.0, 2.0]])
+    kit.assert_close((logits + 0.01, tokens), (logits, tokens.clone()), "logits and tokens")
+    with pytest.raises(AssertionError, match="logits and tokens"):
+        kit.assert_close((logits + 0.01, tokens - 1), (logits, tokens), "logits and tokens")
+    with pytest.raises(AssertionError):
+        kit.assert_close(logits + 1.0, logits, "logits")

@@ -13,12 +13,15 @@ import pytest
 import torch
 from host_branch_model import THRESHOLD, make_model
 
+from cuda_graph_runner.backend import default_verify_tolerance
 from cuda_graph_runner.backend.context import forward_context
 from cuda_graph_runner.backend.errors import CudaGraphVerifyError
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
-from cuda_graph_runner.reference.batches import GreedySession, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.batches import GreedySession, make_decode_batch, make_dummy_prompts, make_extend_batch
 from cuda_graph_runner.reference.model import ReferenceLlamaForCausalLM
-from cuda_graph_runner.runner import DecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.reference.speculative import make_draft_batch
+from cuda_graph_runner.runner import DecodeCudaGraphRunner, GreedyDecodeCudaGraphRunner, PrefillCudaGraphRunner
+from cuda_graph_runner.runner.draft import DraftDecodeCudaGraphRunner
 from cuda_graph_runner.runner.verify import VerifyPolicy, compare_outputs, policy_from
 from cuda_graph_runner.testing.fakes import RecordingBackend
 from cuda_graph_runner.testing.toy_model import ToyModel, decode_batch
@@ -341,3 +344,106 @@ def test_verify_names_a_batch_wide_op_among_the_causes():
         with pytest.raises(CudaGraphVerifyError) as info:
             runner.forward(decode_batch(3))  # padded to 4: the dummy row enters the mean
     assert "rows must be independent" in str(info.value) and "a mean or a norm over the batch" in str(info.value)
+
+
+# -- integer outputs (token ids) are compared exactly -------------------------------------------
+
+
+def test_compare_outputs_integer_leaves_exactly_whatever_the_tolerance():
+    bf16_atol, bf16_rtol = default_verify_tolerance(torch.bfloat16)
+    want = torch.tensor([[30000, 7], [12, 30001]])
+    got = want.clone()
+    got[1, 1] -= 1  # within bf16's atol + rtol * |want| of the float comparison (about 1500)
+    assert 1 <= bf16_atol + bf16_rtol * 30000
+    ok, diff, where = compare_outputs(got, want, bf16_atol, bf16_rtol)
+    assert not ok and diff == 1.0
+    assert "1 of 4 elements differ" in where and "index [1, 1]" in where and "30000 vs reference 30001" in where
+    assert compare_outputs(want.clone(), want, bf16_atol, bf16_rtol) == (True, 0.0, "")
+    # bool leaves and an integer leaf beside a float one: only the float one gets the tolerance.
+    mask = torch.tensor([True, False, True])
+    ok, _, where = compare_outputs({"m": ~mask}, {"m": mask}, 1.0, 1.0)
+    assert not ok and where.startswith("['m']") and "3 of 3 elements differ" in where and "index [0]" in where
+    logits = torch.tensor([1.0, 2.0])
+    ok, diff, where = compare_outputs((logits + 0.01, want), (logits, want.clone()), 0.1, 0.0)
+    assert ok and diff == pytest.approx(0.01) and where == ""
+    ok, _, where = compare_outputs((logits + 0.01, got), (logits, want), 0.1, 0.0)
+    assert not ok and where.startswith("[1]")
+    # Float leaves keep the tolerance: the same difference of 1 passes a tolerance that admits it.
+    assert compare_outputs(got.double(), want.double(), bf16_atol, bf16_rtol) == (True, 1.0, "")
+    # An integer leaf against a float reference of equal values is exact too.
+    assert compare_outputs(want, want.float(), 0.0, 0.0)[0]
+    assert not compare_outputs(got, want.float(), 1e9, 1e9)[0]
+
+
+class TokenShiftLlama(ReferenceLlamaForCausalLM):
+    """A host-value bug that moves the greedy token by one id: the last vocabulary id
+    wins when ``max(batch.seq_lens_cpu) > THRESHOLD``, the one before it otherwise (and
+    when the batch carries no host lengths). A graph freezes the capture's branch."""
+
+    def compute_logits(self, hidden, batch):
+        logits = super().compute_logits(hidden, batch)
+        lens = batch.seq_lens_cpu
+        top = logits.shape[-1] - (1 if lens is not None and max(lens) > THRESHOLD else 2)
+        logits[:, top] = 1e4
+        return logits
+
+
+def _token_shift_model():
+    return make_model(TokenShiftLlama, dtype=torch.bfloat16)
+
+
+def _prefilled(model, prompt_len):
+    session = GreedySession(model, model.kv_cache)
+    session.prefill(make_dummy_prompts(2, prompt_len, model.config.vocab_size, seed=5))
+    return session
+
+
+def test_greedy_runner_verify_fails_on_tokens_one_id_apart_and_passes_equal_tokens():
+    model = _token_shift_model()
+    vocab = model.config.vocab_size
+    atol, rtol = FullCudaGraphBackend("cpu", phase="decode").verify_tolerance(torch.bfloat16)
+    assert 1 <= atol + rtol * (vocab - 2)  # a float tolerance would let these tokens pass
+    config = {"decode": {"bs": [1, 2, 4], "verify": True, "verify_first_n": 8, "host_value_guard": False}}
+    runner = GreedyDecodeCudaGraphRunner(model, config, device="cpu", backend=full(), show_progress=False)
+    with torch.no_grad():
+        runner.capture()
+        short = _prefilled(model, 3)  # decode lengths 4 <= THRESHOLD: graph and eager agree
+        batch = make_decode_batch(model.kv_cache, short.rows, None, [t[-1] for t in short.tokens])
+        assert runner.forward(batch).tolist() == [vocab - 2, vocab - 2]
+        assert runner.verifier.checked == [(runner.make_key(2), 1)]
+        short.close()
+        long = _prefilled(model, THRESHOLD + 2)
+        batch = make_decode_batch(model.kv_cache, long.rows, None, [t[-1] for t in long.tokens])
+        assert runner.eager_forward(batch).tolist() == [vocab - 1, vocab - 1]
+        with pytest.raises(CudaGraphVerifyError) as info:
+            runner.forward(batch)  # the graph's frozen branch: vocab - 2
+        long.close()
+    text = str(info.value)
+    assert info.value.max_abs_diff == 1.0 and info.value.replay_index == 2
+    assert "2 of 2 elements differ" in text and "index [0]" in text and "torch.int64" in text
+    assert f"{vocab - 2} vs reference {vocab - 1}" in text
+
+
+def test_draft_runner_verify_fails_on_tokens_one_id_apart_and_passes_equal_tokens():
+    model = _token_shift_model()
+    vocab, k = model.config.vocab_size, 2
+    config = {"decode": {"bs": [2], "verify": True, "verify_first_n": 8, "host_value_guard": False}}
+    runner = DraftDecodeCudaGraphRunner(model, config, num_steps=k, device="cpu", backend=full(), show_progress=False)
+    cache = model.kv_cache
+    with torch.no_grad():
+        runner.capture()
+        for prompt_len, fails in ((3, False), (THRESHOLD + 2, True)):
+            session = _prefilled(model, prompt_len)
+            batch = make_draft_batch(cache, session.rows, [t[-1] for t in session.tokens], k)
+            if not fails:
+                assert runner.forward(batch).tolist() == [[vocab - 2] * k] * 2
+                assert len(runner.verifier.checked) == 1
+            else:
+                # Step 0 reads the host lengths (eager: vocab - 1); later steps carry none.
+                assert runner.eager_forward(batch).tolist() == [[vocab - 1, vocab - 2]] * 2
+                with pytest.raises(CudaGraphVerifyError) as info:
+                    runner.forward(batch)
+            session.close()
+    text = str(info.value)
+    assert info.value.max_abs_diff == 1.0
+    assert "2 of 4 elements differ" in text and "index [0, 0]" in text

@@ -443,7 +443,8 @@ class BaseCudaGraphBackend(abc.ABC):
 
     def verify_tolerance(self, dtype: torch.dtype) -> Tuple[float, float]:
         """``(atol, rtol)`` for comparing a replay with :meth:`verify_reference`, elementwise
-        ``|replay - reference| <= atol + rtol * |reference|``; ``dtype`` is the model's
+        ``|replay - reference| <= atol + rtol * |reference|`` for floating-point outputs
+        (integer and bool outputs, token ids, are compared exactly); ``dtype`` is the model's
         compute dtype. Default: near-exact for the dtype (the graph runs the same kernels as
         eager; only the padded shape may pick another GEMM algorithm):
         float64 1e-6, float32 1e-4 / 1e-3, float16 1e-2, bfloat16 5e-2."""

@@ -7,8 +7,9 @@ serving: for each shape key it checks the first ``first_n`` replays and, optiona
 every ``every``-th one after (so a branch that only flips on later, longer batches is
 caught too). A check runs, after the replay, the backend's reference
 (:meth:`~cuda_graph_runner.backend.BaseCudaGraphBackend.verify_reference`; eager by
-default) on the same live batch and compares with the backend's tolerance
-(:meth:`~cuda_graph_runner.backend.BaseCudaGraphBackend.verify_tolerance`); a mismatch
+default) on the same live batch and compares floating-point outputs with the backend's
+tolerance (:meth:`~cuda_graph_runner.backend.BaseCudaGraphBackend.verify_tolerance`) and
+integer or bool outputs (the greedy and draft runners' token ids) exactly; a mismatch
 raises :class:`~cuda_graph_runner.backend.errors.CudaGraphVerifyError`.
 
 Switches (off by default; when off the runner does one ``is None`` test per replay):
@@ -114,8 +115,41 @@ def policy_from(phase_config: Any) -> Optional[VerifyPolicy]:
     return VerifyPolicy(first_n=first_n, every=every)
 
 
+def _is_exact(t: torch.Tensor) -> bool:
+    """Integer and bool tensors (token ids, masks) are compared exactly: a float tolerance
+    scaled by ``|reference|`` would let token 30000 match anything within 1500 in bfloat16."""
+    return not (t.is_floating_point() or t.is_complex())
+
+
+def _flat_index(flat: int, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
+
+
+def _exact_leaf_diff(a: torch.Tensor, b: torch.Tensor) -> Tuple[bool, float, str]:
+    """``(ok, max abs difference, detail)`` of two same-shape tensors of which one is
+    integer or bool, with ``torch.equal`` semantics: every element equal."""
+    x, y = a.detach().cpu(), b.detach().cpu()
+    if x.numel() == 0 or torch.equal(x, y):
+        return True, 0.0, ""
+    differ = (x != y).reshape(-1)
+    count = int(differ.sum())
+    first = int(differ.nonzero()[0, 0])
+    index = _flat_index(first, tuple(x.shape))
+    got, want = x.reshape(-1)[first].item(), y.reshape(-1)[first].item()
+    diff = float((x.to(torch.float64) - y.to(torch.float64)).abs().max())
+    detail = (
+        f"{count} of {x.numel()} elements differ (exact comparison of {x.dtype} vs reference {y.dtype}), "
+        f"the first at index {list(index)}: {got} vs reference {want}; max abs difference {diff:.6g}"
+    )
+    return False, diff, detail
+
+
 def _leaf_diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Tuple[bool, float]:
-    """``(ok, max abs difference)`` of two same-shape tensors, elementwise
+    """``(ok, max abs difference)`` of two same-shape floating-point tensors, elementwise
     ``|a - b| <= atol + rtol * |b|`` between finite values. Equal values match, equal
     infinities (a masked vocabulary's -inf logits) and NaN on both sides included; an
     infinity or NaN on one side only is a mismatch (difference inf), never within
@@ -135,9 +169,15 @@ def compare_outputs(got: Any, want: Any, atol: float, rtol: float) -> Tuple[bool
     """Compare the tensor leaves of two output structures (any structure
     :mod:`cuda_graph_runner.backend.nested` walks: tuples, NamedTuples, lists, dicts, dataclasses).
 
+    Floating-point leaves (logits, hidden states) match within ``atol`` / ``rtol``
+    (elementwise ``|got - want| <= atol + rtol * |want|``); a leaf that is integer or bool
+    on either side (token ids, masks) matches only when every element is equal
+    (``torch.equal``), whatever the tolerance.
+
     Returns:
         ``(ok, max_abs_diff, where)``: ``where`` names the first failing leaf (``""`` if
-        none); ``max_abs_diff`` is over every tensor leaf (inf for a shape or structure
+        none; for an exact leaf, how many elements differ and the first differing index);
+        ``max_abs_diff`` is over every tensor leaf (inf for a shape or structure
         mismatch, or NaN on one side only).
     """
     got_leaves = list(iter_tensors(got, where=""))
@@ -153,6 +193,12 @@ def compare_outputs(got: Any, want: Any, atol: float, rtol: float) -> Tuple[bool
         if a.shape != b.shape:
             worst = math.inf
             first_bad = first_bad or f"{path or 'output'}: shape {tuple(a.shape)} vs reference {tuple(b.shape)}"
+            continue
+        if _is_exact(a) or _is_exact(b):
+            ok, d, detail = _exact_leaf_diff(a, b)
+            worst = max(worst, d)
+            if not ok and not first_bad:
+                first_bad = f"{path or 'output'}: {detail}"
             continue
         ok, d = _leaf_diff(a, b, atol, rtol)
         worst = max(worst, d)
@@ -201,7 +247,8 @@ class Verifier:
         """Check ``output`` (the runner's output for the live batch) when this replay is sampled.
 
         Raises:
-            CudaGraphVerifyError: the replay differs from the reference beyond tolerance.
+            CudaGraphVerifyError: the replay differs from the reference beyond tolerance (a
+                floating-point leaf) or at all (an integer or bool leaf).
         """
         n = self.replays.get(key, 0) + 1
         self.replays[key] = n
@@ -231,7 +278,8 @@ class Verifier:
         raise CudaGraphVerifyError(
             f"verify mode: replay {n} of shape {key} (phase {self.phase!r}, backend {self.backend_name!r}) differs "
             f"from the backend's reference on the same batch: {where}; max abs difference {diff:.6g} "
-            f"(tolerance atol {atol:g}, rtol {rtol:g}). {verdict}",
+            f"(tolerance atol {atol:g}, rtol {rtol:g} for floating-point leaves; integer and bool leaves "
+            f"compared exactly). {verdict}",
             phase=self.phase,
             backend=self.backend_name,
             key=key,

@@ -272,6 +272,15 @@ def backend_tolerance(model: Any, runner: Any) -> Tuple[float, float]:
     return float(atol), float(rtol)
 
 
+def within_tolerance(got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> bool:
+    """``torch.allclose(got, ref, atol, rtol)`` for floating-point tensors; ``torch.equal``
+    when either is integer or bool (token ids: a tolerance scaled by ``|ref|`` would admit
+    a wrong token)."""
+    if not (got.is_floating_point() or got.is_complex()) or not (ref.is_floating_point() or ref.is_complex()):
+        return got.shape == ref.shape and bool((got == ref).all())
+    return bool(torch.allclose(got, ref, atol=atol, rtol=rtol))
+
+
 def _teacher_forced_check(
     model: Any, cache: Any, runner: Any, eager: Callable[[ForwardBatch], Any], prompts: Any, steps: int
 ) -> Dict[str, Any]:
@@ -290,7 +299,7 @@ def _teacher_forced_check(
         ref = eager(batch).clone()
         n = batch.batch_size
         worst = max(worst, float((graph[:n] - ref[:n]).abs().max()))
-        within = within and bool(torch.allclose(graph[:n], ref[:n], atol=atol, rtol=rtol))
+        within = within and within_tolerance(graph[:n], ref[:n], atol, rtol)
         return ref
 
     session = GreedySession(model, cache, decode_fn=both)
@@ -347,7 +356,7 @@ def bench_prefill(
                     row["replayed"] = runner.can_run(batch)
                     atol, rtol = backend_tolerance(model, runner)
                     row["max_abs_diff"] = float((got - ref).abs().max())
-                    row["within_tolerance"] = bool(torch.allclose(got, ref, atol=atol, rtol=rtol))
+                    row["within_tolerance"] = within_tolerance(got, ref, atol, rtol)
                     row["argmax_match"] = bool((got.argmax(-1) == ref.argmax(-1)).all())
                 if reference_logits is not None:
                     picked = (got if runner is not None else ref).argmax(-1).tolist()

@@ -162,16 +162,25 @@ class BackendConformanceTests(DeviceConformanceTests):
         }
 
     def assert_close(self, got: Any, expected: Any, what: str) -> None:
+        """Floating-point leaves within :meth:`tolerance`; integer and bool leaves (token
+        ids) exactly, as ``torch.testing.assert_close`` would apply the tolerance to them too.
+
+        Raises:
+            AssertionError: a leaf differs (torch's message, prefixed with the backend and ``what``).
+        """
         import torch
 
+        from ...backend.nested import iter_tensors
+
         tol = self.tolerance()
-        torch.testing.assert_close(
-            got,
-            expected,
-            atol=tol["atol"],
-            rtol=tol["rtol"],
-            msg=lambda m: f"backend {self.backend_name!r}, {what}: graph output differs from eager\n{m}",
-        )
+
+        def msg(m: str) -> str:
+            return f"backend {self.backend_name!r}, {what}: graph output differs from eager\n{m}"
+
+        torch.testing.assert_close(got, expected, atol=tol["atol"], rtol=tol["rtol"], msg=msg)
+        for (_, a), (_, b) in zip(iter_tensors(got, where=""), iter_tensors(expected, where="")):
+            if not (a.is_floating_point() or a.is_complex()):
+                torch.testing.assert_close(a, b, atol=0, rtol=0, msg=msg)
 
     # -- discovery ----------------------------------------------------------------------
     def test_entry_point_is_installed(self) -> None:
