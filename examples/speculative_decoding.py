@@ -39,7 +39,7 @@ def run(device: str, backend: str, k: int, requests: int, draft_layers: int) -> 
         runner.capture()
     prompts = make_dummy_prompts(requests, staggered_lengths(requests), target.config.vocab_size, seed=0)
     stats = SpeculativeStats()
-    draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, extend_fn=extend.forward)
+    draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, extend_fn=extend.forward, read_between_proposes=True)
     got = speculative_generate(target, prompts, budgets, draft, k, verify_fn=verify.forward, stats=stats)
     plain = greedy_generate(target, target.kv_cache, prompts, max(budgets))
     return got == [p[:b] for p, b in zip(plain, budgets)], stats

@@ -108,7 +108,9 @@ def test_target_as_its_own_draft_through_the_draft_graph_is_lossless(target, cas
     draft_runner.capture()
     extend_runner.capture()
     stats = SpeculativeStats()
-    draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, extend_fn=extend_runner.forward)
+    draft = ModelDraft(
+        draft_model, draft_fn=draft_runner.forward, extend_fn=extend_runner.forward, read_between_proposes=True
+    )
     got = speculative_generate(target, prompts, BUDGETS, draft, k, verify_fn=verify_runners(k).forward, stats=stats)
     assert got == expected
     assert stats.accept_rate == 1.0  # the same model proposes the target's own tokens
@@ -124,7 +126,13 @@ def test_a_layer_skip_draft_rejects_tokens_and_the_loop_stays_lossless(target, c
     draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
     stats = SpeculativeStats()
     got = speculative_generate(
-        target, prompts, BUDGETS, ModelDraft(draft_model), k, verify_fn=verify_runners(k).forward, stats=stats
+        target,
+        prompts,
+        BUDGETS,
+        ModelDraft(draft_model, read_between_proposes=True),
+        k,
+        verify_fn=verify_runners(k).forward,
+        stats=stats,
     )
     assert got == expected
     assert stats.accepted < stats.proposed  # rejections happened: the rollback ran
@@ -141,7 +149,7 @@ def test_a_verify_graph_that_records_the_argmax_is_lossless(target, case, verify
     if draft_name == "oracle":
         draft = OracleDraft(expected)
     else:
-        draft = ModelDraft(layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT))
+        draft = ModelDraft(layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT), read_between_proposes=True)
     stats = SpeculativeStats()
     replays = sum(runner.stats.replays_by_size.values())  # the runner is shared by the module's tests
     got = speculative_generate(target, prompts, BUDGETS, draft, k, verify_fn=runner.forward, stats=stats)
@@ -430,6 +438,7 @@ def test_a_round_reads_the_device_once_and_runs_no_per_request_device_op(target,
                     draft_model,
                     draft_fn=spy.runner(lambda b: draft_steps(draft_model, b, k)),
                     extend_fn=spy.runner(eager_logits_fn(draft_model)),
+                    read_between_proposes=True,
                 )
 
         rounds = _spied_rounds(target, prompts[:n], budget, draft, k, monkeypatch)
@@ -482,6 +491,7 @@ def test_a_steady_round_allocates_no_tensor_and_makes_no_view(target, case, draf
                 draft_model,
                 draft_fn=spy.runner(lambda b: draft_steps(draft_model, b, k)),
                 extend_fn=spy.runner(eager_logits_fn(draft_model)),
+                read_between_proposes=True,
             )
 
     rounds = _spied_rounds(target, prompts, budget, draft, k, monkeypatch, greedy=greedy)
@@ -528,3 +538,23 @@ def test_step_buffers_are_reused_across_shapes_and_give_step_batch_fields():
             step_batch(caches[0], rows[:2], [[1, bad], [1, 2]], buffers=buffers)
         assert [caches[0].request_len(r) for r in rows[:2]] == lens
         assert torch.equal(caches[0].req_to_token, table)
+
+
+def test_a_model_draft_fences_its_step_buffers_unless_told_the_caller_reads(target, monkeypatch):
+    import cuda_graph_runner.reference.speculative as speculative
+
+    made = []
+
+    class Recording(speculative.StepBuffers):
+        def __init__(self, device, *, read_between_steps=False):
+            made.append(read_between_steps)
+            super().__init__(device, read_between_steps=read_between_steps)
+
+    monkeypatch.setattr(speculative, "StepBuffers", Recording)
+    draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
+    ModelDraft(draft_model)
+    assert made == [False, False]  # default: each batch's upload records an event (on CUDA)
+    ModelDraft(draft_model, read_between_proposes=True)
+    assert made[2:] == [True, True]
+    with pytest.raises(TypeError, match="read_between_proposes=1"):
+        ModelDraft(draft_model, read_between_proposes=1)

@@ -121,7 +121,9 @@ def test_target_as_its_own_draft_through_the_draft_graph_is_lossless(target, cas
     draft_runner.capture()
     extend_runner.capture()
     stats = SpeculativeStats()
-    draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, extend_fn=extend_runner.forward)
+    draft = ModelDraft(
+        draft_model, draft_fn=draft_runner.forward, extend_fn=extend_runner.forward, read_between_proposes=True
+    )
     got = speculative_generate(
         target, prompts, BUDGETS, draft, k, verify_fn=_verify_runner(target, k).forward, stats=stats
     )
@@ -135,7 +137,7 @@ def test_layer_skip_draft_is_lossless(target, case):
     draft_runner = DraftDecodeCudaGraphRunner(draft_model, _config(), num_steps=3, show_progress=False)
     draft_runner.capture()
     stats = SpeculativeStats()
-    draft = ModelDraft(draft_model, draft_fn=draft_runner.forward)
+    draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, read_between_proposes=True)
     got = speculative_generate(
         target, prompts, BUDGETS, draft, 3, verify_fn=_verify_runner(target, 3).forward, stats=stats
     )
@@ -159,7 +161,7 @@ def test_a_verify_graph_that_records_the_argmax_is_lossless(target, case, draft_
         draft_model = layer_skip_draft(target, 1, requests=REQUESTS, context=CONTEXT)
         draft_runner = DraftDecodeCudaGraphRunner(draft_model, _config(), num_steps=k, show_progress=False)
         draft_runner.capture()
-        draft = ModelDraft(draft_model, draft_fn=draft_runner.forward)
+        draft = ModelDraft(draft_model, draft_fn=draft_runner.forward, read_between_proposes=True)
     stats = SpeculativeStats()
     got = speculative_generate(target, prompts, BUDGETS, draft, k, verify_fn=runner.forward, stats=stats)
     _assert_lossless(got, expected, logits)
@@ -232,6 +234,7 @@ def test_a_round_synchronizes_the_host_with_the_device_once(target, draft_name):
             draft_model,
             draft_fn=unwatched(lambda b: draft_steps(draft_model, b, k)),
             extend_fn=unwatched(eager_logits_fn(draft_model)),
+            read_between_proposes=True,
         )
 
     class Marked:

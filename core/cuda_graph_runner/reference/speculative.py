@@ -373,13 +373,23 @@ class ModelDraft:
         extend_fn: ``batch -> logits`` for the draft-extend DECODE batch (a decode
             runner's ``forward``); default eager.
         prefill_fn: ``batch -> logits`` for the prompts; default eager.
+        read_between_proposes: the caller promises a device read (a synchronize of the
+            stream the draft's batches are copied on: ``.tolist()``, ``.item()``,
+            ``.cpu()``) after every :meth:`propose` and before the next one, as
+            :func:`speculative_generate` does every round (pass True there). The step
+            buffers are then rewritten without a CUDA event
+            (``StepBuffers(read_between_steps=True)``: two CUDA calls and a stream lookup
+            less per batch). Default False: each batch's upload records an event and the
+            next rewrite of its staging area waits on it, safe for any caller. A caller
+            that passes True and does not read may overwrite a batch's host memory while
+            its copy to the device is still running (wrong draft inputs, no error).
 
     Attributes:
         forwards: draft-model forwards run (``k`` per round plus draft-extend steps).
+        read_between_proposes: the argument.
 
-    Its callers read the device (a synchronize) between two ``propose`` calls, as
-    :func:`speculative_generate` does every round: its step buffers are rewritten without
-    an event (``StepBuffers(read_between_steps=True)``).
+    Raises:
+        TypeError: ``read_between_proposes`` is not a bool.
     """
 
     def __init__(
@@ -389,9 +399,13 @@ class ModelDraft:
         draft_fn: Optional[DraftFn] = None,
         extend_fn: Optional[LogitsFn] = None,
         prefill_fn: Optional[LogitsFn] = None,
+        read_between_proposes: bool = False,
     ) -> None:
+        if not isinstance(read_between_proposes, bool):
+            raise TypeError(f"read_between_proposes={read_between_proposes!r}: ModelDraft takes a bool")
         self.model = model
         self.cache: PagedKVCache = model.kv_cache  # type: ignore[attr-defined]
+        self.read_between_proposes = read_between_proposes
         self.draft_fn = draft_fn
         self.extend_fn = extend_fn or eager_logits_fn(model)
         self.prefill_fn = prefill_fn or eager_logits_fn(model)
@@ -400,9 +414,9 @@ class ModelDraft:
         self.forwards = 0
         # Two streams of steps, each valid until its own next step: the draft-extend
         # batch and the k-step batch of one round are both in flight before the verify.
-        # No event: the loop reads the device every round, between two proposes.
-        self._extend_buffers = StepBuffers(self.cache.device, read_between_steps=True)
-        self._draft_buffers = StepBuffers(self.cache.device, read_between_steps=True)
+        # No event only when the caller reads the device between two proposes.
+        self._extend_buffers = StepBuffers(self.cache.device, read_between_steps=read_between_proposes)
+        self._draft_buffers = StepBuffers(self.cache.device, read_between_steps=read_between_proposes)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> None:
         batch = make_extend_batch(self.cache, prompts)
@@ -464,8 +478,11 @@ class SpeculativeStats:
             request's token budget).
         generated: tokens committed (prefill's first tokens included).
         first_tokens: of those, the prefill's (one per request).
-        prefill_seconds, decode_seconds: with a ``clock``, the time of the target's and the
-            draft's prefill, and of the rounds after it.
+        prefill_seconds, decode_seconds: with a ``clock``, seconds of the prefill and of
+            the rounds after it. ``prefill_seconds`` includes the loop's set-up before the
+            target's and the draft's prefill: the verify batches' buffers
+            (:class:`StepBuffers`) and the first round's views of them, made once so that
+            no round allocates; ``decode_seconds`` holds the rounds only.
     """
 
     rounds: int = 0
@@ -507,6 +524,10 @@ def speculative_generate(
             prompt plus ``max_new_tokens + k`` tokens.
         max_new_tokens: tokens to generate per request (one int for all, or one each):
             requests finish at different rounds and leave the batch.
+        draft: proposes ``k`` tokens per live request a round (:class:`Draft`). Every
+            round reads the device once between two ``propose`` calls, so a
+            :class:`ModelDraft` driven only here may be built with
+            ``read_between_proposes=True`` (no CUDA event per batch).
         k: draft tokens per round (>= 1); verification is TARGET_VERIFY of width ``k + 1``.
         verify_fn: ``batch -> [bs * (k + 1), vocab]`` float logits (a decode runner of
             mode ``target_verify`` and ``num_tokens_per_req=k + 1``: its ``forward``), or
