@@ -96,8 +96,14 @@ def test_a_start_settles_the_heap_before_t0_and_splits_its_first_step(monkeypatc
     # the graph-only state at t = 0 come back with the timeline.
     import gc
 
+    from cuda_graph_runner.backend import pool
     from cuda_graph_runner.runner import DecodeCudaGraphRunner
 
+    # Pools and capture streams are per process: start from none, as a benchmark start does,
+    # whatever earlier tests in this worker left.
+    monkeypatch.setattr(pool, "_pools", {})
+    monkeypatch.setattr(pool, "_mem_pools", {})
+    monkeypatch.setattr(pool, "_streams", {})
     events = []
     collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: events.append("collect") or collect(*a))
