@@ -115,18 +115,10 @@ def policy_from(phase_config: Any) -> Optional[VerifyPolicy]:
     return VerifyPolicy(first_n=first_n, every=every)
 
 
-def _is_exact(t: torch.Tensor) -> bool:
+def compared_exactly(t: torch.Tensor) -> bool:
     """Integer and bool tensors (token ids, masks) are compared exactly: a float tolerance
     scaled by ``|reference|`` would let token 30000 match anything within 1500 in bfloat16."""
     return not (t.is_floating_point() or t.is_complex())
-
-
-def _flat_index(flat: int, shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        flat, i = divmod(flat, size)
-        index.append(i)
-    return tuple(reversed(index))
 
 
 def _exact_leaf_diff(a: torch.Tensor, b: torch.Tensor) -> Tuple[bool, float, str]:
@@ -138,12 +130,12 @@ def _exact_leaf_diff(a: torch.Tensor, b: torch.Tensor) -> Tuple[bool, float, str
     differ = (x != y).reshape(-1)
     count = int(differ.sum())
     first = int(differ.nonzero()[0, 0])
-    index = _flat_index(first, tuple(x.shape))
+    index = [int(i) for i in torch.unravel_index(torch.tensor(first), x.shape)]
     got, want = x.reshape(-1)[first].item(), y.reshape(-1)[first].item()
     diff = float((x.to(torch.float64) - y.to(torch.float64)).abs().max())
     detail = (
         f"{count} of {x.numel()} elements differ (exact comparison of {x.dtype} vs reference {y.dtype}), "
-        f"the first at index {list(index)}: {got} vs reference {want}; max abs difference {diff:.6g}"
+        f"the first at index {index}: {got} vs reference {want}; max abs difference {diff:.6g}"
     )
     return False, diff, detail
 
@@ -194,7 +186,7 @@ def compare_outputs(got: Any, want: Any, atol: float, rtol: float) -> Tuple[bool
             worst = math.inf
             first_bad = first_bad or f"{path or 'output'}: shape {tuple(a.shape)} vs reference {tuple(b.shape)}"
             continue
-        if _is_exact(a) or _is_exact(b):
+        if compared_exactly(a) or compared_exactly(b):
             ok, d, detail = _exact_leaf_diff(a, b)
             worst = max(worst, d)
             if not ok and not first_bad:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...backend.forward_batch import ForwardBatch
+from ...runner.verify import compared_exactly
 
 
 def time_ms(fn: Callable[[], Any], *, iters: int, warmup: int, sync: Callable[[], None], repeats: int = 5) -> float:
@@ -276,7 +277,7 @@ def within_tolerance(got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: fl
     """``torch.allclose(got, ref, atol, rtol)`` for floating-point tensors; ``torch.equal``
     when either is integer or bool (token ids: a tolerance scaled by ``|ref|`` would admit
     a wrong token)."""
-    if not (got.is_floating_point() or got.is_complex()) or not (ref.is_floating_point() or ref.is_complex()):
+    if compared_exactly(got) or compared_exactly(ref):
         return got.shape == ref.shape and bool((got == ref).all())
     return bool(torch.allclose(got, ref, atol=atol, rtol=rtol))
 
