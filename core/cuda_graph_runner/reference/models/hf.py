@@ -456,12 +456,15 @@ class HFCausalLM(nn.Module):
             config = builtin_config(config)
         check_supported(config)
         torch.manual_seed(seed)
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # Built where it runs: initialising a 1B model on the host takes minutes on a few cores.
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         if std is not None:
+            # Drawn on the host, so a seed gives the same weights on every device.
             gen = torch.Generator().manual_seed(seed)
             with torch.no_grad():
                 for name, p in hf.named_parameters():
-                    noise = torch.randn(p.shape, generator=gen).to(p.dtype)
+                    noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
                     p.copy_(1 + 0.2 * noise if "norm" in name else std * noise)
         return cls(hf.to(device), attention=attention)
 
@@ -603,7 +606,8 @@ def eager_reference(adapter: HFCausalLM, attn_implementation: str = "eager") -> 
     transformers = _transformers()
     config = adapter.config.__class__.from_dict(adapter.config.to_dict())
     config._attn_implementation = attn_implementation
-    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=adapter.dtype).to(adapter.device)
+    with torch.device(adapter.device):
+        reference = transformers.AutoModelForCausalLM.from_config(config, dtype=adapter.dtype)
     reference.load_state_dict(adapter.hf_model.state_dict())
     return reference.eval()
 
