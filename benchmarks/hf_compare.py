@@ -300,7 +300,12 @@ def hf_generate_fn(model: Any, prompts: List[List[int]], static: bool) -> Callab
 
 def hf_forward_fn(model: Any, forward: Callable[..., Any], prompt: List[int], margin: int) -> Callable[[], Any]:
     """One decode step of ``forward`` (HF's forward, eager or compiled) on a
-    ``StaticCache`` holding ``prompt``, at the position after it (repeated: the same slot)."""
+    ``StaticCache`` holding ``prompt``, fed the same token and position every call.
+
+    transformers' static cache layer appends at its own running length (it ignores
+    ``cache_position``), so every call takes the next slot: ``margin`` is the number of
+    calls the cache holds, and one more raises ``RuntimeError`` (not an out-of-bounds
+    device assert)."""
     from transformers import StaticCache
 
     device = model.device
@@ -316,8 +321,12 @@ def hf_forward_fn(model: Any, forward: Callable[..., Any], prompt: List[int], ma
     cpos = torch.tensor([n], device=device)
     pos = cpos[None]
     mark = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
+    calls = [0]
 
     def step() -> Any:
+        calls[0] += 1
+        if calls[0] > margin:
+            raise RuntimeError(f"hf_forward_fn: call {calls[0]} past the static cache's {margin} decode slots")
         if mark is not None and device.type == "cuda":
             mark()
         with torch.no_grad():
@@ -407,7 +416,9 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
     if wanted:
         progress(f"{shape}: building the transformers twin (sdpa) for {', '.join(wanted)}")
         model = hf_twin(adapter)
-        margin = args.new_tokens + args.steps + 8
+        # Every forward call takes a cache slot (see hf_forward_fn): the first 3, then
+        # each block's warm-up and timed calls.
+        margin = 3 + args.repeats * (args.steps + 2) + 8
         if "hf_eager" in wanted and "forward" in args.measures:
             record("hf_eager", "forward", 1,
                    timed(hf_forward_fn(model, model.forward, prompt, margin), iters=args.steps,

@@ -145,3 +145,19 @@ def test_forward_only_measures_time_no_loop(tmp_path):
     }  # fmt: skip
     assert doc["settings"]["measures"] == ["forward"] and "generate()" not in " ".join(doc["notes"])
     assert [r["sizes"] for r in doc["runners"] if r["backend"] == "full"] == [[1]]
+
+
+def test_hf_static_forward_takes_a_cache_slot_per_call_and_refuses_past_its_margin():
+    # transformers' static cache appends at its own running length: the step fn sizes its
+    # cache by calls, and one call too many is a clear error, not an out-of-bounds write.
+    from cuda_graph_runner.testing import workload
+
+    adapter = workload.HFCausalLM.from_config(workload.builtin_config("llama", size="tiny"), seed=0, std=0.15)
+    model = hf_compare.hf_twin(adapter)
+    prompt = [3, 5, 7, 9]
+    step = hf_compare.hf_forward_fn(model, model.forward, prompt, margin=3)
+    first = step()
+    for _ in range(2):
+        assert step().shape == first.shape
+    with pytest.raises(RuntimeError, match="call 4 past the static cache's 3 decode slots"):
+        step()
