@@ -362,7 +362,11 @@ def hf_generate_batch(model: Any, prompts: List[List[int]], new_tokens: int, syn
 # -- one shape --------------------------------------------------------------------------------
 
 
-def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
+def run_shape(
+    shape: str, args: Any, device: torch.device, flush: Callable[[Dict[str, Any]], None] = lambda got: None
+) -> Dict[str, Any]:
+    """Every cell of one shape; ``flush(got)`` after each recorded cell and runner, with what
+    the shape has so far (so a run cut short by its time limit keeps its finished cells)."""
     arch, size = SHAPES[shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = sync_fn(device)
@@ -382,6 +386,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
     timings: List[Dict[str, Any]] = []
     runners: List[Dict[str, Any]] = []
     notes: List[str] = []
+    got = {"timings": timings, "runners": runners, "notes": notes, "ragged_lens": lens}
 
     def record(name: str, measure: str, bs: int, cell: Optional[Dict[str, Any]]) -> None:
         if cell is not None and "unmeasured" in cell:
@@ -394,6 +399,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
             cell = {k: v for k, v in cell.items() if k in kept}
             timings.append({"model": shape, "phase": "decode", "method": method_label(name, measure),
                             "batch_size": bs, **cell})  # fmt: skip
+            flush(got)
 
     reference = hf_twin(adapter) if any(m in OURS for m in args.methods) else None
     for label in [m for m in args.methods if m in OURS]:
@@ -404,6 +410,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
         # capture_s: the whole capture() (compiled full: its inductor compile included).
         runners.append({"model": shape, "phase": "decode", "backend": label, "num_sizes": len(sizes),
                         "sizes": sizes, "capture_s": round(runner.capture_wall_s, 3)})  # fmt: skip
+        flush(got)
         if "forward" in args.measures:
             record(label, "forward", 1, ours_forward(adapter, runner, prompt, args, sync, reference))
         if "e2e" in args.measures:
@@ -468,7 +475,7 @@ def run_shape(shape: str, args: Any, device: torch.device) -> Dict[str, Any]:
     del adapter
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"timings": timings, "runners": runners, "notes": notes, "ragged_lens": lens}
+    return got
 
 
 def ratios(timings: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -545,17 +552,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     progress(f"torch {env['torch']}, transformers {env['transformers']}, device {env.get('device_name', device)}; "
              f"shapes {','.join(shapes)}, methods {','.join(args.methods)}, "
              f"measures {','.join(args.measures)}")  # fmt: skip
-    timings: List[Dict[str, Any]] = []
-    runners: List[Dict[str, Any]] = []
-    notes: List[str] = []
-    lens: Dict[str, List[int]] = {}
-    for shape in shapes:
-        got = run_shape(shape, args, device)
-        timings += got["timings"]
-        runners += got["runners"]
-        notes += got["notes"]
-        lens[shape] = got["ragged_lens"]
-        progress(f"{shape} done")
     settings = {k: getattr(args, k) for k in ("prompt_len", "ragged", "new_tokens", "steps", "repeats", "attention")}
     settings.update(
         shapes=shapes,
@@ -563,17 +559,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         measures=args.measures,
         dtype="bfloat16" if device.type == "cuda" else "float32",
     )
-    doc = document(TOOL, env, timings=timings, ratios=ratios(timings), runners=runners, notes=notes,
-                   settings=settings, extra={"batch_semantics": {m: BATCH_SEMANTICS[m] for m in args.methods},
-                                             "ragged_prompt_lens": lens})  # fmt: skip
-    text = json.dumps(doc, indent=1)
-    if args.out:
+    done: List[Dict[str, Any]] = []
+
+    def write(current: Optional[Dict[str, Any]] = None, final: bool = False) -> None:
+        # Rewritten after every cell: a run stopped by its time limit keeps what it measured.
+        if not args.out and not final:
+            return
+        parts = done + ([current] if current else [])
+        timings = [t for g in parts for t in g["timings"]]
+        doc = document(TOOL, env, timings=timings, ratios=ratios(timings),
+                       runners=[r for g in parts for r in g["runners"]],
+                       notes=[n for g in parts for n in g["notes"]], settings=settings,
+                       extra={"batch_semantics": {m: BATCH_SEMANTICS[m] for m in args.methods},
+                              "ragged_prompt_lens": {s: g["ragged_lens"] for s, g in zip(shapes, parts)}})  # fmt: skip
+        text = json.dumps(doc, indent=1)
+        if not args.out:
+            print(text)
+            return
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+        with open(args.out + ".tmp", "w") as f:
             f.write(text + "\n")
+        os.replace(args.out + ".tmp", args.out)
+
+    for shape in shapes:
+        done.append(run_shape(shape, args, device, write))
+        write()
+        progress(f"{shape} done")
+    write(final=True)
+    if args.out:
         progress(f"wrote {args.out}")
-    else:
-        print(text)
     return 0
 
 

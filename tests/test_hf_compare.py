@@ -64,6 +64,23 @@ def test_smoke_run_writes_the_results_document_and_its_table(tmp_path, capsys):
     assert "### Hugging Face models: ours against HF generate" in page and "| tiny | 1 | forward only |" in page
 
 
+def test_a_run_cut_short_keeps_the_cells_it_finished(tmp_path, monkeypatch):
+    # A device run is bounded by a time limit: the JSON is rewritten after every cell.
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt  # what the time limit's signal ends the process with
+
+    monkeypatch.setattr(hf_compare, "ours_e2e", cut)
+    out = tmp_path / "hf_compare.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--methods", "full", "--prompt-len", "4"]
+    argv += ["--ragged", "3", "--new-tokens", "4", "--iters", "1", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        hf_compare.main(argv)
+    doc = read(str(out))
+    assert [(t["method"], t["batch_size"]) for t in doc["timings"]] == [("full/forward", 1)]
+    assert [r["backend"] for r in doc["runners"]] == ["full"] and doc["extra"]["ragged_prompt_lens"]["tiny"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
