@@ -7,10 +7,10 @@ bounded in time, gloo). Rank 0 holds ``--bs`` decode requests, the others ``--bs
 (ragged: the step pads them up). On each rank, in one run:
 
 * ``floor µs``: one bare gloo all-reduce of one int64 on the group (what any per-step
-  host agreement costs at least), and ``floor5 µs``: of five int64s (the agreement's own
-  collective, alone);
+  host agreement costs at least: the agreement's own collective with one graph
+  variant), and ``floor5 µs``: of five int64s (its collective with several variants);
 * ``agree µs``: one blocking :meth:`cuda_graph_runner.runner.dp_group.DPGroup.agree_batch`
-  (five int64s, no device sync), and ``host µs``: the same with
+  (one int64: the reference model has one graph variant; no device sync), and ``host µs``: the same with
   ``torch.distributed.all_reduce`` replaced by a no-op (its own host work);
 * decode steps of the reference model's DP layout through the runner (the ``full``
   backend on emulated CPU graphs: the model's work, its collectives included), in two

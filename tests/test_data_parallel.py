@@ -320,6 +320,17 @@ class QuietDPToy(DPToy):
         return ToyModel.forward(self, batch)
 
 
+class OneVariantToy(QuietDPToy):
+    """QuietDPToy with one graph variant (as every model without variants): the
+    agreement's one-word round."""
+
+    def graph_variants(self):
+        return [""]
+
+    def graph_variant(self, batch: ForwardBatch) -> str:
+        return ""
+
+
 def _rank_dies(dp: DPGroup, out: Dict[str, Any]) -> None:
     # The last rank leaves the group (its sockets close, as a dead process's do) before
     # the step; the others agree, ranks 0 and 1 overlapped, the rest blocking.
@@ -346,12 +357,17 @@ def _rank_dies(dp: DPGroup, out: Dict[str, Any]) -> None:
 
 
 def _collectives(dp: DPGroup, out: Dict[str, Any]) -> None:
+    _collectives_of(dp, out, QuietDPToy(dp), "")
+    _collectives_of(dp, out, OneVariantToy(dp), "one_variant_")
+
+
+def _collectives_of(dp: DPGroup, out: Dict[str, Any], model: Any, prefix: str) -> None:
     # Per step: the torch.distributed calls runner.forward made (outermost only: one
     # collective calling another counts once), with the all-reduce's tensor and length.
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
-    runner = _decode_runner(QuietDPToy(dp), RecordingBackend("cpu", phase="decode"))
+    runner = _decode_runner(model, RecordingBackend("cpu", phase="decode"))
     runner.capture()
     calls: List[Tuple[str, Any]] = []
     depth = [0]
@@ -377,13 +393,19 @@ def _collectives(dp: DPGroup, out: Dict[str, Any]) -> None:
         for sizes in COUNTED_STEPS:
             bs = sizes[dp.rank]
             del calls[:]
-            runner.forward(decode_batch(bs, offset=dp.rank + 1) if bs else None)
+            batch = decode_batch(bs, offset=dp.rank + 1) if bs else None
+            got = runner.forward(batch)
             steps.append(list(calls))
+            if batch is not None:  # this rank's own rows, equal to its eager result
+                want = ToyModel.compute_logits(model, ToyModel.forward(model, batch), batch)
+                assert torch.allclose(got, want), (prefix, sizes)
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    out["collectives"] = steps
-    out["collective_stats"] = runner.run_stats()["eager_fallbacks"]
+    out[prefix + "collectives"] = steps
+    out[prefix + "collective_stats"] = runner.run_stats()["eager_fallbacks"]
+    if prefix:
+        return
 
     class TorchCalls(TorchFunctionMode):
         seen: List[str] = []
@@ -395,6 +417,40 @@ def _collectives(dp: DPGroup, out: Dict[str, Any]) -> None:
     with TorchCalls():
         dp.agree_batch(2 + dp.rank, True, "a", variants=["a", "b"])
     out["agreement_torch_calls"] = TorchCalls.seen
+
+
+#: Each rank's (live size, ready, variant) given straight to DPGroup.agree_batch with one
+#: captured variant: idle, two ragged ready sizes, not ready (an eager step), and ready
+#: with requests but no variant (only a direct caller can say that).
+AGREE_STATES = [(0, True, None), (3, True, ""), (7, True, ""), (5, False, None), (4, True, None)]
+
+
+def _one_word(dp: DPGroup, out: Dict[str, Any]) -> None:
+    # Every pair of the two ranks' states through the one-word round, with the number of
+    # all-reduces each agreement issued; then a failure and a variant it cannot send.
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+    count = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    results = []
+    dist.all_reduce = counted  # type: ignore[assignment]
+    try:
+        for pair in [(a, b) for a in AGREE_STATES for b in AGREE_STATES]:
+            count[0] = 0
+            results.append((pair, dp.agree_batch(*pair[dp.rank], variants=("",)), count[0]))
+        out["one_word"] = results
+        out["one_word_failed"] = _outcome(
+            lambda: dp.agree_batch(2, True, "", variants=("",), failed="ValueError: boom" if dp.rank else None)
+        )
+        out["one_word_foreign"] = _outcome(lambda: dp.agree_batch(2, True, "x" if dp.rank == 0 else ""))
+        out["one_word_then"] = _outcome(lambda: dp.agree_batch(1, True, "", variants=("",)))
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
 
 
 def _eager_first(dp: DPGroup, out: Dict[str, Any]) -> None:
@@ -434,6 +490,7 @@ def _rank(tp: TPGroup, world: int, names: Sequence[str]) -> Dict[str, Any]:
         "_rank_dies": lambda: _rank_dies(dp, out),
         "_failures": lambda: _failures(dp, out),
         "_collectives": lambda: _collectives(dp, out),
+        "_one_word": lambda: _one_word(dp, out),
         "_eager_first": lambda: _eager_first(dp, out),
     }
     for name, run in ((n, every[n]) for n in names):
@@ -454,6 +511,7 @@ def two_ranks():
         "_schedule",
         "_failures",
         "_collectives",
+        "_one_word",
         "_overlapped",
         "_eager_first",
         "_overlap_edges",  # last: a rank that never starts leaves the group unusable
@@ -615,7 +673,9 @@ def test_dp2_a_failure_on_one_rank_is_named_on_every_rank(two_ranks):
 def test_dp2_a_step_issues_one_small_collective_on_a_reused_tensor(two_ranks):
     """Whatever the step (replay, idle rank, every rank eager, every rank idle), the
     runner's agreement is one all-reduce of a few int64s, on the same tensor every step,
-    and makes no tensor: no second collective, no group, no torch op but the collective."""
+    and makes no tensor: no second collective, no group, no torch op but the collective.
+    With one graph variant it is of one int64 (a rank that cannot replay its batch takes
+    a second round of five: the direct agreement test)."""
     _done(two_ranks, "_collectives")
     for r in two_ranks:
         steps = r["collectives"]
@@ -625,9 +685,41 @@ def test_dp2_a_step_issues_one_small_collective_on_a_reused_tensor(two_ranks):
         tensors = {calls[0][1] for calls in steps}
         assert len(tensors) == 1, (r["rank"], tensors)  # one tensor, reused
         ((_, numel),) = tensors
-        assert numel <= 8, numel
+        assert numel == 5, numel
         assert r["agreement_torch_calls"] == ["all_reduce"], r["agreement_torch_calls"]
-    assert two_ranks[0]["collective_stats"].get("too large") == 1  # the counted steps include an eager one
+        # The step above the largest graph too: its ranks are ready, the agreed size says eager.
+        for sizes, calls in zip(COUNTED_STEPS, r["one_variant_collectives"]):
+            assert [n for _, (_, n) in calls] == [1], (r["rank"], sizes, calls)
+        assert len({c[1] for calls in r["one_variant_collectives"] for c in calls}) == 1  # one tensor, reused
+    for prefix in ("", "one_variant_"):
+        assert two_ranks[0][prefix + "collective_stats"].get("too large") == 1  # one eager step
+
+
+def test_dp2_the_one_word_agreement_gives_what_five_words_give(two_ranks):
+    """Every pair of rank states (idle, ragged ready sizes, not ready, ready without a
+    variant): the largest size, whether every rank is ready and the variant (the
+    captured one when any rank has it), on both ranks; one all-reduce unless a rank is
+    not ready. A failure and a variant outside the captured one stop both ranks, naming
+    the rank; the group is usable after."""
+    _done(two_ranks, "_one_word")
+    r0, r1 = two_ranks
+    assert len(r0["one_word"]) == len(AGREE_STATES) ** 2
+    for (pair, got0, n0), (_, got1, n1) in zip(r0["one_word"], r1["one_word"]):
+        want = (
+            max(s for s, _, _ in pair),
+            all(ready for _, ready, _ in pair),
+            "" if any(v is not None for _, _, v in pair) else None,
+        )
+        assert tuple(got0) == tuple(got1) == want, (pair, got0, got1)
+        rounds = 1 if all(ready and (v is not None or s == 0) for s, ready, v in pair) else 2
+        assert n0 == n1 == rounds, (pair, n0, n1)
+    for r in two_ranks:
+        kind, message = r["one_word_failed"]
+        assert kind == "DataParallelStepError" and "rank 1: ValueError: boom" in message, (kind, message)
+        kind, message = r["one_word_foreign"]
+        assert kind == "DataParallelStepError", (kind, message)
+        assert "rank 0: variant 'x' is not among the captured variants ['']" in message, message
+        assert r["one_word_then"] == ("ok", None)
 
 
 # -- one process ------------------------------------------------------------------------------

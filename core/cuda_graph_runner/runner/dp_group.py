@@ -92,6 +92,18 @@ __all__ = [
 #: the variant slots: above every digest, so the MIN compares only the ranks that have one.
 _NONE = 1 << 62
 
+#: The one-word agreement (a runner with one graph variant): bit 62 "this rank's decision
+#: did not fail", bit 61 "ready", bit 60 "no variant" and, below, ``_SIZE_ONES - size``.
+#: Under a MIN all-reduce the word's fields are compared in that order, so each is the
+#: MIN over every rank as long as the fields above it are equal on every rank: the flags
+#: are exact; with every rank ok and ready, the ranks with requests are exactly the
+#: ranks with the variant (a ready rank with requests and no variant is sent as not
+#: ready), so the size field is the largest live size. Any rank not ready (an eager
+#: step) takes a second, five-word round for the exact values; a failure, the gather
+#: that names it.
+_OK_BIT, _READY_BIT, _NO_VARIANT_BIT = 1 << 62, 1 << 61, 1 << 60
+_SIZE_ONES = (1 << 60) - 1
+
 
 class DataParallelMismatchError(CudaGraphRunnerError, RuntimeError):
     """Ranks of one DP group would replay different graph variants for one step (the
@@ -119,8 +131,8 @@ class DPGroup(TPGroup):
     kind = "DP"
     step_error = DataParallelStepError
     _variant_digests: Dict[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    _step_buffer: Optional[Tuple["array.array[int]", torch.Tensor]] = dataclasses.field(
-        default=None, compare=False, repr=False
+    _step_buffers: Dict[int, Tuple["array.array[int]", torch.Tensor]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
     )
     _pending: Optional["PendingAgreement"] = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -185,12 +197,19 @@ class DPGroup(TPGroup):
         replay, the graph variant) and return at once; :meth:`PendingAgreement.wait` gives
         its result.
 
-        One host all-reduce (gloo, MIN, ``async_op=True``, no device sync) of five int64s:
-        ``-size`` (the maximum), the ready flag, the variant's digest as ``(digest,
-        -digest)`` (equal among the ranks that have one) and whether this rank's decision
-        failed. The values travel in one int64 tensor reused every step (backed by a
-        Python ``array``: no tensor is made and no torch op runs but the collective), so
-        one agreement at a time is in flight on a group.
+        One host all-reduce (gloo, MIN, ``async_op=True``, no device sync). With one
+        captured variant (``len(variants) == 1``, every runner without graph variants) it
+        is of one int64: whether this rank's decision failed, the ready flag, whether it
+        has the variant and the live size, packed so that the MIN gives each (a gloo
+        all-reduce of one element costs about half one of five: the ring's second chunk
+        is empty); a step with a rank not ready (it runs eagerly) then takes a second
+        round of the five below for the exact values. With several variants it is of
+        five int64s: ``-size`` (the maximum), the ready flag, the variant's digest as
+        ``(digest, -digest)`` (equal among the ranks that have one) and whether this
+        rank's decision failed. The values travel in an int64 tensor reused every step
+        (backed by a Python ``array``: no tensor is made and no torch op runs but the
+        collective), so one agreement at a time is in flight on a group. Every rank
+        must give the same ``variants`` (the same config): the length picks the round.
 
         Args:
             size: this rank's live size (0: no requests).
@@ -216,29 +235,62 @@ class DPGroup(TPGroup):
             lo_slot, hi_slot = self._variant_digest(variant), -self._variant_digest(variant)
         else:
             lo_slot = hi_slot = _NONE
-        values = [-size, 1 if ready else 0, lo_slot, hi_slot, 0 if failed else 1]
+        if self.is_parallel and len(variants) == 1 and failed is None:  # what one word cannot say
+            if variant is not None and variant != variants[0]:
+                failed = f"variant {variant!r} is not among the captured variants {list(variants)}"
+            elif size > _SIZE_ONES:
+                failed = f"live size {size} is above the agreement's bound {_SIZE_ONES}"
+        five = [-size, 1 if ready else 0, lo_slot, hi_slot, 0 if failed else 1]
         pending = PendingAgreement(self, size, variant, tuple(variants), failed)
+        pending._five = five
         if not self.is_parallel:
-            pending._values = values
+            pending._values = five
             return pending
-        import torch.distributed as dist
-
-        if self._step_buffer is None:
-            host = array.array("q", bytes(8 * len(values)))
-            self._step_buffer = (host, torch.frombuffer(host, dtype=torch.int64))
-        host, buf = self._step_buffer
-        host[:] = array.array("q", values)
-        pending._work = dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._cpu(), async_op=True)
+        values = five
+        if len(variants) == 1:
+            # A ready rank with requests but no variant is sent as not ready: the
+            # size field is only the maximum when such ranks do not exist (see _OK_BIT).
+            ready_one = ready and (variant is not None or size == 0)
+            values = [
+                (0 if failed else _OK_BIT)
+                | (_READY_BIT if ready_one else 0)
+                | (_NO_VARIANT_BIT if variant is None else 0)
+                | (_SIZE_ONES - min(max(size, 0), _SIZE_ONES))
+            ]
+        pending._work = self._all_reduce_min(values)
         self._pending = pending
         return pending
 
+    def _all_reduce_min(self, values: List[int]) -> Any:
+        import torch.distributed as dist
+
+        buffers = self._step_buffers.get(len(values))
+        if buffers is None:
+            host = array.array("q", bytes(8 * len(values)))
+            buffers = self._step_buffers[len(values)] = (host, torch.frombuffer(host, dtype=torch.int64))
+        host, buf = buffers
+        host[:] = array.array("q", values)
+        return dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self._cpu(), async_op=True)
+
     def _finish(self, pending: "PendingAgreement") -> List[int]:
-        """Wait (bounded) for ``pending``'s all-reduce; the reduced values."""
+        """Wait (bounded) for ``pending``'s all-reduce; the reduced values, always the five
+        (a one-word round decoded, or followed by the five-word round it calls for)."""
         work, pending._work = pending._work, None
         self._pending = None
         self.wait_bounded(work, "the step's agreement")
-        assert self._step_buffer is not None
-        return self._step_buffer[0].tolist()
+        if len(pending.variants) != 1:
+            return self._step_buffers[5][0].tolist()
+        (word,) = self._step_buffers[1][0].tolist()
+        if word & _OK_BIT and word & _READY_BIT:
+            no_variant = bool(word & _NO_VARIANT_BIT)
+            digest = _NONE if no_variant else self._variant_digest(pending.variants[0])
+            return [-(_SIZE_ONES - (word & _SIZE_ONES)), 1, digest, -digest if not no_variant else _NONE, 1]
+        if not word & _OK_BIT:  # some rank failed: _decide gathers every rank's values to name it
+            return [-pending.size, 0, _NONE, _NONE, 0]
+        # Some rank is not ready (the step runs eagerly): the exact values, every rank alike.
+        work = self._all_reduce_min(list(pending._five))
+        self.wait_bounded(work, "the step's agreement (its second round)")
+        return self._step_buffers[5][0].tolist()
 
     def _decide(self, pending: "PendingAgreement", reduced: List[int]) -> Tuple[int, bool, Optional[str]]:
         size, variant, failed = pending.size, pending.variant, pending.failed
@@ -288,6 +340,7 @@ class PendingAgreement:
     ) -> None:
         self.group, self.size, self.variant, self.variants, self.failed = group, size, variant, variants, failed
         self._work: Any = None
+        self._five: List[int] = []
         self._values: Optional[List[int]] = None
         self._result: Optional[Tuple[int, bool, Optional[str]]] = None
         self._error: Optional[BaseException] = None
