@@ -36,7 +36,9 @@ full to HF static + reduce-overhead (forward, batch 1), and ``extra.batch_semant
 
 ``--measures forward`` times the forward-only cells alone (our runners capture batch 1
 only, HF's reduce-overhead compiles once instead of once per ``generate()`` shape,
-``generate_batch`` is left out): the batch-1 target in less time. Inductor's and HF's compiles dominate a run: each
+``generate_batch`` is left out): the batch-1 target in less time; ``--e2e-batches ragged``
+times the loops at the ragged batch only (HF's reduce-overhead compiles again for each
+``generate()`` shape, about 2 minutes each for a 1B model on an H200). Inductor's and HF's compiles dominate a run: each
 ``hf_compare*.json`` in a folder is rendered on its own, so shapes and measures can be
 split over several files.
 
@@ -123,6 +125,15 @@ def parse_measures(spec: str) -> List[str]:
     if bad or not names:
         raise ValueError(f"--measures {spec!r}: unknown {bad or '(empty)'}; accepted: {', '.join(MEASURES)}")
     return names
+
+
+def parse_e2e_batches(spec: str, ragged: int) -> List[int]:
+    """``--e2e-batches``: ``1`` and/or ``ragged`` (comma-separated) as batch sizes, in order."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in ("1", "ragged")]
+    if bad or not names:
+        raise ValueError(f"--e2e-batches {spec!r}: unknown {bad or '(empty)'}; accepted: 1, ragged")
+    return list(dict.fromkeys(1 if n == "1" else ragged for n in names))
 
 
 def parse_methods(spec: str) -> List[str]:
@@ -403,7 +414,7 @@ def run_shape(
 
     reference = hf_twin(adapter) if any(m in OURS for m in args.methods) else None
     for label in [m for m in args.methods if m in OURS]:
-        sizes = sorted({1, args.ragged}) if "e2e" in args.measures else [1]  # forward: batch 1 only
+        sizes = sorted({1, *args.e2e_batches}) if "e2e" in args.measures else [1]  # forward: batch 1 only
         progress(f"{shape}: {label}: capturing batch sizes {sizes}")
         runner = our_runner(adapter, label, sizes, device)
         progress(f"{shape}: {label}: captured in {runner.capture_wall_s:.1f} s")
@@ -414,8 +425,8 @@ def run_shape(
         if "forward" in args.measures:
             record(label, "forward", 1, ours_forward(adapter, runner, prompt, args, sync, reference))
         if "e2e" in args.measures:
-            record(label, "e2e", 1, ours_e2e(adapter, runner, [prompt], args, sync))
-            record(label, "e2e", args.ragged, ours_e2e(adapter, runner, ragged, args, sync))
+            for bs in args.e2e_batches:
+                record(label, "e2e", bs, ours_e2e(adapter, runner, [prompt] if bs == 1 else ragged, args, sync))
         runner.cleanup()
         del runner
     del reference
@@ -431,10 +442,9 @@ def run_shape(
                    timed(hf_forward_fn(model, model.forward, prompt, margin), iters=args.steps,
                          repeats=args.repeats, sync=sync))  # fmt: skip
         if "hf_eager" in wanted and "e2e" in args.measures:
-            record("hf_eager", "e2e", 1, per_step(hf_generate_fn(model, [prompt], False), args.new_tokens,
-                                                   args.repeats, sync))  # fmt: skip
-            record("hf_eager", "e2e", args.ragged, per_step(hf_generate_fn(model, ragged, False), args.new_tokens,
-                                                             args.repeats, sync))  # fmt: skip
+            for bs in args.e2e_batches:
+                gen = hf_generate_fn(model, [prompt] if bs == 1 else ragged, False)
+                record("hf_eager", "e2e", bs, per_step(gen, args.new_tokens, args.repeats, sync))
         for name in [m for m in wanted if m != "hf_eager"]:
             progress(f"{shape}: {name}: first 3 forward calls (compile + graph recording)")
             if name == "hf_static_ro":
@@ -447,22 +457,18 @@ def run_shape(
             if "forward" in args.measures:
                 record(name, "forward", 1, timed(step, iters=args.steps, repeats=args.repeats, sync=sync))
             if "e2e" in args.measures:
-                gen1 = hf_generate_fn(model, [prompt], True)
-                gen_first = wall_s(lambda: gen1(args.new_tokens + 1), sync)
-                record(name, "e2e", 1, per_step(gen1, args.new_tokens, args.repeats, sync))
-                gen32 = hf_generate_fn(model, ragged, True)
-                gen32_first = wall_s(lambda: gen32(args.new_tokens + 1), sync)
-                record(name, "e2e", args.ragged, per_step(gen32, args.new_tokens, args.repeats, sync))
-                note += (
-                    f"; first generate() at batch 1 {gen_first:.2f} s and at batch {args.ragged} "
-                    f"{gen32_first:.2f} s (each new shape compiles again)"
-                )
+                firsts = []
+                for bs in args.e2e_batches:
+                    gen = hf_generate_fn(model, [prompt] if bs == 1 else ragged, True)
+                    firsts.append(f"at batch {bs} {wall_s(lambda: gen(args.new_tokens + 1), sync):.2f} s")
+                    record(name, "e2e", bs, per_step(gen, args.new_tokens, args.repeats, sync))
+                note += f"; first generate() {' and '.join(firsts)} (each new shape compiles again)"
             runners.append({"model": shape, "phase": "decode", "backend": name, "num_sizes": 1, "sizes": [1],
                             "compile_s": round(first, 3)})  # fmt: skip
             notes.append(note)
             model.forward = original
         del model
-    if "hf_generate_batch" in args.methods and "e2e" in args.measures:  # end to end only
+    if "hf_generate_batch" in args.methods and "e2e" in args.measures and args.ragged in args.e2e_batches:
         progress(f"{shape}: hf_generate_batch: two calls of generate_batch() at batch {args.ragged}")
         model = hf_twin(adapter)
         try:
@@ -520,6 +526,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--ragged", type=int, default=RAGGED, help="the ragged batch's size")
     parser.add_argument("--new-tokens", type=int, default=64, help="decode steps of the end-to-end loops")
+    parser.add_argument(
+        "--e2e-batches",
+        default="1,ragged",
+        help="the end-to-end loops' batches: 1 and/or ragged (the --ragged batch); default both",
+    )
     parser.add_argument("--steps", type=int, default=100, help="forward calls per timed block")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iters", type=int, default=None, help="shorthand: --steps and --repeats at once")
@@ -532,6 +543,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         bad = [s for s in shapes if s not in SHAPES]
         if bad or not shapes:
             raise ValueError(f"--shapes {args.shapes!r}: unknown {bad or '(empty)'}; accepted: {', '.join(SHAPES)}")
+        args.e2e_batches = parse_e2e_batches(args.e2e_batches, args.ragged)
         for key in ("prompt_len", "ragged", "new_tokens", "steps", "repeats"):
             if getattr(args, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(args, key)}: must be >= 1")
@@ -557,6 +569,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shapes=shapes,
         methods=args.methods,
         measures=args.measures,
+        e2e_batches=args.e2e_batches,
         dtype="bfloat16" if device.type == "cuda" else "float32",
     )
     done: List[Dict[str, Any]] = []

@@ -64,6 +64,19 @@ def test_smoke_run_writes_the_results_document_and_its_table(tmp_path, capsys):
     assert "### Hugging Face models: ours against HF generate" in page and "| tiny | 1 | forward only |" in page
 
 
+def test_e2e_batches_picks_the_loops_batches(tmp_path):
+    out = tmp_path / "hf_compare.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--methods", "full,hf_static", "--measures", "e2e"]
+    argv += ["--e2e-batches", "ragged", "--prompt-len", "4", "--ragged", "3", "--new-tokens", "4"]
+    assert hf_compare.main([*argv, "--iters", "1", "--out", str(out)]) == 0
+    doc = read(str(out))
+    cells = {(t["method"], t["batch_size"]) for t in doc["timings"]}
+    noted = [n for n in doc["notes"] if " not recorded: " in n]
+    assert cells | {(n.split()[1], int(n.split()[3])) for n in noted} == {("full/e2e", 3), ("hf_static/e2e", 3)}
+    assert doc["settings"]["e2e_batches"] == [3]
+    assert any("first generate() at batch 3 " in n and "batch 1" not in n for n in doc["notes"]), doc["notes"]
+
+
 def test_a_run_cut_short_keeps_the_cells_it_finished(tmp_path, monkeypatch):
     # A device run is bounded by a time limit: the JSON is rewritten after every cell.
     def cut(*args, **kwargs):
@@ -88,6 +101,7 @@ def test_a_run_cut_short_keeps_the_cells_it_finished(tmp_path, monkeypatch):
         (["--shapes", "llama-3-8b"], "--shapes 'llama-3-8b': unknown ['llama-3-8b']; accepted: llama-3.2-1b, "),
         (["--device", "cpu", "--methods", "hf_static_ro"], "--device cpu: full+torch_compile, hf_static_ro"),
         (["--new-tokens", "0"], "--new-tokens 0: must be >= 1"),
+        (["--e2e-batches", "1,32"], "--e2e-batches '1,32': unknown ['32']; accepted: 1, ragged"),
         (["--measures", "forward,ttft"], "--measures 'forward,ttft': unknown ['ttft']; accepted: forward, e2e"),
     ],
 )
