@@ -3,8 +3,9 @@ runners, against eager; one compile per size and none while serving; the compile
 the toolchain probe (the bench's choice on the CPU: tests/test_bench_resolve.py).
 
 Most tests compile with ``aot_eager`` (Dynamo's trace and AOTAutograd, no code
-generation: fractions of a second); one test runs inductor (C++ builds, ~20 s on two
-cores), and skips with the reason where the toolchain probe says inductor cannot run.
+generation: fractions of a second); inductor and its cache across processes:
+test_compiled_cache.py (skips with the reason where the toolchain probe says inductor
+cannot run).
 """
 
 from __future__ import annotations
@@ -232,40 +233,3 @@ def test_listed_on_cpu_with_its_probe_and_never_the_runner_default():
         assert get_registry().default_backend("decode", "cpu") == "disabled"
     finally:
         reset_registry(keep_in_process=False)
-
-
-# ----------------------------------------------------------------------------- inductor and its cache
-@pytest.mark.skipif(toolchain.probe("cpu") is not None, reason=f"inductor cannot build here: {toolchain.probe('cpu')}")
-def test_inductor_equals_eager_and_a_second_start_compiles_from_the_cache(tmp_path, monkeypatch):
-    """The one inductor test (C++ builds: about 20 s cold on two cores, a few warm).
-
-    A "second start" is a fresh backend after ``torch._dynamo.reset()`` (Dynamo's
-    in-memory code gone) with the same cache folder: every inductor lookup hits and none
-    misses, so it generates no code (lowering and C++ builds are what the cache saves).
-    """
-    from cuda_graph_runner.backend import cache_counters, compile_cache_dir
-
-    monkeypatch.setenv("CUDA_GRAPH_RUNNER_CACHE_DIR", str(tmp_path))
-    # The inductor caches alone here; Dynamo's cached code: test_compiled_cache.py.
-    monkeypatch.setenv("CUDA_GRAPH_RUNNER_COMPILE_CACHE_DYNAMO", "0")
-    model = small_model(layers=1)
-    counts = []
-    for start in range(2):
-        torch._dynamo.reset()
-        before = cache_counters()
-        runner = runner_for(model, [2], compiler="inductor")
-        with torch.no_grad():
-            runner.capture()
-            session, batch = decode_step(model, 2, seed=start)
-            expected = eager_logits_fn(model)(batch).clone()
-            got = runner.forward(batch)
-        session.close()
-        torch.testing.assert_close(got, expected, **TOL)
-        counts.append({k: v - before[k] for k, v in cache_counters().items()})
-    first, second = counts
-    assert first["fx_miss"] >= 1 and first["fx_hit"] == 0, first  # an empty cache: all misses
-    assert second["fx_miss"] == 0 and second["aot_miss"] == 0, second  # the second start: no code generated
-    assert second["fx_hit"] + second["aot_hit"] >= first["fx_miss"], counts
-    assert compile_cache_dir().startswith(str(tmp_path))
-    assert any((tmp_path / "compile").rglob("*")), "nothing was written under the cache root"
-    torch._dynamo.reset()
