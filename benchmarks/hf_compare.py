@@ -390,7 +390,7 @@ def run_shape(
     prompt = make_dummy_prompts(1, args.prompt_len, vocab, seed=1)[0]
     lens = [args.prompt_len // 2 + (37 * i) % args.prompt_len for i in range(args.ragged)]
     ragged = make_dummy_prompts(args.ragged, lens, vocab, seed=2)
-    context = max(lens) + args.new_tokens + args.steps + 8
+    context = max(args.prompt_len, *lens) + args.new_tokens + args.steps + 8
     adapter.create_kv_cache(
         num_slots=(args.ragged + 2) * context + 1, max_reqs=args.ragged + 2, max_context_len=context
     )

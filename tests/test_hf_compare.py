@@ -80,7 +80,7 @@ def test_e2e_batches_picks_the_loops_batches(tmp_path):
 def test_a_run_cut_short_keeps_the_cells_it_finished(tmp_path, monkeypatch):
     # A device run is bounded by a time limit: the JSON is rewritten after every cell.
     def cut(*args, **kwargs):
-        raise KeyboardInterrupt  # what the time limit's signal ends the process with
+        raise KeyboardInterrupt  # as `timeout -s INT` ends the process
 
     monkeypatch.setattr(hf_compare, "ours_e2e", cut)
     out = tmp_path / "hf_compare.json"

@@ -5,8 +5,8 @@ With data-parallel attention each rank runs its own requests through attention, 
 the layers around it (expert parallelism, gathered MLPs) run collectives over all the
 ranks, which only pair up when every rank runs the same number of rows. So every step:
 
-1. the ranks exchange their live sizes (one host all-reduce of five int64s over gloo,
-   no device sync: :meth:`DPGroup.agree_batch`), together with whether each can replay
+1. the ranks exchange their live sizes (one host all-reduce over gloo of one int64, five
+   with several graph variants, no device sync: :meth:`DPGroup.agree_batch`), together with whether each can replay
    and the graph variant it would replay;
 2. every rank pads its batch to the largest live size (a rank without requests runs a
    dummy batch of that size), so the ranks' forwards have the same rows;
@@ -200,9 +200,8 @@ class DPGroup(TPGroup):
         One host all-reduce (gloo, MIN, ``async_op=True``, no device sync). With one
         captured variant (``len(variants) == 1``, every runner without graph variants) it
         is of one int64: whether this rank's decision failed, the ready flag, whether it
-        has the variant and the live size, packed so that the MIN gives each (a gloo
-        all-reduce of one element costs about half one of five: the ring's second chunk
-        is empty); a step with a rank not ready (it runs eagerly) then takes a second
+        has the variant and the live size, packed so that the MIN gives each (on the H200 host a gloo
+        all-reduce of one element costs about two thirds of one of five); a step with a rank not ready (it runs eagerly) then takes a second
         round of the five below for the exact values. With several variants it is of
         five int64s: ``-size`` (the maximum), the ready flag, the variant's digest as
         ``(digest, -digest)`` (equal among the ranks that have one) and whether this
