@@ -446,26 +446,40 @@ def run_shape(
                 gen = hf_generate_fn(model, [prompt] if bs == 1 else ragged, False)
                 record("hf_eager", "e2e", bs, per_step(gen, args.new_tokens, args.repeats, sync))
         for name in [m for m in wanted if m != "hf_eager"]:
-            progress(f"{shape}: {name}: first 3 forward calls (compile + graph recording)")
-            if name == "hf_static_ro":
+            compiled = name == "hf_static_ro"
+            if compiled:
                 original, forward = compile_ro(model)
             else:
                 original = forward = model.forward
-            step = hf_forward_fn(model, forward, prompt, margin)
-            first = wall_s(lambda: [step() for _ in range(3)], sync)  # compile + graph recording
-            note = f"{shape} {name}: first 3 forward calls (compile + graph recording) {first:.2f} s"
+            # The runner row and its note go in before the timed cells (kept by a run cut
+            # short) and grow with each first call.
+            row: Dict[str, Any] = {"model": shape, "phase": "decode", "backend": name, "num_sizes": 1, "sizes": [1]}
+            firsts: List[str] = []
+            runners.append(row)
+            notes.append(f"{shape} {name}")
+            at = len(notes) - 1
+
+            def noted(text: str) -> None:
+                firsts.append(text)
+                notes[at] = f"{shape} {name}: {'; '.join(firsts)}"
+                flush(got)
+
             if "forward" in args.measures:
+                what = "compile + graph recording" if compiled else "eager, nothing compiled"
+                progress(f"{shape}: {name}: first 3 forward calls ({what})")
+                step = hf_forward_fn(model, forward, prompt, margin)
+                first = wall_s(lambda: [step() for _ in range(3)], sync)
+                row["compile_s"] = round(first, 3)
+                noted(f"first 3 forward calls ({what}) {first:.2f} s")
                 record(name, "forward", 1, timed(step, iters=args.steps, repeats=args.repeats, sync=sync))
             if "e2e" in args.measures:
-                firsts = []
                 for bs in args.e2e_batches:
                     gen = hf_generate_fn(model, [prompt] if bs == 1 else ragged, True)
-                    firsts.append(f"at batch {bs} {wall_s(lambda: gen(args.new_tokens + 1), sync):.2f} s")
+                    progress(f"{shape}: {name}: first generate() at batch {bs}")
+                    first = wall_s(lambda: gen(args.new_tokens + 1), sync)
+                    again = " (each new shape compiles again)" if compiled else ""
+                    noted(f"first generate() at batch {bs} {first:.2f} s{again}")
                     record(name, "e2e", bs, per_step(gen, args.new_tokens, args.repeats, sync))
-                note += f"; first generate() {' and '.join(firsts)} (each new shape compiles again)"
-            runners.append({"model": shape, "phase": "decode", "backend": name, "num_sizes": 1, "sizes": [1],
-                            "compile_s": round(first, 3)})  # fmt: skip
-            notes.append(note)
             model.forward = original
         del model
     if "hf_generate_batch" in args.methods and "e2e" in args.measures and args.ragged in args.e2e_batches:
@@ -531,9 +545,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         default="1,ragged",
         help="the end-to-end loops' batches: 1 and/or ragged (the --ragged batch); default both",
     )
-    parser.add_argument("--steps", type=int, default=100, help="forward calls per timed block")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=None, help="shorthand: --steps and --repeats at once")
+    parser.add_argument("--steps", type=int, default=None, help="forward calls per timed block (default 100)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed blocks per cell (default 5)")
+    parser.add_argument(
+        "--iters", type=int, default=None, help="shorthand: --steps and --repeats at once (not with either)"
+    )
     parser.add_argument("--out", default=None, help="the results JSON (default: print it)")
     args = parser.parse_args(argv)
     try:
@@ -544,8 +560,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         if bad or not shapes:
             raise ValueError(f"--shapes {args.shapes!r}: unknown {bad or '(empty)'}; accepted: {', '.join(SHAPES)}")
         args.e2e_batches = parse_e2e_batches(args.e2e_batches, args.ragged)
-        for key in ("prompt_len", "ragged", "new_tokens", "steps", "repeats"):
-            if getattr(args, key) < 1:
+        if args.iters is not None:
+            given = [f"--{k} {getattr(args, k)}" for k in ("steps", "repeats") if getattr(args, k) is not None]
+            if given:
+                raise ValueError(f"--iters {args.iters} sets --steps and --repeats; not with {' and '.join(given)}")
+            args.steps = args.repeats = args.iters
+        args.steps = 100 if args.steps is None else args.steps
+        args.repeats = 5 if args.repeats is None else args.repeats
+        for key in ("prompt_len", "ragged", "new_tokens", "iters", "steps", "repeats"):
+            if getattr(args, key) is not None and getattr(args, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(args, key)}: must be >= 1")
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -558,8 +581,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as exc:
         print(f"hf_compare: {exc}", file=sys.stderr)
         return 2
-    if args.iters is not None:
-        args.steps = args.repeats = max(1, args.iters)
     env = environment(device)
     progress(f"torch {env['torch']}, transformers {env['transformers']}, device {env.get('device_name', device)}; "
              f"shapes {','.join(shapes)}, methods {','.join(args.methods)}, "

@@ -94,6 +94,26 @@ def test_a_run_cut_short_keeps_the_cells_it_finished(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_cut_hf_run_keeps_its_first_calls_and_e2e_alone_skips_the_forward(tmp_path, monkeypatch):
+    # HF's first calls (the compile, on the GPU) are recorded before its timed cells.
+    timed_forward = []
+    monkeypatch.setattr(hf_compare, "timed", lambda *a, **k: timed_forward.append(1))
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_compare, "per_step", cut)
+    out = tmp_path / "hf_compare.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--methods", "hf_static", "--measures", "e2e", "--prompt-len", "4"]
+    argv += ["--e2e-batches", "1", "--new-tokens", "2", "--iters", "1", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        hf_compare.main(argv)
+    doc = read(str(out))
+    assert [r["backend"] for r in doc["runners"]] == ["hf_static"] and "compile_s" not in doc["runners"][0]
+    assert any(n.startswith("tiny hf_static: first generate() at batch 1 ") for n in doc["notes"]), doc["notes"]
+    assert not any("forward calls" in n for n in doc["notes"]) and not timed_forward
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -103,6 +123,8 @@ def test_a_run_cut_short_keeps_the_cells_it_finished(tmp_path, monkeypatch):
         (["--new-tokens", "0"], "--new-tokens 0: must be >= 1"),
         (["--e2e-batches", "1,32"], "--e2e-batches '1,32': unknown ['32']; accepted: 1, ragged"),
         (["--measures", "forward,ttft"], "--measures 'forward,ttft': unknown ['ttft']; accepted: forward, e2e"),
+        (["--iters", "2", "--steps", "50"], "--iters 2 sets --steps and --repeats; not with --steps 50"),
+        (["--iters", "0"], "--iters 0: must be >= 1"),
     ],
 )
 def test_bad_flags_are_named(capsys, argv, message):
