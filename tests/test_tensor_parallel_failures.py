@@ -142,6 +142,12 @@ def _sizes_to_capture(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
     if tp.rank == 0:
         runner.cleanup()
     out["sizes_none_left"] = _outcome(runner.capture)
+    # Ranks whose models declare different graph variants: named at capture, not left to
+    # a step agreement of another length on each rank.
+    other = TPToy(tp)
+    if tp.rank == 1:
+        other.graph_variants = lambda: ["a"]
+    out["variants_to_capture"] = _outcome(_runner(other, RecordingBackend("cpu", phase="decode")).capture)
 
 
 def _decision(tp: TPGroup, model: TPToy, out: Dict[str, Any]) -> None:
@@ -310,6 +316,9 @@ def test_ranks_with_different_sizes_to_capture_both_raise(ranks):
         kind, message = r["sizes_none_left"]
         assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
         assert "rank 0: [4, 2, 1]" in message and "rank 1: []" in message
+        kind, message = r["variants_to_capture"]
+        assert kind == "TensorParallelMismatchError", (r["rank"], kind, message)
+        assert "different decode graph variants (rank 0: ['a', 'b']; rank 1: ['a'])" in message, message
 
 
 def test_a_decision_failing_on_one_rank_raises_on_every_rank(ranks):

@@ -793,23 +793,31 @@ class BaseCudaGraphRunner(abc.ABC):
         return stack
 
     def _agree_sizes_to_capture(self, todo: List[int]) -> None:
-        """Every rank captures the same sizes in the same order, or none does: ranks that
-        would pair one size's collectives with another's raise instead, naming each
-        rank's sizes (a capture-time gather; nothing per step).
+        """Every rank captures the same sizes in the same order, with the same graph
+        variants, or none does: ranks that would pair one size's (or variant's)
+        collectives with another's raise instead, naming each rank's sizes or variants (a
+        capture-time gather; nothing per step). The step agreements rely on it: their
+        all-reduce's length follows the number of variants.
 
         Raises:
-            TensorParallelMismatchError: the ranks' sizes to capture differ.
+            TensorParallelMismatchError: the ranks' sizes to capture, or their graph
+                variants, differ.
         """
         tp = self.rank_group
         if tp is None or not tp.is_parallel:
             return
-        todos = tp.gather_objects(list(todo), what=f"the agreement on the {self.phase} sizes to capture", capture=True)
-        if any(t != todos[0] for t in todos):
-            seen = "; ".join(f"rank {r}: {t}" for r, t in enumerate(todos))
-            raise TensorParallelMismatchError(
-                f"{tp.kind} ranks would capture different {self.phase} sizes ({seen}); this is rank {tp.rank}; "
-                "every rank needs the same config and the same graphs already captured (cleanup() on every rank)"
-            )
+        mine = (list(todo), list(self.capture_variants()))
+        got = tp.gather_objects(mine, what=f"the agreement on the {self.phase} sizes to capture", capture=True)
+        for part, what, fix in (
+            (0, "sizes", "the same config and the same graphs already captured (cleanup() on every rank)"),
+            (1, "graph variants", "the same model.graph_variants()"),
+        ):
+            if any(g[part] != got[0][part] for g in got):
+                seen = "; ".join(f"rank {r}: {g[part]}" for r, g in enumerate(got))
+                raise TensorParallelMismatchError(
+                    f"{tp.kind} ranks would capture different {self.phase} {what} ({seen}); this is rank {tp.rank}; "
+                    f"every rank needs {fix}"
+                )
 
     def _roll_back(self, size: int, had: Set[ShapeKey]) -> None:
         """Forget what the failed capture step of ``size`` left (every variant's key not

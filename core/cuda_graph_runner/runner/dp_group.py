@@ -35,7 +35,9 @@ Overlapped agreement: the all-reduce can start as soon as a rank knows its live 
 (:meth:`DPGroup.start_agree_batch`, ``async_op=True``) and be waited on only when the
 step needs its result (:meth:`PendingAgreement.wait`), so its latency overlaps the
 engine's batch building; :meth:`DPGroup.agree_batch` is the same start waited on at
-once. The runner side is ``runner.start_step_agreement``
+once. With one graph variant, a step with a rank that cannot replay takes a second
+all-reduce, issued inside the wait (it needs the first one's result), so only the first
+overlaps. The runner side is ``runner.start_step_agreement``
 (:func:`cuda_graph_runner.runner.data_parallel.start_step_agreement`). Every wait is
 bounded by :attr:`DPGroup.step_timeout_s`: a rank that died, or never started its
 agreement for the step, is a :class:`DataParallelStepError` on every rank that waits,
@@ -200,9 +202,11 @@ class DPGroup(TPGroup):
         One host all-reduce (gloo, MIN, ``async_op=True``, no device sync). With one
         captured variant (``len(variants) == 1``, every runner without graph variants) it
         is of one int64: whether this rank's decision failed, the ready flag, whether it
-        has the variant and the live size, packed so that the MIN gives each (on the H200 host a gloo
-        all-reduce of one element costs about two thirds of one of five); a step with a rank not ready (it runs eagerly) then takes a second
-        round of the five below for the exact values. With several variants it is of
+        has the variant and the live size, packed so that the MIN gives each (on the H200
+        host a gloo all-reduce of one element costs about two thirds of one of five); a
+        step with a rank not ready (it runs eagerly) then takes a second round of the
+        five below for the exact values, issued and waited on inside
+        :meth:`PendingAgreement.wait`. With several variants it is of
         five int64s: ``-size`` (the maximum), the ready flag, the variant's digest as
         ``(digest, -digest)`` (equal among the ranks that have one) and whether this
         rank's decision failed. The values travel in an int64 tensor reused every step
