@@ -259,3 +259,23 @@ def test_bench_with_every_plugin_filtered_out_names_the_variable_not_the_install
     finally:
         monkeypatch.delenv(registry.ENV_PLUGINS)
         registry.reset_registry()
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        (["bench", "--bogus-flag"], "cuda-graph-runner bench"),
+        (["backends", "--bogus-flag"], "cuda-graph-runner backends"),
+        (["config", "--bogus-flag"], "cuda-graph-runner config"),
+        (["inspect", "--bogus-flag"], "cuda-graph-runner inspect"),
+        (["--bogus-flag", "backends"], "cuda-graph-runner"),
+    ],
+)
+def test_an_unrecognized_flag_points_at_the_help_of_the_command_it_was_given_to(capsys, argv, prog):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{prog}: error: unrecognized arguments: --bogus-flag",
+        f"see '{prog} --help'",
+    ]

@@ -40,8 +40,18 @@ class CliArgumentParser(argparse.ArgumentParser):
     (argparse's default prints the whole usage, 20+ lines for ``bench``, before the error).
     Subparsers inherit the class (argparse creates them with ``type(self)``)."""
 
+    #: A subcommand's parser reports its own unrecognized arguments (argparse hands them
+    #: up to the top parser, whose error would point at the top command's --help).
+    is_subcommand = False
+
     def error(self, message: str) -> "Any":  # argparse's hook; exits with status 2
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nsee '{self.prog} --help'\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if self.is_subcommand and extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def _one_line_warning(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
@@ -179,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_subcommand(sub, EXIT_STATUS_HELP)
     for subcommand in sub.choices.values():  # `cuda-graph-runner bench -v` as well as `-v bench`
         add_logging_arguments(subcommand, in_subcommand=True)
+        if isinstance(subcommand, CliArgumentParser):
+            subcommand.is_subcommand = True
     return parser
 
 
