@@ -1,8 +1,8 @@
 """`.ci/run`'s EXIT trap, run alone under the script's own shell options.
 
-The trap stops the background plugin check when a lint or type check fails. It must
-not change the exit status of a run where every check passed and the check's process
-has already finished.
+The trap stops the background checks (the plugin check, ruff and mypy) when a step
+fails. It must not change the exit status of a run where every check passed and the
+checks' processes have already finished.
 """
 
 from __future__ import annotations
@@ -30,14 +30,18 @@ def _run(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "harness.sh"
     log = tmp_path / "plugin.log"
     log.write_text("plugin check output\n")
-    script.write_text(f"set -euo pipefail\nplugin_log={log}\nplugin_pid=\n{_trap_line()}\n{body}\n")
+    other = tmp_path / "checks.log"
+    other.write_text("ruff and mypy output\n")
+    head = f"set -euo pipefail\nplugin_log={log}\nchecks_log={other}\nplugin_pid=\nchecks_pid=\n"
+    script.write_text(f"{head}{_trap_line()}\n{body}\n")
     return subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
 
 
 def test_trap_keeps_a_passing_run_green_when_the_check_has_finished(tmp_path):
-    result = _run(tmp_path, 'true & plugin_pid=$!\nwait "$plugin_pid"\nexit 0')
+    body = 'true & plugin_pid=$!\ntrue & checks_pid=$!\nwait "$plugin_pid" "$checks_pid"\nexit 0'
+    result = _run(tmp_path, body)
     assert result.returncode == 0, result.stderr
-    assert not (tmp_path / "plugin.log").exists()
+    assert not (tmp_path / "plugin.log").exists() and not (tmp_path / "checks.log").exists()
 
 
 def test_trap_keeps_a_failing_runs_status(tmp_path):
@@ -47,7 +51,7 @@ def test_trap_keeps_a_failing_runs_status(tmp_path):
 
 def test_trap_stops_a_running_check(tmp_path):
     marker = tmp_path / "still-running"
-    body = f"(sleep 1; touch {marker}) & plugin_pid=$!\nexit 1"
+    body = f"true & plugin_pid=$!\nwait $plugin_pid\n(sleep 1; touch {marker}) & checks_pid=$!\nexit 1"
     result = _run(tmp_path, body)
     assert result.returncode == 1
     assert not (tmp_path / "plugin.log").exists()
