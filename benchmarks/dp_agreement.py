@@ -70,6 +70,48 @@ TARGET_SHARE = 0.05
 REFERENCE_STEP_MS = 2.140
 REFERENCE_STEP = "llama-3.2-1b decode, batch 1, full, H200 (benchmarks/results/2026-12-01-h200-decode)"
 
+#: ``--help``'s epilog: what each printed column is.
+COLUMNS_HELP = """\
+Every µs and ms is a median over the timed calls (their counts fit --budget-s; the same
+on every rank).
+
+columns of the first table (one row per rank):
+  rank            the rank
+  live bs         the rank's decode requests (rank 0: --bs; the others: --bs // 2)
+  floor µs        one bare gloo all-reduce (MIN) of one int64 on the group
+  floor5 µs       the same of five int64s
+  agree µs        one blocking DPGroup.agree_batch (one int64; no device sync)
+  host µs         agree_batch with torch.distributed.all_reduce a no-op: its own host
+                  work (median over blocks of 200 calls)
+  build µs        make_decode_batch of the rank's requests (a KV slot each, the input
+                  tensors; timed in the blocking arm): the engine's work between
+                  start_step_agreement and forward
+  block µs        blocking arm: the time in agree_batch inside runner.forward
+  start µs        overlapped arm: runner.start_step_agreement (this rank's checks and
+                  the issue)
+  issue µs        the part of start µs in DPGroup.start_agree_batch
+  preempt         the share of issues during which this thread was preempted (an
+                  involuntary context switch; Linux, else 0%)
+  wait µs         overlapped arm: the time forward blocks in the agreement's wait
+  overlap µs      overlapped arm: start + wait per step (the median of the sums)
+  step ms         one blocking runner.forward (the emulated decode step, its
+                  agreement included)
+
+columns of the second table (the agreement's share of a decode step):
+  rank            the rank
+  blocking        block µs / step ms (the emulated step measured here)
+  overlapped      overlap µs / step ms
+  blocking@ref    block µs / --step-ms
+  overlapped@ref  overlap µs / --step-ms
+  build+step ms b/o
+                  one whole step, blocking arm (build + forward) / overlapped arm
+                  (start + build + forward)
+  phases s        the rank's seconds: start (spawn, imports, process group),
+                  collectives (the bare collectives and agree_batch), capture (model,
+                  runner, capture), steps (both arms, warm-up included), end (until
+                  the parent had every rank's result)
+"""
+
 
 class _Done:
     """What the no-op all-reduce returns: a work already complete."""
@@ -313,7 +355,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from cuda_graph_runner.reference.model import PRESETS
     from cuda_graph_runner.testing.tp_launch import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=COLUMNS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--dp", type=count_arg(2), default=2)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--bs", type=count_arg(2), default=8, help="rank 0's requests (the others: half)")

@@ -3,7 +3,8 @@ capture and pure eager, each start in a fresh process, on one traffic sequence.
 
 Each start builds the preset with a KV cache, then from t = 0 (just before
 ``runner.capture()``) serves decode steps of a seeded traffic sequence (batch sizes drawn
-from ``--live-sizes``), one token per request per step:
+from ``--live-sizes``; default: those of 1 2 3 5 8 13 24 40 64 up to ``--max-bs``), one
+token per request per step:
 
 * ``blocking``: ``capture()`` captures every size, then the steps replay;
 * ``eager_first``: ``capture()`` returns at once; after a step the engine loop gives the
@@ -82,6 +83,11 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 MODES = ("blocking", "eager_first", "eager")
+#: ``--live-sizes``'s default: the sizes of these up to ``--max-bs`` (sizes given
+#: explicitly must all lie in 1..--max-bs).
+DEFAULT_LIVE_SIZES = (1, 2, 3, 5, 8, 13, 24, 40, 64)
+#: ``--dtype``'s accepted values (torch dtypes of the reference model).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def traffic(live_sizes: List[int], steps: int, seed: int) -> List[int]:
@@ -502,14 +508,63 @@ def _run_one(
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def backend_labels() -> List[str]:
+    """The ``--backend`` labels accepted: each installed backend's name, with
+    ``:tc_compiler`` for a backend that reads ``tc_compiler`` and ``+torch_compile`` for
+    one that reads ``torch_compile``."""
+    from cuda_graph_runner.backend.options import declared_reads
+    from cuda_graph_runner.cli.bench.backends import TORCH_COMPILE, label_of
+    from cuda_graph_runner.config import TC_COMPILERS
+    from cuda_graph_runner.registry import get_registry
+
+    reg = get_registry()
+    labels = []
+    for name in reg.names():
+        reads = declared_reads(reg, name) or ()
+        labels.append(name)
+        if "torch_compile" in reads:
+            labels.append(label_of(name, TORCH_COMPILE))
+        if "tc_compiler" in reads:
+            labels += [label_of(name, compiler) for compiler in TC_COMPILERS]
+    return labels
+
+
+def choice_problem(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with ``--model``, ``--dtype`` or ``--backend`` (the bad value and
+    what is accepted, one line), or None."""
+    if args.dtype not in DTYPES:
+        return f"--dtype {args.dtype!r}: accepted {', '.join(DTYPES)}"
+    from cuda_graph_runner.cli.bench.backends import label_of, parse_label
+    from cuda_graph_runner.reference.model import PRESETS
+
+    if args.model not in PRESETS:
+        return f"--model {args.model!r}: accepted {', '.join(sorted(PRESETS))}"
+    labels = backend_labels()
+    if label_of(*parse_label(args.backend)) not in labels:  # a deprecated spelling reads as its new one
+        return f"--backend {args.backend!r}: accepted {', '.join(labels)}"
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="tiny", help="a reference preset (default tiny)")
-    p.add_argument("--backend", default="full", help="a bench label: full, full+torch_compile, breakable, ...")
+    p.add_argument(
+        "--backend",
+        default="full",
+        help="a bench label: an installed backend, name:tc_compiler or name+torch_compile\n"
+        "(full, full+torch_compile, breakable, tc_piecewise:inductor, ...; default full)",
+    )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help=f"the model's dtype: {', '.join(DTYPES)} (default float32)")
     p.add_argument("--max-bs", type=int, default=256, help="largest capture size (default 256: 36 decode sizes)")
-    p.add_argument("--live-sizes", type=int, nargs="+", default=[1, 2, 3, 5, 8, 13, 24, 40, 64])
+    p.add_argument(
+        "--live-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the traffic's batch sizes, each in 1..--max-bs (default: those of\n"
+        f"{' '.join(map(str, DEFAULT_LIVE_SIZES))} up to --max-bs)",
+    )
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=300, help="steps at least (the timeline's length)")
     p.add_argument("--budget-ms", type=float, default=20.0, help="budget of one capture_step call (eager_first)")
@@ -558,6 +613,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.max_bs < 1:
+        print(f"error: --max-bs {args.max_bs}: must be >= 1", file=sys.stderr)
+        return 2
+    if args.live_sizes is None:
+        args.live_sizes = [s for s in DEFAULT_LIVE_SIZES if s <= args.max_bs]
     if args.max_bs < max(args.live_sizes) or min(args.live_sizes) < 1:
         print(f"error: --live-sizes {args.live_sizes} must lie in 1..--max-bs {args.max_bs}", file=sys.stderr)
         return 2
@@ -575,6 +635,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
         print(f"error: --time-limit-s {args.time_limit_s}: must be a finite number of seconds > 0", file=sys.stderr)
+        return 2
+    # The parent checks the choices before any start (a start gets them checked, and its
+    # startup phases stay free of the registry scan the check makes).
+    problem = None if args.one else choice_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     # Enough sizes drawn for any run length; a start stops by its own rule.
     args.steps_cap = max(args.steps, 1) * 1000

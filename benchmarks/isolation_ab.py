@@ -35,16 +35,17 @@ objects, the recompile limits, the inductor config keys the others left changed,
 CUDA-graph tree manager is alive, a host-speed probe and the thread count; then
 tc_piecewise's own compile count and direct-replay keys.
 
-How it stays inside ``--budget-s`` (default 390): children build in parallel waves and are
-timed one at a time (a built child waits for its turn, so no compile runs beside a timed
-block). Wave 1 is ``alone``, ``beside_both`` and the arms that would miss a warm cache
-anyway (``beside_both_no_trees``: another inductor config; ``beside_both_fresh_cache``),
-all compiling cold; wave 2 the other arms that fit by wave 1's build and timing seconds
-(on the cache wave 1 warmed), in the order given. A child not built or
-not timed in time is killed (its process group) and reported as such. However the parent
-ends (SIGTERM and SIGINT included, as from ``timeout``) it kills every child's process
-group first; a child whose parent is gone (killed outright) or that is ``CHILD_GRACE_S``
-past the deadline leaves on its own, so no child is left holding device memory.
+How it stays inside ``--budget-s`` (default 390; 60 with ``--device cpu``): children build
+in parallel waves and are timed one at a time (a built child waits for its turn, so no
+compile runs beside a timed block). Wave 1 is ``alone``, ``beside_both`` and the arms that
+would miss a warm cache anyway (``beside_both_no_trees``: another inductor config;
+``beside_both_fresh_cache``), all compiling cold; wave 2 the other arms that fit by wave
+1's build and timing seconds (on the cache wave 1 warmed), in the order given. A child not
+built or not timed in time is killed (its process group) and reported as such. However the
+parent ends (SIGTERM and SIGINT included, as from ``timeout``) it kills every child's
+process group first; a child whose parent is gone (killed outright) or that is
+``CHILD_GRACE_S`` past the deadline leaves on its own, so no child is left holding device
+memory.
 
 Usage (device machine; about 330 s)::
 
@@ -52,9 +53,12 @@ Usage (device machine; about 330 s)::
 
 CPU smoke of the harness (``--device cpu``: the tiny preset, float32, the hand graph run
 eagerly, the compiled methods as ``torch.compile(backend="eager")`` stand-ins; no timing
-claims)::
+claims). Its defaults are a smoke's (:data:`DEVICE_DEFAULTS`): the arms ``alone`` and
+``beside_ro`` (one per wave), batch sizes 1 and 4, one round of one call per size and
+phase, at most 2 warm-up rounds, ``--budget-s`` 60, ``--timing-reserve-s`` 10 (about 30 s
+on two cores); each option given replaces its default::
 
-    python benchmarks/isolation_ab.py --device cpu --arms alone beside_ro --rounds 1 --iters 1 --out /tmp/iso
+    python benchmarks/isolation_ab.py --device cpu --out /tmp/iso
 
 Output: tables (arm, phase: tc_piecewise / hand graph median [lo-hi] per size; the
 probes per arm) on stdout and in ``OUT/isolation_ab.txt``, ``OUT/isolation_ab.json`` with
@@ -148,6 +152,54 @@ DEFAULT_ARMS = [
     "beside_full",
     "beside_both_reset",
 ]
+
+#: The defaults of the options that depend on ``--device`` (an option given replaces its
+#: default): on cuda a measurement; on cpu a smoke of the harness, well under a minute (one
+#: arm per wave, one round of one call per size and phase, a short warm-up).
+DEVICE_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "cuda": {
+        "model": "llama-3.2-1b",
+        "batch_sizes": [1, 32, 128],
+        "arms": DEFAULT_ARMS,
+        "rounds": 5,
+        "iters": 20,
+        "warmup_max": 12,
+        "warmup_min_s": 0.5,
+        "budget_s": 390.0,
+        "timing_reserve_s": 25.0,
+    },
+    "cpu": {
+        "model": "tiny",
+        "batch_sizes": [1, 4],
+        "arms": ["alone", "beside_ro"],
+        "rounds": 1,
+        "iters": 1,
+        "warmup_max": 2,
+        "warmup_min_s": 0.0,
+        "budget_s": 60.0,
+        "timing_reserve_s": 10.0,
+    },
+}
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with each option not given (None) set to its ``--device``'s default
+    (:data:`DEVICE_DEFAULTS`)."""
+    for key, value in DEVICE_DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    return args
+
+
+def _default(key: str) -> str:
+    """The cuda and cpu defaults of ``key`` as ``--help`` gives them: ``default 5; cpu: 1``."""
+
+    def shown(value: Any) -> str:
+        if isinstance(value, list):
+            return " ".join(map(str, value))
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    return f"default {shown(DEVICE_DEFAULTS['cuda'][key])}; cpu: {shown(DEVICE_DEFAULTS['cpu'][key])}"
 
 
 # -- the child: build, wait for its turn, time -------------------------------------------------
@@ -749,27 +801,43 @@ def tables(results: Dict[str, Any], sizes: List[int]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke of the harness")
-    parser.add_argument("--model", default=None, help="preset (default llama-3.2-1b; tiny with --device cpu)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 32 128 (cpu: 1 4)")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS, help="in priority order")
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per size and phase")
-    parser.add_argument("--iters", type=int, default=20, help="calls per timed block")
-    parser.add_argument("--warmup-max", type=int, default=12)
-    parser.add_argument("--warmup-min-s", type=float, default=0.5)
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: a smoke of the harness (well under a minute), with the smaller defaults marked 'cpu:' below",
+    )
+    parser.add_argument("--model", default=None, help=f"preset ({_default('model')})")
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help=f"decode batch sizes ({_default('batch_sizes')})"
+    )
+    parser.add_argument(
+        "--arms", nargs="+", choices=list(ARMS), default=None, help=f"in priority order ({_default('arms')})"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help=f"measured rounds per size and phase ({_default('rounds')})"
+    )
+    parser.add_argument("--iters", type=int, default=None, help=f"calls per timed block ({_default('iters')})")
+    parser.add_argument("--warmup-max", type=int, default=None, help=f"most warm-up rounds ({_default('warmup_max')})")
+    parser.add_argument(
+        "--warmup-min-s", type=float, default=None, help=f"least warm-up seconds ({_default('warmup_min_s')})"
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--budget-s", type=float, default=390.0, help="wall-clock seconds for everything")
-    parser.add_argument("--timing-reserve-s", type=float, default=25.0, help="timing seconds per child in wave 1")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help=f"wall-clock seconds for everything ({_default('budget_s')})"
+    )
+    parser.add_argument(
+        "--timing-reserve-s",
+        type=float,
+        default=None,
+        help=f"timing seconds per child in wave 1 ({_default('timing_reserve_s')})",
+    )
     parser.add_argument("--child", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # a child's: epoch seconds
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # a child's: leave when it is gone
-    args = parser.parse_args(argv)
-    if args.model is None:
-        args.model = "tiny" if args.device == "cpu" else "llama-3.2-1b"
-    if args.batch_sizes is None:
-        args.batch_sizes = [1, 4] if args.device == "cpu" else [1, 32, 128]
+    args = resolve_defaults(parser.parse_args(argv))
     if args.rounds < 1 or args.iters < 1:
         parser.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
     for flag, value in (("--budget-s", args.budget_s), ("--timing-reserve-s", args.timing_reserve_s)):

@@ -71,3 +71,24 @@ def test_two_gloo_ranks_run_the_whole_benchmark(tmp_path, capsys):
     assert ranks[0]["steps"] == ranks[1]["steps"] >= 10
     assert ranks[0]["rounds"] == ranks[1]["rounds"] >= 50
     assert f"{ranks[0]['steps']} steps per arm" in capsys.readouterr().out
+
+
+def test_help_gives_the_first_paragraph_and_every_printed_column(capsys):
+    import inspect
+    import re
+
+    with pytest.raises(SystemExit) as exc:
+        dp_agreement.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    out = " ".join(text.split())  # the description's line breaks as spaces
+    first = " ".join(dp_agreement.__doc__.split("\n\n")[0].split())
+    assert first.endswith(".") and first in out
+    # Every column header the tables print (the ``{'name':>width}`` fields of main), and
+    # the trailing one.
+    columns = set(re.findall(r"\{'([^']+)':>\d+\}", inspect.getsource(dp_agreement.main))) | {"phases s"}
+    assert {"floor µs", "overlap µs", "step ms", "blocking@ref", "build+step ms b/o"} <= columns
+    # Each is explained on a line of the epilog that starts with its name.
+    terms = [line.strip() for line in text.split("columns of the first table", 1)[1].splitlines()]
+    missing = {name for name in columns if not any(t.startswith(name + " ") or t == name for t in terms)}
+    assert not missing, missing

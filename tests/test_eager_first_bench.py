@@ -201,3 +201,53 @@ def test_the_time_limit_is_finite_by_default(capsys):
 def test_bad_run_options_are_refused_naming_the_value(argv, message, capsys):
     assert eager_first.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _cpu_example() -> list:
+    """The CPU example of the module docstring, as its arguments (the command's own words
+    dropped)."""
+    import shlex
+
+    (line,) = [ln for ln in eager_first.__doc__.splitlines() if ln.rstrip().endswith("# CPU, fake graphs")]
+    words = shlex.split(line.split("#")[0])
+    assert words[:2] == ["python", "benchmarks/eager_first.py"]
+    return words[2:]
+
+
+def test_the_cpu_example_s_default_live_sizes_are_those_up_to_max_bs(monkeypatch):
+    # The example as written: every default live size above its --max-bs 16 is left out.
+    seen = {}
+
+    def run_one(me, mode, until_s, **kwargs):
+        seen[mode] = me
+        raise RuntimeError("stop here: the options were accepted")
+
+    monkeypatch.setattr(eager_first, "_run_one", run_one)
+    assert eager_first.main(_cpu_example()) == 1
+    me = seen["blocking"]
+    assert me[me.index("--live-sizes") + 1 :] == ["1", "2", "3", "5", "8", "13"]
+    assert me[me.index("--max-bs") + 1] == "16"
+
+
+def test_live_sizes_given_must_lie_within_max_bs(capsys):
+    assert eager_first.main(["--max-bs", "16", "--live-sizes", "1", "32"]) == 2
+    assert "--live-sizes [1, 32] must lie in 1..--max-bs 16" in capsys.readouterr().err
+    assert eager_first.main(["--max-bs", "0"]) == 2
+    assert "--max-bs 0: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message, accepted",
+    [
+        (["--backend", "nope"], "--backend 'nope': accepted ", ["full", "full+torch_compile", "tc_piecewise:inductor"]),
+        (["--backend", "full:eager"], "--backend 'full:eager': accepted ", ["full", "full+torch_compile"]),
+        (["--dtype", "float99"], "--dtype 'float99': accepted ", ["float32", "bfloat16", "float16"]),
+        (["--model", "nope"], "--model 'nope': accepted ", ["tiny", "llama-3.2-1b"]),
+    ],
+)
+def test_bad_choices_are_refused_in_one_line_naming_the_value(argv, message, accepted, capsys):
+    assert eager_first.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert "Traceback" not in err
+    assert all(a in err.split("accepted ", 1)[1].rstrip().split(", ") for a in accepted), err

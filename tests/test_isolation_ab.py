@@ -227,3 +227,72 @@ def test_sigterm_to_the_parent_kills_every_child_s_process_group(tmp_path, monke
         time.sleep(0.05)
     assert _gone(gpid), "the child's group outlived the parent"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _resolved(tmp_path, monkeypatch, *argv):
+    """The options ``main`` hands the parent (which starts no child here)."""
+    seen = []
+
+    def parent(args, spawned):
+        seen.append(args)
+        return 0
+
+    monkeypatch.setattr(ab, "parent", parent)
+    assert ab.main([*argv, "--out", str(tmp_path / "iso")]) == 0
+    return seen[0]
+
+
+def _defaults(args):
+    keys = (
+        "model",
+        "arms",
+        "batch_sizes",
+        "rounds",
+        "iters",
+        "warmup_max",
+        "warmup_min_s",
+        "budget_s",
+        "timing_reserve_s",
+    )
+    return {key: getattr(args, key) for key in keys}
+
+
+def test_cpu_defaults_are_a_smoke_s_and_cuda_s_a_measurement_s(tmp_path, monkeypatch):
+    cpu = _defaults(_resolved(tmp_path, monkeypatch, "--device", "cpu"))
+    assert cpu == {
+        "model": "tiny",
+        "arms": ["alone", "beside_ro"],  # one arm per wave
+        "batch_sizes": [1, 4],
+        "rounds": 1,
+        "iters": 1,
+        "warmup_max": 2,
+        "warmup_min_s": 0.0,
+        "budget_s": 60.0,
+        "timing_reserve_s": 10.0,
+    }
+    assert [ab.ARMS[n].wave for n in cpu["arms"]] == [1, 2]
+    cuda = _defaults(_resolved(tmp_path, monkeypatch))  # --device cuda is the default
+    assert cuda == {
+        "model": "llama-3.2-1b",
+        "arms": ab.DEFAULT_ARMS,
+        "batch_sizes": [1, 32, 128],
+        "rounds": 5,
+        "iters": 20,
+        "warmup_max": 12,
+        "warmup_min_s": 0.5,
+        "budget_s": 390.0,
+        "timing_reserve_s": 25.0,
+    }
+    # An option given replaces its default only.
+    given = _defaults(_resolved(tmp_path, monkeypatch, "--device", "cpu", "--rounds", "3", "--budget-s", "90"))
+    assert given == {**cpu, "rounds": 3, "budget_s": 90.0}
+
+
+def test_help_gives_both_devices_defaults(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cpu: a smoke of the harness (well under a minute)" in out
+    for shown in ("(default 5; cpu: 1)", "(default 20; cpu: 1)", "(default 390; cpu: 60)", "cpu: alone beside_ro)"):
+        assert shown in out, shown
