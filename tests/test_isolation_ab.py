@@ -243,46 +243,19 @@ def _resolved(tmp_path, monkeypatch, *argv):
 
 
 def _defaults(args):
-    keys = (
-        "model",
-        "arms",
-        "batch_sizes",
-        "rounds",
-        "iters",
-        "warmup_max",
-        "warmup_min_s",
-        "budget_s",
-        "timing_reserve_s",
-    )
-    return {key: getattr(args, key) for key in keys}
+    return {key: getattr(args, key) for key in ab.DEVICE_DEFAULTS["cpu"]}
 
 
 def test_cpu_defaults_are_a_smoke_s_and_cuda_s_a_measurement_s(tmp_path, monkeypatch):
     cpu = _defaults(_resolved(tmp_path, monkeypatch, "--device", "cpu"))
-    assert cpu == {
-        "model": "tiny",
-        "arms": ["alone", "beside_ro"],  # one arm per wave
-        "batch_sizes": [1, 4],
-        "rounds": 1,
-        "iters": 1,
-        "warmup_max": 2,
-        "warmup_min_s": 0.0,
-        "budget_s": 60.0,
-        "timing_reserve_s": 10.0,
-    }
-    assert [ab.ARMS[n].wave for n in cpu["arms"]] == [1, 2]
     cuda = _defaults(_resolved(tmp_path, monkeypatch))  # --device cuda is the default
-    assert cuda == {
-        "model": "llama-3.2-1b",
-        "arms": ab.DEFAULT_ARMS,
-        "batch_sizes": [1, 32, 128],
-        "rounds": 5,
-        "iters": 20,
-        "warmup_max": 12,
-        "warmup_min_s": 0.5,
-        "budget_s": 390.0,
-        "timing_reserve_s": 25.0,
-    }
+    assert cpu == ab.DEVICE_DEFAULTS["cpu"] and cuda == ab.DEVICE_DEFAULTS["cuda"]
+    assert set(ab.DEVICE_DEFAULTS["cpu"]) == set(ab.DEVICE_DEFAULTS["cuda"])
+    # The smoke: the tiny preset, one arm per wave, fewer timed calls, a minute's budget.
+    assert cpu["model"] == "tiny" and [ab.ARMS[n].wave for n in cpu["arms"]] == [1, 2]
+    assert cpu["rounds"] * cpu["iters"] < cuda["rounds"] * cuda["iters"] and cpu["budget_s"] <= 60
+    # The measurement: every arm, the model the results were taken on.
+    assert cuda["arms"] == ab.DEFAULT_ARMS and cuda["model"] == "llama-3.2-1b"
     # An option given replaces its default only.
     given = _defaults(_resolved(tmp_path, monkeypatch, "--device", "cpu", "--rounds", "3", "--budget-s", "90"))
     assert given == {**cpu, "rounds": 3, "budget_s": 90.0}
