@@ -155,6 +155,9 @@ def _rank(tp: Any, args: Dict[str, Any]) -> Dict[str, Any]:
     dp = DPGroup.of(tp)
     size = args["bs"] if dp.rank == 0 else args["bs"] // 2
     one, five = torch.zeros(1, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
+    # Every rank runs this with one graph variant (the runner's capture below checks it);
+    # stated up front, so the bare agreement is the one-int64 round as after a capture.
+    dp.variants_agreed(("",))
 
     # -- the collective alone and the blocking agreement, interleaved call by call (a
     # busy host's load drifts: calls side by side see the same load)

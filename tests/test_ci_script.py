@@ -37,8 +37,16 @@ def _run(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
 
 
-def test_trap_keeps_a_passing_run_green_when_the_check_has_finished(tmp_path):
-    body = 'true & plugin_pid=$!\ntrue & checks_pid=$!\nwait "$plugin_pid" "$checks_pid"\nexit 0'
+def _launch() -> str:
+    """The prefix both background checks are started with (their own process group)."""
+    found = re.findall(r"^\s*(setsid[^\n]*?)\s+(?:\.ci/example_plugin\.sh|bash -c)", CI_RUN.read_text(), re.M)
+    assert len(found) == 2 and found[0] == found[1], found
+    return found[0]
+
+
+def test_trap_keeps_a_passing_run_green_when_the_checks_have_finished(tmp_path):
+    launch = _launch()
+    body = f'{launch} true & plugin_pid=$!\n{launch} true & checks_pid=$!\nwait "$plugin_pid" "$checks_pid"\nexit 0'
     result = _run(tmp_path, body)
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "plugin.log").exists() and not (tmp_path / "checks.log").exists()
@@ -49,11 +57,16 @@ def test_trap_keeps_a_failing_runs_status(tmp_path):
     assert result.returncode == 3
 
 
-def test_trap_stops_a_running_check(tmp_path):
+def test_trap_stops_a_running_check_and_what_it_started(tmp_path):
+    # The check's shell runs `sleep` as a child of its own: the trap must stop both.
     marker = tmp_path / "still-running"
-    body = f"true & plugin_pid=$!\nwait $plugin_pid\n(sleep 1; touch {marker}) & checks_pid=$!\nexit 1"
+    launch = _launch()
+    body = f"{launch} true & plugin_pid=$!\nwait $plugin_pid\n"
+    body += f"{launch} bash -c 'sleep 1; touch {marker}' & checks_pid=$!\nsleep 0.2\nexit 1"
     result = _run(tmp_path, body)
     assert result.returncode == 1
     assert not (tmp_path / "plugin.log").exists()
-    time.sleep(1.5)
-    assert not marker.exists(), "the trap left the plugin check running"
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline:
+        assert not marker.exists(), "the trap left the check's child running"
+        time.sleep(0.1)

@@ -437,6 +437,14 @@ def _one_word(dp: DPGroup, out: Dict[str, Any]) -> None:
         count[0] += 1
         return real(*args, **kwargs)
 
+    # Before a capture agreed on the variants: the five-word round, the same length on
+    # both ranks, so ranks declaring different variants get a named mismatch (one word
+    # against five would abort gloo).
+    fresh = DPGroup.of(dp)
+    mine = ("",) if dp.rank == 0 else ("a", "b")
+    out["counts_differ"] = _outcome(lambda: fresh.agree_batch(2, True, mine[0], variants=mine))
+    out["counts_differ_then"] = _outcome(lambda: fresh.agree_batch(1, True, "", variants=("",)))
+    dp.variants_agreed(("",))  # as capture() does once every rank declared them
     results = []
     dist.all_reduce = counted  # type: ignore[assignment]
     try:
@@ -720,6 +728,9 @@ def test_dp2_the_one_word_agreement_gives_what_five_words_give(two_ranks):
         assert kind == "DataParallelStepError", (kind, message)
         assert "rank 0: variant 'x' is not among the captured variants ['']" in message, message
         assert r["one_word_then"] == ("ok", None)
+        kind, message = r["counts_differ"]
+        assert kind == "DataParallelMismatchError" and "rank 0: '', rank 1: 'a'" in message, (kind, message)
+        assert r["counts_differ_then"] == ("ok", None)
 
 
 # -- one process ------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def _files() -> Iterator[Path]:
                 if not any(part.endswith(".egg-info") for part in path.parts):
                     yield path
     yield from sorted((ROOT / "benchmarks").glob("*.py"))
+    yield from sorted(p for p in (ROOT / ".ci").iterdir() if p.is_file())
     yield ROOT / "README.md"
 
 

@@ -818,6 +818,7 @@ class BaseCudaGraphRunner(abc.ABC):
                     f"{tp.kind} ranks would capture different {self.phase} {what} ({seen}); this is rank {tp.rank}; "
                     f"every rank needs {fix}"
                 )
+        tp.variants_agreed(mine[1])
 
     def _roll_back(self, size: int, had: Set[ShapeKey]) -> None:
         """Forget what the failed capture step of ``size`` left (every variant's key not

@@ -214,6 +214,10 @@ class TPGroup:
     def _cpu(self) -> Any:
         return self.cpu_group if self.cpu_group is not None else self.group
 
+    def variants_agreed(self, variants: Sequence[str]) -> None:
+        """Every rank of the group declared these graph variants (a capture-time
+        agreement checked it). The TP step agreement's length does not depend on them."""
+
     def check_usable(self, *, capture: bool = False) -> None:
         """Raise at once when an earlier agreement's wait on this group ran out (the
         group's collectives are out of step, so any further one would pair wrongly).

@@ -5,9 +5,10 @@ With data-parallel attention each rank runs its own requests through attention, 
 the layers around it (expert parallelism, gathered MLPs) run collectives over all the
 ranks, which only pair up when every rank runs the same number of rows. So every step:
 
-1. the ranks exchange their live sizes (one host all-reduce over gloo of one int64, five
-   with several graph variants, no device sync: :meth:`DPGroup.agree_batch`), together with whether each can replay
-   and the graph variant it would replay;
+1. the ranks exchange their live sizes (one host all-reduce over gloo, no device sync:
+   :meth:`DPGroup.agree_batch`; of one int64 once a capture agreed on one graph variant,
+   plus a five-int64 round when a rank cannot replay; of five int64s otherwise),
+   together with whether each can replay and the graph variant it would replay;
 2. every rank pads its batch to the largest live size (a rank without requests runs a
    dummy batch of that size), so the ranks' forwards have the same rows;
 3. every rank takes the same replay-or-eager decision and the same graph key, derived
@@ -63,7 +64,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -137,6 +138,7 @@ class DPGroup(TPGroup):
         default_factory=dict, compare=False, repr=False
     )
     _pending: Optional["PendingAgreement"] = dataclasses.field(default=None, compare=False, repr=False)
+    _agreed_variants: Set[Tuple[str, ...]] = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -157,6 +159,15 @@ class DPGroup(TPGroup):
             step_timeout_s=group.step_timeout_s if step_timeout_s is None else step_timeout_s,
             capture_timeout_s=group.capture_timeout_s if capture_timeout_s is None else capture_timeout_s,
         )
+
+    def variants_agreed(self, variants: Sequence[str]) -> None:
+        """Every rank of the group declared ``variants`` (the capture-time gather of
+        :meth:`~cuda_graph_runner.runner.base.BaseCudaGraphRunner.capture` checked it): a
+        step agreement with one variant may then take the one-word round. Before that (no
+        capture yet, a disabled runner) a step takes the five-word round, whose length is
+        the same on every rank whatever each declared, so ranks that differ get a
+        :class:`DataParallelMismatchError` instead of all-reduces of different lengths."""
+        self._agreed_variants.add(tuple(variants))
 
     def _variant_digest(self, variant: str) -> int:
         digest = self._variant_digests.get(variant)
@@ -200,8 +211,8 @@ class DPGroup(TPGroup):
         its result.
 
         One host all-reduce (gloo, MIN, ``async_op=True``, no device sync). With one
-        captured variant (``len(variants) == 1``, every runner without graph variants) it
-        is of one int64: whether this rank's decision failed, the ready flag, whether it
+        captured variant (``len(variants) == 1``, every runner without graph variants)
+        that every rank declared (:meth:`variants_agreed`, at capture) it is of one int64: whether this rank's decision failed, the ready flag, whether it
         has the variant and the live size, packed so that the MIN gives each (on the H200
         host a gloo all-reduce of one element costs about two thirds of one of five); a
         step with a rank not ready (it runs eagerly) then takes a second round of the
@@ -211,8 +222,9 @@ class DPGroup(TPGroup):
         ``(digest, -digest)`` (equal among the ranks that have one) and whether this
         rank's decision failed. The values travel in an int64 tensor reused every step
         (backed by a Python ``array``: no tensor is made and no torch op runs but the
-        collective), so one agreement at a time is in flight on a group. Every rank
-        must give the same ``variants`` (the same config): the length picks the round.
+        collective), so one agreement at a time is in flight on a group. Ranks that give
+        different ``variants`` before a capture agreed on them take the five-word round
+        and get a :class:`DataParallelMismatchError` when their variants differ.
 
         Args:
             size: this rank's live size (0: no requests).
@@ -238,7 +250,8 @@ class DPGroup(TPGroup):
             lo_slot, hi_slot = self._variant_digest(variant), -self._variant_digest(variant)
         else:
             lo_slot = hi_slot = _NONE
-        if self.is_parallel and len(variants) == 1 and failed is None:  # what one word cannot say
+        one_word = len(variants) == 1 and tuple(variants) in self._agreed_variants
+        if self.is_parallel and one_word and failed is None:  # what one word cannot say
             if variant is not None and variant != variants[0]:
                 failed = f"variant {variant!r} is not among the captured variants {list(variants)}"
             elif size > _SIZE_ONES:
@@ -250,7 +263,8 @@ class DPGroup(TPGroup):
             pending._values = five
             return pending
         values = five
-        if len(variants) == 1:
+        pending._one_word = one_word
+        if one_word:
             # A ready rank with requests but no variant is sent as not ready: the
             # size field is only the maximum when such ranks do not exist (see _OK_BIT).
             ready_one = ready and (variant is not None or size == 0)
@@ -281,7 +295,7 @@ class DPGroup(TPGroup):
         work, pending._work = pending._work, None
         self._pending = None
         self.wait_bounded(work, "the step's agreement")
-        if len(pending.variants) != 1:
+        if not pending._one_word:
             return self._step_buffers[5][0].tolist()
         (word,) = self._step_buffers[1][0].tolist()
         if word & _OK_BIT and word & _READY_BIT:
@@ -343,6 +357,7 @@ class PendingAgreement:
     ) -> None:
         self.group, self.size, self.variant, self.variants, self.failed = group, size, variant, variants, failed
         self._work: Any = None
+        self._one_word = False
         self._five: List[int] = []
         self._values: Optional[List[int]] = None
         self._result: Optional[Tuple[int, bool, Optional[str]]] = None
