@@ -529,11 +529,36 @@ def backend_labels() -> List[str]:
     return labels
 
 
+def device_problem(spec: str) -> Optional[str]:
+    """What is wrong with ``--device`` (the value and what is accepted, one line), or None:
+    a torch device string of type cpu or cuda, a cuda one only where CUDA is available (and
+    its index below the device count)."""
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except RuntimeError:  # torch's own message lists every device type it knows, not ours
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return f"--device {spec!r}: accepted cpu, cuda, cuda:N"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {spec!r}: no CUDA device here; accepted cpu"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            shown = ", ".join(["cpu", "cuda", *(f"cuda:{i}" for i in range(count))])
+            return f"--device {spec!r}: {count} CUDA device(s) here; accepted {shown}"
+    return None
+
+
 def choice_problem(args: argparse.Namespace) -> Optional[str]:
-    """What is wrong with ``--model``, ``--dtype`` or ``--backend`` (the bad value and
-    what is accepted, one line), or None."""
+    """What is wrong with ``--dtype``, ``--device``, ``--model`` or ``--backend`` (the bad
+    value and what is accepted, one line), or None."""
     if args.dtype not in DTYPES:
         return f"--dtype {args.dtype!r}: accepted {', '.join(DTYPES)}"
+    problem = device_problem(args.device)
+    if problem:
+        return problem
     from cuda_graph_runner.cli.bench.backends import label_of, parse_label
     from cuda_graph_runner.reference.model import PRESETS
 

@@ -38,7 +38,8 @@ full to HF static + reduce-overhead (forward, batch 1), and ``extra.batch_semant
 only, HF's reduce-overhead compiles once instead of once per ``generate()`` shape,
 ``generate_batch`` is left out): the batch-1 target in less time; ``--e2e-batches ragged``
 times the loops at the ragged batch only (HF's reduce-overhead compiles again for each
-``generate()`` shape, about 2 minutes each for a 1B model on an H200). Inductor's and HF's compiles dominate a run: each
+``generate()`` shape, about 2 minutes each for a 1B model on an H200; with ``--measures
+e2e`` our runners capture the ragged batch alone). Inductor's and HF's compiles dominate a run: each
 ``hf_compare*.json`` in a folder is rendered on its own, so shapes and measures can be
 split over several files.
 
@@ -134,6 +135,36 @@ def parse_e2e_batches(spec: str, ragged: int) -> List[int]:
     if bad or not names:
         raise ValueError(f"--e2e-batches {spec!r}: unknown {bad or '(empty)'}; accepted: 1, ragged")
     return list(dict.fromkeys(1 if n == "1" else ragged for n in names))
+
+
+def capture_sizes(measures: Sequence[str], e2e_batches: Sequence[int]) -> List[int]:
+    """The batch sizes our runners capture: the loops' batches (``e2e``) and batch 1 when
+    the forward is measured, nothing else."""
+    sizes = set(e2e_batches) if "e2e" in measures else set()
+    return sorted(sizes | ({1} if "forward" in measures else set()))
+
+
+def attention_problem(attention: Optional[str]) -> Optional[str]:
+    """What is wrong with ``--attention`` (the value and the accepted backends), or None:
+    None (the default, torch) or a name the adapter's attention registry builds."""
+    from cuda_graph_runner.reference.model import DEFAULT_ATTENTION, attention_backend_names
+
+    names = attention_backend_names()
+    if attention is None or attention in names:
+        return None
+    return f"--attention {attention!r}: accepted {', '.join(names)} (default: {DEFAULT_ATTENTION})"
+
+
+def parse_device(spec: str) -> torch.device:
+    """``--device`` as a torch device; raises ValueError naming it and the accepted ones."""
+    accepted = "accepted: cuda, cuda:N, cpu"
+    try:
+        device = torch.device(spec)
+    except RuntimeError:  # torch's own message lists every device type it knows, not ours
+        raise ValueError(f"--device {spec!r}: not a device; {accepted}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"--device {spec!r}: {accepted}")
+    return device
 
 
 def parse_methods(spec: str) -> List[str]:
@@ -414,7 +445,7 @@ def run_shape(
 
     reference = hf_twin(adapter) if any(m in OURS for m in args.methods) else None
     for label in [m for m in args.methods if m in OURS]:
-        sizes = sorted({1, *args.e2e_batches}) if "e2e" in args.measures else [1]  # forward: batch 1 only
+        sizes = capture_sizes(args.measures, args.e2e_batches)
         progress(f"{shape}: {label}: capturing batch sizes {sizes}")
         runner = our_runner(adapter, label, sizes, device)
         progress(f"{shape}: {label}: captured in {runner.capture_wall_s:.1f} s")
@@ -567,10 +598,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.steps = args.repeats = args.iters
         args.steps = 100 if args.steps is None else args.steps
         args.repeats = 5 if args.repeats is None else args.repeats
-        for key in ("prompt_len", "ragged", "new_tokens", "iters", "steps", "repeats"):
+        if args.ragged < 2:  # one prompt would be batch 1 again
+            raise ValueError(f"--ragged {args.ragged}: the ragged batch needs at least 2 prompts")
+        for key in ("prompt_len", "new_tokens", "iters", "steps", "repeats"):
             if getattr(args, key) is not None and getattr(args, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(args, key)}: must be >= 1")
-        device = torch.device(args.device)
+        problem = attention_problem(args.attention)
+        if problem:
+            raise ValueError(problem)
+        device = parse_device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device here (use --device cpu for a smoke run)")
         if device.type == "cpu" and {"full+torch_compile", "hf_static_ro", "hf_generate_batch"} & set(args.methods):

@@ -63,7 +63,11 @@ on two cores); each option given replaces its default::
 Output: tables (arm, phase: tc_piecewise / hand graph median [lo-hi] per size; the
 probes per arm) on stdout and in ``OUT/isolation_ab.txt``, ``OUT/isolation_ab.json`` with
 every child's cells and probes (absolute paths made portable: both can be stored as they
-are), and ``OUT/arms/`` with each child's log and JSON.
+are), and ``OUT/arms/`` with each child's log and JSON (an arm's JSON from an earlier run
+into the same folder is removed before its child starts).
+
+Exit status 0 when at least one arm finished, 1 when none did (each arm's status on
+stderr), 2 for bad input (named on stderr before any child starts).
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ RO = "reduce_overhead"
 RAISED_LIMIT = 64
 #: The largest batch size: every runner here is built with this ``max_bs`` (run.py's).
 MAX_BS = 256
+#: The least warm-up rounds of every timed cell (``--warmup-max`` may not be below it).
+WARMUP_MIN = 2
 #: An absolute path in a log line (a warning's source file, a cache folder).
 ABS_PATH = re.compile(r"(?<![\w.<>~-])/[^\s:'\"(),]+")
 
@@ -534,7 +540,7 @@ def child(args: argparse.Namespace) -> int:
                         iters=args.iters,
                         rounds=args.rounds,
                         sync=sync,
-                        warmup_min=2,
+                        warmup_min=WARMUP_MIN,
                         warmup_max=args.warmup_max,
                         warmup_min_s=args.warmup_min_s,
                     )
@@ -610,6 +616,13 @@ class Child:
         self.sync_dir = sync_dir
         self.json = os.path.join(args.out, "arms", f"{name}.json")
         self.log = os.path.join(args.out, "arms", f"{name}.log")
+        # An earlier run into the same --out left its JSON here: a child killed or failing
+        # before its first save must report nothing, not that run's cells.
+        for stale in (self.json, self.json + ".tmp"):
+            try:
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
         env = dict(os.environ)
         if ARMS[name].fresh_cache:
             fresh = tempfile.mkdtemp(prefix="isolation-ab-cache-")
@@ -846,6 +859,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = [b for b in args.batch_sizes if not 1 <= b <= MAX_BS]
     if bad:
         parser.error(f"--batch-sizes {' '.join(map(str, bad))}: accepted 1 to {MAX_BS} (the runners' max_bs)")
+    if args.warmup_max < WARMUP_MIN:
+        parser.error(f"--warmup-max {args.warmup_max}: accepted an integer >= {WARMUP_MIN} (the least warm-up rounds)")
+    if not (math.isfinite(args.warmup_min_s) and args.warmup_min_s >= 0):
+        parser.error(f"--warmup-min-s {args.warmup_min_s}: accepted a finite number of seconds >= 0")
+    if args.prompt_len < 1:
+        parser.error(f"--prompt-len {args.prompt_len}: accepted an integer >= 1")
+    from cuda_graph_runner.reference.model import PRESETS
+
+    if args.model not in PRESETS:
+        parser.error(f"--model {args.model!r}: accepted a reference preset: {', '.join(sorted(PRESETS))}")
     if args.child:
         return child(args)
     spawned: List[Child] = []
@@ -915,6 +938,10 @@ def parent(args: argparse.Namespace, spawned: List[Child]) -> int:
         f.write(text + "\n")
     print(text)
     print(f"wrote {path} ({doc['wall_s']} s)")
+    if not any(r.get("status") == "done" for r in results.values()):
+        why = "; ".join(f"{n}: {r.get('status')}" for n, r in results.items()) or "no arm ran"
+        print(f"isolation_ab: no arm finished ({why}); see {os.path.join(args.out, 'arms')}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -243,6 +243,9 @@ def test_live_sizes_given_must_lie_within_max_bs(capsys):
         (["--backend", "full:eager"], "--backend 'full:eager': accepted ", ["full", "full+torch_compile"]),
         (["--dtype", "float99"], "--dtype 'float99': accepted ", ["float32", "bfloat16", "float16"]),
         (["--model", "nope"], "--model 'nope': accepted ", ["tiny", "llama-3.2-1b"]),
+        (["--device", "foo"], "--device 'foo': accepted ", ["cpu", "cuda", "cuda:N"]),
+        (["--device", "cuda:x"], "--device 'cuda:x': accepted ", ["cpu", "cuda", "cuda:N"]),
+        (["--device", "meta"], "--device 'meta': accepted ", ["cpu", "cuda", "cuda:N"]),
     ],
 )
 def test_bad_choices_are_refused_in_one_line_naming_the_value(argv, message, accepted, capsys):
@@ -251,3 +254,30 @@ def test_bad_choices_are_refused_in_one_line_naming_the_value(argv, message, acc
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert "Traceback" not in err
     assert all(a in err.split("accepted ", 1)[1].rstrip().split(", ") for a in accepted), err
+
+
+def _refused(argv, capsys) -> str:
+    """The one error line ``main`` gives for ``argv``, no start run (any start fails the test)."""
+    assert eager_first.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+def test_cuda_is_refused_up_front_where_no_cuda_device_is(monkeypatch, capsys):
+    import torch
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("a start ran")
+
+    monkeypatch.setattr(eager_first, "_run_one", no_start)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        err = _refused(["--device", device], capsys)
+        assert f"--device {device!r}: no CUDA device here; accepted cpu" in err, err
+    # With one CUDA device, an index past it is named with the devices there are.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = _refused(["--device", "cuda:3"], capsys)
+    assert "--device 'cuda:3': 1 CUDA device(s) here; accepted cpu, cuda, cuda:0" in err, err
+    assert eager_first.device_problem("cuda:0") is None and eager_first.device_problem("cpu") is None

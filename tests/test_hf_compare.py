@@ -74,6 +74,8 @@ def test_e2e_batches_picks_the_loops_batches(tmp_path):
     noted = [n for n in doc["notes"] if " not recorded: " in n]
     assert cells | {(n.split()[1], int(n.split()[3])) for n in noted} == {("full/e2e", 3), ("hf_static/e2e", 3)}
     assert doc["settings"]["e2e_batches"] == [3]
+    # No forward measured, no batch-1 loop: our runner captures the ragged batch alone.
+    assert [(r["sizes"], r["num_sizes"]) for r in doc["runners"] if r["backend"] == "full"] == [([3], 1)]
     assert any("first generate() at batch 3 " in n and "batch 1" not in n for n in doc["notes"]), doc["notes"]
 
 
@@ -125,11 +127,36 @@ def test_a_cut_hf_run_keeps_its_first_calls_and_e2e_alone_skips_the_forward(tmp_
         (["--measures", "forward,ttft"], "--measures 'forward,ttft': unknown ['ttft']; accepted: forward, e2e"),
         (["--iters", "2", "--steps", "50"], "--iters 2 sets --steps and --repeats; not with --steps 50"),
         (["--iters", "0"], "--iters 0: must be >= 1"),
+        (["--ragged", "1"], "--ragged 1: the ragged batch needs at least 2 prompts"),
+        (["--ragged", "0"], "--ragged 0: the ragged batch needs at least 2 prompts"),
+        (["--device", "foo"], "--device 'foo': not a device; accepted: cuda, cuda:N, cpu"),
+        (["--device", "cuda:x"], "--device 'cuda:x': not a device; accepted: cuda, cuda:N, cpu"),
+        (["--device", "meta"], "--device 'meta': accepted: cuda, cuda:N, cpu"),
+        (["--device", "cpu", "--methods", "full", "--attention", "zzz"], "--attention 'zzz': accepted "),
     ],
 )
 def test_bad_flags_are_named(capsys, argv, message):
     assert hf_compare.main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.count("\n") == 1, err
+
+
+def test_the_attention_check_takes_the_adapter_s_backend_names():
+    from cuda_graph_runner.reference.model import attention_backend_names
+
+    names = attention_backend_names()
+    assert hf_compare.attention_problem(None) is None  # the default: torch
+    assert all(hf_compare.attention_problem(name) is None for name in names)
+    problem = hf_compare.attention_problem("zzz")
+    assert problem.split("accepted ", 1)[1].split(" (default")[0].split(", ") == names
+
+
+def test_our_runners_capture_batch_1_only_for_a_measure_that_runs_it():
+    assert hf_compare.capture_sizes(["e2e"], [32]) == [32]
+    assert hf_compare.capture_sizes(["e2e"], [1, 32]) == [1, 32]
+    assert hf_compare.capture_sizes(["forward"], [32]) == [1]
+    assert hf_compare.capture_sizes(["forward", "e2e"], [32]) == [1, 32]
 
 
 def test_a_loop_time_under_the_noise_is_unmeasured_not_zero(monkeypatch):

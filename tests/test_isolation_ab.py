@@ -126,6 +126,13 @@ def test_a_phase_with_nothing_measured_is_neither_steady_nor_unsteady():
         (["--timing-reserve-s", "nan"], "--timing-reserve-s", "nan"),
         (["--batch-sizes", "1", "0"], "--batch-sizes", "0"),
         (["--batch-sizes", str(ab.MAX_BS + 1)], "--batch-sizes", str(ab.MAX_BS + 1)),
+        (["--model", "nope"], "--model", "'nope'"),
+        (["--warmup-max", "-1"], "--warmup-max", "-1"),
+        (["--warmup-max", "1"], "--warmup-max", "1"),
+        (["--warmup-min-s", "-0.5"], "--warmup-min-s", "-0.5"),
+        (["--warmup-min-s", "nan"], "--warmup-min-s", "nan"),
+        (["--warmup-min-s", "inf"], "--warmup-min-s", "inf"),
+        (["--prompt-len", "0"], "--prompt-len", "0"),
     ],
 )
 def test_bad_input_is_refused_before_any_child_starts(tmp_path, capsys, argv, flag, value):
@@ -269,3 +276,46 @@ def test_help_gives_both_devices_defaults(capsys):
     assert "cpu: a smoke of the harness (well under a minute)" in out
     for shown in ("(default 5; cpu: 1)", "(default 20; cpu: 1)", "(default 390; cpu: 60)", "cpu: alone beside_ro)"):
         assert shown in out, shown
+
+
+def test_the_model_must_be_a_reference_preset_and_the_accepted_are_named(tmp_path, capsys):
+    from cuda_graph_runner.reference.model import PRESETS
+
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["--device", "cpu", "--model", "nope", "--out", str(tmp_path / "iso")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert all(name in err.split("accepted", 1)[1] for name in PRESETS), err
+
+
+def _failing_children(monkeypatch, code: str) -> list:
+    """Every child the parent starts runs ``code`` instead of the arm (its command line
+    recorded): no build, no timing."""
+    popen = subprocess.Popen
+    cmds = []
+
+    def start(cmd, **kwargs):
+        cmds.append(cmd)
+        return popen([sys.executable, "-c", code], **kwargs)
+
+    monkeypatch.setattr(ab.subprocess, "Popen", start)
+    return cmds
+
+
+def test_an_arm_that_fails_reports_nothing_of_a_stale_json_and_no_arm_done_fails_the_run(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "iso"
+    (out / "arms").mkdir(parents=True)
+    stale = {"phases": {"pair": {"by_bs": {"1": {}}}}, "build_total_s": 12.5, "after_tc": {}}
+    for path in (out / "arms" / "alone.json", out / "arms" / "alone.json.tmp"):
+        path.write_text(json.dumps(stale))
+    cmds = _failing_children(monkeypatch, "raise SystemExit(1)")
+    code = ab.main(["--device", "cpu", "--arms", "alone", "--budget-s", "30", "--out", str(out)])
+    assert len(cmds) == 1
+    alone = json.loads((out / "isolation_ab.json").read_text())["variants"]["alone"]
+    assert alone["status"] == "exited 1 while building"
+    assert not {"phases", "build_total_s", "after_tc"} & set(alone), alone
+    assert not (out / "arms" / "alone.json").exists() and not (out / "arms" / "alone.json.tmp").exists()
+    assert "| alone | 12.5 |" not in (out / "isolation_ab.txt").read_text()
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no arm finished (alone: exited 1 while building)" in err, err
