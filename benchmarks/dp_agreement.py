@@ -363,14 +363,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         epilog=COLUMNS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--dp", type=count_arg(2), default=2)
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--bs", type=count_arg(2), default=8, help="rank 0's requests (the others: half)")
+    parser.add_argument("--dp", type=count_arg(2), default=2, help="ranks, one gloo process each (default 2)")
+    parser.add_argument("--preset", default="tiny", help="the reference model's preset (default tiny)")
+    parser.add_argument("--bs", type=count_arg(2), default=8, help="rank 0's requests (the others: half; default 8)")
     parser.add_argument(
         "--budget-s",
         type=float,
         default=16.0,
-        help="seconds the timed parts may take together (a quarter for the bare collectives, half for the steps)",
+        help="seconds the timed parts may take together (a quarter for the bare collectives, half for the "
+        "steps; default 16)",
     )
     parser.add_argument(
         "--step-ms",
@@ -384,7 +385,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=None,
         help="seconds the whole run may take before every rank is killed (default: 3 x --budget-s + 120)",
     )
-    parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results document here")
     args = parser.parse_args(argv)
     if args.preset not in PRESETS:
         parser.error(f"--preset {args.preset!r}: accepted {', '.join(sorted(PRESETS))}")

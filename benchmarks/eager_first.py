@@ -53,7 +53,8 @@ killed with its process group and the run fails naming it.
 
     python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
         --backend full --json eager_first_full.json --plot docs/eager-first-full.png
-    # compiled full, bounded: 36 sizes, each start compiling cold (about 13 s on an H200)
+    # compiled full, bounded: 36 sizes, each start compiling cold (about 33 s on an H200:
+    # benchmarks/results/2026-12-03-h200-eager-first)
     python benchmarks/eager_first.py --device cuda --dtype bfloat16 --model llama-3.2-1b \\
         --backend full+torch_compile --until 1.2 --time-limit-s 240 --json eager_first_compiled.json
     # the same with 12 sizes (up to 64, every live size) if the limit stops the one above
@@ -304,7 +305,7 @@ def _start(args: argparse.Namespace) -> Dict[str, Any]:
     session.close()
     return {
         "mode": mode,
-        "backend": args.backend,
+        "backend": "disabled" if mode == "eager" else args.backend,  # the backend this start ran
         "capture_call_ms": capture_call_ms,
         "first_step_ms": timeline[0]["end_ms"],
         "first_replay_ms": first_replay_ms,

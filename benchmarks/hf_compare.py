@@ -52,7 +52,7 @@ GPU (H200), one file per attention backend of ours in one ``hf-compare`` folder:
 CPU smoke run (graphs emulated, nothing compiled; the numbers mean nothing)::
 
     python benchmarks/hf_compare.py --device cpu --shapes tiny --methods full,breakable,hf_eager,hf_static \\
-        --steps 3 --new-tokens 3 --ragged 3 --iters 2 --out /tmp/hf_compare.json
+        --new-tokens 3 --ragged 3 --iters 2 --out /tmp/hf_compare.json
 """
 
 from __future__ import annotations

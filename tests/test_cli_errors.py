@@ -268,7 +268,6 @@ def test_bench_with_every_plugin_filtered_out_names_the_variable_not_the_install
         (["backends", "--bogus-flag"], "cuda-graph-runner backends"),
         (["config", "--bogus-flag"], "cuda-graph-runner config"),
         (["inspect", "--bogus-flag"], "cuda-graph-runner inspect"),
-        (["--bogus-flag", "backends"], "cuda-graph-runner"),
     ],
 )
 def test_an_unrecognized_flag_points_at_the_help_of_the_command_it_was_given_to(capsys, argv, prog):
@@ -279,3 +278,20 @@ def test_an_unrecognized_flag_points_at_the_help_of_the_command_it_was_given_to(
         f"{prog}: error: unrecognized arguments: --bogus-flag",
         f"see '{prog} --help'",
     ]
+
+
+@pytest.mark.parametrize("argv", [["--cuda-graph-max-bs", "4", "bench"], ["--bogus-flag", "backends"]])
+def test_a_subcommand_s_flag_before_it_says_where_it_goes(capsys, argv):
+    # argparse alone reads the flag's value ("4") as an unknown command.
+    assert main(argv) == 2
+    flag, command = argv[0], argv[-1]
+    assert capsys.readouterr().err.splitlines() == [
+        f"cuda-graph-runner: error: {flag} is not an option of cuda-graph-runner itself; a subcommand's options "
+        f"go after it: cuda-graph-runner {command} {flag} ...",
+        "see 'cuda-graph-runner --help'",
+    ]
+
+
+def test_top_level_options_before_the_subcommand_still_work(capsys):
+    assert main(["--log-level", "WARNING", "backends", "--json"]) == 0
+    assert capsys.readouterr().out.lstrip().startswith("[")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 import pytest
@@ -241,3 +242,18 @@ def test_hf_static_forward_takes_a_cache_slot_per_call_and_refuses_past_its_marg
         assert step().shape == first.shape
     with pytest.raises(RuntimeError, match="call 4 past the static cache's 3 decode slots"):
         step()
+
+
+def test_the_docstring_s_cpu_smoke_run_is_accepted_as_written(monkeypatch):
+    # The command after "CPU smoke run" in the module docstring, its flags through main's checks.
+    doc = hf_compare.__doc__.split("CPU smoke run", 1)[1].split("::", 1)[1]
+    command = " ".join(doc.strip().split("\n\n")[0].replace("\\\n", " ").split())
+    words = shlex.split(command)
+    assert words[:2] == ["python", "benchmarks/hf_compare.py"], words
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # the options were accepted: no need to run the cells
+
+    monkeypatch.setattr(hf_compare, "run_shape", stop)
+    with pytest.raises(KeyboardInterrupt):
+        hf_compare.main(words[2:])

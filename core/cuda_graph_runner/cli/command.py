@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from .. import __version__
 from ..backend.envs import EnvVarError
@@ -52,6 +52,27 @@ class CliArgumentParser(argparse.ArgumentParser):
         if self.is_subcommand and extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed, extras
+
+
+def misplaced_flag(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Optional[str]:
+    """Why ``argv`` puts a flag the top command does not take before the subcommand
+    (``cuda-graph-runner --cuda-graph-max-bs 4 bench``: argparse would read ``4`` as the
+    command), or None."""
+    commands: Dict[str, Any] = {}
+    for action in parser._actions:  # argparse keeps its subcommands only here
+        if isinstance(action, argparse._SubParsersAction):
+            commands = dict(action.choices)
+    own = set(parser._option_string_actions)
+    for i, token in enumerate(argv):
+        if token in commands:
+            for flag in argv[:i]:
+                if flag.startswith("-") and flag.split("=", 1)[0] not in own:
+                    return (
+                        f"{flag} is not an option of {parser.prog} itself; a subcommand's options go after it: "
+                        f"{parser.prog} {token} {flag} ..."
+                    )
+            return None
+    return None
 
 
 def _one_line_warning(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
@@ -200,7 +221,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.formatwarning = _one_line_warning
     hide_third_party_noise()
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        misplaced = misplaced_flag(parser, sys.argv[1:] if argv is None else argv)
+        if misplaced:
+            return usage_error(parser.prog, misplaced)
+        args = parser.parse_args(argv)
         configure_logging(level_from_args(args))
         from ..registry import check_environment
 
