@@ -7,7 +7,7 @@ ranks, which only pair up when every rank runs the same number of rows. So every
 
 1. the ranks exchange their live sizes (one host all-reduce over gloo, no device sync:
    :meth:`DPGroup.agree_batch`; of one int64 once a capture agreed on one graph variant,
-   plus a five-int64 round when a rank cannot replay; of five int64s otherwise),
+   plus a five-int64 all-reduce when a rank cannot replay; of five int64s otherwise),
    together with whether each can replay and the graph variant it would replay;
 2. every rank pads its batch to the largest live size (a rank without requests runs a
    dummy batch of that size), so the ranks' forwards have the same rows;
@@ -102,7 +102,7 @@ _NONE = 1 << 62
 #: are exact; with every rank ok and ready, the ranks with requests are exactly the
 #: ranks with the variant (a ready rank with requests and no variant is sent as not
 #: ready), so the size field is the largest live size. Any rank not ready (an eager
-#: step) takes a second, five-word round for the exact values; a failure, the gather
+#: step) takes a second, five-word all-reduce for the exact values; a failure, the gather
 #: that names it.
 _OK_BIT, _READY_BIT, _NO_VARIANT_BIT = 1 << 62, 1 << 61, 1 << 60
 _SIZE_ONES = (1 << 60) - 1
@@ -138,7 +138,8 @@ class DPGroup(TPGroup):
         default_factory=dict, compare=False, repr=False
     )
     _pending: Optional["PendingAgreement"] = dataclasses.field(default=None, compare=False, repr=False)
-    _agreed_variants: Set[Tuple[str, ...]] = dataclasses.field(default_factory=set, compare=False, repr=False)
+    #: The labels of one-variant runners every rank declared (:meth:`variants_agreed`).
+    _one_word_variants: Set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -163,11 +164,12 @@ class DPGroup(TPGroup):
     def variants_agreed(self, variants: Sequence[str]) -> None:
         """Every rank of the group declared ``variants`` (the capture-time gather of
         :meth:`~cuda_graph_runner.runner.base.BaseCudaGraphRunner.capture` checked it): a
-        step agreement with one variant may then take the one-word round. Before that (no
-        capture yet, a disabled runner) a step takes the five-word round, whose length is
+        step agreement with one variant may then take the one-word all-reduce. Before that
+        (no capture yet, a disabled runner) a step takes the five-word one, whose length is
         the same on every rank whatever each declared, so ranks that differ get a
         :class:`DataParallelMismatchError` instead of all-reduces of different lengths."""
-        self._agreed_variants.add(tuple(variants))
+        if len(variants) == 1:
+            self._one_word_variants.add(variants[0])
 
     def _variant_digest(self, variant: str) -> int:
         digest = self._variant_digests.get(variant)
@@ -212,18 +214,19 @@ class DPGroup(TPGroup):
 
         One host all-reduce (gloo, MIN, ``async_op=True``, no device sync). With one
         captured variant (``len(variants) == 1``, every runner without graph variants)
-        that every rank declared (:meth:`variants_agreed`, at capture) it is of one int64: whether this rank's decision failed, the ready flag, whether it
-        has the variant and the live size, packed so that the MIN gives each (on the H200
-        host a gloo all-reduce of one element costs about two thirds of one of five); a
-        step with a rank not ready (it runs eagerly) then takes a second round of the
-        five below for the exact values, issued and waited on inside
-        :meth:`PendingAgreement.wait`. With several variants it is of
+        that every rank declared (:meth:`variants_agreed`, at capture) it is of one int64:
+        whether this rank's decision failed, the ready flag, whether it has the variant and
+        the live size, packed so that the MIN gives each (on the H200 host a gloo
+        all-reduce of one element costs about two thirds of one of five); a step with a
+        rank not ready (it runs eagerly) then takes a second all-reduce, of the five below,
+        for the exact values, issued and waited on inside :meth:`PendingAgreement.wait`.
+        With several variants it is of
         five int64s: ``-size`` (the maximum), the ready flag, the variant's digest as
         ``(digest, -digest)`` (equal among the ranks that have one) and whether this
         rank's decision failed. The values travel in an int64 tensor reused every step
         (backed by a Python ``array``: no tensor is made and no torch op runs but the
         collective), so one agreement at a time is in flight on a group. Ranks that give
-        different ``variants`` before a capture agreed on them take the five-word round
+        different ``variants`` before a capture agreed on them take the five-word all-reduce
         and get a :class:`DataParallelMismatchError` when their variants differ.
 
         Args:
@@ -250,7 +253,7 @@ class DPGroup(TPGroup):
             lo_slot, hi_slot = self._variant_digest(variant), -self._variant_digest(variant)
         else:
             lo_slot = hi_slot = _NONE
-        one_word = len(variants) == 1 and tuple(variants) in self._agreed_variants
+        one_word = len(variants) == 1 and variants[0] in self._one_word_variants
         if self.is_parallel and one_word and failed is None:  # what one word cannot say
             if variant is not None and variant != variants[0]:
                 failed = f"variant {variant!r} is not among the captured variants {list(variants)}"
@@ -291,7 +294,7 @@ class DPGroup(TPGroup):
 
     def _finish(self, pending: "PendingAgreement") -> List[int]:
         """Wait (bounded) for ``pending``'s all-reduce; the reduced values, always the five
-        (a one-word round decoded, or followed by the five-word round it calls for)."""
+        (a one-word all-reduce decoded, or followed by the five-word one it calls for)."""
         work, pending._work = pending._work, None
         self._pending = None
         self.wait_bounded(work, "the step's agreement")
