@@ -468,14 +468,27 @@ def run_shape(
         # Every forward call takes a cache slot (see hf_forward_fn): the first 3, then
         # each block's warm-up and timed calls.
         margin = 3 + args.repeats * (args.steps + 2) + 8
-        if "hf_eager" in wanted and "forward" in args.measures:
-            record("hf_eager", "forward", 1,
-                   timed(hf_forward_fn(model, model.forward, prompt, margin), iters=args.steps,
-                         repeats=args.repeats, sync=sync))  # fmt: skip
-        if "hf_eager" in wanted and "e2e" in args.measures:
-            for bs in args.e2e_batches:
+
+        def eager_cell(measure: str, bs: int) -> None:
+            if measure == "forward":
+                step = hf_forward_fn(model, model.forward, prompt, margin)
+                record("hf_eager", "forward", 1, timed(step, iters=args.steps, repeats=args.repeats, sync=sync))
+            else:
                 gen = hf_generate_fn(model, [prompt] if bs == 1 else ragged, False)
                 record("hf_eager", "e2e", bs, per_step(gen, args.new_tokens, args.repeats, sync))
+
+        if "hf_eager" in wanted:
+            eager_cells = [("forward", 1)] if "forward" in args.measures else []
+            eager_cells += [("e2e", bs) for bs in args.e2e_batches] if "e2e" in args.measures else []
+            for measure, bs in eager_cells:
+                try:
+                    eager_cell(measure, bs)
+                except Exception as exc:  # a result, not the end of the run
+                    notes.append(
+                        f"{shape} hf_eager {measure} at batch {bs} did not run: {type(exc).__name__}: {str(exc)[:300]}"
+                    )
+                    progress(notes[-1])
+                    flush(got)
         for name in [m for m in wanted if m != "hf_eager"]:
             compiled = name == "hf_static_ro"
             if compiled:
@@ -495,7 +508,7 @@ def run_shape(
                 notes[at] = f"{shape} {name}: {'; '.join(firsts)}"
                 flush(got)
 
-            if "forward" in args.measures:
+            def forward_cell() -> None:
                 what = "compile + graph recording" if compiled else "eager, nothing compiled"
                 progress(f"{shape}: {name}: first 3 forward calls ({what})")
                 step = hf_forward_fn(model, forward, prompt, margin)
@@ -503,15 +516,27 @@ def run_shape(
                 row["compile_s"] = round(first, 3)
                 noted(f"first 3 forward calls ({what}) {first:.2f} s")
                 record(name, "forward", 1, timed(step, iters=args.steps, repeats=args.repeats, sync=sync))
+
+            def e2e_cell(bs: int) -> None:
+                gen = hf_generate_fn(model, [prompt] if bs == 1 else ragged, True)
+                progress(f"{shape}: {name}: first generate() at batch {bs}")
+                first = wall_s(lambda: gen(args.new_tokens + 1), sync)
+                again = " (each new shape compiles again)" if compiled else ""
+                noted(f"first generate() at batch {bs} {first:.2f} s{again}")
+                record(name, "e2e", bs, per_step(gen, args.new_tokens, args.repeats, sync))
+
+            cells = [("forward", 1, forward_cell)] if "forward" in args.measures else []
             if "e2e" in args.measures:
-                for bs in args.e2e_batches:
-                    gen = hf_generate_fn(model, [prompt] if bs == 1 else ragged, True)
-                    progress(f"{shape}: {name}: first generate() at batch {bs}")
-                    first = wall_s(lambda: gen(args.new_tokens + 1), sync)
-                    again = " (each new shape compiles again)" if compiled else ""
-                    noted(f"first generate() at batch {bs} {first:.2f} s{again}")
-                    record(name, "e2e", bs, per_step(gen, args.new_tokens, args.repeats, sync))
-            model.forward = original
+                cells += [("e2e", bs, lambda bs=bs: e2e_cell(bs)) for bs in args.e2e_batches]
+            try:
+                for measure, bs, cell in cells:
+                    try:
+                        cell()
+                    except Exception as exc:  # what the installed transformers does not run is a result
+                        noted(f"{measure} at batch {bs} did not run: {type(exc).__name__}: {str(exc)[:300]}")
+                        progress(notes[at])
+            finally:
+                model.forward = original
         del model
     if "hf_generate_batch" in args.methods and "e2e" in args.measures and args.ragged in args.e2e_batches:
         progress(f"{shape}: hf_generate_batch: two calls of generate_batch() at batch {args.ragged}")

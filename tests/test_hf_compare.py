@@ -117,6 +117,31 @@ def test_a_cut_hf_run_keeps_its_first_calls_and_e2e_alone_skips_the_forward(tmp_
     assert not any("forward calls" in n for n in doc["notes"]) and not timed_forward
 
 
+def test_an_hf_cell_that_raises_is_a_note_and_the_other_cells_still_run(tmp_path, monkeypatch, capsys):
+    # As the H200's transformers did: static cache + reduce-overhead raised in its first generate().
+    real = hf_compare.hf_generate_fn
+
+    def failing(model, prompts, static):
+        if len(prompts) == 1 or not static:
+            raise RuntimeError("accessing tensor output of CUDAGraphs that has been overwritten")
+        return real(model, prompts, static)
+
+    monkeypatch.setattr(hf_compare, "hf_generate_fn", failing)
+    out = tmp_path / "hf_compare.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--methods", "hf_eager,hf_static", "--prompt-len", "4"]
+    argv += ["--ragged", "3", "--new-tokens", "4", "--iters", "1", "--out", str(out)]
+    assert hf_compare.main(argv) == 0
+    doc = read(str(out))
+    failed = "did not run: RuntimeError: accessing tensor output of CUDAGraphs that has been overwritten"
+    static_note = next(n for n in doc["notes"] if n.startswith("tiny hf_static: "))
+    assert f"e2e at batch 1 {failed}" in static_note and "first generate() at batch 3 " in static_note, static_note
+    assert f"tiny hf_eager e2e at batch 1 {failed}" in doc["notes"]
+    assert f"tiny hf_eager e2e at batch 3 {failed}" in doc["notes"]
+    got = {(t["method"], t["batch_size"]) for t in doc["timings"]}
+    assert {("hf_eager/forward", 1), ("hf_static/forward", 1)} <= got  # the cells before and around the failures
+    assert f"wrote {out}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
