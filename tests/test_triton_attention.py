@@ -9,14 +9,11 @@ The compiled kernels on a device: tests/test_triton_attention_gpu.py.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from cuda_graph_runner.backend.context import forward_context
 from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode, as_static_batch
@@ -226,11 +223,7 @@ def interpreter_check() -> None:
 
 
 def test_interpreted_kernels_equal_the_torch_model():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("the triton package is not installed (optional extra [triton])")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0 and "equal the torch model" in done.stdout, done.stdout + done.stderr
+    run_interpreted(__file__, "equal the torch model")
 
 
 if __name__ == "__main__":
