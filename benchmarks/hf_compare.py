@@ -32,7 +32,9 @@ Writes one results document (:mod:`cuda_graph_runner.cli.results_schema`, tool
 ``benchmarks/hf_compare.py``): timings with method ``NAME/MEASURE``
 (:func:`method_label`), runners with capture and compile seconds, the ratio of compiled
 full to HF static + reduce-overhead (forward, batch 1), and ``extra.batch_semantics``.
-``benchmarks/make_docs_extra.py`` renders it (a ``hf-compare`` results folder).
+``benchmarks/make_docs_extra.py`` renders it (a ``hf-compare`` results folder). An HF cell
+that raises (the installed transformers' error) is a note, ``NAME/MEASURE batch N raised:
+...``, and the other cells still run.
 
 ``--measures forward`` times the forward-only cells alone (our runners capture batch 1
 only, HF's reduce-overhead compiles once instead of once per ``generate()`` shape,
@@ -407,8 +409,9 @@ def hf_generate_batch(model: Any, prompts: List[List[int]], new_tokens: int, syn
 def run_shape(
     shape: str, args: Any, device: torch.device, flush: Callable[[Dict[str, Any]], None] = lambda got: None
 ) -> Dict[str, Any]:
-    """Every cell of one shape; ``flush(got)`` after each recorded cell and runner, with what
-    the shape has so far (so a run cut short by its time limit keeps its finished cells)."""
+    """Every cell of one shape; ``flush(got)`` after each recorded cell, runner and note,
+    with what the shape has so far (so a run cut short by its time limit keeps its finished
+    cells). An HF cell that raises becomes a note and the shape's other cells still run."""
     arch, size = SHAPES[shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = sync_fn(device)
@@ -485,7 +488,7 @@ def run_shape(
                     eager_cell(measure, bs)
                 except Exception as exc:  # a result, not the end of the run
                     notes.append(
-                        f"{shape} hf_eager {measure} at batch {bs} did not run: {type(exc).__name__}: {str(exc)[:300]}"
+                        f"{shape} {method_label('hf_eager', measure)} batch {bs} raised: {type(exc).__name__}: {str(exc)[:300]}"
                     )
                     progress(notes[-1])
                     flush(got)
@@ -533,7 +536,9 @@ def run_shape(
                     try:
                         cell()
                     except Exception as exc:  # what the installed transformers does not run is a result
-                        noted(f"{measure} at batch {bs} did not run: {type(exc).__name__}: {str(exc)[:300]}")
+                        noted(
+                            f"{method_label(name, measure)} batch {bs} raised: {type(exc).__name__}: {str(exc)[:300]}"
+                        )
                         progress(notes[at])
             finally:
                 model.forward = original

@@ -21,7 +21,8 @@ layers) and each ``k``, in one run:
   without those synchronizations;
 * with ``--host-only``, the loop alone: every runner forward replaced by a replay of the
   outputs it gave in a recorded run (no device work, no runner host work; the loop's own
-  upload, table write, argmax and read stay), its microseconds per round, split into the
+  upload, table write and read stay, and with ``--logits-verify`` its argmax), its
+  microseconds per round, split into the
   draft's ``propose``, building the verify batch, and the read and acceptance after the
   verify, and its share of a round whose runner time is the instrumented runs' (``loop
   alone / (loop alone + runners)``);
@@ -179,8 +180,8 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     warm = CudaGraphConfig.from_dict({"decode": _phase(args, [1])})
     _runner(DecodeCudaGraphRunner, target, warm, device, args)
     decode_capture_s, decode = _timed(device, lambda: _runner(DecodeCudaGraphRunner, target, config, device, args))
-    # The timed loops' target graphs: logits ones (the argmax after each replay) unless
-    # --greedy-verify; plain decode alike, so both sides pick their tokens the same way.
+    # The timed loops' target graphs: greedy ones (the argmax recorded) unless
+    # --logits-verify; plain decode alike, so both sides pick their tokens the same way.
     target_cls = GreedyDecodeCudaGraphRunner if args.greedy_verify else DecodeCudaGraphRunner
     plain = _runner(target_cls, target, config, device, args) if args.greedy_verify else decode
     rows: List[Dict[str, Any]] = []

@@ -132,11 +132,11 @@ def test_an_hf_cell_that_raises_is_a_note_and_the_other_cells_still_run(tmp_path
     argv += ["--ragged", "3", "--new-tokens", "4", "--iters", "1", "--out", str(out)]
     assert hf_compare.main(argv) == 0
     doc = read(str(out))
-    failed = "did not run: RuntimeError: accessing tensor output of CUDAGraphs that has been overwritten"
+    failed = "raised: RuntimeError: accessing tensor output of CUDAGraphs that has been overwritten"
     static_note = next(n for n in doc["notes"] if n.startswith("tiny hf_static: "))
-    assert f"e2e at batch 1 {failed}" in static_note and "first generate() at batch 3 " in static_note, static_note
-    assert f"tiny hf_eager e2e at batch 1 {failed}" in doc["notes"]
-    assert f"tiny hf_eager e2e at batch 3 {failed}" in doc["notes"]
+    assert f"hf_static/e2e batch 1 {failed}" in static_note and "first generate() at batch 3 " in static_note
+    assert f"tiny hf_eager/e2e batch 1 {failed}" in doc["notes"]
+    assert f"tiny hf_eager/e2e batch 3 {failed}" in doc["notes"]
     got = {(t["method"], t["batch_size"]) for t in doc["timings"]}
     assert {("hf_eager/forward", 1), ("hf_static/forward", 1)} <= got  # the cells before and around the failures
     assert f"wrote {out}" in capsys.readouterr().err
