@@ -55,6 +55,7 @@ import torch
 
 from cuda_graph_runner.config import CudaGraphConfig
 from cuda_graph_runner.reference.batches import GreedySession, eager_logits_fn, make_dummy_prompts, make_extend_batch
+from cuda_graph_runner.reference.model import PRESETS
 from cuda_graph_runner.reference.speculative import (
     ModelDraft,
     OracleDraft,
@@ -493,7 +494,9 @@ def _line(row: Dict[str, Any]) -> str:
 def main(argv: "List[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", default="llama-3.2-1b" if torch.cuda.is_available() else "tiny")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="llama-3.2-1b" if torch.cuda.is_available() else "tiny"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--backend", choices=["full", "breakable", "full+torch_compile"], default="full")
     parser.add_argument("--k", type=int, nargs="+", default=[4])
@@ -526,8 +529,19 @@ def main(argv: "List[str] | None" = None) -> int:
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
     args.greedy_verify = not args.logits_verify
-    if any(k < 1 for k in args.k) or any(b < 1 for b in args.batch_sizes) or args.new_tokens < 2:
-        parser.error("--k and --batch-sizes take ints >= 1, --new-tokens an int >= 2")
+    for flag, values, least in (("--k", args.k, 1), ("--batch-sizes", args.batch_sizes, 1)):
+        bad = [v for v in values if v < least]
+        if bad:
+            parser.error(f"{flag} {' '.join(map(str, bad))}: takes ints >= {least}")
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens {args.new_tokens}: takes an int >= 2 (the first token comes from prefill)")
+    layers = PRESETS[args.preset].num_hidden_layers
+    for name in args.drafts:
+        n = name[5:] if name.startswith("skip:") else ""
+        if name not in ("oracle", "self") and not (n.isdigit() and 1 <= int(n) <= layers):
+            parser.error(
+                f"--drafts {name}: not a draft; accepted: oracle, self, skip:N (N in 1..{layers} for {args.preset})"
+            )
     rows = run(args)
     if args.json:
         with open(args.json, "w") as f:

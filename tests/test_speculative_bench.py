@@ -47,3 +47,21 @@ def test_both_verify_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
         speculative.main([*ARGV, "--greedy-verify", "--logits-verify"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--k", "4", "0"], "--k 0: takes ints >= 1"),
+        (["--batch-sizes", "-1"], "--batch-sizes -1: takes ints >= 1"),
+        (["--new-tokens", "1"], "--new-tokens 1: takes an int >= 2"),
+        (["--drafts", "oracle", "nosuch"], "--drafts nosuch: not a draft; accepted: oracle, self, skip:N (N in 1..2"),
+        (["--drafts", "skip:9"], "--drafts skip:9: not a draft"),
+        (["--drafts", "skip:x"], "--drafts skip:x: not a draft"),
+        (["--preset", "llama-9"], "argument --preset: invalid choice: 'llama-9'"),
+    ],
+)
+def test_bad_counts_are_refused_naming_the_value(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        speculative.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
