@@ -465,7 +465,7 @@ def _draft_graph_cost(draft_model, draft_runner, extend_runner, prompts, k, devi
 
 def _line(row: Dict[str, Any]) -> str:
     parts = [
-        f"bs={row['batch_size']} k={row['k']} draft={row['draft']}",
+        f"bs={row['batch_size']} k={row['k']} draft={row['draft']} verify={row['verify_output']}",
         f"plain {row['plain_tokens_per_s']:.1f} tok/s",
         f"spec {row['spec_tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x)",
         f"accept {row['accept_rate']:.2f}",
@@ -492,19 +492,31 @@ def _line(row: Dict[str, Any]) -> str:
 
 
 def main(argv: "List[str] | None" = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="llama-3.2-1b" if torch.cuda.is_available() else "tiny"
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--backend", choices=["full", "breakable", "full+torch_compile"], default="full")
-    parser.add_argument("--k", type=int, nargs="+", default=[4])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
-    parser.add_argument("--drafts", nargs="+", default=["oracle", "self", "skip:1"])
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda, cuda:N or cpu")
     parser.add_argument(
-        "--new-tokens", type=int, default=257, help="tokens per request (k = 4 with the oracle: about 52 rounds)"
+        "--preset",
+        choices=sorted(PRESETS),
+        default="llama-3.2-1b" if torch.cuda.is_available() else "tiny",
+        help="the target's shape (random weights)",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and draft dtype")
+    parser.add_argument(
+        "--backend", choices=["full", "breakable", "full+torch_compile"], default="full", help="every graph's backend"
+    )
+    parser.add_argument("--k", type=int, nargs="+", default=[4], help="draft tokens per round, one row each")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="requests per batch, one row each")
+    parser.add_argument(
+        "--drafts",
+        nargs="+",
+        default=["oracle", "self", "skip:1"],
+        help="oracle (plain greedy's own tokens), self (the target), skip:N (its first N layers)",
+    )
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    parser.add_argument(
+        "--new-tokens", type=int, default=257, help="tokens per request (the oracle at k = 4: about 52 rounds)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each loop; the best is reported")
     parser.add_argument("--iters", type=int, default=20, help="replays per draft-graph cost measurement")
@@ -529,7 +541,17 @@ def main(argv: "List[str] | None" = None) -> int:
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
     args.greedy_verify = not args.logits_verify
-    for flag, values, least in (("--k", args.k, 1), ("--batch-sizes", args.batch_sizes, 1)):
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r}: not a device; accepted: cuda, cuda:N, cpu")
+    if device.type not in ("cuda", "cpu") or (device.type == "cuda" and not torch.cuda.is_available()):
+        parser.error(
+            f"--device {args.device}: not available here; accepted: cpu" + (", cuda" * torch.cuda.is_available())
+        )
+    counts = [("--k", args.k, 1), ("--batch-sizes", args.batch_sizes, 1), ("--prompt-len", [args.prompt_len], 1)]
+    counts += [("--repeats", [args.repeats], 1), ("--iters", [args.iters], 1)]
+    for flag, values, least in counts:
         bad = [v for v in values if v < least]
         if bad:
             parser.error(f"{flag} {' '.join(map(str, bad))}: takes ints >= {least}")
@@ -542,6 +564,12 @@ def main(argv: "List[str] | None" = None) -> int:
             parser.error(
                 f"--drafts {name}: not a draft; accepted: oracle, self, skip:N (N in 1..{layers} for {args.preset})"
             )
+    if device.type == "cpu" and args.backend in ("full", "breakable"):
+        print(
+            f"speculative.py: on the CPU, {args.backend} runs on emulated graphs (a replay reruns the recorded "
+            "forward): the rows show the mechanism and its losslessness, not a speed",
+            file=sys.stderr,
+        )
     rows = run(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -40,7 +40,9 @@ def test_rows_are_lossless_and_name_their_verify_output(tmp_path, capsys, flag, 
     # no round here reaches (8 tokens after the first, k + 1 = 3 a round: the last round
     # needs 2 of its k proposals, both known).
     assert rows[0]["accept_rate"] == 1.0
-    assert "lossless" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert f"verify={output}" in captured.out and "lossless" in captured.out
+    assert "emulated graphs" in captured.err  # CPU rows are the mechanism, not a speed
 
 
 def test_both_verify_flags_are_refused(capsys):
@@ -59,9 +61,12 @@ def test_both_verify_flags_are_refused(capsys):
         (["--drafts", "skip:9"], "--drafts skip:9: not a draft"),
         (["--drafts", "skip:x"], "--drafts skip:x: not a draft"),
         (["--preset", "llama-9"], "argument --preset: invalid choice: 'llama-9'"),
+        (["--prompt-len", "0"], "--prompt-len 0: takes ints >= 1"),
+        (["--repeats", "0"], "--repeats 0: takes ints >= 1"),
+        (["--device", "gpu0"], "--device 'gpu0': not a device; accepted: cuda, cuda:N, cpu"),
     ],
 )
-def test_bad_counts_are_refused_naming_the_value(capsys, argv, message):
+def test_bad_input_is_refused_naming_the_value(capsys, argv, message):
     with pytest.raises(SystemExit):
         speculative.main(["--device", "cpu", *argv])
     assert message in capsys.readouterr().err
