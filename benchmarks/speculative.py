@@ -545,10 +545,10 @@ def main(argv: "List[str] | None" = None) -> int:
         device = torch.device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device!r}: not a device; accepted: cuda, cuda:N, cpu")
-    if device.type not in ("cuda", "cpu") or (device.type == "cuda" and not torch.cuda.is_available()):
-        parser.error(
-            f"--device {args.device}: not available here; accepted: cpu" + (", cuda" * torch.cuda.is_available())
-        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type not in ("cuda", "cpu") or (device.type == "cuda" and (device.index or 0) >= gpus):
+        accepted = "cpu" + (f", cuda, cuda:0 .. cuda:{gpus - 1}" if gpus else "")
+        parser.error(f"--device {args.device}: not available here; accepted: {accepted}")
     counts = [("--k", args.k, 1), ("--batch-sizes", args.batch_sizes, 1), ("--prompt-len", [args.prompt_len], 1)]
     counts += [("--repeats", [args.repeats], 1), ("--iters", [args.iters], 1)]
     for flag, values, least in counts:
