@@ -121,6 +121,12 @@ def method_label(name: str, measure: str) -> str:
     return f"{name}/{measure}"
 
 
+def raised_note(name: str, measure: str, bs: int, exc: Exception) -> str:
+    """The note of a cell that raised: ``NAME/MEASURE batch N raised: TYPE: message``
+    (the message cut at 300 characters)."""
+    return f"{method_label(name, measure)} batch {bs} raised: {type(exc).__name__}: {str(exc)[:300]}"
+
+
 def parse_measures(spec: str) -> List[str]:
     """``--measures`` as a list; raises ValueError naming an unknown one and the accepted."""
     names = [m.strip() for m in spec.split(",") if m.strip()]
@@ -487,9 +493,7 @@ def run_shape(
                 try:
                     eager_cell(measure, bs)
                 except Exception as exc:  # a result, not the end of the run
-                    notes.append(
-                        f"{shape} {method_label('hf_eager', measure)} batch {bs} raised: {type(exc).__name__}: {str(exc)[:300]}"
-                    )
+                    notes.append(f"{shape} {raised_note('hf_eager', measure, bs, exc)}")
                     progress(notes[-1])
                     flush(got)
         for name in [m for m in wanted if m != "hf_eager"]:
@@ -536,9 +540,7 @@ def run_shape(
                     try:
                         cell()
                     except Exception as exc:  # what the installed transformers does not run is a result
-                        noted(
-                            f"{method_label(name, measure)} batch {bs} raised: {type(exc).__name__}: {str(exc)[:300]}"
-                        )
+                        noted(raised_note(name, measure, bs, exc))
                         progress(notes[at])
             finally:
                 model.forward = original

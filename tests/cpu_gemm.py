@@ -32,15 +32,11 @@ def _shapes(model: nn.Module) -> Tuple[Tuple[int, int], ...]:
     return tuple(sorted({tuple(p.shape) for p in model.parameters() if p.dim() == 2}))  # type: ignore[misc]
 
 
-def padded_size(rows: int, sizes: Sequence[int]) -> int:
-    """The captured size a runner pads ``rows`` tokens to: the smallest of ``sizes`` that
-    holds them."""
-    return min(s for s in sizes if s >= rows)
-
-
-def gemm_rows_exact(model: nn.Module, rows: int, padded: int) -> bool:
-    """True when every matrix of ``model`` gives ``rows`` rows alone the same bits as the
-    same rows among ``padded`` rows."""
+def replay_rows_exact(model: nn.Module, rows: int, sizes: Sequence[int]) -> bool:
+    """True when every matrix of ``model`` gives ``rows`` token rows alone the same bits as
+    the same rows among the captured size a runner pads them to (the smallest of ``sizes``
+    that holds them)."""
+    padded = min(s for s in sizes if s >= rows)
     return all(_exact(o, i, rows, padded) for o, i in _shapes(model))
 
 

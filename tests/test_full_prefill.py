@@ -18,7 +18,7 @@ from typing import Any, List, Sequence
 
 import pytest
 import torch
-from cpu_gemm import assert_replay_matches, gemm_rows_exact, padded_size
+from cpu_gemm import assert_replay_matches, replay_rows_exact
 
 from cuda_graph_runner.backend.forward_batch import ForwardBatch, ForwardMode, _stored, last_token_rows
 from cuda_graph_runner.config import CudaGraphConfig, CudaGraphConfigError
@@ -201,12 +201,6 @@ def test_compute_logits_gives_an_empty_request_zeros_not_a_neighbours_row():
 # -- replay == eager (fp32, bit for bit where the CPU's GEMMs allow) ----------------------
 
 
-def replay_exact(model: Any, batch: ForwardBatch, sizes: Sequence[int]) -> bool:
-    """Whether a replay of ``batch`` (its tokens padded to the smallest of ``sizes`` that
-    holds them) can equal eager bit for bit on this CPU (:mod:`cpu_gemm`)."""
-    return gemm_rows_exact(model, batch.num_tokens, padded_size(batch.num_tokens, sizes))
-
-
 def assert_replays_equal_eager(
     runner: Any, model: Any, batches: Sequence[ForwardBatch], sizes: Sequence[int] = SIZES
 ) -> int:
@@ -218,7 +212,7 @@ def assert_replays_equal_eager(
         got = runner.forward(batch).clone()
         assert runner.stats.summary(runner.capture_sizes)["replays"] == before + 1, batch.extend_seq_lens_cpu
         expected = eager(batch)
-        exact = replay_exact(model, batch, sizes)
+        exact = replay_rows_exact(model, batch.num_tokens, sizes)
         assert_replay_matches(got, expected, exact, f"lengths {batch.extend_seq_lens_cpu}")
         exact_count += exact
     return exact_count
@@ -255,7 +249,7 @@ def test_chunked_prefill_with_cached_prefixes_replays_equal_eager_exactly():
             if rows is None:
                 rows = batch.req_pool_indices.tolist()
             got = runner.forward(batch).clone()
-            exact = replay_exact(model, batch, SIZES)
+            exact = replay_rows_exact(model, batch.num_tokens, SIZES)
             assert_replay_matches(
                 got, eager(batch), exact, f"chunk at {start}: prefixes {batch.extend_prefix_lens_cpu}"
             )
@@ -295,7 +289,7 @@ def test_continuous_batching_schedule_replays_equal_eager_and_counts_waste():
             replays = runner.can_run(batch)
             replayed += replays
             got = runner.forward(batch).clone()
-            exact = not replays or replay_exact(model, batch, [4, 8, 16, 32])
+            exact = not replays or replay_rows_exact(model, batch.num_tokens, [4, 8, 16, 32])
             assert_replay_matches(got, eager(batch), exact, f"step lengths {batch.extend_seq_lens_cpu}")
         stats = runner.run_stats()
     assert (

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Sequence
 
 import pytest
 import torch
-from cpu_gemm import assert_replay_matches, gemm_rows_exact, padded_size
+from cpu_gemm import assert_replay_matches, replay_rows_exact
 
 from cuda_graph_runner.backend.base import ShapeKey
 from cuda_graph_runner.backend.forward_batch import _stored
@@ -223,8 +223,7 @@ def run_schedule(runner: Any, model: Any, chunk: int = 12, steps: int = 12) -> D
         got = runner.forward(batch).clone()
         expected = eager(batch)
         if replays:  # padded to the fewest tokens that hold the step (the key's token count)
-            padded = padded_size(batch.num_tokens, runner.phase_config.mixed_sizes()[0])
-            exact = gemm_rows_exact(model, batch.num_tokens, padded)
+            exact = replay_rows_exact(model, batch.num_tokens, runner.phase_config.mixed_sizes()[0])
             counts["exact"] += exact
         else:  # an eager step is the eager forward itself
             exact = True
@@ -321,5 +320,5 @@ def test_eager_first_serves_eagerly_until_the_covering_size_is_captured():
         assert runner.run_stats()["eager_fallbacks"] == {"not captured yet": 1}
         runner.capture_step(None)
         assert runner.can_run(batch)
-        exact = gemm_rows_exact(model, batch.num_tokens, 16)
+        exact = replay_rows_exact(model, batch.num_tokens, [8, 16])
         assert_replay_matches(runner.forward(batch).clone(), eager(batch), exact, "the covering size's replay")

@@ -37,8 +37,8 @@ def test_rows_are_lossless_and_name_their_verify_output(tmp_path, capsys, flag, 
         assert set(phases) == {"propose", "batch", "read_accept"}
         assert sum(phases.values()) == pytest.approx(row["host_only_us_per_round"])
     # The oracle proposes plain greedy's own tokens; past them it pads with token 0, which
-    # no round here reaches (8 tokens after the first, k + 1 = 3 a round: the last round
-    # needs 2 of its k proposals, both known).
+    # this run never proposes: 8 tokens after the first, 3 committed per verify (k + 1),
+    # and the last verify needs 2 of its k proposals, both known.
     assert rows[0]["accept_rate"] == 1.0
     captured = capsys.readouterr()
     assert f"verify={output}" in captured.out and "lossless" in captured.out
